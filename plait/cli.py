@@ -1,0 +1,50 @@
+"""The `plait` command: parse, call, print. Each subcommand lives in plait/commands/<name>.py
+with `add_arguments(parser)` (cheap: no torch import) and `main(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from plait.errors import PlaitError
+
+COMMANDS: dict[str, str] = {
+    "plan": "rank parallel plans for a model on a cluster (cost model + search)",
+    "train": "train a model from a TOML config with a plan (local processes or torchrun)",
+    "check": "prove a plan computes what one process computes (losses and parameters)",
+    "demo": "plan for this machine and train a small GPT on a shipped text",
+    "profile": "measure this machine's devices and links and write a cluster file",
+    "tune": "run the top plans, compare predicted and measured step time, correct the cost model",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait",
+        description="Plan and run hybrid-parallel (DP/ZeRO/FSDP x TP/SP x PP x recompute) training for PyTorch.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"plait.commands.{name}")
+        sub_parser = sub.add_parser(name, help=help_text, description=module.__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.main(args) or 0)
+    except PlaitError as e:
+        print(f"plait {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"plait {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""plait demo (not built yet)."""
+
+import argparse
+
+from plait.errors import PlaitError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    raise PlaitError("plait demo is not built yet")

@@ -1,0 +1,13 @@
+"""plait plan (not built yet)."""
+
+import argparse
+
+from plait.errors import PlaitError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    raise PlaitError("plait plan is not built yet")

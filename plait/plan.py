@@ -1,0 +1,195 @@
+"""The Plan: the door between the planner and the executor.
+
+A Plan is a frozen, self-contained description of one way to train one model: the
+parallel degrees and every other choice, the model, training and cluster specs it was
+made for, and (when the planner made it) what the cost model predicted. It round-trips
+through JSON; a hand-written plan file is equally valid input to the executor.
+
+Pipeline stages are *virtual* stages in model order: with `pp` devices per pipeline and
+`interleave` = v model chunks per device there are pp·v of them, and virtual stage k
+lives on pipeline rank k % pp (chunk k // pp) -- the layout of Megatron's and PyTorch's
+interleaved 1F1B. The first virtual stage also holds the embedding, the last the final
+norm and output layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from plait.errors import ConfigError
+from plait.spec import ClusterSpec, ModelSpec, TrainSpec
+from plait.spec._dict import from_dict, to_dict
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model expects of a plan. Times in seconds, memory in bytes per device."""
+
+    step_time_s: float
+    step_time_parts: dict[str, float] = field(default_factory=dict)
+    """Additive parts of step_time_s (e.g. compute, recompute, tp_comm, pp_comm, bubble, dp_comm, optimizer)."""
+    peak_memory_bytes: float
+    memory_parts: dict[str, float] = field(default_factory=dict)
+    """Parts of peak_memory_bytes on the peak stage (params, grads, optimizer, activations, buffers, reserve)."""
+    memory_per_stage: tuple[float, ...] = ()
+    """Peak memory of each pipeline rank (pp entries)."""
+    tokens_per_s: float = 0.0
+    model_tflops_per_device: float = 0.0
+    """Model FLOPs (no recompute counted) per second per device, in TFLOP/s."""
+    mfu: float = 0.0
+    """model_tflops_per_device over the device's peak."""
+    bubble_fraction: float = 0.0
+    """Idle fraction of the pipeline schedule."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    dp: int
+    """Data-parallel degree (replicas, or shards under ZeRO)."""
+    tp: int
+    """Tensor-parallel degree (Megatron-style; inside a node unless allowed otherwise)."""
+    pp: int
+    """Pipeline-parallel degree (devices per pipeline)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over the tensor group (needs tp > 1 to matter)."""
+    zero: int = 0
+    """0: plain data parallel (DDP); 1: optimizer states sharded; 2: + gradients; 3: + parameters (FSDP)."""
+    recompute: tuple[Recompute, ...] = ()
+    """Activation recomputation per pipeline rank (pp entries); () means "none" everywhere."""
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    num_micro_batches: int = 1
+    """Micro-batches per step per data-parallel replica (pipeline micro-batches, or gradient accumulation)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule; ignored when pp == 1."""
+    interleave: int = 1
+    """Model chunks per pipeline rank (v); > 1 only with the interleaved schedule."""
+    layers_per_stage: tuple[int, ...] = ()
+    """Transformer layers of each virtual stage in model order (pp·interleave entries); () means even."""
+    model: ModelSpec
+    train: TrainSpec
+    cluster: ClusterSpec
+    predicted: Prediction | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "num_micro_batches", "interleave"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.interleave > 1 and self.schedule != "interleaved":
+            raise ValueError(f"interleave={self.interleave} needs schedule='interleaved', not {self.schedule!r}")
+        recompute = self.recompute or ("none",) * self.pp
+        if isinstance(recompute, str):
+            recompute = (recompute,) * self.pp
+        if len(recompute) == 1 and self.pp > 1:
+            recompute = tuple(recompute) * self.pp
+        if len(recompute) != self.pp or any(r not in RECOMPUTE_MODES for r in recompute):
+            raise ValueError(
+                f"recompute={list(recompute)} must hold {self.pp} entries (one per pipeline rank) "
+                f"from {', '.join(RECOMPUTE_MODES)}"
+            )
+        object.__setattr__(self, "recompute", tuple(recompute))
+        stages = self.num_stages
+        layers = self.layers_per_stage or even_split(self.model.num_layers, stages)
+        if len(layers) != stages or sum(layers) != self.model.num_layers or min(layers) < 0:
+            raise ValueError(
+                f"layers_per_stage={list(layers)} must hold {stages} non-negative entries "
+                f"(pp={self.pp} x interleave={self.interleave}) summing to num_layers={self.model.num_layers}"
+            )
+        object.__setattr__(self, "layers_per_stage", tuple(layers))
+        batch = self.dp * self.micro_batch * self.num_micro_batches
+        if batch != self.train.global_batch:
+            raise ValueError(
+                f"dp={self.dp} x micro_batch={self.micro_batch} x num_micro_batches={self.num_micro_batches} = {batch} "
+                f"must equal global_batch={self.train.global_batch}"
+            )
+
+    # ---- derived ---------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual pipeline stages: pp · interleave."""
+        return self.pp * self.interleave
+
+    def stage_layers(self, stage: int) -> range:
+        """Indices of the transformer layers of virtual stage `stage`."""
+        start = sum(self.layers_per_stage[:stage])
+        return range(start, start + self.layers_per_stage[stage])
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        """Virtual stages held by pipeline rank `pp_rank`, in chunk order."""
+        return [pp_rank + chunk * self.pp for chunk in range(self.interleave)]
+
+    def describe(self) -> str:
+        """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3'."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"zero{self.zero}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v={self.interleave})" if self.interleave > 1 else ""))
+        parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        modes = sorted(set(self.recompute))
+        parts.append("recompute=" + (modes[0] if len(modes) == 1 else ",".join(self.recompute)))
+        if self.num_stages > 1:
+            parts.append("layers=" + "|".join(map(str, self.layers_per_stage)))
+        return " ".join(parts)
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    # ---- JSON ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        return from_dict(cls, data, "plan")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """Read a plan from JSON text, a plan file, or a `plait plan --json` file (its best plan)."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise ConfigError(f"plan file {str(path)!r} does not exist; write one with `plait plan --json FILE`")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"plan is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        if isinstance(data, dict) and "plans" in data:
+            if not data["plans"]:
+                raise ConfigError("plan file holds no plans (the search found none that fit)")
+            data = data["plans"][0]
+        return cls.from_dict(data)
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage as even as possible, the remainder on the middle stages (the ends carry embedding and head)."""
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(s - (num_stages - 1) / 2)))
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)

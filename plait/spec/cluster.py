@@ -1,0 +1,88 @@
+"""ClusterSpec: the devices and links a plan runs on.
+
+Hardware facts (memory, peak FLOP/s, link latency and bandwidth) come from public
+specifications or from `plait profile`; the few `Efficiency` constants are fitted
+(see plait/spec/clusters.py for which published rows each was fitted on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from plait.spec._dict import from_dict, to_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """Alpha-beta cost of one link level: a message of n bytes takes latency_s + n / bandwidth."""
+
+    latency_s: float
+    """Per-message (per ring step) latency, seconds."""
+    bandwidth: float
+    """Bytes per second one device can push through this level (ring bus bandwidth)."""
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0):
+            raise ValueError(f"latency_s={self.latency_s!r} must be >= 0")
+        if not (self.bandwidth > 0):
+            raise ValueError(f"bandwidth={self.bandwidth!r} must be > 0 (bytes per second)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Achieved fractions of peak: the cost model's fitted constants (at most three per device type)."""
+
+    matmul: float = 0.5
+    """Fraction of peak FLOP/s reached by large matrix multiplications."""
+    matmul_half_dim: float = 0.0
+    """GEMM size (hidden dim) at which the achieved fraction is half of `matmul`; 0 = no size effect."""
+    overhead: float = 0.0
+    """Non-GEMM work (norms, softmax, elementwise, launch), as a fraction of GEMM time."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str = "custom"
+    num_devices: int = 8
+    """Devices in the cluster (the planner may be asked to plan for any count)."""
+    devices_per_node: int = 8
+    """Devices that share the fast intra-node link."""
+    memory_bytes: float
+    """Usable memory per device, bytes."""
+    peak_flops: float
+    """Peak dense 16-bit FLOP/s per device (fp32 peak on CPUs)."""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    intra_node: LinkSpec
+    """Links between devices of one node (NVLink/NVSwitch; shared memory for CPU processes)."""
+    inter_node: LinkSpec
+    """Links between nodes (InfiniBand; per device)."""
+    device_type: Literal["cuda", "cpu"] = "cuda"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    def __post_init__(self) -> None:
+        for name in ("num_devices", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("memory_bytes", "peak_flops"):
+            if not (getattr(self, name) > 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_devices // self.devices_per_node)
+
+    def with_devices(self, num_devices: int) -> "ClusterSpec":
+        return dataclasses.replace(self, num_devices=num_devices)
+
+    def replace(self, **changes: Any) -> "ClusterSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ClusterSpec":
+        return from_dict(cls, data, "cluster")
