@@ -1,13 +1,190 @@
-"""plait plan (not built yet)."""
+"""Rank parallel plans for a model on a cluster.
+
+examples:
+  plait plan --model gpt3-175b --cluster a100-80g --devices 1024 --global-batch 1536 --seq-len 2048
+  plait plan --model llama3-70b --cluster h100-80g --devices 64 --global-batch 512 --seq-len 8192 --tp 8
+  plait plan --model examples/hf/mistral-7b/config.json --cluster examples/clusters/a100-cluster.yaml \\
+             --global-batch 256 --seq-len 4096 --json plans.json --report report/
+  plait plan --model tiny-gpt --cluster local-cpu --devices 4 --global-batch 8 --seq-len 128
+
+The model is a preset name, a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2) or a plait
+model file; the cluster a preset name or a cluster file. Every pin is optional; the search
+completes the rest. `--json` writes {"plans": [...], "search": {...}}, best first, which
+`plait train`, `plait check` and `Plan.from_json` read.
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
 
-from plait.errors import PlaitError
+from plait.plan import RECOMPUTE_MODES, SCHEDULES
+
+PROGRESS_AFTER_S = 0.5
+"""Show a spinner on stderr only when the search outlasts this, so quick plans print nothing extra."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    what = parser.add_argument_group("what to plan for")
+    what.add_argument("--model", required=True, metavar="M",
+                      help="model preset (e.g. gpt3-175b, llama3-8b, tiny-gpt), HF config.json, or plait model file")
+    what.add_argument("--cluster", required=True, metavar="C",
+                      help="cluster preset (a100-80g, a100-40g, h100-80g, local-cpu) or cluster file")
+    what.add_argument("--devices", type=_positive_int, metavar="N", help="devices to plan for (default: the cluster's)")
+    what.add_argument("--global-batch", type=_positive_int, required=True, metavar="B", help="sequences per step")
+    what.add_argument("--seq-len", type=_positive_int, required=True, metavar="S", help="tokens per sequence")
+    what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                      help="16-bit keeps fp32 master weights and Adam states (default: bf16)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=_positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
+    out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
+    out.add_argument("--report", type=Path, metavar="DIR",
+                     help="write PNG plots: pipeline timeline, memory per stage, candidates scatter")
+    pins = parser.add_argument_group("pins (each optional; the search completes the rest)")
+    pins.add_argument("--dp", type=_positive_int, metavar="N", help="data-parallel degree")
+    pins.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree")
+    pins.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline-parallel degree")
+    pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (3 = FSDP)")
+    pins.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recomputation on every stage")
+    pins.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per micro-batch")
+    pins.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
+    pins.add_argument("--interleave", type=_positive_int, metavar="V", help="model chunks per pipeline rank")
+    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                      help="sequence parallelism over the tensor group")
+    pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
 
 
 def main(args: argparse.Namespace) -> int:
-    raise PlaitError("plait plan is not built yet")
+    from plait.spec.load import load_cluster, load_model, load_train
+
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    train = load_train(global_batch=args.global_batch, seq_len=args.seq_len, precision=args.precision)
+    _check_seq_len(model, train)
+    num_devices = args.devices or cluster.num_devices
+    result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
+                            f"planning {model.name} on {num_devices:,} x {cluster.name}")
+    _print_result(result, args.top, model, cluster, num_devices)
+    if args.json:
+        _write_json(args.json, result, args.top)
+    if args.report:
+        _write_report(args.report, result)
+    return 0
+
+
+def _check_seq_len(model: Any, train: Any) -> None:
+    from plait.errors import ConfigError
+
+    # gpt blocks have a learned position table of max_seq_len rows; RoPE (llama) has no such table.
+    if model.arch == "gpt" and train.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"--seq-len {train.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len} "
+            f"(learned positions); use --seq-len <= {model.max_seq_len} or a model file with a larger max_seq_len"
+        )
+
+
+def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argparse.Namespace) -> Any:
+    from plait.search import plan_with_stats
+
+    return plan_with_stats(
+        model, cluster, train, num_devices=num_devices, top=_search_top(args),
+        dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
+        micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
+        sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp,
+    )
+
+
+def _search_top(args: argparse.Namespace) -> int | None:
+    """The report's scatter wants every feasible candidate; the table and JSON only the top K."""
+    return None if args.report else args.top
+
+
+def _with_progress(work: Callable[[], Any], message: str) -> Any:
+    """Run `work` in a worker thread; if it outlasts PROGRESS_AFTER_S, show a spinner on stderr."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as e:  # re-raised in the caller's thread, so the CLI's error handling applies
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="plait-search", daemon=True)
+    worker.start()
+    worker.join(PROGRESS_AFTER_S)
+    if worker.is_alive():
+        from rich.console import Console
+
+        with Console(stderr=True).status(message + " ..."):
+            worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped output (tests, `| less`) gets a wide console so the table is never folded.
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=200)
+
+
+def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
+    from plait.report.tables import plans_table, search_stats_line
+
+    console = _console()
+    plans = list(result.plans)
+    title = (f"{model.name} ({model.num_params / 1e9:.3g}B params) on {num_devices:,} x {cluster.name}: "
+             f"top {min(top, len(plans))} of {len(plans):,} feasible plans")
+    console.print(plans_table(plans[:top], title=title))
+    if len(plans) >= 2:
+        from plait.search import explain
+
+        console.print(f"[bold]why #1 beats #2:[/bold] {explain(plans[0], plans[1])}", highlight=False)
+    if plans and plans[0].predicted is not None:
+        console.print(_parts_line(plans[0].predicted), highlight=False)
+    console.print(search_stats_line(result.candidates_evaluated, result.seconds, len(plans)), highlight=False)
+
+
+def _parts_line(predicted: Any) -> str:
+    """'#1 step 1.23 s = compute 0.9 + bubble 0.2 + ...; peak 61.2 GiB = params 10.1 + ...'."""
+    time_parts = " + ".join(f"{k} {v:.3g}" for k, v in _nonzero(predicted.step_time_parts))
+    memory_parts = " + ".join(f"{k} {v / 2**30:.3g}" for k, v in _nonzero(predicted.memory_parts))
+    return (f"#1 step {predicted.step_time_s:.3g} s = {time_parts or '?'}; "
+            f"peak {predicted.peak_memory_bytes / 2**30:.3g} GiB = {memory_parts or '?'}")
+
+
+def _nonzero(parts: dict[str, float]) -> list[tuple[str, float]]:
+    return sorted(((k, v) for k, v in parts.items() if v > 0), key=lambda kv: -kv[1])
+
+
+def _write_json(path: Path, result: Any, top: int) -> None:
+    document = {
+        "plans": [plan.to_dict() for plan in list(result.plans)[:top]],
+        "search": {"candidates_evaluated": int(result.candidates_evaluated), "seconds": float(result.seconds)},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _write_report(directory: Path, result: Any) -> None:
+    from plait.report.plan_report import write_plan_report
+
+    for png in write_plan_report(list(result.plans), directory):
+        print(f"wrote {png}", file=sys.stderr)

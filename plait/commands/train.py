@@ -1,13 +1,104 @@
-"""plait train (not built yet)."""
+"""Train a model from a TOML config, following a plan (a file, or "auto": planned for this machine).
+
+    plait train examples/tiny-gpt.toml                      # plan + 2 local processes
+    plait train run.toml --nproc 4 --steps 50               # 4 processes, fewer steps
+    plait train run.toml --set optimizer.lr=1e-3 --set plan.file=plan.json
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m plait train run.toml   # many machines
+
+Outside torchrun, plait checks the config, the data and the plan here (bad input exits 2
+before any rank starts), writes the plan next to the metrics, and starts one process per
+device of the plan (--nproc, default: the plan's device count; for "auto", [plan] devices
+or 2). Under torchrun it is one of the workers. Writes LOG_DIR/metrics.jsonl (step, loss,
+lr, tokens/s, MFU, step time) and LOG_DIR/loss.png.
+"""
+
+from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from plait.errors import PlaitError
+# Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
+FLAG_KEYS: dict[str, str] = {
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "lr": "optimizer.lr",
+    "plan": "plan.file",
+    "log_dir": "log.dir",
+    "max_seconds": "train.max_seconds",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("config", help="TOML config file (see examples/*.toml)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local processes to start (default: the plan's device count)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.steps=20 (repeatable)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    parser.add_argument("--seed", type=int, help="seed of weights and data order (train.seed)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optimizer.lr)")
+    parser.add_argument("--plan", help='plan JSON file, or "auto" (plan.file)')
+    parser.add_argument("--log-dir", help="where metrics.jsonl, plan.json and loss.png go (log.dir)")
+    parser.add_argument("--max-seconds", type=float, help="stop after this much wall time (train.max_seconds)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="kill the local run after this many seconds (default: no limit)")
+
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """--set items and the handy flags, as section.key=value strings (flags last, so they win)."""
+    items = list(args.overrides)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            items.append(f"{key}={_toml_value(value)}")
+    return items
+
+
+def _toml_value(value: object) -> str:
+    return repr(value) if isinstance(value, (int, float)) else f'"{value}"'
 
 
 def main(args: argparse.Namespace) -> int:
-    raise PlaitError("plait train is not built yet")
+    from plait.launch import in_torchrun
+    from plait.train.config import load_config
+
+    overrides = overrides_of(args)
+    config = load_config(args.config, overrides)
+    if in_torchrun():
+        from plait.train.loop import run
+
+        run(config)
+        return 0
+    return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
+
+
+def launch(config_path: str | None, config, overrides: list[str], *, nproc: int | None,
+           timeout_s: float | None) -> int:
+    """Check everything here, then run `plait train` on the plan's ranks; returns their exit code."""
+    from rich.console import Console
+
+    from plait.launch import run_local
+    from plait.train.resolve import check_data, resolve_model, resolve_plan, write_plan
+
+    plan = resolve_plan(config, nproc)
+    check_data(config, resolve_model(config.model))
+    plan_path = write_plan(plan, config.log.dir).resolve()
+    console = Console(stderr=True)
+    console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
+                  f"logs in {config.log.dir}", highlight=False)
+    argv = ["train"] + ([config_path] if config_path else [])
+    for item in overrides + [f'plan.file="{plan_path}"']:
+        argv += ["--set", item]
+    code = run_local(plan.num_devices, argv, timeout_s)
+    if code == 0:
+        _print_outputs(console, Path(config.log.dir))
+    else:
+        console.print(f"[red]plait train: the run failed (exit code {code}); see the rank output above", highlight=False)
+    return code
+
+
+def _print_outputs(console, log_dir: Path) -> None:
+    for name in ("metrics.jsonl", "loss.png"):
+        if (log_dir / name).exists():
+            console.print(f"  {name:<14} {log_dir / name}", highlight=False)
+

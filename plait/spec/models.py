@@ -7,9 +7,12 @@ from __future__ import annotations
 from plait.spec.model import ModelSpec
 
 
-def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
+         tied: bool = True) -> ModelSpec:
+    # Megatron's GPT shares the input embedding with the output layer: the papers' parameter
+    # formula P = 12Lh²(1 + 13/(12h) + (V+s)/(12Lh)) counts the V·h table once.
     return ModelSpec(name=name, arch="gpt", num_layers=layers, hidden_size=hidden, num_heads=heads,
-                     vocab_size=vocab, max_seq_len=seq)
+                     vocab_size=vocab, max_seq_len=seq, tied_embeddings=tied)
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
@@ -42,6 +45,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
     # Local runs on CPU: byte-level vocabulary
-    "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=256),
+    "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=256, tied=False),
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 256, 256, 256, 10000.0),
 }

@@ -1,0 +1,80 @@
+"""Collective costs: hierarchical alpha-beta, one small function per collective.
+
+Device order (the executor's mesh): tp fastest, then dp, then pp, i.e.
+``rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank``. A tp group is contiguous
+(stride 1), a dp group has stride tp, a pp group stride tp*dp.
+
+A ring over a group that spans nodes runs at the slower of the intra-node link and
+the members' network adapters in one node working side by side (NCCL builds one ring
+per adapter): with k members per node, bus bandwidth = min(intra, k * inter). With all
+8 GPUs of a DGX A100 in the group that is min(230, 8 * 24) = 192 GB/s, the nccl-tests
+figure between nodes (reference/published.md, section 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.spec.cluster import ClusterSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """`size` devices, `stride` apart in the device order."""
+
+    size: int
+    stride: int = 1
+
+
+def members_per_node(group: Group, devices_per_node: int) -> int:
+    """How many members of the group share one node (1 when the stride jumps whole nodes)."""
+    if group.stride >= devices_per_node:
+        return 1
+    return max(1, min(group.size, devices_per_node // group.stride))
+
+
+def bus(group: Group, cluster: ClusterSpec) -> tuple[float, float]:
+    """(latency term per ring step, bus bandwidth) for a ring over `group`; latency is averaged over the ring."""
+    k = members_per_node(group, cluster.devices_per_node)
+    intra, inter = cluster.intra_node, cluster.inter_node
+    if k >= group.size:
+        return intra.latency_s, intra.bandwidth
+    bandwidth = min(intra.bandwidth, k * inter.bandwidth)
+    # Of the ring's `size` hops, size/k cross nodes; the rest stay inside one.
+    crossing = 1.0 / k
+    return crossing * inter.latency_s + (1 - crossing) * intra.latency_s, bandwidth
+
+
+def all_reduce(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+    """Ring all-reduce of a `nbytes` buffer: 2(n-1)/n of it crosses each link, in 2(n-1) steps."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    latency, bandwidth = bus(group, cluster)
+    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def all_gather(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+    """Ring all-gather producing a `nbytes` buffer (each member holds nbytes/n): (n-1)/n of it per link."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    latency, bandwidth = bus(group, cluster)
+    return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+
+
+def reduce_scatter(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+    """Ring reduce-scatter of a `nbytes` input buffer: the mirror image of all_gather."""
+    return all_gather(nbytes, group, cluster)
+
+
+def p2p(nbytes: float, crosses_node: bool, cluster: ClusterSpec) -> float:
+    """One point-to-point send of `nbytes` (pipeline activations or gradients)."""
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.inter_node if crosses_node else cluster.intra_node
+    return link.latency_s + nbytes / link.bandwidth
+
+
+def spans_nodes(group: Group, devices_per_node: int) -> bool:
+    return members_per_node(group, devices_per_node) < group.size

@@ -1,0 +1,180 @@
+"""Compute cost of one transformer layer, the embedding and the output layer, per micro-batch per device.
+
+FLOPs count the GEMMs only (as Megatron's and Korthikanti's formulas do): per token a layer's
+weight GEMMs take 2 FLOPs per weight, attention scores and values 4·s·h more. Backward is
+twice forward. The achieved rate of GEMMs on a device of width d = h/t is
+
+    rate(d) = peak · matmul · d / (d + matmul_half_dim)            (Efficiency, fitted)
+
+and the rest of a layer's work (norms, softmax, dropout, GeLU, residuals, launches) costs
+`overhead` times its GEMM time. Activation bytes follow Korthikanti et al. 2022, Table 2,
+generalized to grouped-query attention and SwiGLU MLPs (see `activation_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.spec.cluster import ClusterSpec
+from plait.spec.model import ModelSpec
+
+MACHINE_BALANCE = {"cuda": 150.0, "cpu": 4.0}
+"""Peak FLOP/s per byte/s of memory bandwidth, for the memory-bound optimizer step (A100: 312e12 / 2.0e12
+bytes/s ~ 150; a CPU core's fp32 peak against its share of DRAM bandwidth ~ 4). Public specs, not fitted."""
+
+ADAM_BYTES_PER_PARAM = 30.0
+"""Memory traffic of one mixed-precision Adam update: read+write fp32 master, m, v (24), read the 16-bit gradient,
+write the 16-bit parameter (4), plus the norm for clipping (2)."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One transformer layer, one micro-batch, one device: seconds and bytes."""
+
+    fwd: float
+    """Forward compute (GEMMs and the rest)."""
+    bwd: float
+    """Backward compute, without recomputation."""
+    tp_fwd: float
+    """Tensor-parallel collectives of the forward pass."""
+    tp_bwd: float
+    """Tensor-parallel collectives of the backward pass."""
+    recompute: dict[str, float]
+    """Extra backward time per recompute mode (full: the forward again; selective: the attention core)."""
+    activations: dict[str, float]
+    """Activation bytes kept per recompute mode until the backward pass."""
+    gemm_fraction: float
+    """Achieved fraction of peak of this layer's GEMMs."""
+
+
+def gemm_fraction(cluster: ClusterSpec, width: float) -> float:
+    """Achieved fraction of peak of a GEMM on a device whose slice of the model is `width` wide."""
+    eff = cluster.efficiency
+    if eff.matmul_half_dim <= 0:
+        return eff.matmul
+    return eff.matmul * width / (width + eff.matmul_half_dim)
+
+
+def layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs of one layer over `tokens` tokens: (weight GEMMs, attention scores+values), whole layer."""
+    h, kv, f = model.hidden_size, model.kv_size, model.ffn_hidden_size
+    mlp_weights = (3 if model.gated_mlp else 2) * h * f
+    weights = h * (h + 2 * kv) + h * h + mlp_weights
+    return 2.0 * tokens * weights, 4.0 * tokens * seq_len * h
+
+
+def head_flops(model: ModelSpec, tokens: int) -> float:
+    """Forward FLOPs of the output projection (logits)."""
+    return 2.0 * tokens * model.hidden_size * model.vocab_size
+
+
+def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward, no recompute), as MFU counts them."""
+    tokens = global_batch * seq_len
+    dense, attn = layer_flops(model, tokens, seq_len)
+    return 3.0 * (model.num_layers * (dense + attn) + head_flops(model, tokens))
+
+
+def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
+                     dtype_bytes: int = 2) -> float:
+    """Bytes one layer keeps for backward, per device (Korthikanti et al. 2022, Table 2, generalized).
+
+    Legend: s seq, b micro-batch, h hidden, kv key/value width, f ffn, a heads, t tensor degree.
+    * not split by tensor parallelism (split by t under sequence parallelism): the two norm inputs 4sbh,
+      the QKV and MLP inputs 2sbh each, two 1-byte dropout masks 2sbh: 10sbh;
+    * split by t: Q 2sbh, K and V 4sb·kv, the attention-output input 2sbh, the MLP inner activations
+      4sbf (GeLU: its input and output) or 6sbf (SwiGLU: gate, up and their product): 24sbh for GPT;
+    * split by t, dropped by selective recompute: softmax output, dropout mask and output 5as²b;
+    * full recompute keeps the layer input only: 2sbh (split by t under sequence parallelism).
+    """
+    s, b, h, a = seq_len, micro_batch, model.hidden_size, model.num_heads
+    sbh = s * b * h
+    scale = dtype_bytes / 2.0
+    split = tp if sp else 1
+    if mode == "full":
+        return scale * 2.0 * sbh / split
+    inner = (6 if model.gated_mlp else 4) * s * b * model.ffn_hidden_size
+    sharded = 2 * sbh + 4 * s * b * model.kv_size + 2 * sbh + inner
+    total = 10.0 * sbh / split + sharded / tp
+    if mode == "none":
+        total += 5.0 * a * s * s * b / tp
+    return scale * total
+
+
+def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
+               dtype_bytes: int = 2) -> LayerCost:
+    """Time and activation memory of one layer for one micro-batch on one device of a tensor group of `tp`."""
+    tokens = micro_batch * seq_len
+    dense, attn = layer_flops(model, tokens, seq_len)
+    fraction = gemm_fraction(cluster, model.hidden_size / tp)
+    rate = cluster.peak_flops * fraction
+    rest = 1.0 + cluster.efficiency.overhead
+    fwd = (dense + attn) / tp / rate * rest
+    tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
+    modes = ("none", "selective", "full")
+    return LayerCost(
+        fwd=fwd,
+        bwd=2.0 * fwd,
+        tp_fwd=tp_pass,
+        tp_bwd=tp_pass,
+        # Selective recompute reruns the attention core (QK^T, softmax, dropout, AV); full reruns the layer.
+        recompute={"none": 0.0, "selective": attn / tp / rate * rest, "full": fwd + tp_pass},
+        activations={m: activation_bytes(model, micro_batch, seq_len, tp, sp, m, dtype_bytes) for m in modes},
+        gemm_fraction=fraction,
+    )
+
+
+def tp_collectives_per_pass(model: ModelSpec, cluster: ClusterSpec, tokens: int, tp: int, sp: bool,
+                            dtype_bytes: int) -> float:
+    """Two all-reduces of the layer's b·s·h activations per pass (Megatron's g/f), or under sequence
+    parallelism two all-gathers and two reduce-scatters of the same total volume."""
+    from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
+
+    if tp <= 1:
+        return 0.0
+    nbytes = tokens * model.hidden_size * dtype_bytes
+    group = Group(tp, 1)
+    if sp:
+        return 2 * all_gather(nbytes, group, cluster) + 2 * reduce_scatter(nbytes, group, cluster)
+    return 2 * all_reduce(nbytes, group, cluster)
+
+
+@dataclass(frozen=True)
+class EndsCost:
+    """The embedding (first stage) and the final norm + output layer + loss (last stage), per micro-batch."""
+
+    embed_fwd: float
+    embed_bwd: float
+    head_fwd: float
+    head_bwd: float
+    embed_tp: float
+    head_tp: float
+
+
+def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
+              dtype_bytes: int = 2) -> EndsCost:
+    """Vocabulary-parallel embedding and output layer with a parallel loss (Megatron's layout)."""
+    from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
+
+    tokens = micro_batch * seq_len
+    rate = cluster.peak_flops * gemm_fraction(cluster, model.hidden_size / tp)
+    rest = 1.0 + cluster.efficiency.overhead
+    head = head_flops(model, tokens) / tp / rate * rest
+    # The embedding is a gather: memory-bound, priced like the non-GEMM part of a tiny GEMM.
+    embed = cluster.efficiency.overhead * tokens * model.hidden_size * 2.0 / rate
+    nbytes = tokens * model.hidden_size * dtype_bytes
+    group = Group(tp, 1)
+    if sp:
+        embed_tp = reduce_scatter(nbytes, group, cluster)
+        head_tp = all_gather(nbytes, group, cluster) + reduce_scatter(nbytes, group, cluster)
+    else:
+        embed_tp = all_reduce(nbytes, group, cluster)
+        head_tp = all_reduce(nbytes, group, cluster)
+    return EndsCost(embed_fwd=embed, embed_bwd=embed, head_fwd=head, head_bwd=2.0 * head,
+                    embed_tp=embed_tp, head_tp=head_tp)
+
+
+def optimizer_time(cluster: ClusterSpec, params_updated: float) -> float:
+    """Adam step over the parameters this device updates (memory-bound)."""
+    bandwidth = cluster.peak_flops / MACHINE_BALANCE[cluster.device_type]
+    return ADAM_BYTES_PER_PARAM * params_updated / bandwidth

@@ -1,0 +1,209 @@
+"""predict(plan): step time and memory of a Plan, by part.
+
+Step time = the pipeline's makespan over the micro-batches (simulated per stage; a single
+stage simply runs them back to back) + the data-parallel communication that backward and
+forward cannot hide + the optimizer step, on the slowest pipeline rank.
+
+Parts: compute, recompute, tp_comm (on the bottleneck rank), bubble (idle time of the
+schedule without transfers), pp_comm (what transfers add to the makespan), dp_comm
+(exposed part only), optimizer. Overlap as real implementations get it: DDP all-reduces
+(and ZeRO-1's reduce-scatter) run under the last micro-batch's backward, bucket by bucket,
+only the last bucket exposed when backward is long enough; ZeRO-2 reduce-scatters under
+every micro-batch's backward; ZeRO-3 (FSDP) gathers each layer under the previous layer's
+forward/backward, exposing the first gather; ZeRO-1/2 gather updated parameters after
+the optimizer step (exposed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.cost import comm
+from plait.cost.compute import (EndsCost, LayerCost, ends_cost, layer_cost, model_flops_per_step,
+                                optimizer_time)
+from plait.cost.layout import Layout, Setting
+from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
+from plait.cost.schedule import makespan
+from plait.plan import Plan, Prediction
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per virtual stage, per micro-batch: forward and backward seconds, and their split by kind."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    compute: tuple[float, ...]
+    recompute: tuple[float, ...]
+    tp_comm: tuple[float, ...]
+
+
+def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[int, ...], modes: tuple[str, ...]) -> StageTimes:
+    """`layers[k]` layers on virtual stage k, recomputed with `modes[k]`."""
+    last = len(layers) - 1
+    fwd, bwd, compute, recompute, tp = [], [], [], [], []
+    for k, (n, mode) in enumerate(zip(layers, modes)):
+        c = n * (lc.fwd + lc.bwd)
+        t = n * (lc.tp_fwd + lc.tp_bwd)
+        f = n * (lc.fwd + lc.tp_fwd)
+        r = n * lc.recompute[mode]
+        if k == 0:
+            c += ends.embed_fwd + ends.embed_bwd
+            t += ends.embed_tp
+            f += ends.embed_fwd + ends.embed_tp
+        if k == last:
+            c += ends.head_fwd + ends.head_bwd
+            t += ends.head_tp
+            f += ends.head_fwd + ends.head_tp / 2
+        fwd.append(f)
+        bwd.append(c + t + r - f)
+        compute.append(c)
+        recompute.append(r)
+        tp.append(t)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp))
+
+
+def p2p_time(setting: Setting, layout: Layout) -> float:
+    """One stage-to-stage transfer of a micro-batch's activations (or their gradient).
+
+    Megatron's scatter/gather: each tensor rank sends 1/t of b·s·h over the network, then the
+    receivers all-gather over the fast link (already sharded under sequence parallelism)."""
+    if layout.pp == 1:
+        return 0.0
+    nbytes = layout.micro_batch * setting.seq_len * setting.model.hidden_size * setting.dtype_bytes
+    group = comm.Group(layout.pp, layout.tp * layout.dp)
+    crosses = comm.spans_nodes(group, setting.cluster.devices_per_node)
+    t = comm.p2p(nbytes / layout.tp, crosses, setting.cluster)
+    if layout.tp > 1 and not layout.sp:
+        t += comm.all_gather(nbytes, comm.Group(layout.tp, 1), setting.cluster)
+    return t
+
+
+def rank_params(setting: Setting, layout: Layout, rank: int, layers: int) -> float:
+    model, tp = setting.model, layout.tp
+    total = layers * layer_params(model, tp)
+    if rank == 0:
+        total += first_stage_params(model, tp)
+    if rank == layout.pp - 1:
+        total += last_stage_params(model, tp, shares_embedding_rank=rank == 0)
+    return total
+
+
+def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float) -> float:
+    """Data-parallel communication of one rank that compute does not hide (see module docstring)."""
+    if layout.dp == 1:
+        return 0.0
+    cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
+    nbytes = params * setting.dtype_bytes
+    bucket = min(nbytes, BUCKET_BYTES)
+    m, zero = layout.num_micro_batches, layout.zero
+    if zero == 0:
+        full, last = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
+        return max(full - bwd_mb, last)
+    scatter, last = comm.reduce_scatter(nbytes, group, cluster), comm.reduce_scatter(bucket, group, cluster)
+    gather = comm.all_gather(nbytes, group, cluster)
+    if zero == 1:
+        return max(scatter - bwd_mb, last) + gather
+    if zero == 2:
+        return m * max(scatter - bwd_mb, 0.0) + last + gather
+    first_layer = comm.all_gather(layer_params(setting.model, layout.tp) * setting.dtype_bytes, group, cluster)
+    return m * (max(gather - fwd_mb, 0.0) + max(gather + scatter - bwd_mb, 0.0)) + first_layer + last
+
+
+@dataclass(frozen=True)
+class StepTime:
+    total: float
+    parts: dict[str, float]
+    bubble_fraction: float
+
+
+def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...],
+              exact: bool = True) -> StepTime:
+    """Step time of the layout with `layers` per virtual stage and `recompute` per pipeline rank.
+
+    exact=False replaces the schedule simulation by its closed form (the search's estimate)."""
+    pp, m = layout.pp, layout.num_micro_batches
+    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                    setting.dtype_bytes)
+    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                     setting.dtype_bytes)
+    modes = tuple(recompute[k % pp] for k in range(len(layers)))
+    st = stage_times(lc, ends, layers, modes)
+    work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
+    bottleneck = max(range(pp), key=lambda r: work[r])
+    c = p2p_time(setting, layout)
+    if pp == 1:
+        pipe, idle = work[0], work[0]
+    elif exact:
+        pipe = makespan(st.fwd, st.bwd, pp, m, layout.schedule, c)
+        idle = makespan(st.fwd, st.bwd, pp, m, layout.schedule, 0.0)
+    else:
+        pipe, idle = closed_form_makespan(st, layout, c)
+    tail = [dp_exposed(setting, layout, rank_params(setting, layout, r, sum(layers[r::pp])),
+                       sum(st.fwd[r::pp]), sum(st.bwd[r::pp])) for r in range(pp)]
+    opt = [optimizer_time(setting.cluster, rank_params(setting, layout, r, sum(layers[r::pp]))
+                          / (layout.dp if layout.zero >= 1 else 1)) for r in range(pp)]
+    last = max(range(pp), key=lambda r: tail[r] + opt[r])
+    on = range(bottleneck, len(layers), pp)
+    parts = {
+        "compute": m * sum(st.compute[k] for k in on),
+        "recompute": m * sum(st.recompute[k] for k in on),
+        "tp_comm": m * sum(st.tp_comm[k] for k in on),
+        "bubble": max(idle - work[bottleneck], 0.0),
+        "pp_comm": max(pipe - idle, 0.0),
+        "dp_comm": tail[last],
+        "optimizer": opt[last],
+    }
+    total = sum(parts.values())
+    return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / pipe if pipe > 0 else 0.0)
+
+
+def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> tuple[float, float]:
+    """(makespan with transfers, without): Σ stages + (m - 1)·slowest for GPipe/1F1B; for interleaved
+    m·(slowest rank) + the other ranks' work over v (both exact for uniform stages)."""
+    pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+    s = [f + b for f, b in zip(st.fwd, st.bwd)]
+    if layout.schedule == "interleaved":
+        per_rank = [sum(s[r::pp]) for r in range(pp)]
+        idle = m * max(per_rank) + (sum(per_rank) - max(per_rank)) / v
+    else:
+        idle = sum(s) + (m - 1) * max(s)
+    return idle + 2 * (len(s) - 1) * p2p / v, idle
+
+
+def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                ) -> tuple[tuple[float, ...], dict[str, float]]:
+    """(memory of each pipeline rank, parts of the peak rank)."""
+    per_rank = []
+    for r in range(layout.pp):
+        mem = rank_memory(setting, layout, r, recompute[r])
+        per_rank.append(mem.parts(sum(layers[r::layout.pp])))
+    totals = tuple(sum(p.values()) for p in per_rank)
+    peak = max(range(layout.pp), key=lambda r: totals[r])
+    return totals, per_rank[peak]
+
+
+def predict(plan: Plan) -> Prediction:
+    """Everything the Plan carries -> its predicted step time and memory, by part."""
+    setting = Setting(plan.model, plan.cluster, plan.train)
+    return predict_layout(setting, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+
+
+def predict_layout(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...],
+                   exact: bool = True) -> Prediction:
+    step = step_time(setting, layout, layers, recompute, exact)
+    totals, parts = peak_memory(setting, layout, layers, recompute)
+    devices = layout.dp * layout.tp * layout.pp
+    train = setting.train
+    tflops = model_flops_per_step(setting.model, train.global_batch, train.seq_len) / step.total / devices / 1e12
+    return Prediction(
+        step_time_s=step.total,
+        step_time_parts=step.parts,
+        peak_memory_bytes=max(totals),
+        memory_parts=parts,
+        memory_per_stage=totals,
+        tokens_per_s=train.tokens_per_step / step.total,
+        model_tflops_per_device=tflops,
+        mfu=tflops * 1e12 / setting.cluster.peak_flops,
+        bubble_fraction=step.bubble_fraction,
+    )

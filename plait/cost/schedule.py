@@ -1,0 +1,155 @@
+"""Pipeline schedules as data, and an event simulator that times them.
+
+A schedule is, per pipeline rank, the ordered list of its actions ``(kind, stage, micro_batch)``
+with kind "F" or "B" (PyTorch's pipelining writes the same as "2F0"). Virtual stage k lives on
+rank k % p. The simulator runs every rank's list in order: an action starts when its rank is
+free and its input has arrived (the previous stage's forward, or the next stage's backward,
+plus the point-to-point time). It is exact for any stage times; the closed forms
+(bubble (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v·m+p-1) interleaved) hold for uniform stages
+and are what the tests check it against.
+
+Long schedules are simulated for growing multiples of p micro-batches until the makespan
+grows by the same step twice: after warm-up every schedule here repeats with a fixed period
+per p micro-batches, so the rest is extrapolated linearly (tests check it against full
+simulation; uneven interleaved stages can settle late, within ~2%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+Action = tuple[str, int, int]
+"""("F" | "B", virtual stage, micro-batch)."""
+
+
+def rank_actions(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> list[list[Action]]:
+    """Per pipeline rank, its actions in execution order."""
+    if schedule == "gpipe":
+        return [[("F", r, i) for i in range(num_micro_batches)] + [("B", r, i) for i in range(num_micro_batches)]
+                for r in range(pp)]
+    if schedule == "interleaved":
+        return [_interleaved(r, pp, num_micro_batches, interleave) for r in range(pp)]
+    return [_one_f_one_b(r, pp, num_micro_batches) for r in range(pp)]
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+    warmup = min(pp - rank - 1, m)
+    actions: list[Action] = [("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", rank, warmup + i), ("B", rank, i)]
+    actions += [("B", rank, i) for i in range(m - warmup, m)]
+    return actions
+
+
+def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """Megatron's interleaved 1F1B (needs m % pp == 0): chunks rotate every pp micro-batches."""
+    total = m * v
+    warmup = total if m == pp else min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+
+    def unit(j: int, backward: bool) -> Action:
+        chunk = (j // pp) % v
+        if backward:
+            chunk = v - 1 - chunk
+        mb = (j // (pp * v)) * pp + j % pp
+        return ("B" if backward else "F", chunk * pp + rank, mb)
+
+    actions = [unit(j, False) for j in range(warmup)]
+    for j in range(total - warmup):
+        actions += [unit(warmup + j, False), unit(j, True)]
+    actions += [unit(j, True) for j in range(total - warmup, total)]
+    return actions
+
+
+@dataclass(frozen=True)
+class Timeline:
+    makespan: float
+    busy: tuple[float, ...]
+    """Compute time of each rank."""
+    events: tuple[tuple[int, str, int, int, float, float], ...] = ()
+    """(rank, kind, stage, micro_batch, start, end) when asked for."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
+
+
+def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
+             p2p: float = 0.0, keep_events: bool = False) -> Timeline:
+    """Run the schedule on stage times `fwd[k]`, `bwd[k]` (per micro-batch, len = pp·v)."""
+    stages = len(fwd)
+    v = stages // pp
+    m = num_micro_batches
+    queues = rank_actions(schedule, pp, m, v)
+    done_f = [[-1.0] * m for _ in range(stages)]
+    done_b = [[-1.0] * m for _ in range(stages)]
+    free = [0.0] * pp
+    pos = [0] * pp
+    events = []
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            queue, i = queues[r], pos[r]
+            while i < len(queue):
+                kind, k, mb = queue[i]
+                if kind == "F":
+                    ready = 0.0 if k == 0 else done_f[k - 1][mb] + p2p
+                    if k > 0 and done_f[k - 1][mb] < 0:
+                        break
+                    end = max(free[r], ready) + fwd[k]
+                    done_f[k][mb] = end
+                    duration = fwd[k]
+                else:
+                    if k == stages - 1:
+                        ready = done_f[k][mb]
+                    else:
+                        if done_b[k + 1][mb] < 0:
+                            break
+                        ready = done_b[k + 1][mb] + p2p
+                    if ready < 0:
+                        break
+                    end = max(free[r], ready) + bwd[k]
+                    done_b[k][mb] = end
+                    duration = bwd[k]
+                if keep_events:
+                    events.append((r, kind, k, mb, end - duration, end))
+                free[r] = end
+                i += 1
+                remaining -= 1
+                progressed = True
+            pos[r] = i
+        if not progressed:
+            raise ValueError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, stages={stages}")
+    busy = [0.0] * pp
+    for k in range(stages):
+        busy[k % pp] += m * (fwd[k] + bwd[k])
+    return Timeline(makespan=max(free), busy=tuple(busy), events=tuple(events))
+
+
+def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
+             p2p: float = 0.0, exact_up_to: int = 4) -> float:
+    """Makespan of the schedule. Past exact_up_to·pp micro-batches, simulate k·pp micro-batches for
+    k = 2, 3, ... until two successive increments agree (the schedule's steady state), then extrapolate."""
+    m = num_micro_batches
+    if pp == 1 or m <= exact_up_to * pp:
+        return simulate(fwd, bwd, pp, m, schedule, p2p).makespan
+    times = [simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan for k in (2, 3)]
+    k = 3
+    while k * pp < m:
+        steps = [b - a for a, b in zip(times[-4:], times[-3:])]
+        if len(steps) == 3 and max(steps) - min(steps) <= 1e-9 * times[-1]:
+            break
+        k += 1
+        times.append(simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan)
+    if k * pp >= m:
+        return simulate(fwd, bwd, pp, m, schedule, p2p).makespan if k * pp > m else times[-1]
+    # No rank can run faster than its own work: a floor on the period for uneven interleaved stages.
+    work = max(sum(f + b for f, b in zip(fwd[r::pp], bwd[r::pp])) for r in range(pp))
+    period = max(times[-1] - times[-2], pp * work)
+    return times[-1] + (m - k * pp) / pp * period
+
+
+def bubble_closed_form(pp: int, num_micro_batches: int, interleave: int = 1) -> float:
+    """Idle fraction of uniform stages: (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v·m+p-1) interleaved."""
+    return (pp - 1) / (interleave * num_micro_batches + pp - 1)

@@ -1,0 +1,28 @@
+"""Which rows of the global batch each rank trains on, and the synthetic batches `check` uses.
+
+Data-parallel rank r takes rows r·local:(r+1)·local of the global batch (local =
+micro_batch · num_micro_batches); ranks of one tensor group and of one pipeline take the
+same rows (only the first and last pipeline stages read them)."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.plan import Plan
+
+
+def dp_shard(plan: Plan, global_rows: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """This dp rank's rows of a [global_batch, ...] tensor."""
+    local = plan.micro_batch * plan.num_micro_batches
+    if global_rows.shape[0] != local * plan.dp:
+        raise ValueError(f"batch has {global_rows.shape[0]} rows, the plan's global batch is {local * plan.dp}")
+    return global_rows[dp_rank * local:(dp_rank + 1) * local]
+
+
+def batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (tokens, targets) of shape [global_batch, seq_len] for one step, the same on every
+    rank and process: the next-token targets of a random token stream."""
+    generator = torch.Generator().manual_seed(seed * 7919 + step + 1)
+    stream = torch.randint(0, plan.model.vocab_size, (plan.train.global_batch, plan.train.seq_len + 1),
+                           generator=generator)
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()

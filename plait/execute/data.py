@@ -1,0 +1,103 @@
+"""apply_dp: data parallelism over the mesh's "dp" axis -- DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP.
+
+Which PyTorch building block carries each ZeRO stage (Rajbhandari et al. 2020):
+
+* zero 0: `DistributedDataParallel` (bucketed gradient all-reduce overlapped with backward);
+* zero 1: DDP plus `ZeroRedundancyOptimizer` (each dp rank keeps and updates the AdamW
+  states of its share of the parameters, then broadcasts them);
+* zero 2: `fully_shard(reshard_after_forward=False)`: gradients and optimizer states
+  sharded (reduce-scatter), parameters gathered once per step and kept through backward;
+* zero 3: `fully_shard(reshard_after_forward=True)`: parameters too are re-gathered for
+  backward -- except under pipelining, where resharding between a micro-batch's forward
+  and backward gives wrong gradients with some schedules and costs a gather per
+  micro-batch (torchtitan's default there is False as well).
+
+DDP does not take DTensor parameters, so with tensor parallelism zero 0 and 1 also use
+`fully_shard` (reshard_after_forward=False): same numerics, memory at least as low.
+Wrapping is per transformer block and then the stage root, so each block's parameters
+are gathered (or its gradients reduced) as one unit, overlapping with the neighbours.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+
+def has_dtensor_params(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def uses_fully_shard(zero: int, tensor_parallel: bool) -> bool:
+    return zero >= 2 or tensor_parallel
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
+               mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in module.layers.values():
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    # init_sync=False: every rank already holds the same initial weights (plait loads them
+    # from the same seed), so the initial broadcast would only cost time.
+    return DistributedDataParallel(module, process_group=dp_mesh.get_group(),
+                                   init_sync=False)
+
+
+def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, *, zero: int, under_pipeline: bool,
+             mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Wrap one stage module for data parallelism; returns it (DDP wraps, fully_shard works in place)."""
+    if dp_mesh.size() == 1 or not any(True for _ in module.parameters()):
+        return module  # nothing to synchronize
+    if uses_fully_shard(zero, has_dtensor_params(module)):
+        reshard = zero == 3 and not under_pipeline
+        return apply_fsdp(module, dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    return apply_ddp(module, dp_mesh)
+
+
+def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, lr: float, weight_decay: float,
+                    betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """AdamW over the parameters of this rank's stage modules; ZeRO-1 over DDP shards its states."""
+    params = [p for part in parts for p in part.parameters()]
+    kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    if zero == 1 and dp_mesh.size() > 1 and any(isinstance(p, DistributedDataParallel) for p in parts):
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=dp_mesh.get_group(), **kwargs)
+    # foreach needs all parameters of one kind (all DTensors, or none)
+    kinds = {isinstance(p, DTensor) for p in params}
+    return torch.optim.AdamW(params, foreach=None if len(kinds) <= 1 else False, **kwargs)
+
+
+@contextmanager
+def gradient_sync(parts: list[nn.Module], enabled: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction for all but the last accumulation micro-batch."""
+    saved = []
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(enabled)
+        elif isinstance(part, DistributedDataParallel) and not enabled:
+            context = part.no_sync()
+            context.__enter__()
+            saved.append(context)
+    try:
+        yield
+    finally:
+        for context in saved:
+            context.__exit__(None, None, None)
+        for part in parts:
+            if isinstance(part, FSDPModule):
+                part.set_requires_gradient_sync(True)

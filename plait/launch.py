@@ -1,0 +1,131 @@
+"""Starting ranks: under torchrun, or N local processes from a plain `plait ... --nproc N`.
+
+A plait command that needs ranks asks `in_torchrun()`: under torchrun it is a worker and
+calls `init_distributed()`; otherwise it re-launches itself with `run_local(N, argv)`, so
+`torchrun --nproc-per-node N -m plait check --plan F` and `plait check --plan F` run the
+same code. Every wait is bounded: the process group has a timeout (a dead or hung peer
+becomes an error), and when a rank exits with an error the launcher stops the others at
+once and names the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import uuid
+from datetime import timedelta
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout: long enough for a slow first step on a busy CPU, short enough not to hang for long."""
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def in_torchrun() -> bool:
+    """True in a process started by torchrun (or run_local): RANK, WORLD_SIZE and LOCAL_RANK are set."""
+    return all(name in os.environ for name in TORCHRUN_VARS)
+
+
+def default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the process group torchrun set up (idempotent); returns (rank, world_size).
+
+    On CUDA each process takes the device of its LOCAL_RANK. The bounded `timeout_s`
+    turns a dead peer into an error instead of an endless wait."""
+    import torch
+    import torch.distributed as dist
+
+    if not in_torchrun():
+        raise RuntimeError("init_distributed() needs torchrun's RANK/WORLD_SIZE/LOCAL_RANK; use run_local() to start ranks")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, module: str | None = "plait") -> int:
+    """Run `python -m <module> <argv>` (`python <argv>` when module is None) on `nproc` local ranks (torch's elastic launcher, standalone
+    rendezvous, OMP threads = cores // nproc) and return the exit code: 0, or 1 when a rank failed
+    (the failing rank is named on stderr and the others are stopped), or 124 after `timeout_s`."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} must be at least 1")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        monitor_interval=0.2,  # how fast a dead rank is noticed and the others stopped
+    )
+    saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("PLAIT_OMP_THREADS", str(threads_per_rank(nproc)))
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    timer = _start_deadline(timeout_s)
+    try:
+        args = ("-m", module, *argv) if module else tuple(argv)
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+        return 0
+    except ChildFailedError as failure:
+        _report_failure(failure)
+        return 1
+    except _Deadline:
+        print(f"plait: ranks did not finish within {timeout_s:g} s; stopped them", file=sys.stderr)
+        return 124
+    finally:
+        if timer is not None:
+            timer.cancel()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _Deadline(Exception):
+    pass
+
+
+def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
+    """SIGALRM in this (launcher) process after timeout_s: the elastic agent's wait loop is
+    interrupted, and its cleanup stops the workers."""
+    if timeout_s is None:
+        return None
+
+    def _raise(signum, frame):
+        raise _Deadline()
+
+    signal.signal(signal.SIGALRM, _raise)
+    timer = threading.Timer(timeout_s, lambda: os.kill(os.getpid(), signal.SIGALRM))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _report_failure(failure) -> None:
+    """One line per failed rank, the first failure (the root cause) first."""
+    failures = sorted(failure.failures.items(), key=lambda item: item[1].timestamp)
+    for rank, info in failures:
+        reason = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {info.signal_name()}"
+        print(f"plait: rank {rank} failed ({reason}); the other ranks were stopped", file=sys.stderr)

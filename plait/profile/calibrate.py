@@ -1,0 +1,169 @@
+"""Turn raw measurements into a ClusterSpec (pure: numbers in, spec out; no torch).
+
+Conventions are the cost model's (see plait/profile/fit.py for the formulas):
+* `peak_flops`: the datasheet's dense 16-bit peak for a known GPU. A CPU has no figure plait can
+  trust, so there the fitted large-GEMM asymptote of the rate each rank gets while every rank
+  computes stands in for the peak (efficiency.matmul is then 1 and MFU is against that rate).
+* `efficiency.matmul`, `efficiency.matmul_half_dim`: the fitted size curve of GEMM rates.
+* `efficiency.overhead`: a whole block's time beyond its GEMMs', as a fraction of them.
+* `intra_node`, `inter_node`: alpha-beta fits over every collective, group size and message size
+  of groups placed inside a node / across nodes. On one node no link crosses nodes, so
+  inter_node = intra_node (a plan for this machine never uses it).
+* `memory_bytes`: the smallest free memory any rank reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plait.profile.fit import (
+    CommSample, ComputeSample, LinkFit, MatmulFit, fit_link, fit_matmul_efficiency, fit_overhead,
+)
+from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+
+GEMM_NAMES = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Everything one profile measured, as plain numbers."""
+
+    world_size: int
+    devices_per_node: int
+    num_nodes: int
+    device_type: Literal["cuda", "cpu"]
+    device_name: str
+    dtype: str
+    backend: Literal["nccl", "gloo"]
+    datasheet_peak_flops: float | None
+    memory_bytes: float
+    compute: tuple[ComputeSample, ...]
+    comm: dict[str, tuple[CommSample, ...]] = field(default_factory=dict)
+    """Samples per link level ("intra_node", "inter_node"); a level with no groups is absent."""
+    host: str = ""
+    torch_version: str = ""
+    started_at: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    cluster: ClusterSpec
+    matmul: MatmulFit
+    links: dict[str, LinkFit]
+    """Fit per measured link level: the LinkSpec the file holds."""
+    per_collective: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
+    """level -> collective -> its own fit: how far each collective's algorithm is from the level's line
+    (gloo's all-gather, for one, runs well below its all-reduce)."""
+
+
+def calibrate(m: Measurements, name: str = "") -> Calibration:
+    gemms = [s for s in m.compute if s.name in GEMM_NAMES]
+    blocks = [s for s in m.compute if s.name == "block"]
+    peak, matmul = _peak_and_matmul(gemms, m.datasheet_peak_flops)
+    overhead = fit_overhead(blocks, peak, matmul) if blocks else 0.0
+    links = {level: fit_link(samples) for level, samples in m.comm.items() if samples}
+    if "intra_node" not in links:
+        raise ValueError("no intra-node samples: a profile needs at least 2 ranks on a node")
+    intra = _link(links["intra_node"])
+    inter = _link(links["inter_node"]) if "inter_node" in links else intra
+    cluster = ClusterSpec(
+        name=name or f"profiled-{m.host or m.device_type}",
+        num_devices=m.world_size,
+        devices_per_node=m.devices_per_node,
+        memory_bytes=float(m.memory_bytes),
+        peak_flops=float(peak),
+        efficiency=Efficiency(matmul=round(matmul.matmul, 4), matmul_half_dim=round(matmul.half_dim, 2),
+                              overhead=round(overhead, 4)),
+        intra_node=intra,
+        inter_node=inter,
+        device_type=m.device_type,
+        backend=m.backend,
+    )
+    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=_per_collective(m.comm))
+
+
+def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:
+    fits: dict[str, dict[str, LinkFit]] = {}
+    for level, samples in comm.items():
+        for name in dict.fromkeys(s.collective for s in samples):
+            rows = [s for s in samples if s.collective == name]
+            if len({s.num_bytes for s in rows}) >= 2:
+                fits.setdefault(level, {})[name] = fit_link(rows)
+    return fits
+
+
+def _peak_and_matmul(gemms: list[ComputeSample], datasheet_peak: float | None) -> tuple[float, MatmulFit]:
+    if datasheet_peak:
+        return datasheet_peak, fit_matmul_efficiency(gemms, datasheet_peak)
+    absolute = fit_matmul_efficiency(gemms, 1.0)  # fraction of 1 FLOP/s = the rate itself
+    peak = float(f"{absolute.matmul:.4g}")
+    return peak, MatmulFit(matmul=1.0, half_dim=absolute.half_dim, max_rel_residual=absolute.max_rel_residual)
+
+
+def _link(fit: LinkFit) -> LinkSpec:
+    return LinkSpec(latency_s=float(f"{fit.latency_s:.4g}"), bandwidth=float(f"{fit.bandwidth:.4g}"))
+
+
+# ---- the file's comment header ------------------------------------------------------------------
+
+def describe(m: Measurements, cal: Calibration) -> list[str]:
+    """Comment lines for the cluster file: what was measured, where, when, and how well it fits."""
+    lines = [
+        "Written by `plait profile`: measured on the devices in hand, fitted to plait's cost model.",
+        f"measured: {m.started_at} in {m.seconds:.0f} s on host {m.host or '?'}, torch {m.torch_version}",
+        f"world: {m.world_size} ranks = {m.num_nodes} node(s) x {m.devices_per_node}, {m.device_type} "
+        f"{m.device_name} ({m.dtype}), backend {m.backend}",
+        f"memory_bytes: smallest free memory of any rank ({m.memory_bytes / 2**30:.2f} GiB)",
+        _peak_line(m, cal),
+        "compute (forward + backward, every rank computing at once; GFLOP/s per rank):",
+    ]
+    lines += ["  " + row for row in compute_rows(m.compute)]
+    lines.append("links (alpha-beta, ring convention, fit over all collectives/group sizes/message sizes):")
+    for level, fit in cal.links.items():
+        lines.append(f"  {level}: latency {fit.latency_s * 1e6:.1f} us, bandwidth {fit.bandwidth / 1e9:.3f} GB/s, "
+                     f"R2 {fit.r2:.3f}, max rel residual {fit.max_rel_residual:.0%}, "
+                     f"median {fit.median_rel_residual:.0%}, {fit.num_samples} samples")
+        for name, own in cal.per_collective.get(level, {}).items():
+            lines.append(f"    {name} alone: latency {own.latency_s * 1e6:.1f} us, bandwidth "
+                         f"{own.bandwidth / 1e9:.3f} GB/s, max rel residual {own.max_rel_residual:.0%}")
+    if "inter_node" not in cal.links:
+        lines.append("  inter_node: one node, nothing crosses nodes: set equal to intra_node")
+    return lines
+
+
+def _peak_line(m: Measurements, cal: Calibration) -> str:
+    eff = cal.cluster.efficiency
+    if m.datasheet_peak_flops:
+        source = f"datasheet peak of {m.device_name}"
+    else:
+        source = "no datasheet peak on CPU: the fitted large-GEMM rate per rank stands in for it"
+    return (f"peak_flops: {source}; GEMM fraction = {eff.matmul:g} * h / (h + {eff.matmul_half_dim:g}) "
+            f"(max rel residual {cal.matmul.max_rel_residual:.0%}); non-GEMM overhead {eff.overhead:.0%} of GEMM time")
+
+
+def compute_rows(samples: tuple[ComputeSample, ...] | list[ComputeSample]) -> list[str]:
+    """One line per width: the rate of each measured operation."""
+    by_width: dict[int, list[ComputeSample]] = {}
+    for s in samples:
+        by_width.setdefault(s.hidden_size, []).append(s)
+    return [f"h={h}: " + ", ".join(f"{s.name} {s.flops_per_s / 1e9:.1f}" for s in rows)
+            for h, rows in sorted(by_width.items())]
+
+
+def measurements_json(m: Measurements) -> str:
+    """Every raw measurement as JSON (what `--samples FILE` writes)."""
+    import dataclasses
+    import json
+
+    return json.dumps(dataclasses.asdict(m), indent=1)
+
+
+def measurements_from_json(text: str) -> Measurements:
+    import json
+
+    data = json.loads(text)
+    data["compute"] = tuple(ComputeSample(**s) for s in data["compute"])
+    data["comm"] = {level: tuple(CommSample(**s) for s in rows) for level, rows in data["comm"].items()}
+    return Measurements(**data)

@@ -1,0 +1,161 @@
+"""Run a whole profile on the initialized process group: compute, memory, then links.
+
+Every rank runs the same list of steps in the same order (each step is a collective affair: rank
+counts are agreed and groups are created by all ranks), rank 0 shows the progress bar, and every
+rank returns the same `Measurements`.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from plait.profile import collectives, devices
+from plait.profile.calibrate import GEMM_NAMES, Measurements
+from plait.profile.collectives import GroupSet, Level, Topology
+from plait.profile.fit import COLLECTIVES, CommSample, ComputeSample
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    quick: bool = False
+    """A few shapes and sizes, short timings: for tests and a first look (seconds, not minutes)."""
+
+    @property
+    def compute_target_s(self) -> float:
+        """Time to spend repeating one compute measurement (more repetitions, steadier median)."""
+        return 0.02 if self.quick else 0.5
+
+    @property
+    def comm_target_s(self) -> float:
+        return 0.02 if self.quick else 0.25
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measurement: a label for the progress bar and what to run."""
+
+    label: str
+    run: Callable[[], None]
+
+
+def run_profile(options: ProfileOptions, progress: Callable[[str, int], None] | None = None) -> Measurements:
+    """Measure this rank's device and the links of the whole world; `progress(label, total)` per step."""
+    device = devices.local_device()
+    topology = collectives.discover_topology()
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    start = time.perf_counter()
+    compute: list[ComputeSample] = []
+    comm: dict[str, list[CommSample]] = {}
+    steps = compute_steps(device, options, compute) + comm_steps(device, topology, options, comm)
+    for step in steps:
+        if progress is not None:
+            progress(step.label, len(steps))
+        step.run()
+    return Measurements(
+        world_size=dist.get_world_size(),
+        devices_per_node=topology.devices_per_node,
+        num_nodes=topology.num_nodes,
+        device_type="cuda" if device.is_cuda else "cpu",
+        device_name=_device_name(device),
+        dtype=str(device.dtype).removeprefix("torch."),
+        backend="nccl" if dist.get_backend() == "nccl" else "gloo",
+        datasheet_peak_flops=devices.datasheet_peak_flops(device),
+        memory_bytes=_min_over_ranks(devices.available_memory_bytes(device, topology.devices_per_node), device),
+        compute=tuple(compute),
+        comm={level: tuple(samples) for level, samples in comm.items()},
+        host=socket.gethostname(),
+        torch_version=torch.__version__,
+        started_at=started_at,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def compute_steps(device: devices.Device, options: ProfileOptions, out: list[ComputeSample]) -> list[Step]:
+    """GEMMs, attention and a whole block per width; each rank's rate is the slowest rank's."""
+    steps = []
+    target = options.compute_target_s
+    for shape in devices.compute_shapes(device, options.quick):
+        h = shape.hidden_size
+        for name in GEMM_NAMES:
+            steps.append(Step(f"compute h={h} {name}", _appender(
+                out, lambda s=shape, n=name: devices.measure_gemm(s, n, device, target), device)))
+        steps.append(Step(f"compute h={h} attention", _appender(
+            out, lambda s=shape: devices.measure_attention(s, device, target), device)))
+        steps.append(Step(f"compute h={h} block", _appender(
+            out, lambda s=shape: devices.measure_block(s, device, target), device)))
+    return steps
+
+
+def _appender(out: list[ComputeSample], measure: Callable[[], ComputeSample],
+              device: devices.Device) -> Callable[[], None]:
+    def run() -> None:
+        sample = measure()
+        # A synchronous step runs at the pace of its slowest rank, so that rank's time is the rate.
+        seconds = _max_over_ranks(sample.seconds, device)
+        out.append(ComputeSample(name=sample.name, hidden_size=sample.hidden_size, flops=sample.flops,
+                                 seconds=seconds))
+    return run
+
+
+def comm_steps(device: devices.Device, topology: Topology, options: ProfileOptions,
+               out: dict[str, list[CommSample]]) -> list[Step]:
+    """Every collective x group size x message size, per link level that this world has."""
+    levels: list[Level] = ["intra_node"] + (["inter_node"] if topology.num_nodes > 1 else [])
+    steps = []
+    for level in levels:
+        sizes = topology.group_sizes(level, options.quick)
+        for size in sizes:
+            holder: dict[str, GroupSet] = {}
+            steps.append(Step(f"{level} groups of {size}", _group_builder(holder, topology, level, size)))
+            # p2p is a pair's business: time it once, on the smallest groups.
+            names = [c for c in COLLECTIVES if c != "p2p" or size == sizes[0]]
+            for name in names:
+                for num_bytes in collectives.message_sizes(options.quick):
+                    steps.append(Step(f"{level} {name} x{size} {_human_bytes(num_bytes)}", _comm_measure(
+                        out.setdefault(level, []), holder, name, num_bytes, device, options.comm_target_s)))
+    return steps
+
+
+def _group_builder(holder: dict[str, GroupSet], topology: Topology, level: Level, size: int) -> Callable[[], None]:
+    def run() -> None:
+        holder["groups"] = collectives.build_groups(topology, level, size)
+    return run
+
+
+def _comm_measure(out: list[CommSample], holder: dict[str, GroupSet], name: str, num_bytes: int,
+                  device: devices.Device, target_s: float) -> Callable[[], None]:
+    def run() -> None:
+        out.append(collectives.measure(name, holder["groups"], num_bytes, device, target_s))  # type: ignore[arg-type]
+    return run
+
+
+def _max_over_ranks(value: float, device: devices.Device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _min_over_ranks(value: float, device: devices.Device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _device_name(device: devices.Device) -> str:
+    if device.is_cuda:
+        return torch.cuda.get_device_name(device.device)
+    return f"CPU x{torch.get_num_threads()} thread(s)"
+
+
+def _human_bytes(num_bytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:g} {unit}"
+    return f"{num_bytes} B"

@@ -1,0 +1,111 @@
+"""`plait plan --report DIR`: three PNGs about the best plan and the space it was chosen from.
+
+* timeline.png: the best plan's pipeline schedule as the cost model simulates it (one step);
+* memory.png: the best plan's memory per pipeline rank, stacked by part;
+* candidates.png: every feasible candidate, predicted step time against peak memory, best starred.
+
+The numbers come from plait.cost (the same stage times and memory coefficients `predict` uses),
+so the pictures show exactly what the ranking was based on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from plait.plan import Plan
+from plait.report.tables import layers_cell, recompute_cell
+from plait.report.plots import Candidate, TimelineEvent, plot_candidates, plot_memory_per_stage, plot_timeline
+
+MAX_TIMELINE_EVENTS = 3000
+"""Beyond this many boxes a Gantt chart is unreadable (and slow): show the first micro-batches only."""
+
+
+def write_plan_report(plans: Sequence[Plan], directory: str | Path) -> list[Path]:
+    """Write the three PNGs for `plans` (ranked, best first, each with `predicted`); return their paths."""
+    if not plans:
+        return []
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    best = plans[0]
+    return [
+        _timeline_png(best, out / "timeline.png"),
+        _memory_png(best, out / "memory.png"),
+        _candidates_png(plans, out / "candidates.png"),
+    ]
+
+
+# ---- timeline -------------------------------------------------------------------------------
+def timeline_events(plan: Plan, max_events: int = MAX_TIMELINE_EVENTS) -> tuple[list[TimelineEvent], int]:
+    """Simulated (rank, F/B, micro-batch) boxes of one step of `plan`, and how many micro-batches they cover."""
+    from plait.cost.compute import ends_cost, layer_cost
+    from plait.cost.layout import Layout, Setting
+    from plait.cost.model import p2p_time, stage_times
+    from plait.cost.schedule import simulate
+
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    args = (plan.model, plan.cluster, plan.train.seq_len, plan.micro_batch, layout.tp, layout.sp,
+            setting.dtype_bytes)
+    modes = tuple(plan.recompute[k % plan.pp] for k in range(plan.num_stages))
+    st = stage_times(layer_cost(*args), ends_cost(*args), plan.layers_per_stage, modes)
+    shown = _micro_batches_shown(plan, max_events)
+    timeline = simulate(st.fwd, st.bwd, plan.pp, shown, layout.schedule, p2p_time(setting, layout), keep_events=True)
+    events = [TimelineEvent(rank=r, kind=kind, micro_batch=mb, chunk=stage // plan.pp, start_s=start, end_s=end)
+              for r, kind, stage, mb, start, end in timeline.events]
+    return events, shown
+
+
+def _micro_batches_shown(plan: Plan, max_events: int) -> int:
+    """All micro-batches when they fit; else the largest multiple of pp that does (interleaving needs it)."""
+    m = plan.num_micro_batches
+    per_micro_batch = 2 * plan.num_stages
+    if m * per_micro_batch <= max_events:
+        return m
+    return max(plan.pp, (max_events // per_micro_batch) // plan.pp * plan.pp)
+
+
+def _timeline_png(plan: Plan, path: Path) -> Path:
+    events, shown = timeline_events(plan)
+    m = plan.num_micro_batches
+    cover = f"{m} micro-batches" if shown == m else f"first {shown} of {m} micro-batches"
+    schedule = (plan.schedule + (f" v={plan.interleave}" if plan.interleave > 1 else "")) if plan.pp > 1 else "no pipeline"
+    bubble = plan.predicted.bubble_fraction if plan.predicted else 0.0
+    title = f"#1 {short_describe(plan)}\n{schedule}, {cover}, predicted bubble {bubble:.1%}"
+    return plot_timeline(events, path, title=title, num_ranks=plan.pp)
+
+
+def short_describe(plan: Plan) -> str:
+    """Plan.describe() with run-length layers and recompute, so a 96-stage plan still fits a title."""
+    parts = [f"dp{plan.dp} tp{plan.tp} pp{plan.pp}", "sp" if plan.sequence_parallel and plan.tp > 1 else "",
+             f"zero{plan.zero}", f"mb{plan.micro_batch}x{plan.num_micro_batches}",
+             f"recompute={recompute_cell(plan)}", f"layers={layers_cell(plan)}" if plan.num_stages > 1 else ""]
+    return " ".join(p for p in parts if p)
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def memory_by_rank(plan: Plan) -> list[dict[str, float]]:
+    """Bytes per part on every pipeline rank of `plan` (the peak rank's parts equal predicted.memory_parts)."""
+    from plait.cost.layout import Layout, Setting
+    from plait.cost.memory import rank_memory
+
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    return [rank_memory(setting, layout, r, plan.recompute[r]).parts(sum(plan.layers_per_stage[r::plan.pp]))
+            for r in range(plan.pp)]
+
+
+def _memory_png(plan: Plan, path: Path) -> Path:
+    limit = plan.cluster.memory_bytes
+    title = f"#1 memory per pipeline rank (ZeRO-{plan.zero}, recompute {','.join(sorted(set(plan.recompute)))})"
+    return plot_memory_per_stage(memory_by_rank(plan), path, memory_limit_bytes=limit, title=title)
+
+
+# ---- candidates -----------------------------------------------------------------------------
+def _candidates_png(plans: Sequence[Plan], path: Path) -> Path:
+    points = [Candidate(step_time_s=p.predicted.step_time_s, peak_memory_bytes=p.predicted.peak_memory_bytes,
+                        pp=p.pp, label=short_describe(p)) for p in plans if p.predicted is not None]
+    best = points[0] if points else None
+    if best is not None:
+        best = Candidate(step_time_s=best.step_time_s, peak_memory_bytes=best.peak_memory_bytes, pp=best.pp,
+                         label=f"dp{plans[0].dp} tp{plans[0].tp} pp{plans[0].pp}")
+    title = f"{len(points):,} feasible plans of {plans[0].model.name} on {plans[0].num_devices:,} devices"
+    return plot_candidates(points, path, best=best, memory_limit_bytes=plans[0].cluster.memory_bytes, title=title)

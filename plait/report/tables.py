@@ -1,0 +1,126 @@
+"""Rich tables of ranked plans, and the compact cell formats a person can scan.
+
+Shared by `plait plan`, `plait tune` and the demo; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from rich.table import Table
+
+from plait.plan import Plan
+
+GIB = 2**30
+RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
+
+
+def run_length(values: Sequence[object], sep: str = "|") -> str:
+    """[12, 12, 12, 11] -> '12×3|11'; short runs are written out: [3, 3, 2] -> '3|3|2'."""
+    runs: list[tuple[object, int]] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1] = (value, runs[-1][1] + 1)
+        else:
+            runs.append((value, 1))
+    cells = []
+    for value, count in runs:
+        cells.extend([str(value)] * count if count <= 2 else [f"{value}×{count}"])
+    return sep.join(cells)
+
+
+def layers_cell(plan: Plan) -> str:
+    """Layers per virtual stage in model order, run-length compressed."""
+    return run_length(plan.layers_per_stage)
+
+
+def recompute_cell(plan: Plan) -> str:
+    """One mode when every pipeline rank agrees, else the per-rank modes run-length compressed."""
+    modes = [RECOMPUTE_SHORT[m] for m in plan.recompute]
+    return modes[0] if len(set(modes)) == 1 else run_length(modes, sep=",")
+
+
+def schedule_cell(plan: Plan) -> str:
+    if plan.pp == 1:
+        return "-"
+    return f"{plan.schedule} v{plan.interleave}" if plan.interleave > 1 else plan.schedule
+
+
+def human_count(value: float) -> str:
+    """1234567 -> '1.23M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def seconds_cell(seconds: float) -> str:
+    """Three significant figures, in ms below one second."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def plans_table(plans: Sequence[Plan], title: str | None = None) -> Table:
+    """The ranked plans: degrees, choices, and what the cost model predicts for each."""
+    table = Table(title=title, header_style="bold", title_justify="left")
+    for name, justify in _COLUMNS:
+        table.add_column(name, justify=justify, no_wrap=True)
+    for rank, plan in enumerate(plans, start=1):
+        table.add_row(*plan_row(rank, plan), style="bold green" if rank == 1 else None)
+    return table
+
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("#", "right"), ("dp×tp×pp", "left"), ("SP", "center"), ("ZeRO", "center"), ("recompute", "left"),
+    ("mb×n", "left"), ("schedule", "left"), ("layers/stage", "left"), ("step", "right"),
+    ("tokens/s", "right"), ("TFLOP/s/dev", "right"), ("MFU", "right"), ("bubble", "right"),
+    ("peak GiB", "right"),
+)
+
+
+def plan_row(rank: int, plan: Plan) -> list[str]:
+    cells = [
+        str(rank),
+        f"{plan.dp}×{plan.tp}×{plan.pp}",
+        "yes" if plan.sequence_parallel and plan.tp > 1 else "-",
+        str(plan.zero),
+        recompute_cell(plan),
+        f"{plan.micro_batch}×{plan.num_micro_batches}",
+        schedule_cell(plan),
+        layers_cell(plan),
+    ]
+    return cells + _prediction_cells(plan)
+
+
+def _prediction_cells(plan: Plan) -> list[str]:
+    p = plan.predicted
+    if p is None:
+        return ["?"] * 6
+    return [
+        seconds_cell(p.step_time_s),
+        human_count(p.tokens_per_s),
+        f"{p.model_tflops_per_device:.1f}",
+        f"{p.mfu:.1%}",
+        f"{p.bubble_fraction:.1%}" if plan.pp > 1 else "-",
+        f"{p.peak_memory_bytes / GIB:.1f}",
+    ]
+
+
+def search_stats_line(candidates_evaluated: int, seconds: float, num_feasible: int | None = None) -> str:
+    feasible = f", {num_feasible:,} feasible" if num_feasible is not None else ""
+    return f"searched {candidates_evaluated:,} candidates{feasible} in {seconds:.2f} s"
+
+
+def parts_table(parts: dict[str, float], title: str, unit: str, scale: float = 1.0) -> Table:
+    """A two-column breakdown (e.g. step time or memory by part) with each part's share."""
+    table = Table(title=title, header_style="bold", title_justify="left")
+    table.add_column("part")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
+    total = sum(parts.values()) or 1.0
+    for name, value in _largest_first(parts.items()):
+        table.add_row(name, f"{value / scale:.3g}", f"{value / total:.0%}")
+    return table
+
+
+def _largest_first(items: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
+    return sorted(items, key=lambda kv: -kv[1])

@@ -1,0 +1,344 @@
+"""Turn what a user types (a preset name or a file path) into a ModelSpec, ClusterSpec or TrainSpec.
+
+Accepted model inputs:
+
+* a preset name from plait.spec.models.MODEL_PRESETS (``gpt3-175b``, ``llama3-8b``, ...);
+* a plait model file (YAML or JSON) holding ModelSpec fields, optionally ``preset: NAME`` to
+  start from a preset and override some fields;
+* a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 -> arch "llama"; GPT-2 -> arch "gpt"),
+  read offline: no network, no weights.
+
+Accepted cluster inputs: a preset name from plait.spec.clusters.CLUSTER_PRESETS, or a YAML/JSON
+file holding ClusterSpec fields (optionally ``preset: NAME`` plus overrides). Sizes may be plain
+numbers (bytes, FLOP/s, bytes/s, seconds) or strings with units: ``80GiB``, ``312 TFLOPS``,
+``230 GB/s``, ``5us``.
+
+Every failure is a ConfigError whose one line names the value and what would work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from plait.errors import ConfigError
+from plait.spec.cluster import ClusterSpec
+from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.model import ModelSpec
+from plait.spec.models import MODEL_PRESETS
+from plait.spec.train import TrainSpec
+
+FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+# Hugging Face model_type -> the plait arch whose block it matches.
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+HF_GPT_TYPES = ("gpt2",)
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "GPT2LMHeadModel": "gpt2",
+}
+
+
+# ---- public API -----------------------------------------------------------------------------
+def load_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
+    """A ModelSpec from a preset name, a plait model file or a Hugging Face config.json."""
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    text = str(name_or_path)
+    if not _looks_like_path(text):
+        return _preset(MODEL_PRESETS, text, "model")
+    path = _existing_file(text, "model")
+    data = read_mapping(path)
+    if _is_hf_config(data):
+        return model_from_hf_config(data, name=_hf_name(path, data), where=str(path))
+    return _spec_from_mapping(ModelSpec, MODEL_PRESETS, data, "model", path, _default_name(path))
+
+
+def load_cluster(name_or_path: str | Path | ClusterSpec) -> ClusterSpec:
+    """A ClusterSpec from a preset name or a YAML/JSON cluster file (human units allowed)."""
+    if isinstance(name_or_path, ClusterSpec):
+        return name_or_path
+    text = str(name_or_path)
+    if not _looks_like_path(text):
+        return _preset(CLUSTER_PRESETS, text, "cluster")
+    path = _existing_file(text, "cluster")
+    data = _normalize_cluster_units(read_mapping(path), str(path))
+    return _spec_from_mapping(ClusterSpec, CLUSTER_PRESETS, data, "cluster", path, _default_name(path))
+
+
+def load_train(source: str | Path | Mapping[str, Any] | TrainSpec | None = None, **fields: Any) -> TrainSpec:
+    """A TrainSpec from a mapping or a YAML/JSON file, with keyword fields overriding it.
+
+    ``load_train(global_batch=8, seq_len=128)`` is TrainSpec(...) whose bad values raise ConfigError.
+    """
+    if isinstance(source, TrainSpec):
+        base: dict[str, Any] = source.to_dict()
+    elif source is None:
+        base = {}
+    elif isinstance(source, Mapping):
+        base = dict(source)
+    else:
+        base = read_mapping(_existing_file(str(source), "train"))
+    base.update({k: v for k, v in fields.items() if v is not None})
+    return TrainSpec.from_dict(base)
+
+
+def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", where: str = "config.json") -> ModelSpec:
+    """Map a Hugging Face config dict to a ModelSpec (shapes only; weights are never read)."""
+    model_type = _hf_model_type(config, where)
+    convert = _llama_fields if model_type in HF_LLAMA_TYPES else _gpt2_fields
+    fields = convert(config, where)
+    try:
+        return ModelSpec(name=name, **fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML or JSON file into a dict; syntax errors name the file, line and column."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = _parse_json(text, path)
+    else:
+        data = _parse_yaml(text, path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields (key: value), got {type(data).__name__}")
+    return data
+
+
+def closest_first(name: str, choices: list[str] | tuple[str, ...]) -> list[str]:
+    """`choices` with the ones closest to `name` first (difflib), the rest in their given order."""
+    close = difflib.get_close_matches(name.lower(), list(choices), n=len(choices), cutoff=0.5)
+    return close + [c for c in choices if c not in close]
+
+
+# ---- presets and files ----------------------------------------------------------------------
+def _looks_like_path(text: str) -> bool:
+    return "/" in text or "\\" in text or text.lower().endswith(FILE_SUFFIXES) or Path(text).is_file()
+
+
+def _preset(presets: Mapping[str, Any], name: str, kind: str) -> Any:
+    if name in presets:
+        return presets[name]
+    lowered = {k.lower(): k for k in presets}
+    if name.lower() in lowered:
+        return presets[lowered[name.lower()]]
+    ordered = closest_first(name, list(presets))
+    hint = f"did you mean {ordered[0]!r}? " if difflib.get_close_matches(name.lower(), list(presets), n=1) else ""
+    raise ConfigError(
+        f"unknown {kind} {name!r}; {hint}presets: {', '.join(ordered)} (or a path to a {kind} file)"
+    )
+
+
+def _existing_file(text: str, kind: str) -> Path:
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"  # a Hugging Face model directory
+    if not path.is_file():
+        raise ConfigError(f"{kind} file {text!r} does not exist; give a preset name or a .yaml/.json {kind} file")
+    return path
+
+
+def _default_name(path: Path) -> str:
+    return path.stem if path.stem != "config" else path.parent.name or "custom"
+
+
+def _spec_from_mapping(cls: type, presets: Mapping[str, Any], data: dict[str, Any], kind: str, path: Path,
+                       default_name: str) -> Any:
+    """Fields of `cls` from a file, optionally on top of ``preset: NAME`` (nested mappings merged)."""
+    data = dict(data)
+    base: dict[str, Any] = {"name": default_name}
+    if "preset" in data:
+        preset = data.pop("preset")
+        base = _preset(presets, str(preset), kind).to_dict()
+    merged = _merge(base, data)
+    try:
+        return cls.from_dict(merged)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    import yaml  # only needed for YAML files
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or "syntax error"
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML: {problem}{at}") from None
+
+
+# ---- Hugging Face config.json ---------------------------------------------------------------
+def _is_hf_config(data: Mapping[str, Any]) -> bool:
+    return "model_type" in data or "architectures" in data
+
+
+def _hf_name(path: Path, data: Mapping[str, Any]) -> str:
+    given = data.get("_name_or_path")
+    if isinstance(given, str) and given:
+        return given.rstrip("/").split("/")[-1]
+    return _default_name(path)
+
+
+def _hf_model_type(config: Mapping[str, Any], where: str) -> str:
+    model_type = config.get("model_type")
+    if model_type is None:
+        for arch in config.get("architectures") or ():
+            if arch in HF_ARCHITECTURES:
+                model_type = HF_ARCHITECTURES[arch]
+                break
+    supported = HF_LLAMA_TYPES + HF_GPT_TYPES
+    if model_type not in supported:
+        shown = model_type if model_type is not None else config.get("architectures")
+        raise ConfigError(
+            f"{where}: Hugging Face model type {shown!r} is not supported; supported model_type values: "
+            f"{', '.join(supported)} (or write a plait model file with ModelSpec fields)"
+        )
+    return str(model_type)
+
+
+def _need(config: Mapping[str, Any], key: str, where: str) -> Any:
+    if config.get(key) is None:
+        raise ConfigError(f"{where}: missing required key {key!r} for this model_type")
+    return config[key]
+
+
+def _llama_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    hidden = _need(config, "hidden_size", where)
+    heads = _need(config, "num_attention_heads", where)
+    head_dim = config.get("head_dim")
+    if head_dim is not None and heads and head_dim * heads != hidden:
+        # plait's blocks derive head_dim = hidden / heads; a decoupled head_dim changes every shape.
+        raise ConfigError(
+            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={hidden}/{heads}; "
+            f"plait models need head_dim = hidden_size / num_attention_heads"
+        )
+    if config.get("num_local_experts") or config.get("num_experts"):
+        raise ConfigError(f"{where}: mixture-of-experts models are not supported; plait plans dense decoders")
+    return dict(
+        arch="llama",
+        num_layers=_need(config, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=_need(config, "intermediate_size", where),
+        vocab_size=_need(config, "vocab_size", where),
+        max_seq_len=config.get("max_position_embeddings") or 2048,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+    )
+
+
+def _gpt2_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    hidden = _need(config, "n_embd", where)
+    return dict(
+        arch="gpt",
+        num_layers=_need(config, "n_layer", where),
+        hidden_size=hidden,
+        num_heads=_need(config, "n_head", where),
+        ffn_hidden_size=config.get("n_inner") or None,  # None in GPT-2 configs means 4 * n_embd
+        vocab_size=_need(config, "vocab_size", where),
+        max_seq_len=config.get("n_positions") or 1024,
+        # GPT2LMHeadModel always ties lm_head to wte; the key is absent from most GPT-2 configs.
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
+# ---- human units for cluster files ----------------------------------------------------------
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
+           "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_TIME_DIVISOR = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 5 / 1e6 is exactly 5e-6
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s*$")
+
+
+def parse_bytes(value: Any, where: str = "value") -> float:
+    """80GiB, 80 GB, 8e10, 80e9 -> bytes."""
+    return _parse_unit(value, where, r"(k|m|g|t|p|ki|mi|gi|ti)?b", "bytes such as 80GiB or 8.6e10")
+
+
+def parse_flops(value: Any, where: str = "value") -> float:
+    """312 TFLOPS, 312e12, 989TFLOP/s -> FLOP/s."""
+    return _parse_unit(value, where, r"(k|m|g|t|p)?flop(s|/s)?", "FLOP/s such as 312 TFLOPS or 3.12e14")
+
+
+def parse_bandwidth(value: Any, where: str = "value") -> float:
+    """230 GB/s, 25GBps, 2.3e11 -> bytes per second; a lower-case b means bits (200 Gb/s = 25e9 B/s)."""
+    rate = _parse_unit(value, where, r"(k|m|g|t|ki|mi|gi|ti)?b(/s|ps)", "bytes/s such as 230 GB/s, 200 Gb/s or 2.3e11")
+    is_bits = isinstance(value, str) and re.search(r"b(/s|ps)\s*$", value) is not None
+    return rate / 8 if is_bits else rate
+
+
+def parse_seconds(value: Any, where: str = "value") -> float:
+    """5us, 0.5 ms, 5e-6 -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    match = _QUANTITY.match(str(value))
+    if match and match.group(2).lower() in _TIME_DIVISOR:
+        return float(match.group(1)) / _TIME_DIVISOR[match.group(2).lower()]
+    if match and not match.group(2):
+        return float(match.group(1))
+    raise ConfigError(f"{where}: cannot read {value!r} as a time; write seconds such as 5e-6, 5us or 0.5ms")
+
+
+def _parse_unit(value: Any, where: str, unit_pattern: str, example: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    match = _QUANTITY.match(str(value))
+    unit = match.group(2).lower() if match else ""
+    if match and (not unit or re.fullmatch(unit_pattern, unit)):
+        prefix = re.match(r"^(ki|mi|gi|ti|k|m|g|t|p)?", unit).group(1) or ""
+        return float(match.group(1)) * _PREFIX[prefix]
+    raise ConfigError(f"{where}: cannot read {value!r}; write {example}")
+
+
+_CLUSTER_UNITS: dict[str, Callable[[Any, str], float]] = {
+    "memory_bytes": parse_bytes,
+    "peak_flops": parse_flops,
+}
+_LINK_UNITS: dict[str, Callable[[Any, str], float]] = {
+    "bandwidth": parse_bandwidth,
+    "latency_s": parse_seconds,
+}
+
+
+def _normalize_cluster_units(data: dict[str, Any], where: str) -> dict[str, Any]:
+    out = dict(data)
+    for key, parse in _CLUSTER_UNITS.items():
+        if key in out and isinstance(out[key], str):
+            out[key] = parse(out[key], f"{where}: cluster.{key}")
+    for level in ("intra_node", "inter_node"):
+        link = out.get(level)
+        if isinstance(link, Mapping):
+            link = dict(link)
+            for key, parse in _LINK_UNITS.items():
+                if key in link and isinstance(link[key], str):
+                    link[key] = parse(link[key], f"{where}: cluster.{level}.{key}")
+            out[level] = link
+    return out

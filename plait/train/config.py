@@ -1,0 +1,238 @@
+"""The `plait train` config: a TOML file read into nested frozen dataclasses.
+
+    [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json)
+    [data]       source = "shipped"               # or "text" / "tokens" with path (and dtype)
+    [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
+    [train]      steps = 200, global_batch = 16, seq_len = 128, seed = 0
+    [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"
+    [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3
+    [log]        dir = "runs/x", every = 10
+
+Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
+Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
+Overrides from the command line use dotted keys: ``--set train.steps=20``; the value is
+read as TOML (``20``, ``3e-4``, ``"cosine"``, ``[0.9, 0.95]``) and falls back to a string.
+
+This module imports no torch: the launcher reads and checks the config before starting ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from plait.errors import ConfigError
+from plait.spec import TrainSpec
+from plait.spec._dict import from_dict, to_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    preset: str | None = "tiny-gpt"
+    """A name from plait.spec.models.MODEL_PRESETS (ignored when `file` is set)."""
+    file: str | None = None
+    """A plait model file (JSON/YAML of ModelSpec fields) or a Hugging Face config.json."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["shipped", "text", "tokens"] = "shipped"
+    """"shipped": the text in plait/data; "text": a UTF-8 file (byte tokens); "tokens": a uint16/uint32 file."""
+    path: str | None = None
+    """The text or token file for source "text" / "tokens"."""
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Element type of a token file; "auto" reads it from the name (train.u16.bin, train.uint32.bin)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up, then a cosine decay to `min_lr_ratio`·lr or a constant rate."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup: int = 10
+    """Steps of linear warm-up from lr/warmup to lr."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    """Final rate of the cosine schedule as a fraction of lr."""
+    clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this; 0 turns clipping off."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.warmup < 0 or self.clip < 0 or self.weight_decay < 0:
+            raise ValueError(f"warmup={self.warmup}, clip={self.clip}, weight_decay={self.weight_decay} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={list(self.betas)} must be two numbers in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Sequences per step over all data-parallel ranks."""
+    seq_len: int = 128
+    """Tokens per sequence (at most the model's max_seq_len)."""
+    seed: int = 0
+    """Seeds the initial weights and the data order."""
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    """Compute dtype; None: the plan file's, or for "auto" fp32 on CPU clusters and bf16 on GPUs."""
+    max_seconds: float = 0.0
+    """Stop early once this much wall time has passed (0: no limit); the demo uses it."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.max_seconds < 0:
+            raise ValueError(f"max_seconds={self.max_seconds} must be >= 0")
+
+    def spec(self, default_precision: str = "fp32") -> TrainSpec:
+        return TrainSpec(global_batch=self.global_batch, seq_len=self.seq_len,
+                         precision=self.precision or default_precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    file: str = "auto"
+    """A plan JSON (from `plait plan --json`, or by hand), or "auto" to plan for `cluster` here."""
+    cluster: str = "local-cpu"
+    """Cluster preset or cluster file that "auto" plans for."""
+    devices: int | None = None
+    """Devices "auto" plans for; None: --nproc, else 2."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """Pins passed to the search with "auto", e.g. {tp = 2, schedule = "1f1b"}."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go; None: no checkpoints."""
+    every: int = 0
+    """Save every this many steps (and at the end); 0: only at the end."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in `dir`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    dir: str = "runs/train"
+    """Gets metrics.jsonl, plan.json, loss.png (and model.pt with save_model)."""
+    every: int = 10
+    """Print a line every this many steps when the output is not a terminal."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    save_model: bool = False
+    """Write the final weights as one full state dict, model.pt (what `plait demo` samples from)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+# ---- reading --------------------------------------------------------------------------
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML config (None: all defaults) and apply ``section.key=value`` overrides."""
+    data = read_toml(Path(path)) if path is not None else {}
+    for item in overrides:
+        apply_override(data, item)
+    return config_from_dict(data)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file (see examples/*.toml)")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return from_dict(Config, data, "config")
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``section.key=value`` in the raw dict; the dataclasses then check the key and type."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=20")
+    section = _section_class(parts[0], item)
+    allowed = {f.name for f in dataclasses.fields(section)}
+    if parts[1] not in allowed:
+        raise ConfigError(f"override {item!r}: unknown key {parts[0]}.{parts[1]}; "
+                          f"known keys: {', '.join(sorted(allowed))}")
+    table = data
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a table")
+    table[parts[-1]] = parse_value(text.strip())
+
+
+def _section_class(name: str, item: str) -> type:
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    if name not in sections:
+        raise ConfigError(f"override {item!r}: unknown section {name!r}; known sections: {', '.join(sections)}")
+    return sections[name]
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value (number, bool, string, list, inline table), else the bare text as a string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+# ---- writing --------------------------------------------------------------------------
+def dump_toml(config: Config) -> str:
+    """The config as TOML that `load_config` reads back (None values are left out: they are defaults)."""
+    lines: list[str] = []
+    for section, table in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in table.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
+    raise ConfigError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,65 @@
+"""Where checkpoints plug into the training loop.
+
+The loop calls `resume(state)` once before the first step and `after_step(state, final)` after
+every optimizer step. `TrainState` carries everything a checkpoint must hold: the parallel
+model, the optimizer, the data loader (its `state_dict()` is its position), the step, the
+plan and the config. The checkpoint module (plait/train/checkpoint.py, with
+`torch.distributed.checkpoint`) provides a `Checkpointer` with these two methods; until it
+exists, or when `[checkpoint] dir` is unset, `NoCheckpoints` keeps the loop unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from plait.errors import ConfigError
+from plait.plan import Plan
+from plait.train.config import Config
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """The live objects of a run (mutable on purpose: `step` advances, a resume loads into them)."""
+
+    config: Config
+    plan: Plan
+    model: Any
+    """plait.execute.ParallelModel."""
+    optimizer: Any
+    loader: Any
+    """plait.train.data.BatchLoader."""
+    step: int = 0
+    """Optimizer steps done."""
+    tokens: int = 0
+    """Tokens trained on so far."""
+
+
+class CheckpointHooks(Protocol):
+    def resume(self, state: TrainState) -> None:
+        """Load the latest complete checkpoint into `state` (model, optimizer, loader, step), if any."""
+
+    def after_step(self, state: TrainState, final: bool) -> None:
+        """Save a checkpoint if one is due (every N steps, and at the end when `final`)."""
+
+
+class NoCheckpoints:
+    def resume(self, state: TrainState) -> None:
+        pass
+
+    def after_step(self, state: TrainState, final: bool) -> None:
+        pass
+
+
+def make_checkpoint_hooks(config: Config) -> CheckpointHooks:
+    if config.checkpoint.dir is None:
+        if config.checkpoint.resume:
+            raise ConfigError("checkpoint.resume=true needs checkpoint.dir (where the checkpoints are)")
+        return NoCheckpoints()
+    try:
+        from plait.train.checkpoint import Checkpointer  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError(
+            "checkpoint.dir is set but this plait has no checkpoint support yet; unset [checkpoint] dir"
+        ) from None
+    return Checkpointer(config)

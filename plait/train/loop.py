@@ -1,0 +1,172 @@
+"""The training loop one rank runs: plan -> parallel model -> optimizer -> steps -> metrics and plot.
+
+Every rank runs `run(config)` under torchrun (or `plait.launch.run_local`). Rank 0 alone
+writes metrics.jsonl, draws the progress bar and the loss plot; every rank takes part in the
+collectives (train step, gradient clipping, the final full state dict).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.plan import Plan
+from plait.train.config import Config, OptimizerConfig
+from plait.train.data import BatchLoader, check_vocab, load_tokens
+from plait.train.hooks import TrainState, make_checkpoint_hooks
+from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
+from plait.train.resolve import resolve_plan
+
+DIST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """What a finished run leaves behind (rank 0 fills the paths)."""
+
+    steps: int
+    first_loss: float
+    last_loss: float
+    metrics_path: Path
+    plot_path: Path | None
+    model_path: Path | None
+
+
+def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine or constant."""
+    if optimizer.warmup and step < optimizer.warmup:
+        return optimizer.lr * (step + 1) / optimizer.warmup
+    if optimizer.schedule == "constant":
+        return optimizer.lr
+    decay_steps = max(1, total_steps - optimizer.warmup)
+    progress = min(1.0, (step - optimizer.warmup) / decay_steps)
+    floor = optimizer.lr * optimizer.min_lr_ratio
+    return floor + 0.5 * (optimizer.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def run(config: Config) -> RunResult:
+    """Train as one rank of the plan's world (the process group is started here if needed)."""
+    from plait.launch import init_distributed
+
+    plan = resolve_plan(config)  # every rank resolves the same plan (the launcher passes a plan file)
+    init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
+    try:
+        return _train(config, plan)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device(plan: Plan) -> torch.device:
+    if plan.cluster.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _train(config: Config, plan: Plan) -> RunResult:
+    from plait.execute import parallelize
+
+    rank = dist.get_rank()
+    device = _device(plan)
+    model = parallelize(plan, seed=config.train.seed, device=device)
+    opt = config.optimizer
+    optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
+    state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=_loader(config, plan, model))
+    hooks = make_checkpoint_hooks(config)
+    hooks.resume(state)
+    log_dir = Path(config.log.dir)
+    metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, append=state.step > 0)
+    losses = _steps(state, hooks, metrics, device)
+    metrics.close()
+    model_path = _save_full_model(state, log_dir) if config.log.save_model else None
+    plot_path = _plot(metrics.path) if rank == 0 and losses else None
+    return RunResult(steps=state.step, first_loss=losses[0] if losses else math.nan,
+                     last_loss=losses[-1] if losses else math.nan, metrics_path=metrics.path,
+                     plot_path=plot_path, model_path=model_path)
+
+
+def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
+    tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
+    check_vocab(tokens, plan.model.vocab_size)
+    dp_mesh = model.mesh["dp"]
+    return BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
+                       seed=config.train.seed, dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
+
+
+def _throughput(plan: Plan) -> Throughput:
+    tokens = plan.train.global_batch * plan.train.seq_len
+    return Throughput(tokens_per_step=tokens,
+                      flops_per_step=tokens * model_flops_per_token(plan.model, plan.train.seq_len),
+                      peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
+
+
+def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.device) -> list[float]:
+    config = state.config
+    total = config.train.steps
+    throughput = _throughput(state.plan)
+    losses: list[float] = []
+    start = time.perf_counter()
+    is_rank0 = dist.get_rank() == 0
+    with ProgressDisplay(total, enabled=is_rank0 and config.log.progress, every=config.log.every) as progress:
+        while state.step < total:
+            m = _one_step(state, throughput, device, elapsed_s=time.perf_counter() - start)
+            losses.append(m.loss)
+            metrics.write(m)
+            progress.update(m)
+            final = state.step == total or _out_of_time(config.train.max_seconds, start)
+            hooks.after_step(state, final=final)
+            if final:
+                break
+    return losses
+
+
+def _one_step(state: TrainState, throughput: Throughput, device: torch.device, elapsed_s: float) -> StepMetrics:
+    config = state.config
+    lr = lr_at(state.step, config.optimizer, config.train.steps)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    tokens, targets = state.loader.next_batch()
+    began = time.perf_counter()
+    state.optimizer.zero_grad(set_to_none=True)
+    loss = state.model.train_step(tokens.to(device), targets.to(device))
+    grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
+    state.optimizer.step()
+    step_time = time.perf_counter() - began
+    state.step += 1
+    state.tokens += throughput.tokens_per_step
+    return StepMetrics(step=state.step, loss=float(loss), lr=lr,
+                       grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,
+                       tokens_per_s=throughput.tokens_per_s(step_time), mfu=throughput.mfu(step_time),
+                       tokens=state.tokens, elapsed_s=elapsed_s + step_time)
+
+
+def _out_of_time(max_seconds: float, start: float) -> bool:
+    """Whether to stop for the time limit; rank 0's clock decides so that every rank stops together."""
+    if max_seconds <= 0:
+        return False
+    flag = torch.tensor([1 if time.perf_counter() - start >= max_seconds else 0])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _save_full_model(state: TrainState, log_dir: Path) -> Path | None:
+    """Gather the full weights (a collective: every rank calls it) and write them from rank 0."""
+    full = state.model.full_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    path = log_dir / "model.pt"
+    torch.save({k: v.detach().cpu() for k, v in full.items()}, path)
+    return path
+
+
+def _plot(metrics_path: Path) -> Path | None:
+    from plait.report import plot_loss_curve
+
+    return Path(plot_loss_curve(metrics_path, metrics_path.parent / "loss.png"))

@@ -1,0 +1,129 @@
+"""What a training run reports: model FLOPs and MFU, JSON-lines metrics, and the rank-0 progress display."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from plait.spec import ModelSpec
+
+
+def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Model FLOPs (forward + backward, no recompute) per trained token.
+
+    Matmuls only, as in Narayanan et al. (2021) and Korthikanti et al. (2022): 2 FLOPs per
+    weight per token forward, plus attention scores and weighted values (4·s·h per layer per
+    token forward, the causal mask not discounted), times 3 for forward + backward. For a GPT
+    with ffn = 4h this is their 72·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per sequence.
+    """
+    h, kv, f = spec.hidden_size, spec.kv_size, spec.ffn_hidden_size
+    attention_weights = 2 * h * h + 2 * h * kv
+    mlp_weights = (3 if spec.gated_mlp else 2) * h * f
+    per_layer = 2 * (attention_weights + mlp_weights) + 4 * seq_len * h
+    logits = 2 * h * spec.vocab_size
+    return 3.0 * (spec.num_layers * per_layer + logits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """One line of metrics.jsonl."""
+
+    step: int
+    """Optimizer steps done (1 after the first)."""
+    loss: float
+    """Mean loss over the global batch."""
+    lr: float
+    grad_norm: float | None
+    """Global gradient norm before clipping (None without clipping)."""
+    step_time_s: float
+    tokens_per_s: float
+    """Global tokens per second of this step."""
+    mfu: float
+    """Model FLOP/s over the peak of every device in the plan (the cluster spec's peak_flops)."""
+    tokens: int
+    """Tokens trained on so far."""
+    elapsed_s: float
+
+    def to_json(self) -> str:
+        return json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """Turns a step time into tokens/s and MFU for one run's fixed batch and devices."""
+
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops_total: float
+
+    def tokens_per_s(self, step_time_s: float) -> float:
+        return self.tokens_per_step / step_time_s
+
+    def mfu(self, step_time_s: float) -> float:
+        return self.flops_per_step / step_time_s / self.peak_flops_total
+
+
+class MetricsLog:
+    """Appends StepMetrics as JSON lines (rank 0 only; other ranks pass `enabled=False`)."""
+
+    def __init__(self, path: Path, enabled: bool, append: bool = False) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a" if append else "w")
+
+    def write(self, metrics: StepMetrics) -> None:
+        if self._file is not None:
+            self._file.write(metrics.to_json() + "\n")
+            self._file.flush()  # a crashed run keeps every step it finished
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class ProgressDisplay:
+    """A rich progress bar with loss, tokens/s and MFU on a terminal; a line every `every` steps otherwise."""
+
+    def __init__(self, total_steps: int, *, enabled: bool, every: int, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.enabled, self.every = enabled, max(1, every)
+        self.live = enabled and self.console.is_terminal
+        self._progress: Progress | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[speed]} tok/s"),
+                TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, loss="-", speed="-", mfu="-")
+        self.total_steps = total_steps
+
+    def __enter__(self) -> "ProgressDisplay":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def update(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}",
+                                  speed=f"{m.tokens_per_s:,.0f}", mfu=f"{m.mfu:.1%}")
+        elif m.step % self.every == 0 or m.step == self.total_steps or m.step == 1:
+            self.console.print(
+                f"step {m.step:>5}/{self.total_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  "
+                f"{m.tokens_per_s:,.0f} tok/s  MFU {m.mfu:.1%}  {m.step_time_s * 1e3:.0f} ms/step",
+                highlight=False,
+            )

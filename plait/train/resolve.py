@@ -1,0 +1,118 @@
+"""From a Config to the specs and the Plan a run uses, with every mismatch refused before work starts.
+
+No torch here: `plait train` runs these checks in the launching process, so a bad config, a
+missing data file or a plan for another model exits with code 2 before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.plan import Plan
+from plait.spec import ModelSpec
+from plait.spec.load import load_cluster, load_model
+from plait.train.config import Config, ModelConfig
+
+DEFAULT_DEVICES = 2
+
+
+def resolve_model(config: ModelConfig) -> ModelSpec:
+    """The ModelSpec a [model] section names: a model file if given, else a preset."""
+    if config.file:
+        return load_model(config.file if "/" in config.file else f"./{config.file}")
+    if not config.preset:
+        raise ConfigError("[model] needs preset (e.g. 'tiny-gpt') or file (a model file or config.json)")
+    return load_model(config.preset)
+
+
+def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
+    """The plan this run follows: read from [plan] file, or searched for [plan] cluster ("auto")."""
+    model = resolve_model(config.model)
+    check_seq_len(config, model)
+    if config.plan.file == "auto":
+        plan = auto_plan(config, model, num_devices)
+    else:
+        plan = Plan.from_json(config.plan.file)
+        if config.train.precision and config.train.precision != plan.train.precision:
+            # Precision changes memory, not legality: the config may run a plan file in another dtype.
+            plan = plan.replace(train=dataclasses.replace(plan.train, precision=config.train.precision))
+    check_plan(plan, config, model)
+    if num_devices is not None and plan.num_devices != num_devices:
+        raise ConfigError(
+            f"the plan needs {plan.num_devices} devices (dp{plan.dp} x tp{plan.tp} x pp{plan.pp}) but "
+            f"{num_devices} processes were asked for; use --nproc {plan.num_devices} or another plan"
+        )
+    return plan
+
+
+def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan:
+    """The planner's best plan for this model on [plan] cluster with the given device count."""
+    from plait.search import plan as search
+
+    devices = num_devices or config.plan.devices or DEFAULT_DEVICES
+    cluster = load_cluster(config.plan.cluster)
+    cluster = cluster.with_devices(devices)
+    pins: dict[str, Any] = dict(config.plan.pins)
+    precision = "fp32" if cluster.device_type == "cpu" else "bf16"
+    plans = search(model, cluster, config.train.spec(precision), num_devices=devices, **pins)
+    if not plans:
+        raise ConfigError(f"the planner found no plan for {model.name} on {devices} {cluster.name} devices")
+    return plans[0]
+
+
+def check_seq_len(config: Config, model: ModelSpec) -> None:
+    if config.train.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} exceeds {model.name}'s max_seq_len={model.max_seq_len}; "
+            f"use train.seq_len <= {model.max_seq_len}"
+        )
+
+
+def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
+    """Refuse a plan made for another model or another batch shape, naming the first difference."""
+    diff = _first_difference(plan.model, model, ignore=("name",))
+    if diff:
+        key, planned, wanted = diff
+        raise ConfigError(
+            f"the plan is for model {plan.model.name!r} ({key}={planned!r}) but the config trains {model.name!r} "
+            f"({key}={wanted!r}); make a plan for it with `plait plan --model {model.name} --json FILE`"
+        )
+    train = config.train.spec()
+    for key in ("global_batch", "seq_len"):
+        if getattr(plan.train, key) != getattr(train, key):
+            raise ConfigError(
+                f"the plan was made for {key}={getattr(plan.train, key)} but the config has train.{key}="
+                f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
+            )
+
+
+def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:
+    for field in dataclasses.fields(a):
+        if field.name in ignore:
+            continue
+        left, right = getattr(a, field.name), getattr(b, field.name)
+        if left != right:
+            return field.name, left, right
+    return None
+
+
+def check_data(config: Config, model: ModelSpec) -> int:
+    """Load the data once to refuse a missing or too-short file, or ids beyond the vocabulary; returns its length."""
+    from plait.train.data import BatchLoader, check_vocab, load_tokens
+
+    tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
+    where = f"data ({config.data.path or 'shipped text'})"
+    check_vocab(tokens, model.vocab_size, where)
+    BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    return len(tokens)
+
+
+def write_plan(plan: Plan, log_dir: str | Path) -> Path:
+    """Save the plan next to the metrics, so every rank (and a later look) reads the same one."""
+    path = Path(log_dir) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan.to_json() + "\n")
+    return path

@@ -1,0 +1,80 @@
+"""The plan cases the multi-process equivalence tests run, grouped by world size.
+
+Tiny models (4 layers, hidden 32, vocab 64, seq 16) so that one launch per world size
+runs every case in a few seconds each on a 2-core machine. Each case is the keyword
+arguments of a Plan plus the model's arch; `clip` turns on gradient clipping (at a norm
+below the real one, so clipping acts) to prove the global norm across shards."""
+
+from __future__ import annotations
+
+from plait.plan import Plan
+from plait.spec import ModelSpec, TrainSpec
+from plait.spec.clusters import CLUSTER_PRESETS
+
+SEQ_LEN = 16
+CLIP = 0.5
+
+
+def tiny_spec(arch: str, num_layers: int = 4) -> ModelSpec:
+    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64."""
+    return ModelSpec(name=f"tiny-{arch}-test", arch=arch, num_layers=num_layers, hidden_size=32, num_heads=4,
+                     num_kv_heads=2 if arch == "llama" else None, ffn_hidden_size=64, vocab_size=64, max_seq_len=32)
+
+
+def make_plan(case: dict) -> Plan:
+    kwargs = {k: v for k, v in case.items() if k not in ("name", "arch", "clip", "world", "layers")}
+    kwargs.setdefault("tp", 1)
+    kwargs.setdefault("pp", 1)
+    kwargs.setdefault("dp", 1)
+    kwargs.setdefault("micro_batch", 1)
+    kwargs.setdefault("num_micro_batches", 2)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    global_batch = kwargs["dp"] * kwargs["micro_batch"] * kwargs["num_micro_batches"]
+    return Plan(model=tiny_spec(case["arch"], case.get("layers", 4)),
+                train=TrainSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32"),
+                cluster=CLUSTER_PRESETS["local-cpu"], **kwargs)
+
+
+def _case(name: str, arch: str, world: int, clip: bool = True, **plan) -> dict:
+    return {"name": name, "arch": arch, "world": world, "clip": clip, **plan}
+
+
+CASES: list[dict] = [
+    # ---- 2 ranks: every technique alone --------------------------------------------
+    _case("ddp", "gpt", 2, dp=2),
+    _case("ddp-accumulate-noclip", "llama", 2, clip=False, dp=2, micro_batch=2, num_micro_batches=3),
+    _case("zero1", "gpt", 2, dp=2, zero=1),
+    _case("zero2", "llama", 2, dp=2, zero=2),
+    _case("zero3-fsdp", "gpt", 2, dp=2, zero=3, micro_batch=2),
+    _case("zero1-selective", "llama", 2, dp=2, zero=1, recompute=["selective"]),
+    _case("zero2-full", "gpt", 2, dp=2, zero=2, recompute=["full"]),
+    _case("zero3-selective", "llama", 2, dp=2, zero=3, recompute=["selective"]),
+    _case("tp", "llama", 2, tp=2, micro_batch=2),
+    _case("tp-sp", "gpt", 2, tp=2, sequence_parallel=True, micro_batch=2),
+    _case("tp-sp-llama-full", "llama", 2, tp=2, sequence_parallel=True, recompute=["full"]),
+    _case("pp-gpipe-uneven", "gpt", 2, pp=2, schedule="gpipe", layers_per_stage=[3, 1]),
+    _case("pp-1f1b-recompute-per-stage", "llama", 2, pp=2, schedule="1f1b", num_micro_batches=4,
+          layers_per_stage=[1, 3], recompute=["full", "selective"]),
+    _case("pp-interleaved-uneven-empty-end", "gpt", 2, pp=2, schedule="interleaved", interleave=2,
+          num_micro_batches=4, layers_per_stage=[2, 1, 1, 0]),
+    _case("pp-1f1b-empty-first", "gpt", 2, pp=2, schedule="1f1b", layers_per_stage=[0, 4]),
+    # ---- 4 ranks: the combinations that matter --------------------------------------
+    _case("fsdp-tp-sp", "llama", 4, dp=2, tp=2, zero=3, sequence_parallel=True),
+    _case("ddp-tp", "gpt", 4, dp=2, tp=2, zero=0),
+    _case("zero1-tp-selective", "gpt", 4, dp=2, tp=2, zero=1, recompute=["selective"]),
+    _case("tp-sp-pp", "gpt", 4, tp=2, pp=2, sequence_parallel=True, schedule="1f1b", layers_per_stage=[1, 3]),
+    _case("dp-pp-zero1-interleaved", "llama", 4, dp=2, pp=2, zero=1, schedule="interleaved", interleave=2,
+          num_micro_batches=4, layers_per_stage=[1, 1, 2, 0], recompute=["selective", "none"]),
+    _case("dp4-zero3-full", "gpt", 4, dp=4, zero=3, recompute=["full"], num_micro_batches=1),
+    _case("pp4-gpipe-uneven", "llama", 4, pp=4, schedule="gpipe", layers=6, layers_per_stage=[1, 2, 2, 1]),
+    _case("tp4-sp", "gpt", 4, tp=4, sequence_parallel=True),
+    # ---- 8 ranks: DP x TP x PP = 2 x 2 x 2 -------------------------------------------
+    _case("2x2x2-sp-zero1-1f1b", "gpt", 8, dp=2, tp=2, pp=2, sequence_parallel=True, zero=1, schedule="1f1b"),
+    _case("2x2x2-fsdp-interleaved-uneven", "llama", 8, dp=2, tp=2, pp=2, zero=3, schedule="interleaved",
+          interleave=2, num_micro_batches=4, layers=6, layers_per_stage=[2, 1, 2, 1], recompute=["selective", "full"]),
+    _case("2x2x2-ddp-gpipe", "gpt", 8, dp=2, tp=2, pp=2, zero=0, schedule="gpipe", recompute=["full", "none"]),
+]
+
+
+def cases_for(world: int) -> list[dict]:
+    return [case for case in CASES if case["world"] == world]

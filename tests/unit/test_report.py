@@ -1,0 +1,116 @@
+"""plait.report: table cells, the plans table, and that every plot writes a readable PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from plait.errors import ConfigError
+from plait.plan import Plan, Prediction
+from plait.report import (
+    Candidate, TimelineEvent, plans_table, plot_candidates, plot_loss_curve, plot_memory_per_stage,
+    plot_predicted_vs_measured, plot_timeline, search_stats_line,
+)
+from plait.report.curves import as_predicted_measured, read_metrics
+from plait.report.tables import human_count, layers_cell, recompute_cell, run_length, schedule_cell, seconds_cell
+from plait.spec import TrainSpec
+from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.models import MODEL_PRESETS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _plan(**changes) -> Plan:
+    fields = dict(
+        dp=2, tp=2, pp=2, zero=1, micro_batch=1, num_micro_batches=4, schedule="interleaved", interleave=2,
+        recompute=("full", "none"), layers_per_stage=(1, 1, 1, 1),
+        model=MODEL_PRESETS["tiny-gpt"], train=TrainSpec(global_batch=8, seq_len=64),
+        cluster=CLUSTER_PRESETS["local-cpu"],
+        predicted=Prediction(step_time_s=0.25, peak_memory_bytes=1.5 * 2**30, tokens_per_s=2048.0,
+                             model_tflops_per_device=0.0123, mfu=0.31, bubble_fraction=0.125),
+    )
+    fields.update(changes)
+    return Plan(**fields)
+
+
+def _render(table) -> str:
+    console = Console(width=220, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def test_run_length_compresses_long_runs_only():
+    assert run_length([12, 12, 12, 11]) == "12×3|11"
+    assert run_length([3, 3, 2]) == "3|3|2"
+    assert run_length([]) == ""
+
+
+def test_cells():
+    plan = _plan()
+    assert layers_cell(plan) == "1×4"
+    assert recompute_cell(plan) == "full,none"
+    assert recompute_cell(plan.replace(recompute=("full", "full"))) == "full"
+    assert schedule_cell(plan) == "interleaved v2"
+    assert schedule_cell(_plan(pp=1, dp=4, interleave=1, schedule="1f1b", recompute=("none",),
+                               layers_per_stage=(), num_micro_batches=2)) == "-"
+    assert human_count(1_234_567) == "1.23M" and human_count(12) == "12"
+    assert seconds_cell(0.25) == "250 ms" and seconds_cell(12.34) == "12.3 s"
+
+
+def test_plans_table_holds_every_column_and_row():
+    plans = [_plan(), _plan(zero=3)]
+    text = _render(plans_table(plans, title="two plans"))
+    for header in ("dp×tp×pp", "ZeRO", "recompute", "mb×n", "schedule", "layers/stage", "step", "tokens/s",
+                   "TFLOP/s/dev", "MFU", "bubble", "peak GiB"):
+        assert header in text
+    assert "2×2×2" in text and "1×4" in text and "250 ms" in text and "31.0%" in text and "12.5%" in text
+    assert "1.5" in text and "two plans" in text
+
+
+def test_search_stats_line():
+    assert search_stats_line(12345, 0.4321, 17) == "searched 12,345 candidates, 17 feasible in 0.43 s"
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000
+
+
+def test_plan_plots_write_pngs(tmp_path):
+    events = [TimelineEvent(rank=r, kind=k, micro_batch=i, chunk=i % 2, start_s=t, end_s=t + 0.01)
+              for r in range(2) for i in range(3) for k, t in (("F", 0.01 * (i + r)), ("B", 0.1 + 0.02 * i))]
+    assert _is_png(plot_timeline(events, tmp_path / "t.png", title="x"))
+    parts = [{"params": 1e9, "optimizer": 2e9, "activations": 3e9}, {"params": 1e9, "optimizer": 2e9}]
+    assert _is_png(plot_memory_per_stage(parts, tmp_path / "m.png", memory_limit_bytes=8 * 2**30))
+    points = [Candidate(step_time_s=0.1 * (i + 1), peak_memory_bytes=i * 2**30, pp=1 + i % 2) for i in range(30)]
+    assert _is_png(plot_candidates(points, tmp_path / "c.png", best=points[0], memory_limit_bytes=40 * 2**30))
+
+
+def test_loss_curve_from_metrics_jsonl(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "loss": 5.0 / (s + 1), "lr": 1e-3} for s in range(20)] + [{"step": 19, "val_loss": 0.4}]
+    metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    assert len(read_metrics(metrics)) == 21
+    assert _is_png(plot_loss_curve(metrics, tmp_path / "sub" / "loss.png"))
+
+
+def test_loss_curve_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        plot_loss_curve(tmp_path / "none.jsonl", tmp_path / "x.png")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "loss": 1}\n{oops\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        plot_loss_curve(bad, tmp_path / "x.png")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="no records"):
+        plot_loss_curve(empty, tmp_path / "x.png")
+
+
+def test_predicted_vs_measured_accepts_rows_in_several_shapes(tmp_path):
+    rows = [("dp2", 0.5, 0.55), {"label": "tp2", "predicted_s": 0.8, "measured_s": 0.7}, (0.6, 0.62)]
+    assert [as_predicted_measured(r).measured for r in rows] == [0.55, 0.7, 0.62]
+    assert _is_png(plot_predicted_vs_measured(rows, tmp_path / "pvm.png", best_label="dp2"))
+    with pytest.raises(ConfigError):
+        plot_predicted_vs_measured([], tmp_path / "none.png")
