@@ -124,8 +124,15 @@ def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
 
 
 def _report_failure(failure) -> None:
-    """One line per failed rank, the first failure (the root cause) first."""
+    """One line per failed rank, the first failure (the root cause) first; ranks the launcher
+    itself stopped (SIGTERM) are left out unless nothing else failed."""
     failures = sorted(failure.failures.items(), key=lambda item: item[1].timestamp)
-    for rank, info in failures:
+    causes = [(rank, info) for rank, info in failures if info.signal_name() != "SIGTERM"] or failures
+    for rank, info in causes:
         reason = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {info.signal_name()}"
         print(f"plait: rank {rank} failed ({reason}); the other ranks were stopped", file=sys.stderr)
+        if info.error_file_data:
+            message = info.error_file_data.get("message", {})
+            text = message.get("message") if isinstance(message, dict) else message
+            if text:
+                print(f"plait: rank {rank}: {str(text).strip().splitlines()[-1]}", file=sys.stderr)

@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     num_devices = args.devices or cluster.num_devices
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
-    _print_result(result, args.top, model, cluster, num_devices)
+    _print_result(result, args.top, model, cluster, num_devices, all_feasible=_search_top(args) is None)
     if args.json:
         _write_json(args.json, result, args.top)
     if args.report:
@@ -144,13 +144,13 @@ def _console():
     return probe if probe.is_terminal else Console(width=200)
 
 
-def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
-    from plait.report.tables import plans_table, search_stats_line
+def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int, all_feasible: bool) -> None:
+    from plait.report.tables import human_count, plans_table, search_stats_line
 
     console = _console()
     plans = list(result.plans)
-    title = (f"{model.name} ({model.num_params / 1e9:.3g}B params) on {num_devices:,} x {cluster.name}: "
-             f"top {min(top, len(plans))} of {len(plans):,} feasible plans")
+    title = (f"{model.name} ({human_count(model.num_params)} params) on {num_devices:,} × {cluster.name}, "
+             f"batch {result_batch(plans)}: top {min(top, len(plans))} plans")
     console.print(plans_table(plans[:top], title=title))
     if len(plans) >= 2:
         from plait.search import explain
@@ -158,19 +158,31 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print(f"[bold]why #1 beats #2:[/bold] {explain(plans[0], plans[1])}", highlight=False)
     if plans and plans[0].predicted is not None:
         console.print(_parts_line(plans[0].predicted), highlight=False)
-    console.print(search_stats_line(result.candidates_evaluated, result.seconds, len(plans)), highlight=False)
+    feasible = len(plans) if all_feasible else None
+    console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible), highlight=False)
+
+
+def result_batch(plans: list[Any]) -> str:
+    if not plans:
+        return "?"
+    train = plans[0].train
+    return f"{train.global_batch}×{train.seq_len} {train.precision}"
 
 
 def _parts_line(predicted: Any) -> str:
     """'#1 step 1.23 s = compute 0.9 + bubble 0.2 + ...; peak 61.2 GiB = params 10.1 + ...'."""
-    time_parts = " + ".join(f"{k} {v:.3g}" for k, v in _nonzero(predicted.step_time_parts))
-    memory_parts = " + ".join(f"{k} {v / 2**30:.3g}" for k, v in _nonzero(predicted.memory_parts))
+    time_parts = " + ".join(f"{k} {v:.3g}" for k, v in _largest(predicted.step_time_parts))
+    memory_parts = " + ".join(f"{k} {v / 2**30:.3g}" for k, v in _largest(predicted.memory_parts))
     return (f"#1 step {predicted.step_time_s:.3g} s = {time_parts or '?'}; "
             f"peak {predicted.peak_memory_bytes / 2**30:.3g} GiB = {memory_parts or '?'}")
 
 
-def _nonzero(parts: dict[str, float]) -> list[tuple[str, float]]:
-    return sorted(((k, v) for k, v in parts.items() if v > 0), key=lambda kv: -kv[1])
+def _largest(parts: dict[str, float], share: float = 0.01) -> list[tuple[str, float]]:
+    """Parts of at least `share` of the total, largest first; the small rest summed as 'other'."""
+    total = sum(parts.values()) or 1.0
+    big = sorted(((k, v) for k, v in parts.items() if v >= share * total), key=lambda kv: -kv[1])
+    rest = sum(v for k, v in parts.items() if v < share * total)
+    return big + ([("other", rest)] if rest > 0 else [])
 
 
 def _write_json(path: Path, result: Any, top: int) -> None:

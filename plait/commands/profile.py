@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError, PlaitError
+
+if TYPE_CHECKING:  # torch-free at import: the runner module imports torch
+    from plait.profile.runner import ProfileOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +80,7 @@ def _worker(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
-def profile_and_write(options, out: Path, *, name: str = "",  # noqa: ANN001 (ProfileOptions: lazy)
-                      samples: str | None = None) -> Path:
+def profile_and_write(options: "ProfileOptions", out: Path, *, name: str = "", samples: str | None = None) -> Path:
     """Rank 0's share: measure (with a progress bar), print what was found, write the file atomically."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

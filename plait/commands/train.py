@@ -85,11 +85,11 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
-                  f"logs in {config.log.dir}", highlight=False)
+                  f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]
-    code = run_local(plan.num_devices, argv, timeout_s)
+    code = run_local(plan.num_devices, argv, timeout_s=timeout_s)
     if code == 0:
         _print_outputs(console, Path(config.log.dir))
     else:

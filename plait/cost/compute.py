@@ -106,7 +106,7 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     """Time and activation memory of one layer for one micro-batch on one device of a tensor group of `tp`."""
     tokens = micro_batch * seq_len
     dense, attn = layer_flops(model, tokens, seq_len)
-    fraction = gemm_fraction(cluster, model.hidden_size / tp)
+    fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
     fwd = (dense + attn) / tp / rate * rest
@@ -157,7 +157,7 @@ def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch:
     from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
 
     tokens = micro_batch * seq_len
-    rate = cluster.peak_flops * gemm_fraction(cluster, model.hidden_size / tp)
+    rate = cluster.peak_flops * gemm_fraction(cluster, model.hidden_size)
     rest = 1.0 + cluster.efficiency.overhead
     head = head_flops(model, tokens) / tp / rate * rest
     # The embedding is a gather: memory-bound, priced like the non-GEMM part of a tiny GEMM.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from plait.cost.compute import activation_bytes
 from plait.cost.layout import Layout, Setting
 from plait.spec.model import ModelSpec
@@ -121,3 +123,26 @@ def _buffers(setting: Setting, layout: Layout) -> float:
     if layout.zero >= 3 and layout.dp > 1:  # the layer in use and the prefetched next one, gathered
         total += 2.0 * layer_params(setting.model, layout.tp) * setting.dtype_bytes
     return total
+
+
+def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed [pp, M], per_layer [pp, M]) bytes for every pipeline rank and recompute mode: the totals of
+    `rank_memory` in one array pass, for the search."""
+    model, train, tp, b = setting.model, setting.train, layout.tp, layout.micro_batch
+    pp = layout.pp
+    flight = np.array([in_flight(layout, r) for r in range(pp)])
+    act = np.array([activation_bytes(model, b, setting.seq_len, tp, layout.sp, m, setting.dtype_bytes) for m in modes])
+    act_none = activation_bytes(model, b, setting.seq_len, tp, layout.sp, "none", setting.dtype_bytes)
+    states = sum(model_state_bytes(layer_params(model, tp), layout.dp, layout.zero, train).values())
+    per_layer = states + flight[:, None] * act[None, :]
+    ends = np.zeros(pp)
+    ends[0] += first_stage_params(model, tp)
+    ends[-1] += last_stage_params(model, tp, shares_embedding_rank=pp == 1)
+    ends_bytes = np.array([sum(model_state_bytes(e, layout.dp, layout.zero, train).values()) for e in ends])
+    sbh = b * setting.seq_len * model.hidden_size * setting.dtype_bytes
+    extra = np.zeros(pp)
+    extra[0] += flight[0] * 1.5 * sbh / (tp if layout.sp else 1)
+    extra[-1] += 4.0 * b * setting.seq_len * model.vocab_size / tp
+    common = _buffers(setting, layout) + RESERVE_FRACTION * setting.cluster.memory_bytes
+    fixed = (ends_bytes + extra + common)[:, None] + (act_none - act)[None, :]
+    return fixed, per_layer

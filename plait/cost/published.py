@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cost.compute import layer_cost
-from plait.cost.model import predict
+from plait.cost.layout import Layout, Setting
+from plait.cost.model import predict, predict_layout
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
@@ -75,8 +76,14 @@ def paper_flops(row: MegatronRow) -> float:
     return 96.0 * row.batch * s * L * h * h * (1 + s / (6 * h) + VOCAB / (16 * L * h))
 
 
-def predicted_tflops(row: MegatronRow, cluster: ClusterSpec) -> float:
-    step = predict(megatron_plan(row, cluster)).step_time_s
+def predicted_tflops(row: MegatronRow, cluster: ClusterSpec, exact: bool = True) -> float:
+    """TFLOP/s per GPU by the paper's formula from the predicted step time (exact=False: closed-form schedule)."""
+    plan = megatron_plan(row, cluster)
+    if exact:
+        step = predict(plan).step_time_s
+    else:
+        step = predict_layout(Setting(plan.model, plan.cluster, plan.train), Layout.of(plan), plan.layers_per_stage,
+                              plan.recompute, exact=False).step_time_s
     return paper_flops(row) / (row.devices * step) / 1e12
 
 

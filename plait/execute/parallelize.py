@@ -13,10 +13,10 @@ The order (torchtitan's), and why:
 4. **apply_ac** per stage with the plan's mode for this pipeline rank (recompute.py):
    wraps whole blocks, after TP (which addresses modules inside the block by name) and
    before FSDP (so each FSDP unit is a checkpointed block).
-5. **apply_dp**, sharded kinds (ZeRO-2/3, and any ZeRO with TP) via `fully_shard` on
+5. **apply_dp**, sharded kinds (ZeRO-2/3; any ZeRO with TP or interleaving) via `fully_shard` on
    meta, then **materialize**: `to_empty` on the device and load the initial weights for
    the seed -- the same tensors the single-process model starts from (data.py, state.py).
-6. **apply_dp**, DDP kinds (ZeRO-0/1 without TP): DDP needs real tensors, so it wraps
+6. **apply_dp**, DDP kinds (ZeRO-0/1 otherwise): DDP needs real tensors, so it wraps
    after materialization.
 7. **PipelineStage**(group = mesh["pp"]) per stage and the plan's schedule (pipeline.py).
 """
@@ -167,7 +167,7 @@ class ParallelModel:
         stack = ExitStack()
         if self.plan.tp > 1:
             stack.enter_context(loss_parallel())  # forward and backward of the loss both need it
-        if self.mixed_precision is not None and not uses_fully_shard(self.plan.zero, self.plan.tp > 1):
+        if self.mixed_precision is not None and not uses_fully_shard(self.plan.zero, self.plan.tp > 1, self.plan.interleave):
             stack.enter_context(torch.autocast(self.device.type, dtype=self.mixed_precision))
         return stack
 
@@ -288,7 +288,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     parts = [_shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]
     for part in parts:
         _materialize(part, plan, seed, device)
-    if not uses_fully_shard(plan.zero, plan.tp > 1) and plan.dp > 1:
+    if not uses_fully_shard(plan.zero, plan.tp > 1, plan.interleave) and plan.dp > 1:
         parts = [apply_ddp(part, mesh["dp"]) if any(True for _ in part.parameters()) else part for part in parts]
     return ParallelModel(plan, mesh, parts, stage_ids, device, mixed)
 
@@ -299,9 +299,10 @@ def _shard_stage(part: nn.Module, plan: Plan, mesh: DeviceMesh, pp_rank: int,
     if plan.tp > 1:
         apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     apply_ac(part, plan.recompute[pp_rank])
-    if uses_fully_shard(plan.zero, plan.tp > 1):
+    if uses_fully_shard(plan.zero, plan.tp > 1, plan.interleave):
         policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
-        part = apply_dp(part, mesh["dp"], zero=plan.zero, under_pipeline=plan.pp > 1, mp_policy=policy)
+        part = apply_dp(part, mesh["dp"], zero=plan.zero, under_pipeline=plan.pp > 1,
+                        stages_per_rank=plan.interleave, mp_policy=policy)
     return part
 
 

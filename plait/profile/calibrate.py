@@ -14,13 +14,20 @@ Conventions are the cost model's (see plait/profile/fit.py for the formulas):
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
 
 from plait.profile.fit import (
     CommSample, ComputeSample, LinkFit, MatmulFit, fit_link, fit_matmul_efficiency, fit_overhead,
 )
 from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+
+if TYPE_CHECKING:
+    from plait.plan import Plan
 
 GEMM_NAMES = ("qkv", "proj", "fc1", "fc2")
 
@@ -167,3 +174,224 @@ def measurements_from_json(text: str) -> Measurements:
     data["compute"] = tuple(ComputeSample(**s) for s in data["compute"])
     data["comm"] = {level: tuple(CommSample(**s) for s in rows) for level, rows in data["comm"].items()}
     return Measurements(**data)
+
+
+# ---- correcting the cost model from measured step times (`plait tune`) --------------------------
+#
+# The cost model is a function of the ClusterSpec. Each *term* below is one group of ClusterSpec
+# fields whose change scales one kind of predicted time: GEMM efficiency scales compute (and the
+# recompute and bubble made of it), a link's latency scales the latency share of its collectives,
+# its bandwidth their volume share. With s_k the factor by which term k's time is multiplied, the
+# predicted step time of plan i is, to first order (exactly where the model is linear in them),
+#
+#     T_i(s) = sum_k s_k · X_ik,      X_ik = dT_i / d log s_k  (term k's share of T_i)
+#
+# so the measured steps y_i give a non-negative least-squares problem for s. X_ik is read off the
+# cost model by a central difference in log s_k, which needs no knowledge of its internals; the
+# overlap rules (max(comm - compute, last bucket)) make it piecewise linear, hence a few
+# Gauss-Newton rounds, re-linearizing at the corrected cluster each time.
+
+TERMS: tuple[str, ...] = ("compute", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
+"""Terms `fit_terms` corrects, each mapped onto ClusterSpec fields by `scale_term`."""
+
+MIN_TERM_SHARE = 0.01
+"""A term below this share of every measured step is not identifiable from them and is left as it was."""
+
+PRIOR_WEIGHT = 0.005
+"""Pull of each factor towards 1 (no change), against the sum of squared relative errors: the ratio of
+the variances of a measured step (~5% on a busy machine) and of the profiled value's log (~0.7: right
+within a factor of 2), 0.05² / 0.7² ~ 0.005. It decides what the measurements cannot (collinear or
+barely exercised terms) and yields to a term that moves every step by more than the noise."""
+
+FACTOR_BOUNDS = (0.02, 50.0)
+"""A term's time may shrink or grow at most this much in one fit: a larger change means the wrong term."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """One plan and its measured step time (median over steps, slowest rank)."""
+
+    plan: "Plan"
+    measured_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TermFit:
+    """The result of `fit_terms`: a corrected cluster and how it was found."""
+
+    cluster: ClusterSpec
+    factors: dict[str, float]
+    """Term -> total factor applied to that term's time (1 = unchanged)."""
+    fitted: tuple[str, ...]
+    """Terms the measurements could identify; the others kept their values."""
+    errors_before: tuple[float, ...]
+    """Relative error |predicted - measured| / measured per observation, with the cluster given."""
+    errors_after: tuple[float, ...]
+    rounds: int
+
+
+def scale_term(cluster: ClusterSpec, term: str, factor: float) -> ClusterSpec:
+    """The cluster whose `term` time is `factor` times `cluster`'s (see TERMS)."""
+    if term == "compute":
+        eff = cluster.efficiency
+        return cluster.replace(efficiency=Efficiency(matmul=eff.matmul / factor, matmul_half_dim=eff.matmul_half_dim,
+                                                     overhead=eff.overhead))
+    level, _, quantity = term.partition("_")
+    attr = {"intra": "intra_node", "inter": "inter_node"}[level]
+    link = getattr(cluster, attr)
+    if quantity == "latency":
+        link = LinkSpec(latency_s=link.latency_s * factor, bandwidth=link.bandwidth)
+    elif quantity == "bandwidth":
+        link = LinkSpec(latency_s=link.latency_s, bandwidth=link.bandwidth / factor)
+    else:
+        raise ValueError(f"term={term!r} is not one of {', '.join(TERMS)}")
+    return cluster.replace(**{attr: link})
+
+
+def predicted_step(plan: "Plan", cluster: ClusterSpec) -> float:
+    from plait.cost import predict
+
+    return predict(plan.replace(cluster=cluster, predicted=None)).step_time_s
+
+
+def term_shares(plan: "Plan", cluster: ClusterSpec, terms: tuple[str, ...] = TERMS,
+                rel_step: float = 1e-3) -> dict[str, float]:
+    """X_k: seconds of `plan`'s predicted step attributable to each term (central difference in log s_k)."""
+    shares = {}
+    for term in terms:
+        up = predicted_step(plan, scale_term(cluster, term, 1.0 + rel_step))
+        down = predicted_step(plan, scale_term(cluster, term, 1.0 / (1.0 + rel_step)))
+        shares[term] = max(0.0, (up - down) / (2.0 * math.log1p(rel_step)))
+    return shares
+
+
+def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tuple[str, ...] = TERMS, *,
+              prior_weight: float = PRIOR_WEIGHT, max_rounds: int = 12, tolerance: float = 1e-4) -> TermFit:
+    """Correct `cluster`'s terms so the cost model best explains the measured step times.
+
+    Minimizes the squared *relative* errors (a slow plan is not worth more than a fast one), with a
+    weak prior pulling every factor to 1, subject to FACTOR_BOUNDS. Terms that no plan exercises
+    (e.g. inter-node links on one machine) are left untouched; on one node the inter-node link is
+    kept equal to the intra-node one, as `plait profile` writes it.
+    """
+    usable = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
+    if not usable:
+        raise ValueError("no measured step times to fit")
+    measured = np.array([o.measured_s for o in usable])
+    errors_before = _relative_errors(usable, cluster)
+    current, total = cluster, dict.fromkeys(terms, 1.0)
+    fitted: tuple[str, ...] = ()
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        shares = np.array([[term_shares(o.plan, current, terms)[t] for t in terms] for o in usable])
+        active = [k for k in range(len(terms)) if (shares[:, k] / measured).max() >= MIN_TERM_SHARE]
+        fitted = tuple(terms[k] for k in active)
+        if not active:
+            break
+        # The part of each step that no active term explains stays as it is.
+        fixed = np.array([predicted_step(o.plan, current) for o in usable]) - shares[:, active].sum(axis=1)
+        step = bounded_prior_lstsq(shares[:, active] / measured[:, None], 1.0 - fixed / measured,
+                                   _prior_targets(total, terms, active), prior_weight, _bounds(total, terms, active))
+        for k, factor in zip(active, step):
+            current = scale_term(current, terms[k], float(factor))
+            total[terms[k]] *= float(factor)
+        if np.abs(step - 1.0).max() < tolerance:
+            break
+    current = _tidy(current, cluster)
+    return TermFit(cluster=current, factors=total, fitted=fitted, errors_before=errors_before,
+                   errors_after=_relative_errors(usable, current), rounds=rounds)
+
+
+def _prior_targets(total: dict[str, float], terms: tuple[str, ...], active: list[int]) -> np.ndarray:
+    """This round's step that would bring each term back to its original value (the prior's pull)."""
+    return np.array([1.0 / total[terms[k]] for k in active])
+
+
+def _bounds(total: dict[str, float], terms: tuple[str, ...], active: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    low, high = FACTOR_BOUNDS
+    current = np.array([total[terms[k]] for k in active])
+    return low / current, high / current
+
+
+def bounded_prior_lstsq(a: np.ndarray, b: np.ndarray, prior: np.ndarray, weight: float,
+                        bounds: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """argmin ||a x - b||² + weight·||x - prior||² subject to low <= x <= high.
+
+    Exact for the handful of unknowns here: the minimum of a convex quadratic over a box lies on
+    one of its faces, so every assignment of (free, at low, at high) per unknown is solved
+    (3^n, n <= 5) and the best feasible one kept."""
+    low, high = bounds
+    n = a.shape[1]
+    gram = a.T @ a + weight * np.eye(n)
+    rhs = a.T @ b + weight * prior
+    best, best_cost = np.clip(prior, low, high), math.inf
+    for pattern in itertools.product((0, 1, 2), repeat=n):
+        x = np.where(np.array(pattern) == 1, low, high).astype(float)
+        free = [k for k in range(n) if pattern[k] == 0]
+        if free:
+            pinned = [k for k in range(n) if pattern[k] != 0]
+            sub_rhs = rhs[free] - gram[np.ix_(free, pinned)] @ x[pinned]
+            x[free] = np.linalg.solve(gram[np.ix_(free, free)], sub_rhs)
+        if (x < low - 1e-12).any() or (x > high + 1e-12).any():
+            continue
+        cost = float(np.sum((a @ x - b) ** 2) + weight * np.sum((x - prior) ** 2))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    return best
+
+
+def _relative_errors(observations: list[Observation], cluster: ClusterSpec) -> tuple[float, ...]:
+    return tuple(abs(predicted_step(o.plan, cluster) - o.measured_s) / o.measured_s for o in observations)
+
+
+def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
+    """Round to 4 significant figures (a file a person reads), and keep one node's inter-node link
+    equal to its intra-node one when it was so (nothing measured can tell them apart)."""
+    eff = cluster.efficiency
+    cluster = cluster.replace(
+        efficiency=Efficiency(matmul=_sig(eff.matmul), matmul_half_dim=eff.matmul_half_dim, overhead=eff.overhead),
+        intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
+    if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
+        cluster = cluster.replace(inter_node=cluster.intra_node)
+    return cluster
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+def _sig_link(link: LinkSpec) -> LinkSpec:
+    return LinkSpec(latency_s=_sig(link.latency_s), bandwidth=_sig(link.bandwidth))
+
+
+# ---- how right the predictions are ---------------------------------------------------------------
+
+def relative_error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-b rank correlation of two paired lists (ties counted as neither order)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"paired lists differ in length: {len(xs)} and {len(ys)}")
+    concordant = discordant = ties_x = ties_y = 0
+    for i, j in itertools.combinations(range(len(xs)), 2):
+        dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+        if dx == 0 and dy == 0:
+            continue
+        if dx == 0:
+            ties_x += 1
+        elif dy == 0:
+            ties_y += 1
+        elif (dx > 0) == (dy > 0):
+            concordant += 1
+        else:
+            discordant += 1
+    denominator = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def regret(predicted: list[float], measured: list[float]) -> float:
+    """Measured step of the plan predicted fastest over the fastest measured step, minus 1 (0 = chose the best)."""
+    chosen = min(range(len(predicted)), key=lambda i: predicted[i])
+    return measured[chosen] / min(measured) - 1.0

@@ -232,10 +232,8 @@ def host_available_bytes() -> int:
     available = _meminfo_available()
     limit = _cgroup_headroom()
     candidates = [v for v in (available, limit) if v is not None]
-    if not candidates:
-        import psutil  # only on systems without /proc; not a dependency on Linux
-
-        return int(psutil.virtual_memory().available)
+    if not candidates:  # no /proc (not Linux): the free physical pages POSIX reports
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(candidates)
 
 

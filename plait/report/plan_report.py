@@ -68,10 +68,13 @@ def _timeline_png(plan: Plan, path: Path) -> Path:
     events, shown = timeline_events(plan)
     m = plan.num_micro_batches
     cover = f"{m} micro-batches" if shown == m else f"first {shown} of {m} micro-batches"
-    schedule = (plan.schedule + (f" v={plan.interleave}" if plan.interleave > 1 else "")) if plan.pp > 1 else "no pipeline"
+    schedule = (plan.schedule + (f" v={plan.interleave}" if plan.interleave > 1 else "")) if plan.pp > 1 else "no pipeline (gradient accumulation)"
     bubble = plan.predicted.bubble_fraction if plan.predicted else 0.0
     title = f"#1 {short_describe(plan)}\n{schedule}, {cover}, predicted bubble {bubble:.1%}"
-    return plot_timeline(events, path, title=title, num_ranks=plan.pp)
+    parts = plan.predicted.step_time_parts if plan.predicted else {}
+    tail = parts.get("dp_comm", 0.0) + parts.get("optimizer", 0.0) if shown == m else 0.0
+    return plot_timeline(events, path, title=title, num_ranks=plan.pp, tail_s=tail,
+                         tail_label="exposed DP comm + optimizer")
 
 
 def short_describe(plan: Plan) -> str:

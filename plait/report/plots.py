@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 GIB = 2**30
 FORWARD_COLOR = "#4C72B0"
 BACKWARD_COLOR = "#DD8452"
+TAIL_COLOR = "#B0B0B0"
 # Memory parts get a fixed colour each so two plots of different plans read the same way.
 PART_COLORS = {
     "params": "#4C72B0", "parameters": "#4C72B0", "grads": "#55A868", "gradients": "#55A868",
@@ -63,26 +64,32 @@ def _save(fig, out_png: str | Path) -> Path:
 
 # ---- pipeline timeline ----------------------------------------------------------------------
 def plot_timeline(events: Sequence[TimelineEvent], out_png: str | Path, *, title: str = "",
-                  num_ranks: int | None = None) -> Path:
+                  num_ranks: int | None = None, tail_s: float = 0.0, tail_label: str = "after the pipeline") -> Path:
     """Gantt chart: one row per pipeline rank, forward blue and backward orange, labelled by micro-batch.
 
     Interleaved chunks are shaded lighter for later chunks so a person can follow one chunk's work.
+    `tail_s` draws a grey box after the last event (e.g. exposed data-parallel communication and the
+    optimizer step) so the chart spans the whole predicted step.
     """
     num_ranks = num_ranks or (max(e.rank for e in events) + 1 if events else 1)
-    end = max((e.end_s for e in events), default=1.0)
+    pipeline_end = max((e.end_s for e in events), default=1.0)
+    end = pipeline_end + tail_s
     scale, unit = _time_unit(end)
     fig = _figure(11, 1.2 + 0.55 * num_ranks)
     ax = fig.add_subplot()
     num_chunks = max((e.chunk for e in events), default=0) + 1
     for rank in range(num_ranks):
         _draw_rank(ax, [e for e in events if e.rank == rank], rank, scale, num_chunks)
+    if tail_s > 0:
+        ax.broken_barh([(pipeline_end * scale, tail_s * scale)], (-0.45, num_ranks - 0.1), facecolors=TAIL_COLOR,
+                       edgecolors="white")
     busy = [sum(e.end_s - e.start_s for e in events if e.rank == r) for r in range(num_ranks)]
-    ax.set_yticks(range(num_ranks), [f"rank {r}\n{1 - b / end:.0%} idle" for r, b in enumerate(busy)])
+    ax.set_yticks(range(num_ranks), [f"rank {r}\n{1 - b / pipeline_end:.0%} idle" for r, b in enumerate(busy)])
     ax.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
     ax.set_xlim(0, end * scale)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title or "pipeline timeline (one step)", loc="left")
-    _timeline_legend(ax, num_chunks)
+    _timeline_legend(ax, num_chunks, tail_label if tail_s > 0 else "")
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, out_png)
 
@@ -108,15 +115,16 @@ def _event_color(e: TimelineEvent, num_chunks: int) -> tuple[float, float, float
     return tuple(c + (1 - c) * lighten for c in base)
 
 
-def _timeline_legend(ax, num_chunks: int) -> None:
+def _timeline_legend(ax, num_chunks: int, tail_label: str) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(color=FORWARD_COLOR, label="forward"), Patch(color=BACKWARD_COLOR, label="backward")]
+    if tail_label:
+        handles.append(Patch(color=TAIL_COLOR, label=tail_label))
     if num_chunks > 1:
         handles.append(Patch(color="#BBBBBB", label=f"lighter = later chunk (v={num_chunks})"))
-    # Above the axes, right-aligned: inside it would hide rank 0's boxes.
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(handles),
-              frameon=False)
+    # Below the figure: inside the axes it would hide rank 0's boxes, above it collides with the title.
+    ax.figure.legend(handles=handles, loc="outside lower center", fontsize=8, ncols=len(handles), frameon=False)
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:

@@ -98,11 +98,17 @@ def _prediction_cells(plan: Plan) -> list[str]:
     return [
         seconds_cell(p.step_time_s),
         human_count(p.tokens_per_s),
-        f"{p.model_tflops_per_device:.1f}",
+        f"{p.model_tflops_per_device:.3g}",
         f"{p.mfu:.1%}",
         f"{p.bubble_fraction:.1%}" if plan.pp > 1 else "-",
-        f"{p.peak_memory_bytes / GIB:.1f}",
+        gib_cell(p.peak_memory_bytes),
     ]
+
+
+def gib_cell(nbytes: float) -> str:
+    """GiB with one decimal, or three significant figures below 10 GiB (CPU plans use megabytes)."""
+    gib = nbytes / GIB
+    return f"{gib:.1f}" if gib >= 10 else f"{gib:.3g}"
 
 
 def search_stats_line(candidates_evaluated: int, seconds: float, num_feasible: int | None = None) -> str:

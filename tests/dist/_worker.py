@@ -34,7 +34,7 @@ def run_case(case: dict) -> dict:
 def main() -> None:
     world, out = int(sys.argv[1]), Path(sys.argv[2])
     wanted = set(sys.argv[3:])
-    init_distributed(timeout_s=120)
+    init_distributed(timeout_s=60)
     results = {}
     for case in cases_for(world):
         if wanted and case["name"] not in wanted:

@@ -1,0 +1,190 @@
+"""Does plait's executor cost anything over plain PyTorch? Step time of the same model, data and
+steps under plait's data parallelism (DDP, ZeRO-0) and a hand-written DistributedDataParallel
+loop, and under plait's FSDP (ZeRO-3) and a hand-written `fully_shard` loop.
+
+The four runs alternate inside one launch, round after round, so that the noise of a shared
+machine hits all of them alike; the table gives per-step medians over all rounds and the
+ratios plait / plain (target: within 5%, i.e. ratio <= 1.05).
+
+    .venv/bin/python benchmarks/executor_overhead.py [--nproc 2] [--rounds 5] [--steps 8]
+
+Every step of every loop is the same work: forward + backward over the rank's rows in
+`micro-batches` accumulation steps (gradient sync on the last only), global-norm clip, AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+WARMUP_STEPS = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run per round")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=2, help="accumulation steps per rank")
+    parser.add_argument("--json", help="also write the medians to this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- the four loops (run inside each rank) ---------------------------------------------
+def make_plan(args, zero: int):
+    from plait.plan import Plan
+    from plait.spec import ModelSpec, TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    model = ModelSpec(name="bench-gpt", arch="gpt", num_layers=args.layers, hidden_size=args.hidden,
+                      num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
+    train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len, precision="fp32")
+    rows = args.global_batch // args.nproc
+    return Plan(dp=args.nproc, tp=1, pp=1, zero=zero, micro_batch=rows // args.micro_batches,
+                num_micro_batches=args.micro_batches, model=model, train=train,
+                cluster=CLUSTER_PRESETS["local-cpu"].with_devices(args.nproc))
+
+
+class PlaitLoop:
+    def __init__(self, plan, seed: int = 0) -> None:
+        from plait.execute import parallelize
+
+        self.model = parallelize(plan, seed=seed, device="cpu")
+        self.optimizer = self.model.make_optimizer(lr=1e-3, weight_decay=0.1)
+
+    def step(self, tokens, targets) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train_step(tokens, targets)
+        self.model.clip_grad_norm_(1.0)
+        self.optimizer.step()
+
+
+class PlainLoop:
+    """What a person writes by hand: the model wrapped by DDP or fully_shard, accumulation, clip, AdamW."""
+
+    def __init__(self, plan, kind: str, seed: int = 0) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
+
+        from plait.models import build_model
+
+        model = build_model(plan.model, device="cpu", seed=seed)
+        if kind == "ddp":
+            self.model = DistributedDataParallel(model)
+        else:
+            mesh = init_device_mesh("cpu", (plan.dp,))
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+        self.kind, self.count = kind, plan.num_micro_batches
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def step(self, tokens, targets) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, (tok, tgt) in enumerate(zip(tokens.chunk(self.count), targets.chunk(self.count))):
+            last = index == self.count - 1
+            if self.kind == "fsdp":
+                self.model.set_requires_gradient_sync(last)
+                context = torch.enable_grad()
+            else:
+                context = torch.enable_grad() if last else self.model.no_sync()
+            with context:
+                loss = F.cross_entropy(self.model(tok).flatten(0, 1), tgt.flatten()) / self.count
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+
+
+def time_steps(loop, batches, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    times = []
+    for i in range(WARMUP_STEPS + steps):
+        tokens, targets = batches[i % len(batches)]
+        dist.barrier()  # every run starts its step together: no rank's lag is billed to the next run
+        began = time.perf_counter()
+        loop.step(tokens, targets)
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from plait.launch import init_distributed
+    from plait.train.data import BatchLoader, load_tokens
+
+    rank, world = init_distributed("gloo")
+    torch.manual_seed(0)
+    loader = BatchLoader(load_tokens("shipped"), global_batch=args.global_batch, seq_len=args.seq_len,
+                         dp_rank=rank, dp_degree=world)
+    batches = [loader.next_batch() for _ in range(4)]
+    ddp_plan, fsdp_plan = make_plan(args, zero=0), make_plan(args, zero=3)
+    loops = {"plait DP": PlaitLoop(ddp_plan), "plain DDP": PlainLoop(ddp_plan, "ddp"),
+             "plait FSDP": PlaitLoop(fsdp_plan), "plain fully_shard": PlainLoop(fsdp_plan, "fsdp")}
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for round_index in range(args.rounds):
+        # Alternate the order too: the first run of a round must not always be the same one.
+        names = list(loops) if round_index % 2 == 0 else list(reversed(loops))
+        for name in names:
+            times[name] += time_steps(loops[name], batches, args.steps)
+    # The slowest rank sets the pace: take the max over ranks of each step.
+    for name, values in times.items():
+        tensor = torch.tensor(values)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        times[name] = tensor.tolist()
+    if rank == 0:
+        report(args, times)
+    dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    table = Table(title=f"executor overhead: {args.nproc} ranks, gpt {args.layers}x{args.hidden}, "
+                        f"{args.global_batch}x{args.seq_len} tokens/step, {args.micro_batches} micro-batches, "
+                        f"{args.rounds} rounds x {args.steps} steps")
+    for column in ("run", "median step", "p10", "p90", "ratio plait / plain"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    pairs = {"plait DP": "plain DDP", "plait FSDP": "plain fully_shard"}
+    for name, values in times.items():
+        deciles = statistics.quantiles(values, n=10)
+        ratio = f"{medians[name] / medians[pairs[name]]:.3f}" if name in pairs else ""
+        table.add_row(name, f"{medians[name] * 1e3:.1f} ms", f"{deciles[0] * 1e3:.1f} ms",
+                      f"{deciles[-1] * 1e3:.1f} ms", ratio)
+    Console(width=120).print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians_s": medians, "args": vars(args)}, indent=2))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    from plait.launch import run_local
+
+    return run_local(args.nproc, [os.path.abspath(__file__), "--worker", *sys.argv[1:]], module=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

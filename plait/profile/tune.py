@@ -1,0 +1,215 @@
+"""Time candidate plans on the ranks in hand: the measuring half of `plait tune` (and of
+benchmarks/local_accuracy.py).
+
+Every rank runs the same plans in the same order, in one process group: one launch for all
+candidates, since starting ranks costs seconds and a plan only a few steps. A plan's step is
+forward + backward over the global batch + the optimizer step, timed from a barrier on every
+rank; the step's time is the slowest rank's (a synchronous step goes at its pace), and the plan's
+time the median over the timed steps after warm-up. Memory is the device's own peak
+(CUDA max_memory_allocated) where it reports one; CPU processes share one allocator-less heap
+whose resident size says little about one plan, so there it is not measured.
+
+    python -m plait.profile.tune PLANS.json RESULTS.json [--steps 5] [--warmup 2]   # under torchrun / run_local
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from plait.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingOptions:
+    steps: int = 5
+    """Timed steps per plan (the median is reported)."""
+    warmup: int = 2
+    """Untimed steps first: allocator, autograd graph and gloo connections warm up."""
+    seed: int = 0
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What one plan did on the ranks in hand."""
+
+    label: str
+    """plan.describe()"""
+    step_times_s: tuple[float, ...] = ()
+    """Each timed step, slowest rank."""
+    peak_memory_bytes: float | None = None
+    """Largest peak allocated memory of any rank (None where the device does not report it)."""
+    error: str = ""
+    """Why the plan was not timed ("" when it was)."""
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_times_s) if self.step_times_s else None
+
+
+def time_plans(plans: Sequence[Plan], options: TimingOptions,
+               progress: Callable[[int, Plan], None] | None = None) -> list[Measured]:
+    """Collective: time every plan on this process group; every rank returns the same list.
+
+    A plan the executor refuses (ConfigError from its pure checks, the same on every rank) is
+    reported with its reason instead of being timed; any other failure stops the run, as a
+    half-failed collective would leave the other ranks waiting."""
+    from plait.errors import ConfigError
+    from plait.execute.parallelize import validate_plan
+
+    import torch.distributed as dist
+
+    results = []
+    for index, plan in enumerate(plans):
+        if progress is not None:
+            progress(index, plan)
+        try:
+            validate_plan(plan, dist.get_world_size())
+        except ConfigError as e:
+            results.append(Measured(label=plan.describe(), error=str(e)))
+            continue
+        results.append(time_plan(plan, options))
+    return results
+
+
+def time_plan(plan: Plan, options: TimingOptions) -> Measured:
+    """Collective: build `plan`, run warm-up and timed steps, free it again."""
+    import torch
+
+    from plait.execute.batches import batch_for_step, dp_shard
+    from plait.execute.parallelize import parallelize
+
+    model = parallelize(plan, seed=options.seed)
+    optimizer = model.make_optimizer(lr=options.lr)
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
+    times = []
+    for step in range(options.warmup + options.steps):
+        tokens, targets = batch_for_step(plan, options.seed, step)
+        tokens, targets = dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank)
+        seconds = _timed_step(model, optimizer, tokens, targets, cuda)
+        if step >= options.warmup:
+            times.append(seconds)
+    slowest = _max_over_ranks(times, model.device)
+    memory = _max_over_ranks([float(torch.cuda.max_memory_allocated(model.device))], model.device)[0] if cuda else None
+    _release(model)
+    del model, optimizer
+    gc.collect()
+    return Measured(label=plan.describe(), step_times_s=tuple(slowest), peak_memory_bytes=memory)
+
+
+def _timed_step(model, optimizer, tokens, targets, cuda: bool) -> float:  # noqa: ANN001 (torch types: lazy)
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank starts the step together: the slowest rank's time is the step's
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.train_step(tokens, targets)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+def _release(model) -> None:  # noqa: ANN001
+    """Destroy the plan's mesh groups: a run of a hundred plans would otherwise keep hundreds of
+    gloo groups (sockets and threads) open."""
+    import torch.distributed as dist
+
+    groups = {model.mesh[axis].get_group() for axis in model.mesh.mesh_dim_names}
+    for group in groups:
+        if group is not dist.group.WORLD and group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                pass  # already gone (a size-1 axis may share a group)
+
+
+# ---- files between the launcher and the ranks -------------------------------------------------
+
+def write_plans(plans: Sequence[Plan], path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
+    return path
+
+
+def read_plans(path: str | Path) -> list[Plan]:
+    return [Plan.from_dict(data) for data in json.loads(Path(path).read_text())["plans"]]
+
+
+def write_results(results: Sequence[Measured], path: str | Path) -> Path:
+    path = Path(path)
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps({"results": [dataclasses.asdict(r) for r in results]}, indent=1))
+    temp.replace(path)
+    return path
+
+
+def read_results(path: str | Path) -> list[Measured]:
+    rows = json.loads(Path(path).read_text())["results"]
+    return [Measured(label=r["label"], step_times_s=tuple(r["step_times_s"]), peak_memory_bytes=r["peak_memory_bytes"],
+                     error=r["error"]) for r in rows]
+
+
+# ---- one rank of a timing run ------------------------------------------------------------------
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """Entry point of each rank (`python -m plait.profile.tune ...` under run_local or torchrun)."""
+    parser = argparse.ArgumentParser(prog="python -m plait.profile.tune")
+    parser.add_argument("plans", help="JSON file of plans to time ({'plans': [...]})")
+    parser.add_argument("results", help="JSON file rank 0 writes the timings to")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from plait.launch import init_distributed
+
+    rank, _ = init_distributed(timeout_s=args.timeout)
+    plans = read_plans(args.plans)
+    try:
+        results = time_plans(plans, TimingOptions(steps=args.steps, warmup=args.warmup),
+                             progress=_printer(len(plans)) if rank == 0 else None)
+        if rank == 0:
+            write_results(results, args.results)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _printer(total: int) -> Callable[[int, Plan], None]:
+    def show(index: int, plan: Plan) -> None:
+        print(f"tune [{index + 1}/{total}] {plan.describe()}", file=sys.stderr, flush=True)
+    return show
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

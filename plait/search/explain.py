@@ -1,0 +1,48 @@
+"""One line on why the best plan beats the runner-up: the step-time parts that differ most."""
+
+from __future__ import annotations
+
+from plait.plan import Plan
+
+PART_LABELS = {
+    "compute": "compute", "recompute": "recompute", "tp_comm": "tp comm", "pp_comm": "pp comm",
+    "bubble": "bubble", "dp_comm": "exposed dp comm", "optimizer": "optimizer step",
+}
+
+
+def _changes(best: Plan, other: Plan) -> str:
+    """What differs between the two plans, as 'pp 8->4, zero 1->0'."""
+    fields = [("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("micro_batch", "mb"),
+              ("schedule", "schedule"), ("interleave", "v"), ("sequence_parallel", "sp")]
+    out = [f"{label} {getattr(other, name)}->{getattr(best, name)}" for name, label in fields
+           if getattr(best, name) != getattr(other, name)]
+    if best.recompute != other.recompute:
+        out.append(f"recompute {_modes(other)}->{_modes(best)}")
+    if not out and best.layers_per_stage != other.layers_per_stage:
+        out.append("layers " + "|".join(map(str, other.layers_per_stage)) + "->" + "|".join(map(str, best.layers_per_stage)))
+    return ", ".join(out) or "same choices"
+
+
+def _modes(plan: Plan) -> str:
+    modes = sorted(set(plan.recompute))
+    return modes[0] if len(modes) == 1 else ",".join(plan.recompute)
+
+
+def explain(best: Plan, runner_up: Plan | None) -> str:
+    """E.g. 'best by 4.1%: less bubble (-0.31 s) outweighs +12% tp comm (+0.08 s) [pp 8->4, tp 4->8]'."""
+    if runner_up is None:
+        return "the only feasible plan"
+    a, b = best.predicted, runner_up.predicted
+    if a is None or b is None:
+        raise ValueError("explain() needs plans with predictions (from plait.plan)")
+    gap = (b.step_time_s - a.step_time_s) / b.step_time_s
+    diffs = {k: a.step_time_parts.get(k, 0.0) - b.step_time_parts.get(k, 0.0)
+             for k in set(a.step_time_parts) | set(b.step_time_parts)}
+    gain = min(diffs, key=diffs.get)
+    cost = max(diffs, key=diffs.get)
+    head = f"best by {gap:.1%}: less {PART_LABELS.get(gain, gain)} ({diffs[gain]:+.3g} s)"
+    if diffs[cost] > 1e-12 * a.step_time_s:
+        base = b.step_time_parts.get(cost, 0.0)
+        rel = f"+{diffs[cost] / base:.0%} " if base > 0 else "more "
+        head += f" outweighs {rel}{PART_LABELS.get(cost, cost)} ({diffs[cost]:+.3g} s)"
+    return f"{head} [{_changes(best, runner_up)}]"

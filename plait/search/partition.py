@@ -1,0 +1,124 @@
+"""Exact stage split: layers over pipeline stages, minimizing the slowest stage, under per-stage memory.
+
+Pure kernels, numbers in, (cost, solution) out. Stage j holding k >= 1 layers with recompute
+mode i takes ``fixed_time[j] + k * layer_time[j, i]`` seconds per micro-batch (the embedding
+and the output layer are the first and last stage's fixed time) and needs
+``fixed_mem[j, i] + k * layer_mem[j, i] <= capacity[j]`` bytes.
+
+For a bound T, stage j can hold at most kmax_j(T) = max_i min(⌊(T - fixed_time[j]) /
+layer_time[j, i]⌋, ⌊(capacity[j] - fixed_mem[j, i]) / layer_mem[j, i]⌋) layers, and a split
+with every stage under T exists iff every kmax_j >= 1 and Σ min(kmax_j, L) >= L (counts
+1 <= k_j <= kmax_j summing to L then exist). Feasibility is monotone in T, so a bisection
+over the finitely many stage times fixed_time[j] + k·layer_time[j, i] finds the optimum
+exactly. `min_max_split_reference` enumerates all compositions to check it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Split:
+    bottleneck: float
+    """The slowest stage's time."""
+    layers: tuple[int, ...]
+    modes: tuple[int, ...]
+    """Index of each stage's recompute mode (columns of layer_time)."""
+
+
+def _max_by_memory(fixed_mem: np.ndarray, layer_mem: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """[stage, mode] -> most layers that fit in memory (may be < 1)."""
+    room = capacity[:, None] - fixed_mem
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(layer_mem > 0, np.floor(room / np.where(layer_mem > 0, layer_mem, 1.0)),
+                     np.where(room >= 0, np.inf, -1.0))
+    return k
+
+
+def _max_by_time(bound: float, fixed_time: np.ndarray, layer_time: np.ndarray) -> np.ndarray:
+    slack = bound - fixed_time[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(layer_time > 0, np.floor(slack / np.where(layer_time > 0, layer_time, 1.0) * (1 + 1e-12)),
+                     np.where(slack >= 0, np.inf, -1.0))
+    return k
+
+
+def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem, capacity) -> Split | None:
+    """Optimal split (or None when no split fits). Arrays: fixed_time [S], layer_time/fixed_mem/layer_mem [S, M],
+    capacity [S]."""
+    fixed_time = np.asarray(fixed_time, float)
+    layer_time, fixed_mem, layer_mem = (np.asarray(a, float) for a in (layer_time, fixed_mem, layer_mem))
+    capacity = np.asarray(capacity, float)
+    stages = len(fixed_time)
+    if num_layers < stages:
+        return None
+    by_mem = np.minimum(_max_by_memory(fixed_mem, layer_mem, capacity), num_layers - stages + 1)
+    if not np.all(by_mem.max(axis=1) >= 1) or by_mem.max(axis=1).sum() < num_layers:
+        return None
+    ks = np.arange(1, num_layers - stages + 2, dtype=float)
+    times = fixed_time[:, None, None] + ks[None, None, :] * layer_time[:, :, None]  # [stage, mode, k]
+    allowed = ks[None, None, :] <= by_mem[:, :, None]
+    candidates = np.unique(times[allowed])
+
+    def feasible(bound: float) -> bool:
+        kmax = np.minimum(_max_by_time(bound, fixed_time, layer_time), by_mem).max(axis=1)
+        return bool(np.all(kmax >= 1) and np.minimum(kmax, num_layers).sum() >= num_layers)
+
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    bound = float(candidates[lo])
+    return _assign(num_layers, bound, fixed_time, layer_time, by_mem)
+
+
+def _assign(num_layers: int, bound: float, fixed_time, layer_time, by_mem) -> Split:
+    """Counts under `bound` summing to L: start from each stage's most, then take layers off the slowest stages
+    (so the split is balanced, not front-loaded); each stage then runs its fastest mode that fits."""
+    by_time = _max_by_time(bound, fixed_time, layer_time)
+    kmax = np.minimum(by_time, by_mem).max(axis=1)
+    counts = [int(min(k, num_layers)) for k in kmax]
+
+    def best(j: int, k: int) -> tuple[float, int]:
+        options = [(fixed_time[j] + k * layer_time[j, i], i) for i in range(layer_time.shape[1]) if k <= by_mem[j, i]]
+        return min(options)
+
+    heap = [(-best(j, k)[0], j) for j, k in enumerate(counts)]
+    heapq.heapify(heap)
+    excess = sum(counts) - num_layers
+    while excess > 0:
+        _, j = heapq.heappop(heap)
+        if counts[j] > 1:
+            counts[j] -= 1
+            excess -= 1
+            heapq.heappush(heap, (-best(j, counts[j])[0], j))
+    modes = tuple(best(j, k)[1] for j, k in enumerate(counts))
+    worst = max(best(j, k)[0] for j, k in enumerate(counts))
+    return Split(bottleneck=float(worst), layers=tuple(counts), modes=modes)
+
+
+def min_max_split_reference(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem, capacity) -> float | None:
+    """Slow reference: the optimal bottleneck by enumerating every composition of L into S positive parts."""
+    stages = len(fixed_time)
+    best = None
+    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+        counts = np.diff((0, *cuts, num_layers))
+        worst = 0.0
+        for j, k in enumerate(counts):
+            options = [fixed_time[j] + k * layer_time[j][i] for i in range(len(layer_time[j]))
+                       if fixed_mem[j][i] + k * layer_mem[j][i] <= capacity[j]]
+            if not options:
+                worst = None
+                break
+            worst = max(worst, min(options))
+        if worst is not None and (best is None or worst < best):
+            best = worst
+    return best

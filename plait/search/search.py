@@ -1,0 +1,316 @@
+"""The joint search: enumerate degrees x sequence parallel x ZeRO x micro-batches x schedules, split the
+layers exactly (with recompute per stage), prune by memory, rank by predicted step time.
+
+Every candidate is priced with the cost model's closed-form schedule (plait.cost.model,
+exact=False); the best ones are then priced exactly (simulated schedule) and re-ranked.
+Costs that depend only on (tp, sp, micro-batch) are computed once per search.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from plait.cost.compute import EndsCost, LayerCost, ends_cost, layer_cost
+from plait.cost.layout import Layout, Setting
+from plait.cost.memory import memory_table
+from plait.cost.model import predict_layout
+from plait.errors import ConfigError, NoFeasiblePlan
+from plait.plan import RECOMPUTE_MODES, Plan
+from plait.search.partition import min_max_split
+from plait.search.space import Degrees, Pins, check_pins, degree_choices, divisors, schedule_choices
+from plait.spec import ClusterSpec, ModelSpec, TrainSpec
+
+GiB = 2**30
+EXACT_SHORTLIST = 3
+"""With `top` K, the best 3K candidates by the closed-form estimate are priced exactly before ranking."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    estimate: float
+    layout: Layout
+    layers: tuple[int, ...]
+    recompute: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: list[Plan]
+    """Feasible plans, best first, each with `predicted` filled."""
+    candidates_evaluated: int
+    seconds: float
+    best_infeasible: Plan | None = None
+    """When nothing fits: the candidate that misses memory by the least (predicted filled)."""
+    points: list[tuple[float, float]] = field(default_factory=list)
+    """(estimated step time s, peak memory bytes) of every feasible candidate, for plots."""
+
+
+def resolve_model(model: ModelSpec | str) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    try:
+        from plait.spec.load import load_model  # the io helper's loader (files and presets), when present
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        return load_model(model)
+    from plait.spec.models import MODEL_PRESETS
+
+    if model not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {model!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
+    return MODEL_PRESETS[model]
+
+
+def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    try:
+        from plait.spec.load import load_cluster
+    except ImportError:
+        load_cluster = None
+    if load_cluster is not None:
+        return load_cluster(cluster)
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    if cluster not in CLUSTER_PRESETS:
+        raise ConfigError(f"unknown cluster preset {cluster!r}; presets: {', '.join(sorted(CLUSTER_PRESETS))}")
+    return CLUSTER_PRESETS[cluster]
+
+
+def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins) -> list[Plan]:
+    """Feasible plans, best first. See `plan_with_stats` for the arguments."""
+    return plan_with_stats(model, cluster, train, num_devices=num_devices, top=top, **pins).plans
+
+
+def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: TrainSpec, *,
+                    num_devices: int | None = None, top: int | None = None, dp: int | None = None,
+                    tp: int | None = None, pp: int | None = None, zero: int | None = None,
+                    recompute: str | tuple[str, ...] | None = None, micro_batch: int | None = None,
+                    schedule: str | None = None, interleave: int | None = None,
+                    sequence_parallel: bool | None = None, allow_cross_node_tp: bool = False,
+                    explain_infeasible: bool = True) -> SearchResult:
+    """Search the joint space for `model` on `num_devices` devices of `cluster` (default: all of it).
+
+    Any pin that is not None is fixed. `top` K keeps the K best plans (None: every feasible plan).
+    Raises ConfigError for pins no plan can honour, NoFeasiblePlan when nothing fits in memory."""
+    start = time.perf_counter()
+    model, cluster = resolve_model(model), resolve_cluster(cluster)
+    if not isinstance(train, TrainSpec):
+        raise ConfigError(f"train must be a TrainSpec, got {type(train).__name__}")
+    n = cluster.num_devices if num_devices is None else num_devices
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(f"num_devices={n!r} must be a positive integer")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
+        raise ConfigError(f"top={top!r} must be a positive integer")
+    if isinstance(recompute, list):
+        recompute = tuple(recompute)
+    pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, micro_batch=micro_batch, schedule=schedule,
+                interleave=interleave, sequence_parallel=sequence_parallel, allow_cross_node_tp=allow_cross_node_tp)
+    check_pins(pins, model, cluster, train, n)
+    setting = Setting(model, cluster.with_devices(n), train)
+    search = _Search(setting, pins)
+    degrees = degree_choices(pins, model, cluster, train, n)
+    if not degrees:
+        raise ConfigError(_no_layout_message(model, train, n))
+    for d in degrees:
+        search.run_degrees(d)
+    plans = search.finish(top)
+    elapsed = time.perf_counter() - start
+    if not plans:
+        worst = search.closest_miss()
+        if explain_infeasible:
+            raise NoFeasiblePlan(_infeasible_message(setting, pins, worst, n))
+        return SearchResult([], search.evaluated, elapsed, worst, [])
+    return SearchResult(plans, search.evaluated, elapsed, None, search.points)
+
+
+def _no_layout_message(model: ModelSpec, train: TrainSpec, n: int) -> str:
+    dps = [d for d in divisors(n) if train.global_batch % d == 0]
+    return (f"no dp x tp x pp layout of {n} devices fits {model.name} (heads={model.num_heads}, "
+            f"kv_heads={model.num_kv_heads}, layers={model.num_layers}) with global_batch={train.global_batch} "
+            f"and the pins given; data-parallel degrees dividing the batch: {', '.join(map(str, dps))}")
+
+
+class _Search:
+    """One search's state: cached per-(tp, sp, b) costs, the feasible candidates, the closest miss."""
+
+    def __init__(self, setting: Setting, pins: Pins) -> None:
+        self.setting, self.pins = setting, pins
+        self.evaluated = 0
+        self.candidates: list[Candidate] = []
+        self.points: list[tuple[float, float]] = []
+        self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
+        self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
+
+    def _layer_cost(self, tp: int, sp: bool, b: int) -> tuple[LayerCost, EndsCost]:
+        s = self.setting
+        return (layer_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes),
+                ends_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes))
+
+    def modes(self, pp: int) -> list[tuple[str, ...]]:
+        """Recompute choices: per-stage free choice among these mode lists (one list per rank)."""
+        r = self.pins.recompute
+        if r is None:
+            return [RECOMPUTE_MODES] * pp
+        if isinstance(r, str):
+            return [(r,)] * pp
+        return [(m,) for m in (r * pp if len(r) == 1 else r)]
+
+    def run_degrees(self, d: Degrees) -> None:
+        pins, batch = self.pins, self.setting.train.global_batch
+        sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True, False])
+        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if d.dp > 1 else [0])
+        per_replica = batch // d.dp
+        for sp in sps:
+            for b in divisors(per_replica):
+                if pins.micro_batch is not None and b != pins.micro_batch:
+                    continue
+                m = per_replica // b
+                fitted = False
+                for zero in zeros:
+                    for schedule, v in schedule_choices(pins, d.pp, m, self.setting.model.num_layers):
+                        layout = Layout(d.dp, d.tp, d.pp, sp and d.tp > 1, zero, b, m, schedule, v)
+                        fitted |= self.evaluate(layout)
+                if not fitted and pins.micro_batch is None:
+                    break  # activations grow with b: a larger micro-batch cannot fit either
+
+    def evaluate(self, layout: Layout) -> bool:
+        """Split, price and keep one layout; False when nothing fits."""
+        self.evaluated += 1
+        split = self.split(layout)
+        if split is None:
+            return False
+        layers, recompute = split
+        est = predict_layout(self.setting, layout, layers, recompute, exact=False)
+        self.candidates.append(Candidate(est.step_time_s, layout, layers, recompute))
+        self.points.append((est.step_time_s, est.peak_memory_bytes))
+        return True
+
+    def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        s, pp, v = self.setting, layout.pp, layout.interleave
+        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+        rank_modes = self.modes(pp)
+        all_modes = tuple(RECOMPUTE_MODES)
+        fixed_mem, layer_mem = memory_table(s, layout, all_modes)
+        per_layer = np.array([lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in all_modes])
+        cap = s.cluster.memory_bytes
+        stages = layout.num_stages
+        fixed_time = np.zeros(stages)
+        fixed_time[0] += ends.embed_fwd + ends.embed_bwd + ends.embed_tp
+        fixed_time[-1] += ends.head_fwd + ends.head_bwd + ends.head_tp
+        allowed = np.array([[m in rank_modes[r] for m in all_modes] for r in range(pp)])
+        if v > 1:
+            choice = self._interleaved_modes(layout, fixed_mem, layer_mem, allowed, cap)
+            if choice is None:
+                return None
+            allowed = np.zeros_like(allowed)
+            allowed[np.arange(pp), choice] = True
+        ranks = np.arange(stages) % pp
+        big = np.where(allowed[ranks], 0.0, np.inf)  # a mode not allowed on a rank never fits
+        split = min_max_split(s.model.num_layers, fixed_time, np.tile(per_layer, (stages, 1)),
+                              fixed_mem[ranks] / v + big, layer_mem[ranks], np.full(stages, cap / v))
+        if split is None:
+            self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
+            return None
+        modes = [all_modes[i] for i in split.modes]
+        recompute = tuple(modes[r] if v == 1 else all_modes[int(np.argmax(allowed[r]))] for r in range(pp))
+        return split.layers, recompute
+
+    def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
+        """Interleaved ranks run one mode over all their chunks: the cheapest that fits an even share."""
+        share = math.ceil(self.setting.model.num_layers / layout.pp)
+        fits = (fixed_mem + share * layer_mem <= cap) & allowed
+        if not fits.any(axis=1).all():
+            self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
+            return None
+        return np.argmax(fits, axis=1)  # modes are ordered none < selective < full
+
+    def _note_miss(self, layout, fixed_mem, layer_mem, allowed, cap) -> None:
+        """Remember by how much the most frugal allowed version of this layout misses memory."""
+        share = math.ceil(self.setting.model.num_layers / layout.pp)
+        need = np.where(allowed, fixed_mem + share * layer_mem, np.inf).min(axis=1)
+        excess = float(need.max() - cap)
+        if self.miss is None or excess < self.miss[0]:
+            frugal = tuple(RECOMPUTE_MODES[int(np.where(allowed[r])[0][-1])] for r in range(layout.pp))
+            self.miss = (excess, layout, (), frugal)
+
+    def closest_miss(self) -> Plan | None:
+        if self.miss is None:
+            return None
+        _, layout, _, recompute = self.miss
+        return self.to_plan(layout, (), recompute)
+
+    def to_plan(self, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]) -> Plan:
+        s = self.setting
+        plan = Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sp, zero=layout.zero,
+                    recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
+                    schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
+                    model=s.model, train=s.train, cluster=s.cluster)
+        pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+        return plan.replace(predicted=pred)
+
+    def finish(self, top: int | None) -> list[Plan]:
+        ranked = sorted(self.candidates, key=lambda c: c.estimate)
+        if top is not None:
+            ranked = ranked[: EXACT_SHORTLIST * top]
+        plans = [self.to_plan(c.layout, c.layers, c.recompute) for c in ranked]
+        cap = self.setting.cluster.memory_bytes
+        plans = [p for p in plans if p.predicted.peak_memory_bytes <= cap * (1 + 1e-9)]
+        plans.sort(key=lambda p: p.predicted.step_time_s)
+        return plans[:top] if top is not None else plans
+
+
+def _infeasible_message(setting: Setting, pins: Pins, worst: Plan | None, n: int) -> str:
+    model, cluster = setting.model, setting.cluster
+    if worst is None:
+        return f"no plan for {model.name} on {n} devices of {cluster.name} fits"
+    miss = (worst.predicted.peak_memory_bytes - cluster.memory_bytes) / GiB
+    smallest = smallest_fitting_devices(setting, pins, n)
+    hint = (f"the smallest device count of {cluster.name} that fits is {smallest}" if smallest
+            else f"no device count up to {64 * max(n, cluster.num_devices)} fits; lower seq_len or global_batch")
+    return (f"{model.name} fits no plan on {n} devices of {cluster.name} ({cluster.memory_bytes / GiB:.0f} GiB each): "
+            f"the closest candidate ({worst.describe()}) needs {worst.predicted.peak_memory_bytes / GiB:.1f} GiB, "
+            f"{miss:.1f} GiB too much; {hint}")
+
+
+def device_counts(cluster: ClusterSpec, start: int, limit: int) -> list[int]:
+    """Counts above `start`: powers of two below one node, then multiples of devices_per_node."""
+    dpn = cluster.devices_per_node
+    below = [2**k for k in range(0, 64) if 2**k < dpn and 2**k > start]
+    return below + [k * dpn for k in range(max(1, start // dpn + 1), limit // dpn + 1)]
+
+
+def smallest_fitting_devices(setting: Setting, pins: Pins, n: int) -> int | None:
+    """Smallest device count (above n) with a feasible plan: doubling, then bisection over multiples of a node."""
+    counts = device_counts(setting.cluster, n, 64 * max(n, setting.cluster.num_devices))
+
+    def fits(count: int) -> bool:
+        try:
+            result = plan_with_stats(setting.model, setting.cluster, setting.train, num_devices=count, top=1,
+                                     zero=pins.zero, recompute=pins.recompute, micro_batch=pins.micro_batch,
+                                     schedule=pins.schedule, interleave=pins.interleave,
+                                     sequence_parallel=pins.sequence_parallel,
+                                     allow_cross_node_tp=pins.allow_cross_node_tp, explain_infeasible=False)
+        except ConfigError:
+            return False
+        return bool(result.plans)
+
+    lo, i = -1, 0
+    while i < len(counts) and not fits(counts[i]):
+        lo, i = i, (i + 1) * 2 - 1 if i else 1
+    if i >= len(counts):
+        i = len(counts) - 1
+        if not fits(counts[i]):
+            return None
+    while i - lo > 1:  # counts[lo] does not fit, counts[i] does
+        mid = (lo + i) // 2
+        if fits(counts[mid]):
+            i = mid
+        else:
+            lo = mid
+    return counts[i]

@@ -1,0 +1,157 @@
+"""The joint search space and its pins: which degrees, micro-batches and schedules are legal.
+
+A pin is any argument of `plait.search.plan` that is not None. Pins that contradict the
+model, the batch or the device count raise ConfigError naming the value and listing what
+would work; a pin on an axis of degree 1 that has no effect (a schedule with one stage,
+ZeRO with one replica) is accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from plait.errors import ConfigError
+from plait.plan import RECOMPUTE_MODES, SCHEDULES
+from plait.spec import ClusterSpec, ModelSpec, TrainSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pins:
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    recompute: str | tuple[str, ...] | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    interleave: int | None = None
+    sequence_parallel: bool | None = None
+    allow_cross_node_tp: bool = False
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _listing(values: Sequence[int]) -> str:
+    values = list(values)
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def tp_degrees(model: ModelSpec, cluster: ClusterSpec, num_devices: int, allow_cross_node: bool) -> list[int]:
+    """Tensor degrees that split the heads and kv-heads evenly and (unless allowed) stay inside a node."""
+    out = []
+    for t in divisors(num_devices):
+        if model.num_heads % t or model.num_kv_heads % t:
+            continue
+        if not allow_cross_node and (t > cluster.devices_per_node or cluster.devices_per_node % t):
+            continue
+        out.append(t)
+    return out
+
+
+def pp_degrees(model: ModelSpec, num_devices: int) -> list[int]:
+    return [p for p in divisors(num_devices) if p <= model.num_layers]
+
+
+def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int) -> None:
+    """Raise ConfigError for a pin no plan can honour."""
+    n, batch = num_devices, train.global_batch
+    for name in ("dp", "tp", "pp", "micro_batch", "interleave"):
+        value = getattr(pins, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero={pins.zero!r} is not one of 0, 1, 2, 3")
+    if pins.schedule is not None and pins.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={pins.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    modes = (pins.recompute,) if isinstance(pins.recompute, str) else (pins.recompute or ())
+    for mode in modes:
+        if mode not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute={mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if pins.tp is not None:
+        valid = tp_degrees(model, cluster, n, pins.allow_cross_node_tp)
+        if pins.tp not in valid:
+            why = _tp_reason(pins.tp, model, cluster, n, pins.allow_cross_node_tp)
+            raise ConfigError(f"tp={pins.tp} {why}; valid tp for {model.name} on {n} devices: {_listing(valid)}")
+    if pins.pp is not None and pins.pp not in pp_degrees(model, n):
+        raise ConfigError(f"pp={pins.pp} must divide {n} devices and be <= num_layers={model.num_layers}; "
+                          f"valid pp: {_listing(pp_degrees(model, n))}")
+    if pins.dp is not None:
+        valid = [d for d in divisors(n) if batch % d == 0]
+        if pins.dp not in valid:
+            raise ConfigError(f"dp={pins.dp} must divide both {n} devices and global_batch={batch}; "
+                              f"valid dp: {_listing(valid)}")
+    fixed = [v for v in (pins.dp, pins.tp, pins.pp) if v is not None]
+    product = 1
+    for v in fixed:
+        product *= v
+    if n % product or (len(fixed) == 3 and product != n):
+        raise ConfigError(f"dp x tp x pp = {pins.dp or '?'} x {pins.tp or '?'} x {pins.pp or '?'} cannot make "
+                          f"{n} devices; the product of the pinned degrees must divide {n} (equal it when all three are pinned)")
+    if isinstance(pins.recompute, tuple) and pins.pp is not None and len(pins.recompute) not in (1, pins.pp):
+        raise ConfigError(f"recompute={list(pins.recompute)} must hold one mode or pp={pins.pp} modes (one per rank)")
+    if pins.interleave is not None and pins.interleave > 1 and pins.schedule not in (None, "interleaved"):
+        if pins.pp != 1:
+            raise ConfigError(f"interleave={pins.interleave} needs schedule='interleaved', not {pins.schedule!r}")
+    if pins.micro_batch is not None:
+        dps = [d for d in divisors(n) if batch % d == 0 and (pins.dp is None or d == pins.dp)]
+        if not any((batch // d) % pins.micro_batch == 0 for d in dps):
+            valid = sorted({b for d in dps for b in divisors(batch // d)})
+            raise ConfigError(f"micro_batch={pins.micro_batch} divides no per-replica batch of global_batch={batch}; "
+                              f"valid micro_batch: {_listing(valid)}")
+
+
+def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cross_node: bool) -> str:
+    if n % tp:
+        return f"does not divide {n} devices"
+    if model.num_heads % tp:
+        return f"does not divide num_heads={model.num_heads}"
+    if model.num_kv_heads % tp:
+        return f"does not divide num_kv_heads={model.num_kv_heads}"
+    return (f"does not fit inside a node of {cluster.devices_per_node} devices "
+            f"(pass allow_cross_node_tp / --allow-cross-node-tp to allow it)")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp: int
+    tp: int
+    pp: int
+
+
+def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int
+                   ) -> list[Degrees]:
+    """Every (dp, tp, pp) with dp·tp·pp = N that honours the pins and divides the batch."""
+    out = []
+    for tp in tp_degrees(model, cluster, num_devices, pins.allow_cross_node_tp):
+        for pp in pp_degrees(model, num_devices // tp):
+            dp = num_devices // (tp * pp)
+            if train.global_batch % dp:
+                continue
+            if any(pin is not None and pin != v for pin, v in ((pins.dp, dp), (pins.tp, tp), (pins.pp, pp))):
+                continue
+            if isinstance(pins.recompute, tuple) and len(pins.recompute) not in (1, pp):
+                continue
+            out.append(Degrees(dp, tp, pp))
+    return out
+
+
+def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int) -> Iterator[tuple[str, int]]:
+    """(schedule, interleave) pairs: with one stage the schedule has no effect (the pin, or 1f1b, is kept);
+    1F1B needs m >= pp (PyTorch's Schedule1F1B), interleaved m % pp == 0 and pp·v <= layers."""
+    m = num_micro_batches
+    if pp == 1:
+        yield (pins.schedule or "1f1b"), 1
+        return
+    if pins.schedule in (None, "gpipe") and pins.interleave in (None, 1):
+        yield "gpipe", 1
+    if pins.schedule in (None, "1f1b") and pins.interleave in (None, 1) and m >= pp:
+        yield "1f1b", 1
+    if pins.schedule in (None, "interleaved") and m % pp == 0:
+        vs = [pins.interleave] if pins.interleave else range(2, num_layers // pp + 1)
+        for v in vs:
+            if v >= 2 and pp * v <= num_layers:
+                yield "interleaved", v

@@ -1,0 +1,444 @@
+"""Checkpoints: atomic, verified, layout-independent; exact resume and resharding to another plan.
+
+A checkpoint is a directory ``<dir>/step_000100/`` holding
+
+* the ``torch.distributed.checkpoint`` (DCP) files of the model and optimizer state, saved as
+  sharded DTensors / replicated tensors keyed like the single-process model
+  (``layers.3.attn.wq.weight``), so any plan -- another dp/tp/pp layout, another world
+  size -- can load it (DCP reads each rank's slice of each saved tensor);
+* ``meta.json``: step, tokens, data-loader position, world size, and the plan (with its model
+  spec) and config that produced it. The learning rate is a pure function of the step and the
+  [optimizer] config (plait.train.loop.lr_at), so the step *is* the scheduler state;
+* ``rng/rank_00000.pt``: torch / python / numpy random states of each rank;
+* ``MANIFEST.json``: size and SHA-256 of every file above, written last.
+
+Saving is atomic: everything goes to ``step_000100.tmp/``, is fsynced, the manifest is written
+and fsynced, and only then the directory is renamed to ``step_000100/`` (a rename is atomic
+on POSIX file systems). A crash mid-save leaves a ``.tmp`` directory that is never read (and is
+removed by the next save); the previous complete checkpoint is untouched. The last `keep`
+complete checkpoints are kept.
+
+On resume every candidate is verified against its manifest, newest first; a corrupt or
+incomplete one (missing or truncated file, bad checksum, unreadable manifest) is named in a
+warning and the previous complete one is used instead.
+
+The module top imports no torch: the launcher uses the store functions (`latest_complete`,
+`check_fresh_dir`) before any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+MANIFEST = "MANIFEST.json"
+META = "meta.json"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_CHUNK = 1 << 20
+
+
+# ---- the store: directories, manifests, verification (no torch) ---------------------------
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}.tmp"
+
+
+def complete_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every published checkpoint directory (not verified), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(directory: Path, step: int) -> dict[str, Any]:
+    """Fsync every file under `directory`, then write and fsync MANIFEST.json listing them."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        _fsync_file(path)
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
+    for sub in sorted({p.parent for p in directory.rglob("*")} | {directory}):
+        _fsync_dir(sub)
+    manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+    _write_synced(directory / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    _fsync_dir(directory)
+    return manifest
+
+
+def verify(directory: Path) -> str | None:
+    """None if `directory` is a complete checkpoint matching its manifest, else what is wrong."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files = manifest["files"]
+        step = int(manifest["step"])
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (an incomplete save)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(files, dict) or META not in files or ".metadata" not in files:
+        return f"{MANIFEST} does not list {META} and the DCP .metadata"
+    if _STEP_DIR.match(directory.name) and int(_STEP_DIR.match(directory.name).group(1)) != step:
+        return f"{MANIFEST} is for step {step}, not this directory's"
+    for name, entry in files.items():
+        problem = _file_problem(directory / name, entry)
+        if problem:
+            return f"file {name}: {problem}"
+    return None
+
+
+def _file_problem(path: Path, entry: dict[str, Any]) -> str | None:
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.get("size"):
+        return f"{size} bytes, the manifest says {entry.get('size')} (truncated or overwritten)"
+    if sha256_of(path) != entry.get("sha256"):
+        return "checksum differs from the manifest (corrupted)"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Found:
+    """The newest complete checkpoint (None if there is none) and the newer ones that were refused."""
+
+    path: Path | None
+    step: int
+    refused: tuple[tuple[Path, str], ...] = ()
+
+    def warnings(self) -> list[str]:
+        fallback = f"falling back to {self.path.name}" if self.path else "no complete checkpoint is left"
+        return [f"checkpoint {p} is not usable: {why}; {fallback}" for p, why in self.refused]
+
+
+def latest_complete(root: str | Path) -> Found:
+    """The newest checkpoint under `root` that verifies, newest first; the refused ones with reasons."""
+    refused = []
+    for step, path in reversed(complete_dirs(Path(root))):
+        problem = verify(path)
+        if problem is None:
+            return Found(path=path, step=step, refused=tuple(refused))
+        refused.append((path, problem))
+    return Found(path=None, step=0, refused=tuple(refused))
+
+
+def check_fresh_dir(root: str | Path) -> None:
+    """A run that does not resume must not mix its checkpoints with an earlier run's."""
+    existing = complete_dirs(Path(root))
+    if existing:
+        raise ConfigError(
+            f"checkpoint.dir {str(root)!r} already holds checkpoints (latest {existing[-1][1].name}); "
+            f"pass --resume (checkpoint.resume=true) to continue from it, or choose another checkpoint.dir"
+        )
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make a finished temporary checkpoint visible under its final name (the commit point)."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # re-saving a step after falling back past it: move the old one aside first
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints; returns the deleted paths."""
+    dirs = [p for _, p in complete_dirs(root)]
+    doomed = dirs[:-keep] if keep > 0 else []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_stale_tmp(root: Path) -> None:
+    """Leftovers of saves that crashed: never read, removed before the next save."""
+    for path in root.glob("step_*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob("step_*.old"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / META).read_text())
+
+
+def warn(message: str) -> None:
+    print(f"plait: warning: {message}", file=sys.stderr, flush=True)
+
+
+def restart_count() -> int:
+    """How many times torchrun / the elastic agent has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+# ---- the Checkpointer the training loop calls (torch from here on) ------------------------
+class Checkpointer:
+    """The loop's checkpoint hooks (plait.train.hooks.CheckpointHooks) for a [checkpoint] config.
+
+    `resume(state)` loads the newest complete checkpoint when `checkpoint.resume` is set or the
+    job was restarted by torchrun after a crash; `after_step(state, final)` saves every
+    `checkpoint.every` steps and at the end. Both are collective: every rank calls them."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.root = Path(config.checkpoint.dir)
+        self.every = config.checkpoint.every
+        self.keep = config.checkpoint.keep
+        self.last_saved: int | None = None
+
+    def wants_resume(self) -> bool:
+        return bool(self.config.checkpoint.resume) or restart_count() > 0
+
+    def resume(self, state: Any) -> None:
+        import torch.distributed as dist
+
+        if not self.wants_resume():
+            check_fresh_dir(self.root)
+            return
+        found = _broadcast_choice(self.root)
+        if dist.get_rank() == 0:
+            for message in found.warnings():
+                warn(message)
+        if found.path is None:
+            if dist.get_rank() == 0:
+                warn(f"no complete checkpoint in {self.root}; starting from step 0")
+            return
+        load_checkpoint(found.path, state)
+        self.last_saved = state.step
+        if dist.get_rank() == 0:
+            print(f"plait: resumed from {found.path} (step {state.step})", file=sys.stderr, flush=True)
+
+    def after_step(self, state: Any, final: bool) -> None:
+        due = final or (self.every > 0 and state.step % self.every == 0)
+        if due and state.step != self.last_saved:
+            save_checkpoint(self.root, state, keep=self.keep)
+            self.last_saved = state.step
+
+
+def _broadcast_choice(root: Path) -> Found:
+    """Rank 0 verifies the candidates (reading every file once); every rank loads what it chose."""
+    import torch.distributed as dist
+
+    box = [latest_complete(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- state dicts keyed like the single-process model ----------------------------------------
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Sharded (not full) tensors: each rank writes and reads only its shards. Flattened optimizer
+    # keys (state.<fqn>.exp_avg) name states by parameter, not by position, so pipeline stages and
+    # ZeRO-1 shards -- each holding a different subset of parameters -- save and load independently.
+    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+
+
+def _container(model: Any):
+    """One module over this rank's stage modules (model_parts); their FQNs get an index prefix
+    ("0.layers.3..."), removed again below so keys do not depend on the pipeline layout."""
+    from torch import nn
+
+    return nn.ModuleList(model.model_parts)
+
+
+def _local_optimizer(optimizer: Any) -> Any:
+    """ZeroRedundancyOptimizer keeps this rank's shard of AdamW states in `.optim`; its own
+    state_dict() would need a consolidation onto one rank (collective, full size). Saving the
+    local shard by parameter name is cheaper and reshards like any other layout."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _strip_part(fqn: str) -> str:
+    return fqn.partition(".")[2]
+
+
+def _optim_key(key: str, rename: dict[str, str]) -> str:
+    kind, _, rest = key.partition(".")  # "state" | "param_groups", then "<part>.<fqn>.<name>"
+    fqn, _, name = rest.rpartition(".")
+    return f"{kind}.{rename[fqn]}.{name}"
+
+
+def _plain_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """{"model": ..., "optim": ...} keyed by single-process names, and the map back to this layout's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    container = _container(model)
+    model_sd, optim_sd = get_state_dict(container, _local_optimizer(optimizer), options=_options())
+    to_plain = {key: _strip_part(key) for key in model_sd}
+    plain = {"model": {to_plain[k]: v for k, v in model_sd.items()},
+             "optim": {_optim_key(k, to_plain): v for k, v in optim_sd.items()}}
+    return plain, {v: k for k, v in to_plain.items()}
+
+
+def _load_plain_state(model: Any, optimizer: Any, plain: dict[str, Any], to_layout: dict[str, str]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_sd = {to_layout[k]: v for k, v in plain["model"].items()}
+    optim_sd = {_optim_key(k, to_layout): v for k, v in plain["optim"].items()}
+    set_state_dict(_container(model), _local_optimizer(optimizer), model_state_dict=model_sd,
+                   optim_state_dict=optim_sd, options=_options())
+
+
+# ---- save ---------------------------------------------------------------------------------
+def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0) -> Path:
+    """Save `state` (plait.train.hooks.TrainState) as ``root/step_NNNNNN`` atomically (collective)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    rank = dist.get_rank()
+    tmp, final = tmp_dir(root, state.step), step_dir(root, state.step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(root)
+        (tmp / RNG_DIR).mkdir(parents=True)
+    dist.barrier()
+    plain, _ = _plain_state(state.model, state.optimizer)
+    dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    _save_rng(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+    dist.barrier()  # every rank's files are written and fsynced
+    if rank == 0:
+        _write_synced(tmp / META, json.dumps(_meta(state), indent=1) + "\n")
+        write_manifest(tmp, state.step)
+        publish(tmp, final)
+        if keep > 0:
+            prune(root, keep)
+    dist.barrier()  # nobody runs ahead (and maybe crashes) before the checkpoint is visible
+    return final
+
+
+def _meta(state: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    return {"format": FORMAT_VERSION, "step": state.step, "tokens": state.tokens,
+            "world_size": dist.get_world_size(), "loader": state.loader.state_dict(),
+            "plan": json.loads(state.plan.to_json()), "config": state.config.to_dict()}
+
+
+def _save_rng(path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    with path.open("wb") as f:
+        torch.save(states, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- load ---------------------------------------------------------------------------------
+def load_checkpoint(directory: str | Path, state: Any) -> None:
+    """Load a checkpoint into `state` under its current plan, whatever plan saved it (collective)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    meta = read_meta(directory)
+    check_compatible(meta, state.plan, directory)
+    plain, to_layout = _plain_state(state.model, state.optimizer)
+    # Hyper-parameters stay this run's (from its config; the lr follows the step): a saved
+    # `foreach` or `lr` must not override what this layout's optimizer needs.
+    loaded = {"model": plain["model"],
+              "optim": {k: v for k, v in plain["optim"].items() if not k.startswith("param_groups.")}}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(directory)))
+    plain["optim"].update(loaded["optim"])
+    _load_plain_state(state.model, state.optimizer, plain, to_layout)
+    state.loader.load_state_dict(meta["loader"])
+    state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+    same_layout = meta["world_size"] == dist.get_world_size() and _layout(meta["plan"]) == _layout(
+        json.loads(state.plan.to_json()))
+    if same_layout:
+        _load_rng(directory / RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+    elif dist.get_rank() == 0:
+        # Nothing in plait's training step draws random numbers (no dropout; data order is
+        # seeded by (seed, epoch)), so the losses do not depend on them; say so all the same.
+        warn(f"{directory.name} was saved under another layout; random states were not restored")
+
+
+_LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "interleave", "layers_per_stage")
+
+
+def _layout(plan: dict[str, Any]) -> tuple:
+    return tuple(json.dumps(plan.get(key)) for key in _LAYOUT_KEYS)
+
+
+def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
+    """Refuse a checkpoint of another model (its weights cannot be loaded, only mis-loaded)."""
+    saved = dict(meta["plan"]["model"])
+    current = json.loads(plan.to_json())["model"]
+    saved.pop("name", None)
+    current.pop("name", None)
+    diff = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+    if diff:
+        key = diff[0]
+        raise ConfigError(
+            f"checkpoint {directory} holds model {meta['plan']['model'].get('name')!r} with {key}={saved.get(key)!r}, "
+            f"but this run's model has {key}={current.get(key)!r}; resume with the same model or use another "
+            f"checkpoint.dir"
+        )
+
+
+def _load_rng(path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    if not path.is_file():
+        return
+    states = torch.load(path, weights_only=False)  # our own file, verified against the manifest
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -1,0 +1,145 @@
+"""`plait tune`'s correction of the cost model: from measured step times of a few plans, recover the
+ClusterSpec terms (GEMM efficiency, link latency, link bandwidth) that produced them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from plait.plan import Plan
+from plait.profile.calibrate import (
+    TERMS, Observation, bounded_prior_lstsq, fit_terms, kendall_tau, predicted_step, regret, scale_term, term_shares,
+)
+from plait.spec import TrainSpec
+from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+from plait.spec.models import MODEL_PRESETS
+
+MODEL = MODEL_PRESETS["tiny-gpt"]
+TRAIN = TrainSpec(global_batch=8, seq_len=128, precision="fp32")
+LINK = LinkSpec(latency_s=50e-6, bandwidth=1e9)
+CLUSTER = ClusterSpec(name="cpu4", num_devices=4, devices_per_node=4, memory_bytes=4 * 2**30, peak_flops=2e10,
+                      efficiency=Efficiency(matmul=1.0, matmul_half_dim=64.0, overhead=0.3),
+                      intra_node=LINK, inter_node=LINK, device_type="cpu", backend="gloo")
+
+
+def plans(cluster: ClusterSpec = CLUSTER) -> list[Plan]:
+    """A spread of degrees and micro-batch sizes: compute-, latency- and bandwidth-heavy steps."""
+    out = []
+    for dp, tp, pp, zero in [(4, 1, 1, 0), (4, 1, 1, 3), (2, 2, 1, 1), (1, 4, 1, 0), (2, 1, 2, 0), (1, 1, 4, 0),
+                             (1, 2, 2, 0)]:
+        for micro_batch in (1, 2):
+            count = TRAIN.global_batch // dp // micro_batch
+            if count < pp:
+                continue
+            out.append(Plan(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, num_micro_batches=count,
+                            model=MODEL, train=TRAIN, cluster=cluster))
+    return out
+
+
+def truth(factors: dict[str, float]) -> ClusterSpec:
+    cluster = CLUSTER
+    for term, factor in factors.items():
+        cluster = scale_term(cluster, term, factor)
+    return cluster
+
+
+def observe(cluster: ClusterSpec, noise: float = 0.0, seed: int = 0) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    return [Observation(plan=p, measured_s=predicted_step(p, cluster) * (1 + noise * rng.uniform(-1, 1)))
+            for p in plans()]
+
+
+def test_scale_term_scales_only_its_fields():
+    assert scale_term(CLUSTER, "compute", 2.0).efficiency.matmul == 0.5
+    assert scale_term(CLUSTER, "intra_latency", 3.0).intra_node.latency_s == pytest.approx(150e-6)
+    assert scale_term(CLUSTER, "intra_bandwidth", 2.0).intra_node.bandwidth == pytest.approx(0.5e9)
+    assert scale_term(CLUSTER, "intra_bandwidth", 2.0).inter_node == LINK
+    assert scale_term(CLUSTER, "inter_latency", 2.0).intra_node == LINK
+    with pytest.raises(ValueError, match="not one of"):
+        scale_term(CLUSTER, "intra_speed", 2.0)
+
+
+def test_term_shares_add_up_to_the_step_and_follow_the_plan():
+    for plan in plans():
+        shares = term_shares(plan, CLUSTER)
+        total = predicted_step(plan, CLUSTER)
+        # compute + links explain all of it except the optimizer step (priced from peak_flops alone)
+        assert sum(shares.values()) <= total * (1 + 1e-6)
+        assert sum(shares.values()) >= 0.8 * total
+        assert shares["inter_latency"] == shares["inter_bandwidth"] == 0.0  # one node
+    by_name = {p.describe(): term_shares(p, CLUSTER) for p in plans()}
+    tp4 = by_name["dp1 tp4 pp1 zero0 mb1x8 recompute=none"]
+    dp4 = by_name["dp4 tp1 pp1 zero0 mb1x2 recompute=none"]
+    assert tp4["intra_latency"] > 10 * dp4["intra_latency"]  # 2 all-reduces per layer per pass per micro-batch
+
+
+def test_fit_recovers_known_constants_exactly():
+    factors = {"compute": 1.7, "intra_latency": 3.0, "intra_bandwidth": 0.5}
+    fit = fit_terms(observe(truth(factors)), CLUSTER, prior_weight=1e-9)
+    for term, factor in factors.items():
+        assert fit.factors[term] == pytest.approx(factor, rel=1e-3)
+    assert fit.cluster.efficiency.matmul == pytest.approx(1.0 / 1.7, rel=1e-3)
+    assert fit.cluster.intra_node.latency_s == pytest.approx(150e-6, rel=1e-3)
+    assert fit.cluster.intra_node.bandwidth == pytest.approx(2e9, rel=1e-3)
+    assert max(fit.errors_after) < 1e-3 < max(fit.errors_before)
+    assert set(fit.fitted) == {"compute", "intra_latency", "intra_bandwidth"}
+
+
+def test_fit_under_noise_recovers_the_big_terms_and_improves_every_fit():
+    factors = {"compute": 0.6, "intra_latency": 4.0, "intra_bandwidth": 1.5}
+    fit = fit_terms(observe(truth(factors), noise=0.05, seed=3), CLUSTER)
+    assert fit.factors["compute"] == pytest.approx(0.6, rel=0.08)
+    assert fit.factors["intra_latency"] == pytest.approx(4.0, rel=0.25)
+    assert np.median(fit.errors_after) < 0.05 < np.median(fit.errors_before)
+
+
+def test_one_node_keeps_inter_node_equal_and_untouched_terms_stay():
+    fit = fit_terms(observe(truth({"intra_latency": 2.0})), CLUSTER)
+    assert fit.cluster.inter_node == fit.cluster.intra_node
+    assert fit.factors["inter_latency"] == fit.factors["inter_bandwidth"] == 1.0
+    assert "inter_latency" not in fit.fitted
+    # peak, memory, devices and the size curve are not the fit's business
+    for name in ("num_devices", "devices_per_node", "memory_bytes", "peak_flops", "device_type", "backend"):
+        assert getattr(fit.cluster, name) == getattr(CLUSTER, name)
+    assert fit.cluster.efficiency.matmul_half_dim == CLUSTER.efficiency.matmul_half_dim
+
+
+def test_unidentifiable_terms_stay_at_the_prior():
+    """Pure data-parallel plans with plenty of compute: the link terms barely show; the prior keeps them."""
+    only_dp = [p for p in plans() if p.dp == 4 and p.zero == 0]
+    measured = [Observation(plan=p, measured_s=predicted_step(p, CLUSTER) * 1.3) for p in only_dp]
+    fit = fit_terms(measured, CLUSTER)
+    assert fit.factors["compute"] == pytest.approx(1.3, rel=0.05)
+    assert fit.factors["intra_latency"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_fit_refuses_no_measurements():
+    with pytest.raises(ValueError, match="no measured"):
+        fit_terms([Observation(plan=plans()[0], measured_s=math.nan)], CLUSTER)
+
+
+def test_bounded_prior_lstsq_matches_unconstrained_inside_and_respects_bounds():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(8, 3)), rng.normal(size=8)
+    free = bounded_prior_lstsq(a, b, np.ones(3), 0.0, (np.full(3, -1e9), np.full(3, 1e9)))
+    assert np.allclose(free, np.linalg.lstsq(a, b, rcond=None)[0])
+    boxed = bounded_prior_lstsq(a, b, np.ones(3), 0.0, (np.zeros(3), np.full(3, 0.1)))
+    assert (boxed >= 0).all() and (boxed <= 0.1 + 1e-12).all()
+    # brute force over a grid of the box: nothing beats the solver
+    grid = np.linspace(0, 0.1, 21)
+    best = min(np.sum((a @ np.array([x, y, z]) - b) ** 2) for x in grid for y in grid for z in grid)
+    assert np.sum((a @ boxed - b) ** 2) <= best + 1e-12
+
+
+def test_kendall_tau_and_regret():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    assert regret([1.0, 2.0, 3.0], [1.5, 1.0, 2.0]) == pytest.approx(0.5)
+    assert regret([1.0, 2.0], [1.0, 2.0]) == 0.0
+
+
+def test_terms_cover_every_link_level():
+    assert set(TERMS) == {"compute", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"}
