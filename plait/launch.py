@@ -10,6 +10,7 @@ once and names the rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
+    # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -64,7 +68,8 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, module: str | None = "plait") -> int:
+def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, module: str | None = "plait",
+              max_restarts: int = 0) -> int:
     """Run `python -m <module> <argv>` (`python <argv>` when module is None) on `nproc` local ranks (torch's elastic launcher, standalone
     rendezvous, OMP threads = cores // nproc) and return the exit code: 0, or 1 when a rank failed
     (the failing rank is named on stderr and the others are stopped), or 124 after `timeout_s`."""
@@ -75,7 +80,8 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
         raise ValueError(f"nproc={nproc} must be at least 1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,  # a failed rank restarts all of them, up to this many times (torchrun's flag)
         monitor_interval=0.2,  # how fast a dead rank is noticed and the others stopped
     )
     saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}

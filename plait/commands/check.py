@@ -96,8 +96,6 @@ def _worker_argv(args: argparse.Namespace, result_file: Path) -> list[str]:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from plait.execute.equivalence import CheckSettings, check_plan
     from plait.launch import init_distributed, shutdown_distributed
 
@@ -116,7 +114,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.result_file:  # started by `plait check` itself: the parent prints the report
         Path(args.result_file).write_text(json.dumps(payload))
         return 0
-    return _report(plan, payload, args) if dist.get_rank() == 0 or True else 0
+    return _report(plan, payload, args)  # under torchrun: rank 0 prints, and its exit code says the verdict
 
 
 def _report(plan, result: dict, args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 DEMO_PROMPT = "ROMEO:\n"
@@ -45,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
     from plait.commands.train import launch
     from plait.train.config import dump_toml, load_config
 
-    console = Console()
+    # Piped output (CI logs, tests) gets a wide table instead of rich's 80-column default.
+    console = Console(width=None if sys.stdout.isatty() else 150)
     config = load_config(None, demo_overrides(args))
     _show_plans(console, config, args.nproc)
     config_path = Path(args.log_dir) / "demo.toml"

@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     num_devices = args.devices or cluster.num_devices
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
-    _print_result(result, args.top, model, cluster, num_devices, all_feasible=_search_top(args) is None)
+    _print_result(result, args.top, model, cluster, num_devices)
     if args.json:
         _write_json(args.json, result, args.top)
     if args.report:
@@ -101,16 +101,11 @@ def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argpar
     from plait.search import plan_with_stats
 
     return plan_with_stats(
-        model, cluster, train, num_devices=num_devices, top=_search_top(args),
+        model, cluster, train, num_devices=num_devices, top=args.top,
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
         micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
         sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp,
     )
-
-
-def _search_top(args: argparse.Namespace) -> int | None:
-    """The report's scatter wants every feasible candidate; the table and JSON only the top K."""
-    return None if args.report else args.top
 
 
 def _with_progress(work: Callable[[], Any], message: str) -> Any:
@@ -144,7 +139,7 @@ def _console():
     return probe if probe.is_terminal else Console(width=200)
 
 
-def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int, all_feasible: bool) -> None:
+def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
     from plait.report.tables import human_count, plans_table, search_stats_line
 
     console = _console()
@@ -155,10 +150,13 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
     if len(plans) >= 2:
         from plait.search import explain
 
-        console.print(f"[bold]why #1 beats #2:[/bold] {explain(plans[0], plans[1])}", highlight=False)
+        from rich.text import Text
+
+        # Text, not markup: the explanation holds brackets ("[pp 8->4]") that rich would eat as tags.
+        console.print(Text.assemble(("why #1 beats #2: ", "bold"), explain(plans[0], plans[1])))
     if plans and plans[0].predicted is not None:
         console.print(_parts_line(plans[0].predicted), highlight=False)
-    feasible = len(plans) if all_feasible else None
+    feasible = len(getattr(result, "points", ())) or None
     console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible), highlight=False)
 
 
@@ -198,5 +196,5 @@ def _write_json(path: Path, result: Any, top: int) -> None:
 def _write_report(directory: Path, result: Any) -> None:
     from plait.report.plan_report import write_plan_report
 
-    for png in write_plan_report(list(result.plans), directory):
+    for png in write_plan_report(list(result.plans), directory, points=getattr(result, "points", None)):
         print(f"wrote {png}", file=sys.stderr)

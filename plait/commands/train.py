@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", help='plan JSON file, or "auto" (plan.file)')
     parser.add_argument("--log-dir", help="where metrics.jsonl, plan.json and loss.png go (log.dir)")
     parser.add_argument("--max-seconds", type=float, help="stop after this much wall time (train.max_seconds)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in checkpoint.dir (checkpoint.resume); "
+                             "with another --nproc than the plan's, re-plan and reshard")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart all local ranks up to K times when one dies; they resume from the "
+                             "newest checkpoint (torchrun's --max-restarts)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="kill the local run after this many seconds (default: no limit)")
 
@@ -51,6 +57,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append(f"{key}={_toml_value(value)}")
+    if getattr(args, "resume", False):
+        items.append("checkpoint.resume=true")
     return items
 
 
@@ -69,18 +77,22 @@ def main(args: argparse.Namespace) -> int:
 
         run(config)
         return 0
-    return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
+    return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout,
+                  max_restarts=args.max_restarts)
 
 
 def launch(config_path: str | None, config, overrides: list[str], *, nproc: int | None,
-           timeout_s: float | None) -> int:
+           timeout_s: float | None, max_restarts: int = 0) -> int:
     """Check everything here, then run `plait train` on the plan's ranks; returns their exit code."""
     from rich.console import Console
 
     from plait.launch import run_local
-    from plait.train.resolve import check_data, resolve_model, resolve_plan, write_plan
+    from plait.train.resolve import check_data, resolve_model, write_plan
 
-    plan = resolve_plan(config, nproc)
+    from plait.train.checkpoint import check_launch, plan_for_launch
+
+    plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
+    check_launch(config)
     check_data(config, resolve_model(config.model))
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
@@ -89,7 +101,7 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]
-    code = run_local(plan.num_devices, argv, timeout_s=timeout_s)
+    code = run_local(plan.num_devices, argv, timeout_s=timeout_s, max_restarts=max_restarts)
     if code == 0:
         _print_outputs(console, Path(config.log.dir))
     else:

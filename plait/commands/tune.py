@@ -138,6 +138,12 @@ def _timeout(args: argparse.Namespace, count: int) -> float:
     return args.timeout or LAUNCH_SECONDS + count * (30.0 + 10.0 * (args.steps + args.warmup))
 
 
+def _round_robin(cluster: Any) -> int:
+    """Plans stepped in turn (plait.profile.tune.time_plans): all of them on CPU, where load from
+    elsewhere is the noise to beat; one at a time on GPUs, so each plan's memory peak is its own."""
+    return 1 if cluster.device_type == "cuda" else 64
+
+
 def _time_on_local_ranks(plans: list[Any], args: argparse.Namespace, nproc: int) -> list[Any]:
     from plait.launch import run_local
     from plait.profile.tune import read_results, write_plans
@@ -149,7 +155,7 @@ def _time_on_local_ranks(plans: list[Any], args: argparse.Namespace, nproc: int)
         write_plans(plans, plans_file)
         timeout = _timeout(args, len(plans))
         argv = [str(plans_file), str(results_file), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--timeout", str(timeout)]
+                "--batch", str(_round_robin(plans[0].cluster)), "--timeout", str(timeout)]
         code = run_local(nproc, argv, timeout_s=timeout, module="plait.profile.tune")
         if code != 0 or not results_file.exists():
             raise PlaitError(f"timing the plans on {nproc} ranks failed (exit code {code}); nothing was written")
@@ -167,7 +173,8 @@ def _torchrun_main(args: argparse.Namespace, out: Path, plot: Path) -> int:
     try:
         cluster = resolve_cluster(args.cluster, world)
         plans = candidate_plans(args, cluster, world)
-        results = time_plans(plans, TimingOptions(steps=args.steps, warmup=args.warmup))
+        options = TimingOptions(steps=args.steps, warmup=args.warmup, batch=_round_robin(cluster))
+        results = time_plans(plans, options)
         if rank == 0:
             report_and_write(plans, results, cluster, out, plot)
     finally:

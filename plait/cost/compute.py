@@ -14,6 +14,7 @@ generalized to grouped-query attention and SwiGLU MLPs (see `activation_bytes`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from plait.spec.cluster import ClusterSpec
 from plait.spec.model import ModelSpec
@@ -75,6 +76,7 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> f
     return 3.0 * (model.num_layers * (dense + attn) + head_flops(model, tokens))
 
 
+@lru_cache(maxsize=65536)
 def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
                      dtype_bytes: int = 2) -> float:
     """Bytes one layer keeps for backward, per device (Korthikanti et al. 2022, Table 2, generalized).
@@ -101,6 +103,7 @@ def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, 
     return scale * total
 
 
+@lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
                dtype_bytes: int = 2) -> LayerCost:
     """Time and activation memory of one layer for one micro-batch on one device of a tensor group of `tp`."""
@@ -151,6 +154,7 @@ class EndsCost:
     head_tp: float
 
 
+@lru_cache(maxsize=4096)
 def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
               dtype_bytes: int = 2) -> EndsCost:
     """Vocabulary-parallel embedding and output layer with a parallel loss (Megatron's layout)."""

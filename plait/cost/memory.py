@@ -17,6 +17,7 @@ A rank's memory is linear in the number of transformer layers it holds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -32,6 +33,7 @@ BUCKET_BYTES = 25 * 2**20
 PART_NAMES = ("params", "grads", "optimizer", "activations", "logits", "buffers", "reserve")
 
 
+@lru_cache(maxsize=4096)
 def layer_params(model: ModelSpec, tp: int) -> float:
     """Parameters of one layer on one device: weights split by tp, the two norms replicated."""
     norms = 2 * model.norm_params

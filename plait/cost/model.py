@@ -11,7 +11,7 @@ schedule without transfers), pp_comm (what transfers add to the makespan), dp_co
 only the last bucket exposed when backward is long enough; ZeRO-2 reduce-scatters under
 every micro-batch's backward; ZeRO-3 (FSDP) gathers each layer under the previous layer's
 forward/backward, exposing the first gather; ZeRO-1/2 gather updated parameters after
-the optimizer step (exposed).
+the optimizer step (exposed). Hidden communication still costs OVERLAP_SLOWDOWN of itself.
 """
 
 from __future__ import annotations
@@ -89,25 +89,38 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: int) -> flo
     return total
 
 
+OVERLAP_SLOWDOWN = 0.2
+"""Communication hidden under compute still slows that compute (NCCL kernels take SMs and memory bandwidth):
+each hidden second costs this much. A modeling assumption (not fitted); it is what keeps, e.g., ZeRO-3 over
+hundreds of replicas from looking free whenever its gathers fit under the compute."""
+
+
 def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float) -> float:
     """Data-parallel communication of one rank that compute does not hide (see module docstring)."""
     if layout.dp == 1:
         return 0.0
+    total, exposed = _dp_comm(setting, layout, params, fwd_mb, bwd_mb)
+    return exposed + OVERLAP_SLOWDOWN * (total - exposed)
+
+
+def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float) -> tuple[float, float]:
+    """(all data-parallel communication of the step, the part not under compute)."""
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
     nbytes = params * setting.dtype_bytes
     bucket = min(nbytes, BUCKET_BYTES)
     m, zero = layout.num_micro_batches, layout.zero
     if zero == 0:
         full, last = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
-        return max(full - bwd_mb, last)
+        return full, max(full - bwd_mb, last)
     scatter, last = comm.reduce_scatter(nbytes, group, cluster), comm.reduce_scatter(bucket, group, cluster)
     gather = comm.all_gather(nbytes, group, cluster)
     if zero == 1:
-        return max(scatter - bwd_mb, last) + gather
+        return scatter + gather, max(scatter - bwd_mb, last) + gather
     if zero == 2:
-        return m * max(scatter - bwd_mb, 0.0) + last + gather
+        return m * scatter + gather, m * max(scatter - bwd_mb, 0.0) + last + gather
     first_layer = comm.all_gather(layer_params(setting.model, layout.tp) * setting.dtype_bytes, group, cluster)
-    return m * (max(gather - fwd_mb, 0.0) + max(gather + scatter - bwd_mb, 0.0)) + first_layer + last
+    total = m * (2 * gather + scatter)
+    return total, m * (max(gather - fwd_mb, 0.0) + max(gather + scatter - bwd_mb, 0.0)) + first_layer + last
 
 
 @dataclass(frozen=True)
@@ -139,10 +152,11 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         idle = makespan(st.fwd, st.bwd, pp, m, layout.schedule, 0.0)
     else:
         pipe, idle = closed_form_makespan(st, layout, c)
-    tail = [dp_exposed(setting, layout, rank_params(setting, layout, r, sum(layers[r::pp])),
-                       sum(st.fwd[r::pp]), sum(st.bwd[r::pp])) for r in range(pp)]
-    opt = [optimizer_time(setting.cluster, rank_params(setting, layout, r, sum(layers[r::pp]))
-                          / (layout.dp if layout.zero >= 1 else 1)) for r in range(pp)]
+    tail, opt = [], []
+    for r in range(pp):
+        params = rank_params(setting, layout, r, sum(layers[r::pp]))
+        tail.append(dp_exposed(setting, layout, params, sum(st.fwd[r::pp]), sum(st.bwd[r::pp])))
+        opt.append(optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1)))
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
     on = range(bottleneck, len(layers), pp)
     parts = {

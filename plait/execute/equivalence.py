@@ -35,6 +35,15 @@ class CheckResult:
     """Largest |parallel - reference| over every element of every parameter after the last step."""
     worst_param: str
     grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norms before clipping, per step (when clipping)."""
+    reference_grad_norms: list[float] = field(default_factory=list)
+    runtime: dict = field(default_factory=dict)
+    """Rank 0's ParallelModel.runtime_summary(): the building blocks that actually ran."""
+
+    @property
+    def max_grad_norm_rel_diff(self) -> float:
+        pairs = zip(self.grad_norms, self.reference_grad_norms)
+        return max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
 
     @property
     def loss_rel_diffs(self) -> list[float]:
@@ -46,11 +55,13 @@ class CheckResult:
 
     def passed(self, loss_tol: float, param_tol: float) -> bool:
         finite = all(math.isfinite(x) for x in self.losses)
-        return finite and self.max_loss_rel_diff <= loss_tol and self.max_param_diff <= param_tol
+        return (finite and self.max_loss_rel_diff <= loss_tol and self.max_param_diff <= param_tol
+                and self.max_grad_norm_rel_diff <= loss_tol)
 
 
-def run_parallel(plan: Plan, settings: CheckSettings) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """On every rank: parallelize, train K steps; returns (losses, grad norms, full final parameters)."""
+def run_parallel(plan: Plan, settings: CheckSettings) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict]:
+    """On every rank: parallelize, train K steps; returns (losses, grad norms, full final parameters,
+    runtime summary)."""
     model = parallelize(plan, seed=settings.seed, precision="fp32")
     optimizer = model.make_optimizer(lr=settings.lr, weight_decay=settings.weight_decay)
     losses, norms = [], []
@@ -62,28 +73,30 @@ def run_parallel(plan: Plan, settings: CheckSettings) -> tuple[list[float], list
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss)
-    return losses, norms, model.full_state_dict()
+    return losses, norms, model.full_state_dict(), model.runtime_summary(optimizer)
 
 
 def compare(plan: Plan, settings: CheckSettings, losses: list[float], state: dict[str, torch.Tensor],
-            grad_norms: list[float] | None = None) -> CheckResult:
+            grad_norms: list[float] | None = None, runtime: dict | None = None) -> CheckResult:
     """Run the single-process reference and measure how far the parallel run is from it."""
+    ref_norms: list[float] = []
     ref_losses, ref_state = single_process_reference(
         plan, None, settings.steps, settings.seed, settings.lr, max_norm=settings.max_norm,
-        weight_decay=settings.weight_decay)
+        weight_decay=settings.weight_decay, grad_norms=ref_norms)
     missing = ref_state.keys() - state.keys()
     if missing:
         raise RuntimeError(f"the parallel model lacks parameters {sorted(missing)[:3]}")
     diffs = {name: (state[name].float() - ref.float()).abs().max().item() for name, ref in ref_state.items()}
     worst = max(diffs, key=diffs.get)
     return CheckResult(plan=plan.describe(), losses=list(losses), reference_losses=ref_losses,
-                       max_param_diff=diffs[worst], worst_param=worst, grad_norms=list(grad_norms or []))
+                       max_param_diff=diffs[worst], worst_param=worst, grad_norms=list(grad_norms or []),
+                       reference_grad_norms=ref_norms, runtime=runtime or {})
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     """Collective: the parallel run on every rank, the reference and comparison on rank 0 only
     (which returns the result; other ranks return None)."""
-    losses, norms, state = run_parallel(plan, settings)
+    losses, norms, state, runtime = run_parallel(plan, settings)
     if dist.get_rank() != 0:
         return None
-    return compare(plan, settings, losses, state, norms)
+    return compare(plan, settings, losses, state, norms, runtime)

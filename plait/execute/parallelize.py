@@ -232,6 +232,29 @@ class ParallelModel:
             grad.mul_(coef)
         return total.item()
 
+    def runtime_summary(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
+        """Which PyTorch building blocks this rank actually runs (for tests and reports)."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        def data_parallel(part: nn.Module) -> str:
+            if isinstance(part, FSDPModule):
+                return "fully_shard"
+            return type(part).__name__ if isinstance(part, nn.parallel.DistributedDataParallel) else "none"
+
+        modules = [m for part in self.model_parts for m in part.modules()]
+        return {
+            "data_parallel": sorted({data_parallel(part) for part in self.model_parts}),
+            "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in modules),
+            "selective_blocks": sum(isinstance(m, CheckpointWrapper) and "context_fn" in m.checkpoint_fn.keywords
+                                    for m in modules),
+            "dtensor_params": sum(isinstance(p, DTensor) for p in self.parameters()),
+            "params": len(self.parameters()),
+            "schedule": type(self.schedule).__name__ if self.schedule else None,
+            "stages": list(self.stage_ids),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        }
+
     # ---- weights ----------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full unsharded parameters keyed like the single-process model, on every rank (collective)."""

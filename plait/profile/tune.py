@@ -36,10 +36,13 @@ class TimingOptions:
     """Untimed steps first: allocator, autograd graph and gloo connections warm up."""
     seed: int = 0
     lr: float = 1e-3
+    batch: int = 8
+    """Plans built and stepped round-robin together (see time_plans); 1 = one after another. On CUDA
+    the measured memory peak of a batch covers all of its plans, so `plait tune` uses 1 there."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.warmup < 0:
-            raise ValueError(f"steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
+        if self.steps < 1 or self.warmup < 0 or self.batch < 1:
+            raise ValueError(f"steps={self.steps} and batch={self.batch} must be >= 1, warmup={self.warmup} >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,52 +67,91 @@ def time_plans(plans: Sequence[Plan], options: TimingOptions,
                progress: Callable[[int, Plan], None] | None = None) -> list[Measured]:
     """Collective: time every plan on this process group; every rank returns the same list.
 
-    A plan the executor refuses (ConfigError from its pure checks, the same on every rank) is
-    reported with its reason instead of being timed; any other failure stops the run, as a
-    half-failed collective would leave the other ranks waiting."""
+    Plans are built `options.batch` at a time and stepped round-robin (one step of each in
+    turn, `warmup + steps` times over): load from elsewhere on the machine then lands on all
+    plans of a batch alike instead of on whichever plan happened to run during it, so their
+    ratios stay right on a busy machine. A plan the executor refuses (ConfigError from its pure
+    checks, the same on every rank) is reported with its reason instead of being timed; any
+    other failure stops the run, as a half-failed collective would leave the other ranks waiting."""
+    results: list[Measured | None] = [None] * len(plans)
+    for start in range(0, len(plans), options.batch):
+        indices = range(start, min(start + options.batch, len(plans)))
+        runners = {}
+        for i in indices:
+            if progress is not None:
+                progress(i, plans[i])
+            problem = _refusal(plans[i])
+            if problem:
+                results[i] = Measured(label=plans[i].describe(), error=problem)
+            else:
+                runners[i] = _Runner(plans[i], options)
+        for step in range(options.warmup + options.steps):
+            for runner in runners.values():
+                runner.step(step, timed=step >= options.warmup)
+        for i, runner in runners.items():
+            results[i] = runner.finish()
+        runners.clear()
+        gc.collect()
+    return [r for r in results if r is not None]
+
+
+def _refusal(plan: Plan) -> str:
+    import torch.distributed as dist
+
     from plait.errors import ConfigError
     from plait.execute.parallelize import validate_plan
 
-    import torch.distributed as dist
+    try:
+        validate_plan(plan, dist.get_world_size())
+    except ConfigError as e:
+        return str(e)
+    return ""
 
-    results = []
-    for index, plan in enumerate(plans):
-        if progress is not None:
-            progress(index, plan)
-        try:
-            validate_plan(plan, dist.get_world_size())
-        except ConfigError as e:
-            results.append(Measured(label=plan.describe(), error=str(e)))
-            continue
-        results.append(time_plan(plan, options))
-    return results
+
+class _Runner:
+    """One built plan: its model shard and optimizer on this rank, and the steps timed so far."""
+
+    def __init__(self, plan: Plan, options: TimingOptions) -> None:
+        import torch
+
+        from plait.execute.parallelize import parallelize
+
+        self.plan, self.options = plan, options
+        self.model = parallelize(plan, seed=options.seed)
+        self.optimizer = self.model.make_optimizer(lr=options.lr)
+        self.cuda = self.model.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.model.device)
+        self.times: list[float] = []
+
+    def step(self, step: int, timed: bool) -> None:
+        from plait.execute.batches import batch_for_step, dp_shard
+
+        plan, rank = self.plan, self.model.dp_rank
+        tokens, targets = batch_for_step(plan, self.options.seed, step)
+        seconds = _timed_step(self.model, self.optimizer, dp_shard(plan, tokens, rank), dp_shard(plan, targets, rank),
+                              self.cuda)
+        if timed:
+            self.times.append(seconds)
+
+    def finish(self) -> Measured:
+        """Agree on the timings (slowest rank per step), read the memory peak, free the plan."""
+        import torch
+
+        device = self.model.device
+        slowest = _max_over_ranks(self.times, device)
+        memory = None
+        if self.cuda:
+            # with several plans alive the peak covers them all: a bound, reported as such by callers
+            memory = _max_over_ranks([float(torch.cuda.max_memory_allocated(device))], device)[0]
+        _release(self.model)
+        del self.model, self.optimizer
+        return Measured(label=self.plan.describe(), step_times_s=tuple(slowest), peak_memory_bytes=memory)
 
 
 def time_plan(plan: Plan, options: TimingOptions) -> Measured:
     """Collective: build `plan`, run warm-up and timed steps, free it again."""
-    import torch
-
-    from plait.execute.batches import batch_for_step, dp_shard
-    from plait.execute.parallelize import parallelize
-
-    model = parallelize(plan, seed=options.seed)
-    optimizer = model.make_optimizer(lr=options.lr)
-    cuda = model.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(model.device)
-    times = []
-    for step in range(options.warmup + options.steps):
-        tokens, targets = batch_for_step(plan, options.seed, step)
-        tokens, targets = dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank)
-        seconds = _timed_step(model, optimizer, tokens, targets, cuda)
-        if step >= options.warmup:
-            times.append(seconds)
-    slowest = _max_over_ranks(times, model.device)
-    memory = _max_over_ranks([float(torch.cuda.max_memory_allocated(model.device))], model.device)[0] if cuda else None
-    _release(model)
-    del model, optimizer
-    gc.collect()
-    return Measured(label=plan.describe(), step_times_s=tuple(slowest), peak_memory_bytes=memory)
+    return time_plans([plan], dataclasses.replace(options, batch=1))[0]
 
 
 def _timed_step(model, optimizer, tokens, targets, cuda: bool) -> float:  # noqa: ANN001 (torch types: lazy)
@@ -186,6 +228,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="JSON file rank 0 writes the timings to")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=TimingOptions.batch, help="plans stepped round-robin together")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
@@ -196,7 +239,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     rank, _ = init_distributed(timeout_s=args.timeout)
     plans = read_plans(args.plans)
     try:
-        results = time_plans(plans, TimingOptions(steps=args.steps, warmup=args.warmup),
+        results = time_plans(plans, TimingOptions(steps=args.steps, warmup=args.warmup, batch=args.batch),
                              progress=_printer(len(plans)) if rank == 0 else None)
         if rank == 0:
             write_results(results, args.results)

@@ -17,12 +17,17 @@ from plait.plan import Plan
 from plait.report.tables import layers_cell, recompute_cell
 from plait.report.plots import Candidate, TimelineEvent, plot_candidates, plot_memory_per_stage, plot_timeline
 
-MAX_TIMELINE_EVENTS = 3000
-"""Beyond this many boxes a Gantt chart is unreadable (and slow): show the first micro-batches only."""
+MAX_EVENTS_PER_RANK = 160
+"""Beyond this many boxes per row a Gantt chart is unreadable (and slow): show the first micro-batches only."""
 
 
-def write_plan_report(plans: Sequence[Plan], directory: str | Path) -> list[Path]:
-    """Write the three PNGs for `plans` (ranked, best first, each with `predicted`); return their paths."""
+def write_plan_report(plans: Sequence[Plan], directory: str | Path,
+                      points: Sequence[tuple[float, float]] | None = None) -> list[Path]:
+    """Write the three PNGs for `plans` (ranked, best first, each with `predicted`); return their paths.
+
+    `points` are (step time s, peak memory bytes) of every feasible candidate the search priced
+    (SearchResult.points); without them the scatter shows `plans` only.
+    """
     if not plans:
         return []
     out = Path(directory)
@@ -31,12 +36,12 @@ def write_plan_report(plans: Sequence[Plan], directory: str | Path) -> list[Path
     return [
         _timeline_png(best, out / "timeline.png"),
         _memory_png(best, out / "memory.png"),
-        _candidates_png(plans, out / "candidates.png"),
+        _candidates_png(plans, points, out / "candidates.png"),
     ]
 
 
 # ---- timeline -------------------------------------------------------------------------------
-def timeline_events(plan: Plan, max_events: int = MAX_TIMELINE_EVENTS) -> tuple[list[TimelineEvent], int]:
+def timeline_events(plan: Plan, max_events_per_rank: int = MAX_EVENTS_PER_RANK) -> tuple[list[TimelineEvent], int]:
     """Simulated (rank, F/B, micro-batch) boxes of one step of `plan`, and how many micro-batches they cover."""
     from plait.cost.compute import ends_cost, layer_cost
     from plait.cost.layout import Layout, Setting
@@ -48,20 +53,20 @@ def timeline_events(plan: Plan, max_events: int = MAX_TIMELINE_EVENTS) -> tuple[
             setting.dtype_bytes)
     modes = tuple(plan.recompute[k % plan.pp] for k in range(plan.num_stages))
     st = stage_times(layer_cost(*args), ends_cost(*args), plan.layers_per_stage, modes)
-    shown = _micro_batches_shown(plan, max_events)
+    shown = _micro_batches_shown(plan, max_events_per_rank)
     timeline = simulate(st.fwd, st.bwd, plan.pp, shown, layout.schedule, p2p_time(setting, layout), keep_events=True)
     events = [TimelineEvent(rank=r, kind=kind, micro_batch=mb, chunk=stage // plan.pp, start_s=start, end_s=end)
               for r, kind, stage, mb, start, end in timeline.events]
     return events, shown
 
 
-def _micro_batches_shown(plan: Plan, max_events: int) -> int:
+def _micro_batches_shown(plan: Plan, max_events_per_rank: int) -> int:
     """All micro-batches when they fit; else the largest multiple of pp that does (interleaving needs it)."""
     m = plan.num_micro_batches
-    per_micro_batch = 2 * plan.num_stages
-    if m * per_micro_batch <= max_events:
+    per_micro_batch = 2 * plan.interleave  # one forward and one backward per chunk on every rank
+    if m * per_micro_batch <= max_events_per_rank:
         return m
-    return max(plan.pp, (max_events // per_micro_batch) // plan.pp * plan.pp)
+    return max(plan.pp, (max_events_per_rank // per_micro_batch) // plan.pp * plan.pp)
 
 
 def _timeline_png(plan: Plan, path: Path) -> Path:
@@ -98,17 +103,22 @@ def memory_by_rank(plan: Plan) -> list[dict[str, float]]:
 
 def _memory_png(plan: Plan, path: Path) -> Path:
     limit = plan.cluster.memory_bytes
-    title = f"#1 memory per pipeline rank (ZeRO-{plan.zero}, recompute {','.join(sorted(set(plan.recompute)))})"
+    title = f"#1 memory per pipeline rank (ZeRO-{plan.zero}, recompute {recompute_cell(plan)})"
     return plot_memory_per_stage(memory_by_rank(plan), path, memory_limit_bytes=limit, title=title)
 
 
 # ---- candidates -----------------------------------------------------------------------------
-def _candidates_png(plans: Sequence[Plan], path: Path) -> Path:
-    points = [Candidate(step_time_s=p.predicted.step_time_s, peak_memory_bytes=p.predicted.peak_memory_bytes,
-                        pp=p.pp, label=short_describe(p)) for p in plans if p.predicted is not None]
-    best = points[0] if points else None
+def _candidates_png(plans: Sequence[Plan], points: Sequence[tuple[float, float]] | None, path: Path) -> Path:
+    ranked = [p for p in plans if p.predicted is not None]
+    others = [Candidate(step_time_s=t, peak_memory_bytes=m) for t, m in (points or ())]
+    top = [Candidate(step_time_s=p.predicted.step_time_s, peak_memory_bytes=p.predicted.peak_memory_bytes,
+                     group=f"top {len(ranked)} (exact schedule)") for p in ranked]
+    best = top[0] if top else None
     if best is not None:
-        best = Candidate(step_time_s=best.step_time_s, peak_memory_bytes=best.peak_memory_bytes, pp=best.pp,
-                         label=f"dp{plans[0].dp} tp{plans[0].tp} pp{plans[0].pp}")
-    title = f"{len(points):,} feasible plans of {plans[0].model.name} on {plans[0].num_devices:,} devices"
-    return plot_candidates(points, path, best=best, memory_limit_bytes=plans[0].cluster.memory_bytes, title=title)
+        best = Candidate(step_time_s=best.step_time_s, peak_memory_bytes=best.peak_memory_bytes,
+                         label=f"#1 {short_describe(ranked[0])}")
+    model, count = plans[0].model.name, plans[0].num_devices
+    title = (f"{len(others) or len(top):,} feasible plans of {model} on {count:,} × {plans[0].cluster.name}"
+             + (" (closed-form estimates)" if others else ""))
+    return plot_candidates(others + top, path, best=best, memory_limit_bytes=plans[0].cluster.memory_bytes,
+                           title=title)

@@ -21,6 +21,7 @@ PART_COLORS = {
     "optimizer": "#C44E52", "activations": "#DD8452", "logits": "#8172B3", "embedding": "#937860",
     "buffers": "#DA8BC3", "comm_buffers": "#DA8BC3", "reserve": "#8C8C8C",
 }
+GROUP_COLORS = ("#8DA0CB", "#E78AC3", "#66C2A5", "#FC8D62")
 OTHER_COLORS = ("#CCB974", "#64B5CD", "#8C613C", "#A1C9F4", "#FFB482")
 
 
@@ -45,7 +46,8 @@ class Candidate:
 
     step_time_s: float
     peak_memory_bytes: float
-    pp: int = 1
+    group: str = "feasible plans"
+    """Legend entry; points of one group share a colour."""
     label: str = ""
 
 
@@ -140,7 +142,7 @@ def plot_memory_per_stage(stage_parts: Sequence[Mapping[str, float]], out_png: s
                           memory_limit_bytes: float | None = None, title: str = "") -> Path:
     """Stacked bars: one bar per pipeline rank, one segment per memory part, in GiB; a line at the limit."""
     names = _part_order(stage_parts)
-    fig = _figure(max(5.0, 1.2 + 0.6 * len(stage_parts)), 4.2)
+    fig = _figure(max(7.0, 2.5 + 0.6 * len(stage_parts)), 4.2)
     ax = fig.add_subplot()
     ranks = list(range(len(stage_parts)))
     bottom = [0.0] * len(stage_parts)
@@ -149,9 +151,11 @@ def plot_memory_per_stage(stage_parts: Sequence[Mapping[str, float]], out_png: s
         ax.bar(ranks, heights, bottom=bottom, color=_part_color(name, i), label=name, width=0.7)
         bottom = [b + h for b, h in zip(bottom, heights)]
     if memory_limit_bytes:
-        ax.axhline(memory_limit_bytes / GIB, color="black", linestyle="--", linewidth=1)
-        ax.text(len(ranks) - 0.5, memory_limit_bytes / GIB, " device memory", va="bottom", ha="right", fontsize=8)
+        ax.axhline(memory_limit_bytes / GIB, color="black", linestyle="--", linewidth=1,
+                   label=f"device memory ({memory_limit_bytes / GIB:.3g} GiB)")
     ax.set_xticks(ranks, [f"rank {r}" for r in ranks] if len(ranks) <= 8 else [str(r) for r in ranks])
+    if len(ranks) < 4:  # keep a lone bar from filling the whole axes
+        ax.set_xlim(-1.5, len(ranks) + 0.5)
     ax.set_xlabel("pipeline rank")
     ax.set_ylabel("memory per device (GiB)")
     ax.set_title(title or "memory per pipeline rank", loc="left")
@@ -175,21 +179,21 @@ def _part_color(name: str, index: int) -> str:
 # ---- candidates -----------------------------------------------------------------------------
 def plot_candidates(candidates: Sequence[Candidate], out_png: str | Path, *, best: Candidate | None = None,
                     memory_limit_bytes: float | None = None, title: str = "") -> Path:
-    """Scatter of feasible plans: step time against peak memory, coloured by pipeline degree, best starred."""
+    """Scatter of feasible plans: step time against peak memory, one colour per group, best starred."""
     fig = _figure(8, 5)
     ax = fig.add_subplot()
-    by_pp: dict[int, list[Candidate]] = {}
+    groups: dict[str, list[Candidate]] = {}
     for c in candidates:
-        by_pp.setdefault(c.pp, []).append(c)
-    cmap = _colormap(len(by_pp))
-    for i, (pp, group) in enumerate(sorted(by_pp.items())):
+        groups.setdefault(c.group, []).append(c)
+    for i, (name, group) in enumerate(groups.items()):
         ax.scatter([c.peak_memory_bytes / GIB for c in group], [c.step_time_s for c in group],
-                   s=12, alpha=0.6, color=cmap(i), label=f"pp={pp}", edgecolors="none")
+                   s=12 if i == 0 else 30, alpha=0.5 if i == 0 else 0.9, color=GROUP_COLORS[i % len(GROUP_COLORS)],
+                   label=name, edgecolors="none")
     if best is not None:
         ax.scatter([best.peak_memory_bytes / GIB], [best.step_time_s], s=220, marker="*", color="crimson",
-                   edgecolors="black", linewidths=0.8, zorder=5, label="best: " + (best.label or "plan #1"))
+                   edgecolors="black", linewidths=0.8, zorder=5, label=best.label or "best plan")
     if memory_limit_bytes:
-        ax.axvline(memory_limit_bytes / GIB, color="black", linestyle="--", linewidth=1, label="device memory")
+        _memory_limit_line(ax, memory_limit_bytes, max((c.peak_memory_bytes for c in candidates), default=0.0))
     _log_if_wide(ax, [c.step_time_s for c in candidates])
     ax.set_xlabel("peak memory per device (GiB)")
     ax.set_ylabel("predicted step time (s)")
@@ -199,10 +203,13 @@ def plot_candidates(candidates: Sequence[Candidate], out_png: str | Path, *, bes
     return _save(fig, out_png)
 
 
-def _colormap(n: int):
-    from matplotlib import colormaps
-
-    return colormaps["viridis"].resampled(max(n, 2))
+def _memory_limit_line(ax, limit_bytes: float, largest_bytes: float) -> None:
+    """A dashed line at the device's memory, unless every point is far below it (it would squash them)."""
+    label = f"device memory ({limit_bytes / GIB:.3g} GiB)"
+    if largest_bytes >= 0.4 * limit_bytes:
+        ax.axvline(limit_bytes / GIB, color="black", linestyle="--", linewidth=1, label=label)
+    else:
+        ax.plot([], [], color="black", linestyle="--", linewidth=1, label=label + ", off the scale")
 
 
 def _log_if_wide(ax, times: Sequence[float]) -> None:

@@ -15,7 +15,6 @@ exactly. `min_max_split_reference` enumerates all compositions to check it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -82,27 +81,25 @@ def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem,
 
 def _assign(num_layers: int, bound: float, fixed_time, layer_time, by_mem) -> Split:
     """Counts under `bound` summing to L: start from each stage's most, then take layers off the slowest stages
-    (so the split is balanced, not front-loaded); each stage then runs its fastest mode that fits."""
+    a round at a time (so the split is balanced, not front-loaded); each stage runs its fastest mode that fits."""
     by_time = _max_by_time(bound, fixed_time, layer_time)
-    kmax = np.minimum(by_time, by_mem).max(axis=1)
-    counts = [int(min(k, num_layers)) for k in kmax]
+    counts = np.minimum(np.minimum(by_time, by_mem).max(axis=1), num_layers).astype(np.int64)
 
-    def best(j: int, k: int) -> tuple[float, int]:
-        options = [(fixed_time[j] + k * layer_time[j, i], i) for i in range(layer_time.shape[1]) if k <= by_mem[j, i]]
-        return min(options)
+    def best(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        times = fixed_time[:, None] + k[:, None] * layer_time
+        times = np.where(k[:, None] <= by_mem, times, np.inf)
+        return times.min(axis=1), times.argmin(axis=1)
 
-    heap = [(-best(j, k)[0], j) for j, k in enumerate(counts)]
-    heapq.heapify(heap)
-    excess = sum(counts) - num_layers
+    excess = int(counts.sum()) - num_layers
     while excess > 0:
-        _, j = heapq.heappop(heap)
-        if counts[j] > 1:
-            counts[j] -= 1
-            excess -= 1
-            heapq.heappush(heap, (-best(j, counts[j])[0], j))
-    modes = tuple(best(j, k)[1] for j, k in enumerate(counts))
-    worst = max(best(j, k)[0] for j, k in enumerate(counts))
-    return Split(bottleneck=float(worst), layers=tuple(counts), modes=modes)
+        times, _ = best(counts)
+        order = np.argsort(-times, kind="stable")
+        order = order[counts[order] > 1][:excess]
+        counts[order] -= 1
+        excess -= len(order)
+    times, modes = best(counts)
+    return Split(bottleneck=float(times.max()), layers=tuple(int(k) for k in counts),
+                 modes=tuple(int(i) for i in modes))
 
 
 def min_max_split_reference(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem, capacity) -> float | None:

@@ -18,7 +18,7 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, ends_cost, layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import memory_table
-from plait.cost.model import predict_layout
+from plait.cost.model import predict_layout, step_time
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split
@@ -163,7 +163,9 @@ class _Search:
 
     def run_degrees(self, d: Degrees) -> None:
         pins, batch = self.pins, self.setting.train.global_batch
-        sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True, False])
+        # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
+        # all-reduces and keeps less activation memory, so the cost model never prefers it off.
+        sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
         zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if d.dp > 1 else [0])
         per_replica = batch // d.dp
         for sp in sps:
@@ -185,13 +187,14 @@ class _Search:
         split = self.split(layout)
         if split is None:
             return False
-        layers, recompute = split
-        est = predict_layout(self.setting, layout, layers, recompute, exact=False)
-        self.candidates.append(Candidate(est.step_time_s, layout, layers, recompute))
-        self.points.append((est.step_time_s, est.peak_memory_bytes))
+        layers, recompute, peak = split
+        est = step_time(self.setting, layout, layers, recompute, exact=False)
+        self.candidates.append(Candidate(est.total, layout, layers, recompute))
+        self.points.append((est.total, peak))
         return True
 
-    def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
+        """(layers per virtual stage, recompute per rank, peak memory) of the best split, or None."""
         s, pp, v = self.setting, layout.pp, layout.interleave
         lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
         rank_modes = self.modes(pp)
@@ -217,9 +220,11 @@ class _Search:
         if split is None:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
-        modes = [all_modes[i] for i in split.modes]
-        recompute = tuple(modes[r] if v == 1 else all_modes[int(np.argmax(allowed[r]))] for r in range(pp))
-        return split.layers, recompute
+        chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
+        per_rank = np.add.reduceat(np.array(split.layers), np.arange(0, stages, 1)) if v == 1 else \
+            np.array([sum(split.layers[r::pp]) for r in range(pp)])
+        peak = float(max(fixed_mem[r, i] + per_rank[r] * layer_mem[r, i] for r, i in enumerate(chosen)))
+        return split.layers, tuple(all_modes[i] for i in chosen), peak
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
         """Interleaved ranks run one mode over all their chunks: the cheapest that fits an even share."""

@@ -16,6 +16,11 @@ from plait.plan import RECOMPUTE_MODES, SCHEDULES
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
 
+MAX_INTERLEAVE = 8
+"""Unpinned, the search tries 2..8 model chunks per rank: beyond 8 the bubble (p-1)/(v·m) is already small and
+each extra chunk adds p2p messages (a pin may ask for more)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Pins:
     dp: int | None = None
@@ -151,7 +156,7 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     if pins.schedule in (None, "1f1b") and pins.interleave in (None, 1) and m >= pp:
         yield "1f1b", 1
     if pins.schedule in (None, "interleaved") and m % pp == 0:
-        vs = [pins.interleave] if pins.interleave else range(2, num_layers // pp + 1)
+        vs = [pins.interleave] if pins.interleave else range(2, min(MAX_INTERLEAVE, num_layers // pp) + 1)
         for v in vs:
             if v >= 2 and pp * v <= num_layers:
                 yield "interleaved", v

@@ -154,12 +154,10 @@ def _spec_from_mapping(cls: type, presets: Mapping[str, Any], data: dict[str, An
     """Fields of `cls` from a file, optionally on top of ``preset: NAME`` (nested mappings merged)."""
     data = dict(data)
     base: dict[str, Any] = {"name": default_name}
-    if "preset" in data:
-        preset = data.pop("preset")
-        base = _preset(presets, str(preset), kind).to_dict()
-    merged = _merge(base, data)
     try:
-        return cls.from_dict(merged)
+        if "preset" in data:
+            base = _preset(presets, str(data.pop("preset")), kind).to_dict()
+        return cls.from_dict(_merge(base, data))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.train.fault import maybe_inject, planned_fault
 
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
@@ -173,6 +174,40 @@ def check_fresh_dir(root: str | Path) -> None:
         )
 
 
+def plan_for_launch(config: Any, nproc: int | None) -> Any:
+    """The plan `plait train` starts ranks with; on --resume, one for `nproc` devices if the
+    configured plan needs another count (the world changed size): the checkpoint reshards to it."""
+    import dataclasses
+
+    from plait.train.resolve import resolve_plan
+
+    if not config.checkpoint.resume or nproc is None or config.plan.file == "auto":
+        return resolve_plan(config, nproc)
+    configured = resolve_plan(config)
+    if configured.num_devices == nproc:
+        return configured
+    warn(f"the configured plan needs {configured.num_devices} devices, {nproc} were asked for: "
+         f"planning for {nproc} devices of {config.plan.cluster} and resharding the checkpoint")
+    replanned = config.replace(plan=dataclasses.replace(config.plan, file="auto", devices=nproc))
+    return resolve_plan(replanned, nproc)
+
+
+def check_launch(config: Any) -> Found | None:
+    """Before ranks start: refuse a non-resuming run into a used checkpoint.dir; on resume say
+    which checkpoint will be loaded (and which newer ones are broken)."""
+    if config.checkpoint.dir is None:
+        return None
+    if not config.checkpoint.resume:
+        check_fresh_dir(config.checkpoint.dir)
+        return None
+    found = latest_complete(config.checkpoint.dir)
+    for message in found.warnings():
+        warn(message)
+    if found.path is None:
+        warn(f"no complete checkpoint in {config.checkpoint.dir}; starting from step 0")
+    return found
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Make a finished temporary checkpoint visible under its final name (the commit point)."""
     old = final.with_name(final.name + ".old")
@@ -228,6 +263,7 @@ class Checkpointer:
         self.every = config.checkpoint.every
         self.keep = config.checkpoint.keep
         self.last_saved: int | None = None
+        self.fault = planned_fault()  # PLAIT_FAULT, for crash-recovery tests (plait.train.fault)
 
     def wants_resume(self) -> bool:
         return bool(self.config.checkpoint.resume) or restart_count() > 0
@@ -256,6 +292,10 @@ class Checkpointer:
         if due and state.step != self.last_saved:
             save_checkpoint(self.root, state, keep=self.keep)
             self.last_saved = state.step
+        if self.fault is not None:
+            import torch.distributed as dist
+
+            maybe_inject(dist.get_rank(), state.step, self.fault)
 
 
 def _broadcast_choice(root: Path) -> Found:

@@ -24,7 +24,8 @@ from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.resolve import resolve_plan
 
-DIST_TIMEOUT_S = 300.0
+DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
+"""Collective timeout: a dead or hung peer becomes an error after this long (the env var shortens it in tests)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,11 +56,22 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
     cluster = load_cluster(config.plan.cluster)
     cluster = cluster.with_devices(devices)
     pins: dict[str, Any] = dict(config.plan.pins)
+    _check_pins(pins, search)
     precision = "fp32" if cluster.device_type == "cpu" else "bf16"
     plans = search(model, cluster, config.train.spec(precision), num_devices=devices, **pins)
     if not plans:
         raise ConfigError(f"the planner found no plan for {model.name} on {devices} {cluster.name} devices")
     return plans[0]
+
+
+def _check_pins(pins: dict[str, Any], search: Any) -> None:
+    import inspect
+
+    known = [name for name, p in inspect.signature(search).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("num_devices", "top")]
+    for name in pins:
+        if name not in known:
+            raise ConfigError(f"plan.pins: unknown pin {name!r}; pins: {', '.join(known)}")
 
 
 def check_seq_len(config: Config, model: ModelSpec) -> None:

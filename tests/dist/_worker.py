@@ -19,7 +19,7 @@ from plait.launch import init_distributed, shutdown_distributed  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
-    settings = CheckSettings(steps=3, seed=1, lr=3e-3, max_norm=CLIP if case["clip"] else None)
+    settings = CheckSettings(steps=3, seed=1, lr=1e-3, max_norm=CLIP if case["clip"] else None)
     try:
         result = check_plan(make_plan(case), settings)
     except Exception as error:  # recorded, so one broken case does not hide the others' results
@@ -28,7 +28,9 @@ def run_case(case: dict) -> dict:
         return {}
     return {"plan": result.plan, "losses": result.losses, "reference_losses": result.reference_losses,
             "max_loss_rel_diff": result.max_loss_rel_diff, "max_param_diff": result.max_param_diff,
-            "worst_param": result.worst_param, "grad_norms": result.grad_norms}
+            "worst_param": result.worst_param, "grad_norms": result.grad_norms,
+            "reference_grad_norms": result.reference_grad_norms, "max_grad_norm_rel_diff": result.max_grad_norm_rel_diff,
+            "runtime": result.runtime}
 
 
 def main() -> None:

@@ -149,6 +149,13 @@ def test_model_file_on_top_of_preset():
     assert spec == MODEL_PRESETS["llama3-8b"].replace(name="llama3-8b-32k", max_seq_len=32768)
 
 
+def test_model_file_unknown_preset_names_file_and_preset(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("preset: llama3-9b\n")
+    with pytest.raises(ConfigError, match=r"m.yaml: unknown model 'llama3-9b'; did you mean 'llama3-8b'"):
+        load_model(path)
+
+
 def test_json_model_file_round_trips(tmp_path):
     spec = MODEL_PRESETS["tiny-llama"]
     path = tmp_path / "m.json"

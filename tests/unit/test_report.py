@@ -83,7 +83,7 @@ def test_plan_plots_write_pngs(tmp_path):
     assert _is_png(plot_timeline(events, tmp_path / "t.png", title="x"))
     parts = [{"params": 1e9, "optimizer": 2e9, "activations": 3e9}, {"params": 1e9, "optimizer": 2e9}]
     assert _is_png(plot_memory_per_stage(parts, tmp_path / "m.png", memory_limit_bytes=8 * 2**30))
-    points = [Candidate(step_time_s=0.1 * (i + 1), peak_memory_bytes=i * 2**30, pp=1 + i % 2) for i in range(30)]
+    points = [Candidate(step_time_s=0.1 * (i + 1), peak_memory_bytes=i * 2**30, group=f"g{i % 2}") for i in range(30)]
     assert _is_png(plot_candidates(points, tmp_path / "c.png", best=points[0], memory_limit_bytes=40 * 2**30))
 
 
@@ -114,3 +114,52 @@ def test_predicted_vs_measured_accepts_rows_in_several_shapes(tmp_path):
     assert _is_png(plot_predicted_vs_measured(rows, tmp_path / "pvm.png", best_label="dp2"))
     with pytest.raises(ConfigError):
         plot_predicted_vs_measured([], tmp_path / "none.png")
+
+
+# ---- the --report trio, from the cost model -------------------------------------------------
+def _predicted(plan: Plan) -> Plan:
+    from plait.cost import predict
+
+    return plan.replace(predicted=predict(plan))
+
+
+def test_timeline_events_cover_every_forward_and_backward():
+    from plait.report.plan_report import timeline_events
+
+    plan = _predicted(_plan(predicted=None))  # pp2 x v2, 4 micro-batches
+    events, shown = timeline_events(plan)
+    assert shown == 4
+    assert len(events) == 2 * plan.num_stages * shown
+    for rank in range(plan.pp):
+        mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start_s)
+        assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:]))  # a rank runs one thing at a time
+        assert {e.chunk for e in mine} == {0, 1}
+
+
+def test_long_schedules_are_cut_to_whole_rounds():
+    from plait.report.plan_report import timeline_events
+
+    plan = _predicted(_plan(dp=1, num_micro_batches=8, predicted=None))
+    events, shown = timeline_events(plan, max_events_per_rank=12)
+    assert shown == 2 and len(events) == 2 * plan.num_stages * 2  # a multiple of pp, at least pp
+
+
+def test_memory_by_rank_matches_the_prediction():
+    from plait.report.plan_report import memory_by_rank
+
+    plan = _predicted(_plan(predicted=None))
+    ranks = memory_by_rank(plan)
+    totals = [sum(parts.values()) for parts in ranks]
+    assert totals == pytest.approx(list(plan.predicted.memory_per_stage))
+    peak = max(range(len(ranks)), key=lambda r: totals[r])
+    assert ranks[peak] == pytest.approx(plan.predicted.memory_parts)
+
+
+def test_write_plan_report_with_search_points(tmp_path):
+    from plait.report.plan_report import write_plan_report
+
+    plans = [_predicted(_plan(predicted=None)), _predicted(_plan(zero=3, predicted=None))]
+    points = [(0.1 * i, 2**28 * i) for i in range(1, 50)]
+    paths = write_plan_report(plans, tmp_path / "report", points=points)
+    assert [p.name for p in paths] == ["timeline.png", "memory.png", "candidates.png"]
+    assert all(_is_png(p) for p in paths)

@@ -1,0 +1,65 @@
+"""Every technique alone and the combinations that matter, on 2, 4 and 8 gloo ranks: three AdamW
+steps give the same losses, gradient norms and parameters as one process (fp32)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cases import CASES, CLIP  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+LOSS_REL_TOL = 1e-5
+PARAM_ABS_TOL = 2e-5
+
+
+def _result(dist_results, case: dict) -> dict:
+    run = dist_results.get(case["world"])
+    result = run["cases"].get(case["name"])
+    assert result is not None, f"no result for {case['name']} (launch exit code {run['exit_code']})"
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    return result
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['world']}r-{c['name']}" for c in CASES])
+def test_equals_one_process(dist_results, case):
+    result = _result(dist_results, case)
+    assert len(result["losses"]) == 3
+    assert len(set(result["reference_losses"])) == 3, "training did not move the loss; the test would prove nothing"
+    assert result["max_loss_rel_diff"] <= LOSS_REL_TOL, (result["losses"], result["reference_losses"])
+    assert result["max_param_diff"] <= PARAM_ABS_TOL, (result["max_param_diff"], result["worst_param"])
+    if case["clip"]:
+        # the norm is global (all dp/tp/pp shards) and clipping acted: Adam alone would hide a wrong scale
+        assert min(result["reference_grad_norms"]) > CLIP
+        assert result["max_grad_norm_rel_diff"] <= LOSS_REL_TOL, (result["grad_norms"], result["reference_grad_norms"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['world']}r-{c['name']}" for c in CASES])
+def test_runs_the_planned_building_blocks(dist_results, case):
+    """The equality above must come from the techniques the plan names, not from skipping them."""
+    runtime = _result(dist_results, case)["runtime"]
+    dp, tp, pp, zero = (case.get(k, d) for k, d in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0)))
+    interleave = case.get("interleave", 1)
+    if dp > 1:
+        sharded = zero >= 2 or tp > 1 or interleave > 1
+        expected = "fully_shard" if sharded else "DistributedDataParallel"
+        assert expected in runtime["data_parallel"], runtime
+        if zero == 1 and not sharded:
+            assert runtime["optimizer"] == "ZeroRedundancyOptimizer"
+    else:
+        assert runtime["data_parallel"] == ["none"]
+    if tp > 1:
+        assert runtime["dtensor_params"] == runtime["params"] > 0
+    expected_schedule = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+    assert runtime["schedule"] == (expected_schedule[case.get("schedule", "1f1b")] if pp > 1 else None)
+    assert len(runtime["stages"]) == interleave
+    mode = (case.get("recompute") or ["none"])[0]  # rank 0 is pipeline rank 0
+    if mode == "none":
+        assert runtime["checkpointed_blocks"] == 0
+    else:
+        assert runtime["checkpointed_blocks"] > 0 or pp > 1
+        assert (runtime["selective_blocks"] > 0) == (mode == "selective") or runtime["checkpointed_blocks"] == 0

@@ -1,0 +1,104 @@
+"""Executor tier 1-2: plan legality (pure) and meshes/sharding at 8-64 ranks with the `fake` backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from plait.errors import ConfigError
+from plait.execute.mesh import ParallelDims
+from plait.execute.parallelize import validate_plan
+from plait.plan import Plan
+from plait.spec import ModelSpec, TrainSpec
+from plait.spec.clusters import CLUSTER_PRESETS
+
+SPEC = ModelSpec(arch="llama", num_layers=8, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
+                 vocab_size=128, max_seq_len=64)
+
+
+def plan(**kw) -> Plan:
+    kw.setdefault("dp", 1), kw.setdefault("tp", 1), kw.setdefault("pp", 1)
+    kw.setdefault("micro_batch", 1), kw.setdefault("num_micro_batches", 4)
+    model = kw.pop("model", SPEC)
+    seq = kw.pop("seq_len", 32)
+    batch = kw["dp"] * kw["micro_batch"] * kw["num_micro_batches"]
+    return Plan(model=model, train=TrainSpec(global_batch=batch, seq_len=seq, precision="fp32"),
+                cluster=CLUSTER_PRESETS["local-cpu"], **kw)
+
+
+@pytest.mark.parametrize("kwargs,world,message", [
+    (dict(tp=8), 8, "num_kv_heads=4 is not divisible by tp=8"),
+    (dict(tp=3, model=SPEC.replace(num_heads=4, num_kv_heads=4, hidden_size=48)), 3, "num_heads=4 is not divisible by tp=3"),
+    (dict(tp=4, sequence_parallel=True, seq_len=30), 4, "seq_len=30 is not divisible by tp=4"),
+    (dict(pp=4, interleave=3, schedule="interleaved", num_micro_batches=4), 4, "fewer than the plan's 12"),
+    (dict(pp=2, schedule="1f1b", num_micro_batches=1), 2, "1f1b needs at least pp=2 micro-batches"),
+    (dict(pp=4, layers_per_stage=(3, 0, 3, 2)), 4, "stages [1] have no layers"),
+    (dict(dp=2), 4, "world has 4"),
+    (dict(seq_len=128), 1, "exceeds the model's max_seq_len=64"),
+    (dict(tp=2, model=SPEC.replace(tied_embeddings=True)), 2, "tied embeddings"),
+])
+def test_refuses_plans_that_cannot_run(kwargs, world, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate_plan(plan(**kwargs), world)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dp=2, tp=2, pp=2, sequence_parallel=True, zero=3),
+    dict(pp=2, layers_per_stage=(8, 0)),  # empty end stage: it still holds norm and output
+    dict(pp=4, interleave=2, schedule="interleaved", layers_per_stage=(1, 1, 1, 1, 1, 1, 1, 1)),
+    dict(tp=4, sequence_parallel=True),
+])
+def test_accepts_plans_that_fit(kwargs):
+    p = plan(**kwargs)
+    validate_plan(p, p.num_devices)
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(rank: int, world: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 23, 63])
+def test_mesh_puts_tp_innermost_and_pp_outermost(fake_world, rank):
+    fake_world(rank, 64)
+    mesh = ParallelDims(pp_degree=4, dp_degree=4, tp_degree=4).build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == \
+        (rank // 16, rank // 4 % 4, rank % 4)
+    # tensor-parallel peers are adjacent ranks (one node on real clusters)
+    assert mesh["tp"].mesh.tolist() == [rank // 4 * 4 + i for i in range(4)]
+
+
+@pytest.mark.parametrize("rank", [0, 5, 15])
+def test_shards_on_meta_at_16_ranks(fake_world, rank):
+    """Split -> TP/SP -> AC -> FSDP on the meta device as rank `rank` of pp2 x dp2 x tp4 sees it."""
+    from plait.execute.parallelize import _shard_stage
+    from plait.execute.pipeline import split_model
+    from plait.models import build_model
+
+    fake_world(rank, 16)
+    p = plan(dp=2, tp=4, pp=2, sequence_parallel=True, zero=3, recompute=("full", "selective"),
+             layers_per_stage=(3, 5))
+    mesh = ParallelDims(pp_degree=2, dp_degree=2, tp_degree=4).build_mesh("cpu")
+    pp_rank = mesh["pp"].get_local_rank()
+    stages, parts = split_model(build_model(SPEC, device="meta"), p, pp_rank)
+    part = _shard_stage(parts[0], p, mesh, pp_rank, None)
+    assert stages == [pp_rank]
+    assert sorted(int(k) for k in part.layers.keys()) == list(p.stage_layers(pp_rank))
+    assert (part.tok_embeddings is not None) == (pp_rank == 0)
+    assert (part.output is not None) == (pp_rank == 1)
+    params = dict(part.named_parameters())
+    assert all(isinstance(t, DTensor) for t in params.values())
+    name, wq = next((n, t) for n, t in params.items() if n.endswith("attention.wq.weight"))
+    assert wq.shape == (64, 64)  # the global shape is kept ...
+    assert wq.to_local().shape == (64 // 4 // 2, 64)  # ... each rank holds 1/tp of the rows, split again over dp
+    assert "_checkpoint_wrapped_module" in name
