@@ -3,15 +3,15 @@
 1. calibrate with `plait profile --quick` (or reuse a cluster file per world size);
 2. enumerate every feasible plan plait can express (the search with an unbounded top: degrees,
    ZeRO stage, recompute, micro-batches, schedule, interleaving);
-3. time all of them in one launch (`python -m plait.profile.tune`), in --rounds passes so that a
-   burst of load from elsewhere on the machine hits every plan rather than a few;
+3. time all of them in one launch (`python -m plait.profile.tune`), --batch plans stepped round-robin
+   so that a burst of load from elsewhere on the machine hits every plan rather than a few;
 4. print the median and worst relative error of the predicted step time, Kendall's tau between
    predicted and measured order, and the regret (measured step of plait's choice / measured best - 1),
-   first with the profiled cluster, then after `plait tune`'s correction fitted on the search's top
-   --tune-top plans only (the others are out of sample).
+   first with the profiled cluster, then after `plait tune`'s correction fitted on the --tune-top plans
+   `plait tune --top K` would run (the best of each layout first; the others are out of sample).
 
     .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE]
-        [--global-batch 8] [--seq-len 128] [--steps 3] [--warmup 1] [--rounds 2] [--json FILE] [--plot-dir DIR]
+        [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32] [--json FILE] [--plot-dir DIR]
 
 Targets (issue 4): median error <= 15%, tau >= 0.7, regret <= 10%.
 """
@@ -35,7 +35,7 @@ from rich.table import Table
 from plait.plan import Plan
 from plait.profile.calibrate import Observation, fit_terms, kendall_tau, predicted_step, regret, relative_error
 from plait.profile.clusterfile import validate_cluster_for_world
-from plait.profile.tune import Measured, read_results, write_plans
+from plait.profile.tune import Measured, layouts_first, read_results, write_plans
 from plait.spec import ClusterSpec, TrainSpec
 from plait.spec.load import load_model
 
@@ -72,7 +72,8 @@ def time_all(plans: list[Plan], nproc: int, args: argparse.Namespace, folder: Pa
 
     plans_file, results_file = folder / f"plans-{nproc}.json", folder / f"results-{nproc}.json"
     write_plans(plans * args.rounds, plans_file)
-    argv = [str(plans_file), str(results_file), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv = [str(plans_file), str(results_file), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--batch", str(args.batch)]
     code = run_local(nproc, argv, module="plait.profile.tune", timeout_s=3600)
     if code != 0:
         raise SystemExit(f"timing {len(plans)} plans on {nproc} ranks failed (exit code {code})")
@@ -111,7 +112,9 @@ def run_world(nproc: int, args: argparse.Namespace, folder: Path, console: Conso
         if result.error:
             console.print(f"  not timed: {plan.describe()}: {result.error}")
     plans, measured = [p for p, _ in timed], [r.median_s for _, r in timed]
-    top = [Observation(plan=p, measured_s=m) for p, m in zip(plans[:args.tune_top], measured[:args.tune_top])]
+    # what `plait tune --top K` runs: the best plan of each layout first
+    by_plan = {id(p): m for p, m in zip(plans, measured)}
+    top = [Observation(plan=p, measured_s=by_plan[id(p)]) for p in layouts_first(plans)[:args.tune_top]]
     tuned = fit_terms(top, cluster).cluster
     return {"nproc": nproc, "plans": plans, "measured": measured, "profiled": cluster, "tuned": tuned,
             "scores": {"profile": score(plans, measured, cluster), f"profile + tune (top {args.tune_top})":
@@ -164,9 +167,10 @@ def main() -> None:
     parser.add_argument("--cluster-4", dest="cluster_4", help="cluster file for 4 ranks (default: profile now)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over all plans (default: 1)")
+    parser.add_argument("--batch", type=int, default=32, help="plans stepped round-robin together (default: 32)")
     parser.add_argument("--tune-top", type=int, default=4, help="plans `plait tune` would fit on (default: 4)")
     parser.add_argument("--json", help="write every plan's predicted and measured step time here")
     parser.add_argument("--plot-dir", help="write local_accuracy_<N>.png here")

@@ -44,7 +44,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     import torch.distributed as dist
 
     if not in_torchrun():
-        raise RuntimeError("init_distributed() needs torchrun's RANK/WORLD_SIZE/LOCAL_RANK; use run_local() to start ranks")
+        raise RuntimeError("init_distributed() needs torchrun's RANK/WORLD_SIZE/LOCAL_RANK; "
+                           "use run_local() to start ranks")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
@@ -87,6 +88,7 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
     os.environ["OMP_NUM_THREADS"] = os.environ.get("PLAIT_OMP_THREADS", str(threads_per_rank(nproc)))
     os.environ["PYTHONUNBUFFERED"] = "1"
+    previous_alarm = signal.getsignal(signal.SIGALRM)
     timer = _start_deadline(timeout_s)
     try:
         args = ("-m", module, *argv) if module else tuple(argv)
@@ -101,7 +103,7 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     finally:
         if timer is not None:
             timer.cancel()
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.signal(signal.SIGALRM, previous_alarm)
         for name, value in saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -115,8 +117,9 @@ class _Deadline(Exception):
 
 def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
     """SIGALRM in this (launcher) process after timeout_s: the elastic agent's wait loop is
-    interrupted, and its cleanup stops the workers."""
-    if timeout_s is None:
+    interrupted, and its cleanup stops the workers. Signals reach only the main thread, so
+    from another thread there is no deadline (the collective timeout still bounds hangs)."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
         return None
 
     def _raise(signum, frame):

@@ -171,7 +171,7 @@ class Plan:
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
             path = Path(text)
-            if not path.is_file():
+            if not _is_file(path):
                 raise ConfigError(f"plan file {str(path)!r} does not exist; write one with `plait plan --json FILE`")
             text = path.read_text()
         try:
@@ -183,6 +183,13 @@ class Plan:
                 raise ConfigError("plan file holds no plans (the search found none that fit)")
             data = data["plans"][0]
         return cls.from_dict(data)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # not a usable path at all (e.g. a name too long: malformed JSON text)
+        return False
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:

@@ -90,9 +90,11 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.resolve import check_data, resolve_model, write_plan
 
     from plait.train.checkpoint import check_launch, plan_for_launch
+    from plait.train.hooks import checkpointer_class
 
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
     check_launch(config)
+    checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
     check_data(config, resolve_model(config.model))
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"cluster file from `plait profile` (or a preset; default: {DEFAULT_CLUSTER})")
     parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                         help="local ranks (default: the cluster file's num_devices, else 2)")
-    parser.add_argument("--top", type=_positive_int, default=3, metavar="K", help="plans to run (default: 3)")
+    parser.add_argument("--top", type=_positive_int, default=3, metavar="K", help="plans to run: the best of each (dp, tp, pp) layout first, then the next best (default: 3)")
     parser.add_argument("--global-batch", type=_positive_int, default=8, metavar="B", help="sequences per step (default: 8)")
     parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="S", help="tokens per sequence (default: 128)")
     parser.add_argument("--steps", type=_positive_int, default=5, help="timed steps per plan (default: 5)")
@@ -119,17 +119,23 @@ def train_spec(args: argparse.Namespace, cluster: Any) -> Any:
 
 
 def candidate_plans(args: argparse.Namespace, cluster: Any, nproc: int) -> list[Any]:
-    """The planner's top --top plans for this model on `nproc` devices of `cluster`."""
+    """--top plans for this model on `nproc` devices of `cluster`: the planner's ranking, but the best
+    plan of each (dp, tp, pp) layout first. Plans that differ only in ZeRO stage or micro-batching
+    exercise the same terms, so the top K alone often tell compute from nothing else; one per layout
+    lets the fit separate compute, latency and bandwidth, and shows whether the planner's layout
+    really wins here."""
     from plait.errors import NoFeasiblePlan
     from plait.search import plan as search_plans
     from plait.spec.load import load_model
 
     model = load_model(args.model)
-    plans = list(search_plans(model, cluster, train_spec(args, cluster), num_devices=nproc, top=args.top))
+    plans = list(search_plans(model, cluster, train_spec(args, cluster), num_devices=nproc))
     if not plans:
         raise NoFeasiblePlan(f"no plan of {model.name} fits {nproc} x {cluster.name}; try a smaller --global-batch "
                              "or --seq-len")
-    return plans[:args.top]
+    from plait.profile.tune import layouts_first
+
+    return layouts_first(plans)[:args.top]
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -253,25 +259,27 @@ def _print_fit(fit: Any, cluster: Any, tuned: Any) -> None:
 
 
 def factor_lines(fit: Any, cluster: Any, tuned: Any) -> list[str]:
-    """One line per term: its factor and the ClusterSpec field it changed (or why it did not)."""
-    lines = []
-    for term, factor in fit.factors.items():
-        if term not in fit.fitted:
-            lines.append(f"{term}: unchanged (no timed plan spends 1% of its step on it)")
-            continue
-        lines.append(f"{term}: time x{factor:.3g}  ({_field_change(term, cluster, tuned)})")
+    """One line per fitted term: the ClusterSpec field it changed, and by how much."""
+    lines = [_field_change(term, cluster, tuned) for term in fit.fitted]
+    unchanged = [term for term in fit.before if term not in fit.fitted]
+    if unchanged:
+        lines.append(f"unchanged: {', '.join(unchanged)} (no timed plan spends 1% of its step on them)")
     return lines
 
 
 def _field_change(term: str, cluster: Any, tuned: Any) -> str:
+    old, new = cluster.efficiency, tuned.efficiency
     if term == "compute":
-        return f"efficiency.matmul {cluster.efficiency.matmul:.4g} -> {tuned.efficiency.matmul:.4g}"
+        return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} (GEMM time x{old.matmul / new.matmul:.3g})"
+    if term == "layer_overhead":
+        return (f"layer_overhead: efficiency.layer_overhead_s {old.layer_overhead_s * 1e6:.0f} -> "
+                f"{new.layer_overhead_s * 1e6:.0f} us per layer pass")
     level, _, quantity = term.partition("_")
     attr = {"intra": "intra_node", "inter": "inter_node"}[level]
-    old, new = getattr(cluster, attr), getattr(tuned, attr)
+    before, after = getattr(cluster, attr), getattr(tuned, attr)
     if quantity == "latency":
-        return f"{attr}.latency_s {old.latency_s * 1e6:.1f} -> {new.latency_s * 1e6:.1f} us"
-    return f"{attr}.bandwidth {old.bandwidth / 1e9:.3f} -> {new.bandwidth / 1e9:.3f} GB/s"
+        return f"{term}: {attr}.latency_s {before.latency_s * 1e6:.1f} -> {after.latency_s * 1e6:.1f} us"
+    return f"{term}: {attr}.bandwidth {before.bandwidth / 1e9:.3f} -> {after.bandwidth / 1e9:.3f} GB/s"
 
 
 def file_comments(timed: list[tuple[Any, Any]], cluster: Any, fit: Any) -> list[str]:

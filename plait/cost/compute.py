@@ -2,13 +2,17 @@
 
 FLOPs count the GEMMs only (as Megatron's and Korthikanti's formulas do): per token a layer's
 weight GEMMs take 2 FLOPs per weight, attention scores and values 4·s·h more. Backward is
-twice forward. The achieved rate of GEMMs on a device of width d = h/t is
+twice forward. The achieved rate of GEMMs of a model of hidden size h is
 
-    rate(d) = peak · matmul · d / (d + matmul_half_dim)            (Efficiency, fitted)
+    rate(h) = peak · matmul · h / (h + matmul_half_dim)            (Efficiency, fitted)
 
-and the rest of a layer's work (norms, softmax, dropout, GeLU, residuals, launches) costs
-`overhead` times its GEMM time. Activation bytes follow Korthikanti et al. 2022, Table 2,
-generalized to grouped-query attention and SwiGLU MLPs (see `activation_bytes`).
+(h, not h/t: fitting on the Megatron rows, the model's width explains the trend better than
+the per-device slice, and it is the width `plait profile` measures on one device)
+and the rest of a layer's work (norms, softmax, dropout, GeLU, residuals) costs `overhead`
+times its GEMM time; `layer_overhead_s` adds a fixed host time per layer pass (forward 1x,
+backward 2x; 0 on the GPU presets, fitted by `plait tune` for CPU processes). Activation
+bytes follow Korthikanti et al. 2022, Table 2, generalized to grouped-query attention and
+SwiGLU MLPs (see `activation_bytes`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
 from plait.spec.cluster import ClusterSpec
 from plait.spec.model import ModelSpec
 
@@ -49,7 +54,7 @@ class LayerCost:
 
 
 def gemm_fraction(cluster: ClusterSpec, width: float) -> float:
-    """Achieved fraction of peak of a GEMM on a device whose slice of the model is `width` wide."""
+    """Achieved fraction of peak of the GEMMs of a model `width` (its hidden size) wide."""
     eff = cluster.efficiency
     if eff.matmul_half_dim <= 0:
         return eff.matmul
@@ -112,7 +117,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
-    fwd = (dense + attn) / tp / rate * rest
+    # plus the fixed host time of the pass (Efficiency.layer_overhead_s): per micro-batch, not per token
+    fwd = (dense + attn) / tp / rate * rest + cluster.efficiency.layer_overhead_s
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
     modes = ("none", "selective", "full")
     return LayerCost(
@@ -131,8 +137,6 @@ def tp_collectives_per_pass(model: ModelSpec, cluster: ClusterSpec, tokens: int,
                             dtype_bytes: int) -> float:
     """Two all-reduces of the layer's b·s·h activations per pass (Megatron's g/f), or under sequence
     parallelism two all-gathers and two reduce-scatters of the same total volume."""
-    from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
-
     if tp <= 1:
         return 0.0
     nbytes = tokens * model.hidden_size * dtype_bytes
@@ -158,8 +162,6 @@ class EndsCost:
 def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
               dtype_bytes: int = 2) -> EndsCost:
     """Vocabulary-parallel embedding and output layer with a parallel loss (Megatron's layout)."""
-    from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
-
     tokens = micro_batch * seq_len
     rate = cluster.peak_flops * gemm_fraction(cluster, model.hidden_size)
     rest = 1.0 + cluster.efficiency.overhead

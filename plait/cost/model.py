@@ -4,14 +4,16 @@ Step time = the pipeline's makespan over the micro-batches (simulated per stage;
 stage simply runs them back to back) + the data-parallel communication that backward and
 forward cannot hide + the optimizer step, on the slowest pipeline rank.
 
-Parts: compute, recompute, tp_comm (on the bottleneck rank), bubble (idle time of the
-schedule without transfers), pp_comm (what transfers add to the makespan), dp_comm
-(exposed part only), optimizer. Overlap as real implementations get it: DDP all-reduces
-(and ZeRO-1's reduce-scatter) run under the last micro-batch's backward, bucket by bucket,
-only the last bucket exposed when backward is long enough; ZeRO-2 reduce-scatters under
-every micro-batch's backward; ZeRO-3 (FSDP) gathers each layer under the previous layer's
-forward/backward, exposing the first gather; ZeRO-1/2 gather updated parameters after
-the optimizer step (exposed). Hidden communication still costs OVERLAP_SLOWDOWN of itself.
+Parts: compute, recompute, tp_comm (on the bottleneck rank), pp_comm (the transfers on the
+critical path of filling and draining the pipeline), bubble (the rest of the makespan the
+bottleneck rank sits idle), dp_comm (exposed part only), optimizer.
+
+Overlap as real implementations get it: DDP all-reduces (and ZeRO-1's reduce-scatter) run
+under the last micro-batch's backward, bucket by bucket, only the last bucket exposed when
+backward is long enough; ZeRO-2 reduce-scatters under every micro-batch's backward; ZeRO-3
+(FSDP) gathers each layer under the previous layer's forward/backward, exposing the first
+gather; ZeRO-1/2 gather updated parameters after the optimizer step (exposed). Hidden
+communication still costs OVERLAP_SLOWDOWN of itself.
 """
 
 from __future__ import annotations
@@ -146,17 +148,24 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)
     if pp == 1:
-        pipe, idle = work[0], work[0]
+        pipe, transfers = work[0], 0.0
     elif exact:
         pipe = makespan(st.fwd, st.bwd, pp, m, layout.schedule, c)
-        idle = makespan(st.fwd, st.bwd, pp, m, layout.schedule, 0.0)
+        transfers = _fill_transfers(layout, c)
     else:
-        pipe, idle = closed_form_makespan(st, layout, c)
-    tail, opt = [], []
+        pipe = closed_form_makespan(st, layout, c)
+        transfers = _fill_transfers(layout, c)
+    idle = pipe - min(transfers, max(pipe - work[bottleneck], 0.0))
+    tail, opt, seen = [], [], {}
     for r in range(pp):
-        params = rank_params(setting, layout, r, sum(layers[r::pp]))
-        tail.append(dp_exposed(setting, layout, params, sum(st.fwd[r::pp]), sum(st.bwd[r::pp])))
-        opt.append(optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1)))
+        n = sum(layers[r::pp])
+        key = (n, r == 0, r == pp - 1, sum(st.fwd[r::pp]), sum(st.bwd[r::pp]))
+        if key not in seen:  # ranks with the same share cost the same: most of them
+            params = rank_params(setting, layout, r, n)
+            seen[key] = (dp_exposed(setting, layout, params, key[3], key[4]),
+                         optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1)))
+        tail.append(seen[key][0])
+        opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
     on = range(bottleneck, len(layers), pp)
     parts = {
@@ -172,9 +181,15 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / pipe if pipe > 0 else 0.0)
 
 
-def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> tuple[float, float]:
-    """(makespan with transfers, without): Σ stages + (m - 1)·slowest for GPipe/1F1B; for interleaved
-    m·(slowest rank) + the other ranks' work over v (both exact for uniform stages)."""
+def _fill_transfers(layout: Layout, p2p: float) -> float:
+    """Transfers on the critical path of filling and draining the pipeline: forward and backward over each of
+    the pp·v - 1 stage boundaries, of which a rank waits on 1/v (the rest overlap its other chunks)."""
+    return 2 * (layout.num_stages - 1) * p2p / layout.interleave
+
+
+def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
+    """Σ stages + (m - 1)·slowest for GPipe/1F1B; for interleaved m·(slowest rank) + the other ranks' work
+    over v (both exact for uniform stages without transfers), plus the fill/drain transfers."""
     pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
     s = [f + b for f, b in zip(st.fwd, st.bwd)]
     if layout.schedule == "interleaved":
@@ -182,7 +197,7 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> tuple[fl
         idle = m * max(per_rank) + (sum(per_rank) - max(per_rank)) / v
     else:
         idle = sum(s) + (m - 1) * max(s)
-    return idle + 2 * (len(s) - 1) * p2p / v, idle
+    return idle + _fill_transfers(layout, p2p)
 
 
 def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]

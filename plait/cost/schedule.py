@@ -17,20 +17,22 @@ simulation; uneven interleaved stages can settle late, within ~2%).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 Action = tuple[str, int, int]
 """("F" | "B", virtual stage, micro-batch)."""
 
 
-def rank_actions(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> list[list[Action]]:
+@lru_cache(maxsize=256)
+def rank_actions(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, its actions in execution order."""
     if schedule == "gpipe":
-        return [[("F", r, i) for i in range(num_micro_batches)] + [("B", r, i) for i in range(num_micro_batches)]
-                for r in range(pp)]
+        m = num_micro_batches
+        return tuple(tuple([("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]) for r in range(pp))
     if schedule == "interleaved":
-        return [_interleaved(r, pp, num_micro_batches, interleave) for r in range(pp)]
-    return [_one_f_one_b(r, pp, num_micro_batches) for r in range(pp)]
+        return tuple(tuple(_interleaved(r, pp, num_micro_batches, interleave)) for r in range(pp))
+    return tuple(tuple(_one_f_one_b(r, pp, num_micro_batches)) for r in range(pp))
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:

@@ -23,6 +23,8 @@ class CheckSettings:
     max_norm: float | None = None
     """Clip gradients to this global norm each step (None: no clipping)."""
     weight_decay: float = 0.0
+    verify_load: bool = False
+    """Also load a changed full state dict and read it back (tests load_full_state_dict under the plan)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +75,22 @@ def run_parallel(plan: Plan, settings: CheckSettings) -> tuple[list[float], list
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss)
-    return losses, norms, model.full_state_dict(), model.runtime_summary(optimizer)
+    state = model.full_state_dict()
+    runtime = model.runtime_summary(optimizer)
+    if settings.verify_load:
+        runtime["load_roundtrip_max_diff"] = _load_roundtrip(model, state)
+    return losses, norms, state, runtime
+
+
+def _load_roundtrip(model, state: dict[str, torch.Tensor]) -> float:
+    """Load state + 1 into the shards, gather it back, restore state; the largest difference seen."""
+    shifted = {name: tensor + 1.0 for name, tensor in state.items()}
+    model.load_full_state_dict(shifted)
+    back = model.full_state_dict()
+    model.load_full_state_dict(state)
+    if back.keys() != shifted.keys():
+        return math.inf
+    return max((back[name] - shifted[name]).abs().max().item() for name in shifted)
 
 
 def compare(plan: Plan, settings: CheckSettings, losses: list[float], state: dict[str, torch.Tensor],

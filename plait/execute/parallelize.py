@@ -167,7 +167,8 @@ class ParallelModel:
         stack = ExitStack()
         if self.plan.tp > 1:
             stack.enter_context(loss_parallel())  # forward and backward of the loss both need it
-        if self.mixed_precision is not None and not uses_fully_shard(self.plan.zero, self.plan.tp > 1, self.plan.interleave):
+        sharded = uses_fully_shard(self.plan.zero, self.plan.tp > 1, self.plan.interleave)
+        if self.mixed_precision is not None and not sharded:  # fully_shard casts via its MixedPrecisionPolicy
             stack.enter_context(torch.autocast(self.device.type, dtype=self.mixed_precision))
         return stack
 

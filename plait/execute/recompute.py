@@ -52,5 +52,5 @@ def apply_ac(module: nn.Module, mode: str) -> None:
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
     for name, block in list(module.layers.items()):
         # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs time
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra)
-        module.layers[name] = wrapped
+        module.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                 preserve_rng_state=False, **extra)

@@ -22,7 +22,9 @@ def local_full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         state = get_model_state_dict(part, options=FULL)
-        merged.update({name: tensor.detach().cpu() for name, tensor in state.items()})
+        # clone: a replicated DTensor's "full" tensor (and a plain parameter) is the live
+        # parameter storage; a snapshot must not change when training goes on
+        merged.update({name: tensor.detach().cpu().clone() for name, tensor in state.items()})
     return merged
 
 

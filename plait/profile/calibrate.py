@@ -14,6 +14,7 @@ Conventions are the cost model's (see plait/profile/fit.py for the formulas):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -178,33 +179,45 @@ def measurements_from_json(text: str) -> Measurements:
 
 # ---- correcting the cost model from measured step times (`plait tune`) --------------------------
 #
-# The cost model is a function of the ClusterSpec. Each *term* below is one group of ClusterSpec
-# fields whose change scales one kind of predicted time: GEMM efficiency scales compute (and the
-# recompute and bubble made of it), a link's latency scales the latency share of its collectives,
-# its bandwidth their volume share. With s_k the factor by which term k's time is multiplied, the
-# predicted step time of plan i is, to first order (exactly where the model is linear in them),
+# The cost model is a function of the ClusterSpec. Each *term* below is one ClusterSpec quantity in
+# which a kind of predicted time is proportional: 1/efficiency.matmul for compute (and the recompute
+# and bubble made of it), a link's latency for the latency share of its collectives, 1/bandwidth for
+# their volume share, efficiency.layer_overhead_s for the fixed host time of every layer pass. With
+# x_k term k's value in units of a reference r_k, the predicted step of plan i is, to first order
+# (exactly where the model is linear in them),
 #
-#     T_i(s) = sum_k s_k · X_ik,      X_ik = dT_i / d log s_k  (term k's share of T_i)
+#     T_i(x) = T_i(x0) + sum_k X_ik · (x_k - x0_k),      X_ik = r_k · dT_i / d value_k
 #
-# so the measured steps y_i give a non-negative least-squares problem for s. X_ik is read off the
-# cost model by a central difference in log s_k, which needs no knowledge of its internals; the
-# overlap rules (max(comm - compute, last bucket)) make it piecewise linear, hence a few
-# Gauss-Newton rounds, re-linearizing at the corrected cluster each time.
+# so the measured steps y_i give a bounded least-squares problem for x. X_ik is read off the cost
+# model by a finite difference, which needs no knowledge of its internals; the overlap rules
+# (max(comm - compute, last bucket)) make it piecewise linear, hence a few Gauss-Newton rounds,
+# re-linearizing at the corrected cluster each time.
 
-TERMS: tuple[str, ...] = ("compute", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
-"""Terms `fit_terms` corrects, each mapped onto ClusterSpec fields by `scale_term`."""
+TERMS: tuple[str, ...] = ("compute", "layer_overhead", "intra_latency", "intra_bandwidth", "inter_latency",
+                          "inter_bandwidth")
+"""Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
+
+ZERO_REFERENCE = {"layer_overhead": 1e-4, "intra_latency": 1e-6, "inter_latency": 1e-6}
+"""Reference of a term whose value is 0 (a preset without that cost): 100 us of host time per layer pass
+(a CPU's dispatch of a transformer block's ops), 1 us per message."""
 
 MIN_TERM_SHARE = 0.01
-"""A term below this share of every measured step is not identifiable from them and is left as it was."""
+"""A term below this share of every measured step (at its reference) is not identifiable from them
+and is left as it was."""
 
 PRIOR_WEIGHT = 0.005
-"""Pull of each factor towards 1 (no change), against the sum of squared relative errors: the ratio of
-the variances of a measured step (~5% on a busy machine) and of the profiled value's log (~0.7: right
-within a factor of 2), 0.05² / 0.7² ~ 0.005. It decides what the measurements cannot (collinear or
-barely exercised terms) and yields to a term that moves every step by more than the noise."""
+"""Pull of each term towards its value before the fit, against the sum of squared relative errors:
+the ratio of the variances of a measured step (~5% on a busy machine) and of the profiled value's log
+(~0.7: right within a factor of 2), 0.05² / 0.7² ~ 0.005. It decides what the measurements cannot
+(collinear or barely exercised terms) and yields to a term that moves every step by more than the noise."""
+
+ZERO_PRIOR_WEIGHT = 1e-6
+"""A term that was 0 has no scale to be right within: its pull back to 0 only keeps the problem regular."""
 
 FACTOR_BOUNDS = (0.02, 50.0)
-"""A term's time may shrink or grow at most this much in one fit: a larger change means the wrong term."""
+"""A term may shrink or grow at most this much in one fit (a larger change means the wrong term);
+a term that was 0 may grow to ZERO_BOUND times its reference."""
+ZERO_BOUND = 1000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,8 +233,10 @@ class TermFit:
     """The result of `fit_terms`: a corrected cluster and how it was found."""
 
     cluster: ClusterSpec
-    factors: dict[str, float]
-    """Term -> total factor applied to that term's time (1 = unchanged)."""
+    before: dict[str, float]
+    """Term -> its value in the cluster given (term_value)."""
+    after: dict[str, float]
+    """Term -> its value in the corrected cluster."""
     fitted: tuple[str, ...]
     """Terms the measurements could identify; the others kept their values."""
     errors_before: tuple[float, ...]
@@ -229,23 +244,46 @@ class TermFit:
     errors_after: tuple[float, ...]
     rounds: int
 
+    @property
+    def factors(self) -> dict[str, float]:
+        """Term -> how many times its time grew (nan for a term that was 0)."""
+        return {t: self.after[t] / self.before[t] if self.before[t] > 0 else math.nan for t in self.before}
+
+
+def term_value(cluster: ClusterSpec, term: str) -> float:
+    """The quantity of `cluster` that term `term`'s time is proportional to."""
+    if term == "compute":
+        return 1.0 / cluster.efficiency.matmul
+    if term == "layer_overhead":
+        return cluster.efficiency.layer_overhead_s
+    link = getattr(cluster, _link_attr(term))
+    return link.latency_s if term.endswith("_latency") else 1.0 / link.bandwidth
+
+
+def with_term_value(cluster: ClusterSpec, term: str, value: float) -> ClusterSpec:
+    """`cluster` with term `term` set to `value` (in term_value's units)."""
+    eff = cluster.efficiency
+    if term == "compute":
+        return cluster.replace(efficiency=dataclasses.replace(eff, matmul=1.0 / value))
+    if term == "layer_overhead":
+        return cluster.replace(efficiency=dataclasses.replace(eff, layer_overhead_s=value))
+    attr = _link_attr(term)
+    link = getattr(cluster, attr)
+    if term.endswith("_latency"):
+        return cluster.replace(**{attr: LinkSpec(latency_s=value, bandwidth=link.bandwidth)})
+    return cluster.replace(**{attr: LinkSpec(latency_s=link.latency_s, bandwidth=1.0 / value)})
+
+
+def _link_attr(term: str) -> str:
+    level, _, quantity = term.partition("_")
+    if level not in ("intra", "inter") or quantity not in ("latency", "bandwidth"):
+        raise ValueError(f"term={term!r} is not one of {', '.join(TERMS)}")
+    return f"{level}_node"
+
 
 def scale_term(cluster: ClusterSpec, term: str, factor: float) -> ClusterSpec:
-    """The cluster whose `term` time is `factor` times `cluster`'s (see TERMS)."""
-    if term == "compute":
-        eff = cluster.efficiency
-        return cluster.replace(efficiency=Efficiency(matmul=eff.matmul / factor, matmul_half_dim=eff.matmul_half_dim,
-                                                     overhead=eff.overhead))
-    level, _, quantity = term.partition("_")
-    attr = {"intra": "intra_node", "inter": "inter_node"}[level]
-    link = getattr(cluster, attr)
-    if quantity == "latency":
-        link = LinkSpec(latency_s=link.latency_s * factor, bandwidth=link.bandwidth)
-    elif quantity == "bandwidth":
-        link = LinkSpec(latency_s=link.latency_s, bandwidth=link.bandwidth / factor)
-    else:
-        raise ValueError(f"term={term!r} is not one of {', '.join(TERMS)}")
-    return cluster.replace(**{attr: link})
+    """The cluster whose `term` time is `factor` times `cluster`'s."""
+    return with_term_value(cluster, term, term_value(cluster, term) * factor)
 
 
 def predicted_step(plan: "Plan", cluster: ClusterSpec) -> float:
@@ -254,14 +292,21 @@ def predicted_step(plan: "Plan", cluster: ClusterSpec) -> float:
     return predict(plan.replace(cluster=cluster, predicted=None)).step_time_s
 
 
+def reference(cluster: ClusterSpec, term: str) -> float:
+    return term_value(cluster, term) or ZERO_REFERENCE.get(term, 1.0)
+
+
 def term_shares(plan: "Plan", cluster: ClusterSpec, terms: tuple[str, ...] = TERMS,
                 rel_step: float = 1e-3) -> dict[str, float]:
-    """X_k: seconds of `plan`'s predicted step attributable to each term (central difference in log s_k)."""
+    """X_k: seconds of `plan`'s predicted step per reference unit of each term (= the term's share of
+    the step for a term that is not 0), by a central difference (forward from 0)."""
     shares = {}
     for term in terms:
-        up = predicted_step(plan, scale_term(cluster, term, 1.0 + rel_step))
-        down = predicted_step(plan, scale_term(cluster, term, 1.0 / (1.0 + rel_step)))
-        shares[term] = max(0.0, (up - down) / (2.0 * math.log1p(rel_step)))
+        value, delta = term_value(cluster, term), rel_step * reference(cluster, term)
+        low = max(value - delta, 0.0)
+        up = predicted_step(plan, with_term_value(cluster, term, value + delta))
+        down = predicted_step(plan, with_term_value(cluster, term, low))
+        shares[term] = max(0.0, (up - down) / (value + delta - low) * reference(cluster, term))
     return shares
 
 
@@ -270,59 +315,60 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
     """Correct `cluster`'s terms so the cost model best explains the measured step times.
 
     Minimizes the squared *relative* errors (a slow plan is not worth more than a fast one), with a
-    weak prior pulling every factor to 1, subject to FACTOR_BOUNDS. Terms that no plan exercises
-    (e.g. inter-node links on one machine) are left untouched; on one node the inter-node link is
-    kept equal to the intra-node one, as `plait profile` writes it.
+    weak prior pulling every term to its value before, within FACTOR_BOUNDS. Terms that no plan
+    exercises (e.g. inter-node links on one machine) are left untouched; on one node the inter-node
+    link is kept equal to the intra-node one, as `plait profile` writes it.
     """
     usable = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     if not usable:
         raise ValueError("no measured step times to fit")
     measured = np.array([o.measured_s for o in usable])
-    errors_before = _relative_errors(usable, cluster)
-    current, total = cluster, dict.fromkeys(terms, 1.0)
-    fitted: tuple[str, ...] = ()
-    rounds = 0
+    refs = np.array([reference(cluster, t) for t in terms])
+    original = np.array([term_value(cluster, t) for t in terms]) / refs
+    low, high = _bounds(original)
+    current, fitted, rounds = cluster, (), 0
     for rounds in range(1, max_rounds + 1):
-        shares = np.array([[term_shares(o.plan, current, terms)[t] for t in terms] for o in usable])
+        shares = np.array([[s[t] for t in terms] for s in (term_shares(o.plan, current, terms) for o in usable)])
+        shares *= refs / np.array([reference(current, t) for t in terms])  # per unit of the fixed reference
         active = [k for k in range(len(terms)) if (shares[:, k] / measured).max() >= MIN_TERM_SHARE]
         fitted = tuple(terms[k] for k in active)
         if not active:
             break
-        # The part of each step that no active term explains stays as it is.
-        fixed = np.array([predicted_step(o.plan, current) for o in usable]) - shares[:, active].sum(axis=1)
-        step = bounded_prior_lstsq(shares[:, active] / measured[:, None], 1.0 - fixed / measured,
-                                   _prior_targets(total, terms, active), prior_weight, _bounds(total, terms, active))
-        for k, factor in zip(active, step):
-            current = scale_term(current, terms[k], float(factor))
-            total[terms[k]] *= float(factor)
-        if np.abs(step - 1.0).max() < tolerance:
+        x_now = np.array([term_value(current, t) for t in terms]) / refs
+        predicted = np.array([predicted_step(o.plan, current) for o in usable])
+        # what the active terms do not explain stays as it is
+        rest = predicted - shares[:, active] @ x_now[active]
+        weights = np.where(original[active] > 0, prior_weight, ZERO_PRIOR_WEIGHT)
+        x = bounded_prior_lstsq(shares[:, active] / measured[:, None], 1.0 - rest / measured, original[active],
+                                weights, (low[active], high[active]))
+        for k, value in zip(active, x):
+            current = with_term_value(current, terms[k], float(value * refs[k]))
+        if np.abs(x - x_now[active]).max() < tolerance:
             break
     current = _tidy(current, cluster)
-    return TermFit(cluster=current, factors=total, fitted=fitted, errors_before=errors_before,
-                   errors_after=_relative_errors(usable, current), rounds=rounds)
+    return TermFit(cluster=current, before={t: term_value(cluster, t) for t in terms},
+                   after={t: term_value(current, t) for t in terms}, fitted=fitted,
+                   errors_before=_relative_errors(usable, cluster), errors_after=_relative_errors(usable, current),
+                   rounds=rounds)
 
 
-def _prior_targets(total: dict[str, float], terms: tuple[str, ...], active: list[int]) -> np.ndarray:
-    """This round's step that would bring each term back to its original value (the prior's pull)."""
-    return np.array([1.0 / total[terms[k]] for k in active])
-
-
-def _bounds(total: dict[str, float], terms: tuple[str, ...], active: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _bounds(original: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low, high = FACTOR_BOUNDS
-    current = np.array([total[terms[k]] for k in active])
-    return low / current, high / current
+    zero = original == 0
+    return np.where(zero, 0.0, original * low), np.where(zero, ZERO_BOUND, original * high)
 
 
-def bounded_prior_lstsq(a: np.ndarray, b: np.ndarray, prior: np.ndarray, weight: float,
+def bounded_prior_lstsq(a: np.ndarray, b: np.ndarray, prior: np.ndarray, weight: float | np.ndarray,
                         bounds: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """argmin ||a x - b||² + weight·||x - prior||² subject to low <= x <= high.
+    """argmin ||a x - b||² + sum_k weight_k·(x_k - prior_k)² subject to low <= x <= high.
 
     Exact for the handful of unknowns here: the minimum of a convex quadratic over a box lies on
     one of its faces, so every assignment of (free, at low, at high) per unknown is solved
     (3^n, n <= 5) and the best feasible one kept."""
     low, high = bounds
     n = a.shape[1]
-    gram = a.T @ a + weight * np.eye(n)
+    weight = np.broadcast_to(np.asarray(weight, dtype=float), (n,))
+    gram = a.T @ a + np.diag(weight)
     rhs = a.T @ b + weight * prior
     best, best_cost = np.clip(prior, low, high), math.inf
     for pattern in itertools.product((0, 1, 2), repeat=n):
@@ -334,7 +380,7 @@ def bounded_prior_lstsq(a: np.ndarray, b: np.ndarray, prior: np.ndarray, weight:
             x[free] = np.linalg.solve(gram[np.ix_(free, free)], sub_rhs)
         if (x < low - 1e-12).any() or (x > high + 1e-12).any():
             continue
-        cost = float(np.sum((a @ x - b) ** 2) + weight * np.sum((x - prior) ** 2))
+        cost = float(np.sum((a @ x - b) ** 2) + np.sum(weight * (x - prior) ** 2))
         if cost < best_cost:
             best, best_cost = x, cost
     return best
@@ -349,7 +395,7 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     equal to its intra-node one when it was so (nothing measured can tell them apart)."""
     eff = cluster.efficiency
     cluster = cluster.replace(
-        efficiency=Efficiency(matmul=_sig(eff.matmul), matmul_half_dim=eff.matmul_half_dim, overhead=eff.overhead),
+        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s)),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

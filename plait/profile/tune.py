@@ -193,6 +193,20 @@ def _release(model) -> None:  # noqa: ANN001
                 pass  # already gone (a size-1 axis may share a group)
 
 
+def layouts_first(plans: Sequence[Plan]) -> list[Plan]:
+    """`plans` (best first) reordered: the best of each (dp, tp, pp) in rank order, then the rest in rank order.
+
+    What `plait tune` runs: plans that differ only in ZeRO stage or micro-batching exercise the same
+    cost terms, so the top K alone often cannot tell compute from communication; one per layout can."""
+    seen: set[tuple[int, int, int]] = set()
+    leaders, rest = [], []
+    for plan in plans:
+        key = (plan.dp, plan.tp, plan.pp)
+        (rest if key in seen else leaders).append(plan)
+        seen.add(key)
+    return leaders + rest
+
+
 # ---- files between the launcher and the ranks -------------------------------------------------
 
 def write_plans(plans: Sequence[Plan], path: str | Path) -> Path:

@@ -30,21 +30,29 @@ class Split:
     """Index of each stage's recompute mode (columns of layer_time)."""
 
 
+def _most_layers(fixed: np.ndarray, per_layer: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """Largest k with fixed + k·per_layer <= limit, elementwise (may be < 1; inf when per_layer is 0).
+
+    The floor of the quotient is corrected by one step either way so that k agrees with the inequality
+    itself as floating point evaluates it (the reference checks exactly that)."""
+    room = limit - fixed
+    safe = np.where(per_layer > 0, per_layer, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        k = np.floor(room / safe)
+        k = np.where(np.isfinite(k) & (fixed + (k + 1) * per_layer <= limit), k + 1, k)
+        k = np.where(np.isfinite(k) & (fixed + k * per_layer > limit), k - 1, k)
+    return np.where(per_layer > 0, k, np.where(room >= 0, np.inf, -1.0))
+
+
 def _max_by_memory(fixed_mem: np.ndarray, layer_mem: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """[stage, mode] -> most layers that fit in memory (may be < 1)."""
-    room = capacity[:, None] - fixed_mem
-    with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.where(layer_mem > 0, np.floor(room / np.where(layer_mem > 0, layer_mem, 1.0)),
-                     np.where(room >= 0, np.inf, -1.0))
-    return k
+    return _most_layers(fixed_mem, layer_mem, np.broadcast_to(capacity[:, None], fixed_mem.shape))
 
 
 def _max_by_time(bound: float, fixed_time: np.ndarray, layer_time: np.ndarray) -> np.ndarray:
-    slack = bound - fixed_time[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.where(layer_time > 0, np.floor(slack / np.where(layer_time > 0, layer_time, 1.0) * (1 + 1e-12)),
-                     np.where(slack >= 0, np.inf, -1.0))
-    return k
+    """[stage, mode] -> most layers that finish within `bound`."""
+    fixed = np.broadcast_to(fixed_time[:, None], layer_time.shape)
+    return _most_layers(fixed, layer_time, np.full(layer_time.shape, bound))
 
 
 def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem, capacity) -> Split | None:

@@ -8,6 +8,7 @@ Costs that depend only on (tp, sp, micro-batch) are computed once per search.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ from plait.search.space import Degrees, Pins, check_pins, degree_choices, diviso
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
 GiB = 2**30
-EXACT_SHORTLIST = 3
-"""With `top` K, the best 3K candidates by the closed-form estimate are priced exactly before ranking."""
+EXACT_SHORTLIST = 2
+"""With `top` K, the best 2K candidates by the closed-form estimate are priced exactly before ranking."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ class SearchResult:
     best_infeasible: Plan | None = None
     """When nothing fits: the candidate that misses memory by the least (predicted filled)."""
     points: list[tuple[float, float]] = field(default_factory=list)
-    """(estimated step time s, peak memory bytes) of every feasible candidate, for plots."""
+    """(estimated step time s, peak memory bytes) of every feasible candidate priced, for plots."""
+    candidates_pruned: int = 0
+    """Candidates skipped because a lower bound on their step time could not beat the shortlist (only with top)."""
 
 
 def resolve_model(model: ModelSpec | str) -> ModelSpec:
@@ -113,20 +116,22 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
                 interleave=interleave, sequence_parallel=sequence_parallel, allow_cross_node_tp=allow_cross_node_tp)
     check_pins(pins, model, cluster, train, n)
     setting = Setting(model, cluster.with_devices(n), train)
-    search = _Search(setting, pins)
+    search = _Search(setting, pins, None if top is None else EXACT_SHORTLIST * top)
     degrees = degree_choices(pins, model, cluster, train, n)
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
     for d in degrees:
         search.run_degrees(d)
+    if search.evaluated == 0 and search.pruned == 0:
+        raise ConfigError(_no_schedule_message(pins, degrees, train))
     plans = search.finish(top)
     elapsed = time.perf_counter() - start
     if not plans:
         worst = search.closest_miss()
         if explain_infeasible:
             raise NoFeasiblePlan(_infeasible_message(setting, pins, worst, n))
-        return SearchResult([], search.evaluated, elapsed, worst, [])
-    return SearchResult(plans, search.evaluated, elapsed, None, search.points)
+        return SearchResult([], search.evaluated, elapsed, worst, [], search.pruned)
+    return SearchResult(plans, search.evaluated, elapsed, None, search.points, search.pruned)
 
 
 def _no_layout_message(model: ModelSpec, train: TrainSpec, n: int) -> str:
@@ -136,12 +141,21 @@ def _no_layout_message(model: ModelSpec, train: TrainSpec, n: int) -> str:
             f"and the pins given; data-parallel degrees dividing the batch: {', '.join(map(str, dps))}")
 
 
+def _no_schedule_message(pins: Pins, degrees: list[Degrees], train: TrainSpec) -> str:
+    pp = sorted({d.pp for d in degrees})
+    return (f"no micro-batch size and schedule satisfy the pins (micro_batch={pins.micro_batch}, "
+            f"schedule={pins.schedule}, interleave={pins.interleave}) with pp in {pp} and "
+            f"global_batch={train.global_batch}: 1f1b needs num_micro_batches >= pp, interleaved needs "
+            f"num_micro_batches % pp == 0 and pp x interleave <= num_layers")
+
+
 class _Search:
     """One search's state: cached per-(tp, sp, b) costs, the feasible candidates, the closest miss."""
 
-    def __init__(self, setting: Setting, pins: Pins) -> None:
-        self.setting, self.pins = setting, pins
-        self.evaluated = 0
+    def __init__(self, setting: Setting, pins: Pins, shortlist: int | None) -> None:
+        self.setting, self.pins, self.shortlist = setting, pins, shortlist
+        self.evaluated = self.pruned = 0
+        self.best: list[float] = []  # max-heap (negated) of the shortlist's estimates
         self.candidates: list[Candidate] = []
         self.points: list[tuple[float, float]] = []
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
@@ -181,8 +195,21 @@ class _Search:
                 if not fitted and pins.micro_batch is None:
                     break  # activations grow with b: a larger micro-batch cannot fit either
 
+    def lower_bound(self, layout: Layout) -> float:
+        """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
+        without recompute (the closed-form estimate is never below this)."""
+        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+        work = (self.setting.model.num_layers * (lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd)
+                + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
+        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        return m * work / pp + (work - work / pp) / v
+
     def evaluate(self, layout: Layout) -> bool:
         """Split, price and keep one layout; False when nothing fits."""
+        if self.shortlist is not None and len(self.best) >= self.shortlist \
+                and self.lower_bound(layout) >= -self.best[0]:
+            self.pruned += 1
+            return True  # unknown whether it fits: do not stop the micro-batch loop on it
         self.evaluated += 1
         split = self.split(layout)
         if split is None:
@@ -190,6 +217,10 @@ class _Search:
         layers, recompute, peak = split
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
+        if self.shortlist is not None:
+            heapq.heappush(self.best, -est.total)
+            if len(self.best) > self.shortlist:
+                heapq.heappop(self.best)
         self.points.append((est.total, peak))
         return True
 
@@ -260,13 +291,14 @@ class _Search:
         return plan.replace(predicted=pred)
 
     def finish(self, top: int | None) -> list[Plan]:
-        ranked = sorted(self.candidates, key=lambda c: c.estimate)
+        ranked = sorted(self.candidates, key=lambda c: c.estimate)  # stable: enumeration order breaks ties
         if top is not None:
             ranked = ranked[: EXACT_SHORTLIST * top]
         plans = [self.to_plan(c.layout, c.layers, c.recompute) for c in ranked]
         cap = self.setting.cluster.memory_bytes
         plans = [p for p in plans if p.predicted.peak_memory_bytes <= cap * (1 + 1e-9)]
-        plans.sort(key=lambda p: p.predicted.step_time_s)
+        # Ties in time (e.g. micro-batch sizes the model prices alike) go to the plan with less memory.
+        plans.sort(key=lambda p: (round(p.predicted.step_time_s, 9), p.predicted.peak_memory_bytes))
         return plans[:top] if top is not None else plans
 
 

@@ -151,7 +151,9 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     if pp == 1:
         yield (pins.schedule or "1f1b"), 1
         return
-    if pins.schedule in (None, "gpipe") and pins.interleave in (None, 1):
+    # GPipe has 1F1B's bubble and holds all m micro-batches instead of at most p: unpinned, it is tried only
+    # where 1F1B cannot run (m < pp).
+    if (pins.schedule == "gpipe" or (pins.schedule is None and m < pp)) and pins.interleave in (None, 1):
         yield "gpipe", 1
     if pins.schedule in (None, "1f1b") and pins.interleave in (None, 1) and m >= pp:
         yield "1f1b", 1

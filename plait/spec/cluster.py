@@ -32,14 +32,30 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Efficiency:
-    """Achieved fractions of peak: the cost model's fitted constants (at most three per device type)."""
+    """Achieved fractions of peak: the cost model's fitted constants (at most three per device type).
+
+    GEMM rate = peak_flops · matmul · h / (h + matmul_half_dim) for a model of hidden size h; a
+    layer's other work costs `overhead` times its GEMM time (plait/cost/compute.py). Presets and
+    the rows they were fitted on: plait/spec/clusters.py."""
 
     matmul: float = 0.5
     """Fraction of peak FLOP/s reached by large matrix multiplications."""
     matmul_half_dim: float = 0.0
-    """GEMM size (hidden dim) at which the achieved fraction is half of `matmul`; 0 = no size effect."""
+    """Model hidden size at which the achieved fraction is half of `matmul`; 0 = no size effect."""
     overhead: float = 0.0
     """Non-GEMM work (norms, softmax, elementwise, launch), as a fraction of GEMM time."""
+    layer_overhead_s: float = 0.0
+    """Fixed host time of one layer's forward pass over one micro-batch, whatever its size (framework
+    dispatch of its ops, kernel launches), seconds; backward costs twice it. Why micro-batches are not
+    free: on CPU processes dispatch runs on the computing core, so 8 micro-batches of 1 take far longer
+    than 1 of 8. 0 for the GPU presets (launches overlap with large kernels there); fitted by `plait tune`."""
+
+    def __post_init__(self) -> None:
+        if not (self.matmul > 0):
+            raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
+        if not (self.matmul_half_dim >= 0 and self.overhead >= 0 and self.layer_overhead_s >= 0):
+            raise ValueError(f"matmul_half_dim={self.matmul_half_dim!r}, overhead={self.overhead!r} and "
+                             f"layer_overhead_s={self.layer_overhead_s!r} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

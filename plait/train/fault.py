@@ -55,7 +55,7 @@ def maybe_inject(rank: int, step: int, fault: Fault | None = None) -> None:
     fault = fault if fault is not None else planned_fault()
     if fault is None or fault.rank != rank or fault.step != step:
         return
-    print(f"plait: {ENV}: rank {rank} {fault.kind}s itself after step {step}", file=sys.stderr, flush=True)
+    print(f"plait: {ENV}: injecting {fault.kind!r} on rank {rank} after step {step}", file=sys.stderr, flush=True)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     while True:  # "hang"

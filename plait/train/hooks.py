@@ -52,14 +52,23 @@ class NoCheckpoints:
 
 
 def make_checkpoint_hooks(config: Config) -> CheckpointHooks:
+    checkpointer = checkpointer_class(config)
+    return NoCheckpoints() if checkpointer is None else checkpointer(config)
+
+
+def checkpointer_class(config: Config) -> type | None:
+    """The class that saves this run's checkpoints, None without [checkpoint] dir; refuses what cannot work.
+
+    Cheap (no torch unless the checkpoint module needs it): the launcher calls it to refuse a bad
+    [checkpoint] section before starting ranks."""
     if config.checkpoint.dir is None:
         if config.checkpoint.resume:
             raise ConfigError("checkpoint.resume=true needs checkpoint.dir (where the checkpoints are)")
-        return NoCheckpoints()
+        return None
     try:
         from plait.train.checkpoint import Checkpointer  # type: ignore[import-not-found]
     except ImportError:
         raise ConfigError(
             "checkpoint.dir is set but this plait has no checkpoint support yet; unset [checkpoint] dir"
         ) from None
-    return Checkpointer(config)
+    return Checkpointer

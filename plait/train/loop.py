@@ -22,7 +22,7 @@ from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, check_vocab, load_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
-from plait.train.resolve import resolve_plan
+from plait.train.resolve import resolve_plan, write_plan
 
 DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
 """Collective timeout: a dead or hung peer becomes an error after this long (the env var shortens it in tests)."""
@@ -76,6 +76,8 @@ def _train(config: Config, plan: Plan) -> RunResult:
 
     rank = dist.get_rank()
     device = _device(plan)
+    if rank == 0 and config.plan.file != str(Path(config.log.dir, "plan.json").resolve()):
+        write_plan(plan, config.log.dir)  # under a bare torchrun no launcher has written it
     model = parallelize(plan, seed=config.train.seed, device=device)
     opt = config.optimizer
     optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
@@ -115,7 +117,8 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
     losses: list[float] = []
     start = time.perf_counter()
     is_rank0 = dist.get_rank() == 0
-    with ProgressDisplay(total, enabled=is_rank0 and config.log.progress, every=config.log.every) as progress:
+    with ProgressDisplay(total, enabled=is_rank0 and config.log.progress, every=config.log.every,
+                         max_seconds=config.train.max_seconds) as progress:
         while state.step < total:
             m = _one_step(state, throughput, device, elapsed_s=time.perf_counter() - start)
             losses.append(m.loss)

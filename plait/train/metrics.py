@@ -10,23 +10,18 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from plait.cost.compute import model_flops_per_step
 from plait.spec import ModelSpec
 
 
 def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """Model FLOPs (forward + backward, no recompute) per trained token.
+    """Model FLOPs (forward + backward, no recompute) per trained token, as the cost model counts them.
 
-    Matmuls only, as in Narayanan et al. (2021) and Korthikanti et al. (2022): 2 FLOPs per
-    weight per token forward, plus attention scores and weighted values (4·s·h per layer per
-    token forward, the causal mask not discounted), times 3 for forward + backward. For a GPT
-    with ffn = 4h this is their 72·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per sequence.
+    GEMMs only, as in Narayanan et al. (2021) and Korthikanti et al. (2022): for a GPT with
+    ffn = 4h, 72·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per sequence. One definition for the planner's
+    predicted MFU and the trainer's measured MFU, so the two can be compared.
     """
-    h, kv, f = spec.hidden_size, spec.kv_size, spec.ffn_hidden_size
-    attention_weights = 2 * h * h + 2 * h * kv
-    mlp_weights = (3 if spec.gated_mlp else 2) * h * f
-    per_layer = 2 * (attention_weights + mlp_weights) + 4 * seq_len * h
-    logits = 2 * h * spec.vocab_size
-    return 3.0 * (spec.num_layers * per_layer + logits)
+    return model_flops_per_step(spec, 1, seq_len) / seq_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,19 +86,22 @@ class MetricsLog:
 class ProgressDisplay:
     """A rich progress bar with loss, tokens/s and MFU on a terminal; a line every `every` steps otherwise."""
 
-    def __init__(self, total_steps: int, *, enabled: bool, every: int, console: Console | None = None) -> None:
+    def __init__(self, total_steps: int, *, enabled: bool, every: int, console: Console | None = None,
+                 max_seconds: float = 0.0) -> None:
         self.console = console or Console()
         self.enabled, self.every = enabled, max(1, every)
         self.live = enabled and self.console.is_terminal
         self._progress: Progress | None = None
         if self.live:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[speed]} tok/s"),
                 TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                 console=self.console,
             )
-            self._task = self._progress.add_task("train", total=total_steps, loss="-", speed="-", mfu="-")
+            # With a time limit the run may stop early: say so, the bar's ETA counts all steps.
+            label = f"train (at most {max_seconds:g} s)" if max_seconds > 0 else "train"
+            self._task = self._progress.add_task(label, total=total_steps, loss="-", speed="-", mfu="-")
         self.total_steps = total_steps
 
     def __enter__(self) -> "ProgressDisplay":

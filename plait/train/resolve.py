@@ -56,7 +56,7 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
     cluster = load_cluster(config.plan.cluster)
     cluster = cluster.with_devices(devices)
     pins: dict[str, Any] = dict(config.plan.pins)
-    _check_pins(pins, search)
+    _check_pins(pins)
     precision = "fp32" if cluster.device_type == "cpu" else "bf16"
     plans = search(model, cluster, config.train.spec(precision), num_devices=devices, **pins)
     if not plans:
@@ -64,11 +64,13 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
     return plans[0]
 
 
-def _check_pins(pins: dict[str, Any], search: Any) -> None:
+def _check_pins(pins: dict[str, Any]) -> None:
     import inspect
 
-    known = [name for name, p in inspect.signature(search).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("num_devices", "top")]
+    from plait.search import plan_with_stats  # plan() passes its pins on to it
+
+    known = [name for name, p in inspect.signature(plan_with_stats).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("num_devices", "top", "explain_infeasible")]
     for name in pins:
         if name not in known:
             raise ConfigError(f"plan.pins: unknown pin {name!r}; pins: {', '.join(known)}")

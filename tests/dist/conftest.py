@@ -1,4 +1,4 @@
-"""One launch per world size runs every case of tests/dist/cases.py; the tests read its results."""
+"""One launch per world size runs every case of tests/dist/equivalence_cases.py; the tests read its results."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from plait.launch import run_local
 
-WORKER = Path(__file__).parent / "_worker.py"
+WORKER = Path(__file__).parent / "_equivalence_worker.py"
 LAUNCH_TIMEOUT_S = 600
 
 

@@ -166,16 +166,20 @@ def worker(script: Path) -> None:
     import torch.distributed as dist
 
     from plait.launch import init_distributed
+    from plait.train import loop
     from plait.train.config import config_from_dict
-    from plait.train.loop import run
+    from plait.train.resolve import resolve_plan
 
+    init_distributed("gloo", 120)
     for item in json.loads(script.read_text()):
-        init_distributed("gloo", 120)
         if item["copy"] and dist.get_rank() == 0:
             src, dst = map(Path, item["copy"])
             shutil.copytree(src, dst)
         dist.barrier()
-        run(config_from_dict(item["config"]))  # leaves the process group destroyed
+        config = config_from_dict(item["config"])
+        # loop.run's body, without its destroy_process_group: one process group serves every run
+        loop._train(config, resolve_plan(config))
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

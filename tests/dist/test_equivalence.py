@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cases import CASES, CLIP  # noqa: E402
+from equivalence_cases import CASES, CLIP  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -42,6 +42,7 @@ def test_equals_one_process(dist_results, case):
 def test_runs_the_planned_building_blocks(dist_results, case):
     """The equality above must come from the techniques the plan names, not from skipping them."""
     runtime = _result(dist_results, case)["runtime"]
+    assert runtime["load_roundtrip_max_diff"] == 0.0  # load_full_state_dict / full_state_dict are inverses
     dp, tp, pp, zero = (case.get(k, d) for k, d in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0)))
     interleave = case.get("interleave", 1)
     if dp > 1:

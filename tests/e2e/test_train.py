@@ -49,7 +49,8 @@ every = 1
 @pytest.mark.dist
 def test_two_ranks_write_metrics_plan_and_plot(tmp_path, config):
     plan = write_plan(tmp_path / "plan.json")
-    result = plait("train", str(config), "--plan", plan, "--set", "optimizer.lr=1e-2")
+    result = plait("train", str(config), "--plan", plan, "--set", "optimizer.lr=1e-2",
+                   "--max-seconds", "1000")  # the time-limit vote runs every step, never stops
     assert result.returncode == 0, result.stderr[-3000:]
     logs = tmp_path / "logs"
     records = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
@@ -142,3 +143,13 @@ def test_plan_for_another_batch_or_world_exits_2(tmp_path, config):
     plan = write_plan(tmp_path / "plan.json")
     result = plait("train", str(config), "--plan", plan, "--nproc", "4")
     assert result.returncode == 2 and "--nproc 2" in result.stderr
+
+
+def test_unknown_pin_exits_2(config):
+    result = plait("train", str(config), "--set", "plan.pins.tq=2")
+    assert result.returncode == 2 and "unknown pin 'tq'" in result.stderr and "tp" in result.stderr
+
+
+def test_resume_without_checkpoint_dir_exits_2(config):
+    result = plait("train", str(config), "--set", "checkpoint.resume=true")
+    assert result.returncode == 2 and "checkpoint.dir" in result.stderr

@@ -1,6 +1,6 @@
 """Worker for tests/dist: runs every case of one world size in one launch, writes JSON on rank 0.
 
-Usage (via plait.launch.run_local or torchrun): python tests/dist/_worker.py WORLD OUT.json [CASE ...]"""
+Usage (via plait.launch.run_local or torchrun): python tests/dist/_equivalence_worker.py WORLD OUT.json [CASE ...]"""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from cases import CLIP, cases_for, make_plan  # noqa: E402
+from equivalence_cases import CLIP, cases_for, make_plan  # noqa: E402
 from plait.execute.equivalence import CheckSettings, check_plan  # noqa: E402
 from plait.launch import init_distributed, shutdown_distributed  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
-    settings = CheckSettings(steps=3, seed=1, lr=1e-3, max_norm=CLIP if case["clip"] else None)
+    settings = CheckSettings(steps=3, seed=1, lr=1e-3, max_norm=CLIP if case["clip"] else None,
+                             verify_load=True)
     try:
         result = check_plan(make_plan(case), settings)
     except Exception as error:  # recorded, so one broken case does not hide the others' results

@@ -1,0 +1,120 @@
+"""Crash and restart through the real `plait train` command on 2 gloo ranks.
+
+* A rank SIGKILLed mid-training (PLAIT_FAULT) under `--max-restarts 1`: the elastic agent
+  restarts both ranks, they resume from the last checkpoint, and every step's loss and the
+  final weights equal those of a run that was never interrupted.
+* The same kill without restarts: the job fails with an error naming the dead rank, within a
+  bound (the subprocess timeout), instead of hanging.
+* A hung rank: the others' next collective times out (PLAIT_DIST_TIMEOUT_S) and the job fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+MODEL = {"name": "restart-tiny-gpt", "arch": "gpt", "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+         "vocab_size": 128, "max_seq_len": 32}
+STEPS = 8
+
+
+@pytest.fixture()
+def workdir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="plait-restart-"))  # outside pytest's pruned basetemp
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def write_config(root: Path, name: str) -> Path:
+    from plait.plan import Plan
+    from plait.spec import ModelSpec, TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    plan = Plan(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
+                train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
+    (root / "plan.json").write_text(plan.to_json())
+    (root / "model.json").write_text(json.dumps(MODEL))
+    config = root / f"{name}.toml"
+    config.write_text(f"""
+[model]
+file = "{root / 'model.json'}"
+[train]
+steps = {STEPS}
+global_batch = 4
+seq_len = 16
+seed = 5
+[optimizer]
+warmup = 2
+[plan]
+file = "{root / 'plan.json'}"
+[checkpoint]
+dir = "{root / name / 'ckpt'}"
+every = 2
+keep = 2
+[log]
+dir = "{root / name / 'log'}"
+progress = false
+save_model = true
+""")
+    return config
+
+
+def plait_train(config: Path, *args: str, fault: str | None = None, timeout: float = 400,
+                dist_timeout: float | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1"}
+    env.pop("PLAIT_FAULT", None)
+    if fault:
+        env["PLAIT_FAULT"] = fault
+    if dist_timeout:
+        env["PLAIT_DIST_TIMEOUT_S"] = str(dist_timeout)
+    return subprocess.run([sys.executable, "-m", "plait", "train", str(config), "--nproc", "2", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(root: Path, name: str) -> dict[int, float]:
+    rows = map(json.loads, (root / name / "log" / "metrics.jsonl").read_text().splitlines())
+    return {row["step"]: row["loss"] for row in rows}  # a resumed step's last line wins
+
+
+def test_killed_rank_restarts_from_the_checkpoint(workdir: Path) -> None:
+    import torch
+
+    clean = plait_train(write_config(workdir, "clean"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    crashed = plait_train(write_config(workdir, "crashed"), "--max-restarts", "1", fault="kill:rank=1:step=5")
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert "injecting 'kill' on rank 1 after step 5" in crashed.stderr
+    assert "resumed from" in crashed.stderr and "step_000004" in crashed.stderr
+    assert losses(workdir, "crashed") == losses(workdir, "clean")
+    lines = (workdir / "crashed" / "log" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 was redone
+    a = torch.load(workdir / "clean" / "log" / "model.pt")
+    b = torch.load(workdir / "crashed" / "log" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dead_rank_without_restarts_is_named(workdir: Path) -> None:
+    result = plait_train(write_config(workdir, "dead"), fault="kill:rank=1:step=2", timeout=300)
+    assert result.returncode != 0
+    assert "rank 1 failed (signal SIGKILL)" in result.stderr
+    # the checkpoint of step 2 was complete before the kill, and stays usable
+    from plait.train.checkpoint import latest_complete
+
+    assert latest_complete(workdir / "dead" / "ckpt").step == 2
+
+
+def test_hung_rank_times_out(workdir: Path) -> None:
+    result = plait_train(write_config(workdir, "hung"), fault="hang:rank=1:step=1", timeout=300, dist_timeout=10)
+    assert result.returncode != 0
+    assert "injecting 'hang' on rank 1 after step 1" in result.stderr
+    assert "rank 0 failed" in result.stderr

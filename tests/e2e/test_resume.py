@@ -1,0 +1,112 @@
+"""`plait train --resume` end to end: broken newer checkpoints are named and skipped, the run
+continues exactly from the newest complete one, and a different --nproc re-plans and reshards."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+MODEL = {"name": "resume-tiny-gpt", "arch": "gpt", "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+         "vocab_size": 128, "max_seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="plait-resume-"))  # outside pytest's pruned basetemp
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(root: Path, name: str) -> Path:
+    from plait.plan import Plan
+    from plait.spec import ModelSpec, TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    plan = Plan(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
+                train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
+    (root / "plan.json").write_text(plan.to_json())
+    (root / "model.json").write_text(json.dumps(MODEL))
+    path = root / f"{name}.toml"
+    path.write_text(f"""
+[model]
+file = "{root / 'model.json'}"
+[train]
+steps = 6
+global_batch = 4
+seq_len = 16
+[plan]
+file = "{root / 'plan.json'}"
+[checkpoint]
+dir = "{root / name / 'ckpt'}"
+every = 2
+keep = 3
+[log]
+dir = "{root / name / 'log'}"
+progress = false
+""")
+    return path
+
+
+def plait(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1"}
+    env.pop("PLAIT_FAULT", None)
+    return subprocess.run([sys.executable, "-m", "plait", *args], env=env, capture_output=True, text=True,
+                          timeout=400)
+
+
+def losses(root: Path, name: str) -> dict[int, float]:
+    rows = map(json.loads, (root / name / "log" / "metrics.jsonl").read_text().splitlines())
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def first_run(root: Path) -> dict[int, float]:
+    result = plait("train", str(write_config(root, "run")), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(root / "run" / "ckpt" / "step_000002", root / "step_000002.saved")  # for the reshard test
+    return losses(root, "run")
+
+
+def test_fresh_run_refuses_a_used_checkpoint_dir(root: Path, first_run: dict) -> None:
+    before = sorted(p.name for p in (root / "run" / "ckpt").iterdir())
+    result = plait("train", str(root / "run.toml"), "--nproc", "2")
+    assert result.returncode == 2
+    assert "already holds checkpoints" in result.stderr and "--resume" in result.stderr
+    assert sorted(p.name for p in (root / "run" / "ckpt").iterdir()) == before
+
+
+def test_resume_skips_broken_checkpoints(root: Path, first_run: dict) -> None:
+    ckpt = root / "run" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    shard = sorted((ckpt / "step_000006").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    (ckpt / "step_000004" / "MANIFEST.json").unlink()  # incomplete
+    result = plait("train", str(root / "run.toml"), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_000006 is not usable" in result.stderr and "truncated" in result.stderr
+    assert "step_000004 is not usable" in result.stderr and "MANIFEST.json is missing" in result.stderr
+    assert "resumed from" in result.stderr and "step 2" in result.stderr
+    resumed = losses(root, "run")
+    assert resumed == first_run  # steps 3..6 again, bit for bit (as rounded in metrics.jsonl)
+
+
+def test_resume_on_another_world_size_replans(root: Path, first_run: dict) -> None:
+    config = write_config(root, "shrunk")
+    shutil.copytree(root / "step_000002.saved", root / "shrunk" / "ckpt" / "step_000002")
+    result = plait("train", str(config), "--resume", "--nproc", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "planning for 1 devices" in result.stderr
+    resumed = losses(root, "shrunk")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(first_run[step], rel=1e-5, abs=2e-6)

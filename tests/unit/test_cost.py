@@ -1,0 +1,151 @@
+"""Cost-model pieces: collectives, FLOPs, activation and ZeRO memory, schedules' memory, predict()."""
+
+import pytest
+
+from plait import Plan, TrainSpec
+from plait.cost import predict
+from plait.cost.comm import Group, all_gather, all_reduce, members_per_node, p2p, reduce_scatter
+from plait.cost.compute import activation_bytes, layer_flops, model_flops_per_step
+from plait.cost.layout import Layout, Setting
+from plait.cost.memory import in_flight, model_state_bytes, rank_memory
+from plait.cost.published import ZERO_PSI, ZERO_ROWS
+from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.models import MODEL_PRESETS
+
+A100 = CLUSTER_PRESETS["a100-80g"]
+GPT175 = MODEL_PRESETS["gpt3-175b"]
+
+
+def test_group_inside_a_node_uses_nvlink():
+    nbytes = 1e9
+    inside = all_reduce(nbytes, Group(8, 1), A100)
+    assert inside == pytest.approx(2 * 7 * A100.intra_node.latency_s + 2 * 7 / 8 * nbytes / A100.intra_node.bandwidth)
+
+
+def test_group_across_nodes_is_slower_and_uses_all_adapters():
+    nbytes = 1e9
+    inside = all_reduce(nbytes, Group(8, 1), A100)
+    full_nodes = all_reduce(nbytes, Group(32, 1), A100)  # 8 members per node: 8 adapters side by side
+    one_per_node = all_reduce(nbytes, Group(32, 8), A100)  # stride 8: one member (one adapter) per node
+    assert inside < full_nodes < one_per_node
+    assert members_per_node(Group(32, 8), 8) == 1 and members_per_node(Group(16, 2), 8) == 4
+    # 8 x 24 GB/s = 192 GB/s: the nccl-tests figure between DGX A100 nodes.
+    assert full_nodes == pytest.approx(2 * 31 / 32 * nbytes / 192e9, rel=0.05)  # + 62 ring-step latencies
+
+
+def test_gather_and_scatter_move_half_an_all_reduce():
+    g = Group(8, 1)
+    assert all_gather(1e9, g, A100) + reduce_scatter(1e9, g, A100) == pytest.approx(all_reduce(1e9, g, A100))
+    assert all_reduce(1e9, Group(1), A100) == 0.0
+    assert p2p(1e6, True, A100) > p2p(1e6, False, A100)
+
+
+def test_flops_match_megatron_formula():
+    # 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) model FLOPs per iteration (Korthikanti et al.).
+    m, b, s = GPT175, 8, 2048
+    h, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    expected = 72 * b * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert model_flops_per_step(m, b, s) == pytest.approx(expected, rel=1e-3)  # biases aside
+    dense, attn = layer_flops(m, s, s)
+    assert dense == pytest.approx(24 * s * h * h, rel=1e-3) and attn == 4 * s * s * h
+
+
+@pytest.mark.parametrize("tp,sp,mode,coefficient", [
+    (1, False, "none", lambda a, s, h, t: 34 + 5 * a * s / h),
+    (8, False, "none", lambda a, s, h, t: 10 + 24 / t + 5 * a * s / (h * t)),
+    (8, True, "none", lambda a, s, h, t: 34 / t + 5 * a * s / (h * t)),
+    (8, False, "selective", lambda a, s, h, t: 10 + 24 / t),
+    (8, True, "selective", lambda a, s, h, t: 34 / t),
+    (1, False, "full", lambda a, s, h, t: 2),
+])
+def test_activations_match_korthikanti_table(tp, sp, mode, coefficient):
+    m, b, s = GPT175, 1, 2048
+    a, h = m.num_heads, m.hidden_size
+    assert activation_bytes(m, b, s, tp, sp, mode) == pytest.approx(s * b * h * coefficient(a, s, h, tp))
+
+
+@pytest.mark.parametrize("nd", sorted(ZERO_ROWS))
+def test_zero_model_states_match_the_paper(nd):
+    train = TrainSpec(global_batch=8, seq_len=8)
+    for stage, published in zip((1, 2, 3), ZERO_ROWS[nd]):
+        gb = sum(model_state_bytes(ZERO_PSI, nd, stage, train).values()) / 1e9
+        decimals = len(str(published).split(".")[1])  # exact to the digits the paper prints (41.25 -> 41.3)
+        assert abs(gb - published) <= 0.5 * 10**-decimals + 1e-12
+    assert sum(model_state_bytes(ZERO_PSI, nd, 0, train).values()) == 16 * ZERO_PSI
+
+
+def test_in_flight_per_schedule():
+    base = dict(dp=1, tp=1, sp=False, zero=0, micro_batch=1)
+    one = Layout(pp=4, num_micro_batches=8, schedule="1f1b", interleave=1, **base)
+    assert [in_flight(one, r) for r in range(4)] == [4, 3, 2, 1]
+    gpipe = Layout(pp=4, num_micro_batches=8, schedule="gpipe", interleave=1, **base)
+    assert in_flight(gpipe, 3) == 8
+    inter = Layout(pp=4, num_micro_batches=8, schedule="interleaved", interleave=2, **base)
+    assert in_flight(inter, 0) == pytest.approx(4 * (1 + 3 / 8))  # Korthikanti: p·(1 + (p-1)/(p·v))
+
+
+def test_memory_falls_with_more_recompute():
+    setting = Setting(GPT175, A100, TrainSpec(global_batch=64, seq_len=2048))
+    layout = Layout(dp=1, tp=8, pp=8, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="1f1b",
+                    interleave=1)
+    totals = [rank_memory(setting, layout, 0, mode).total(12) for mode in ("none", "selective", "full")]
+    assert totals[0] > totals[1] > totals[2]
+
+
+def _plan(**kw):
+    base = dict(dp=2, tp=8, pp=8, sequence_parallel=True, zero=1, recompute=("selective",), micro_batch=1,
+                num_micro_batches=32, schedule="1f1b", model=GPT175, train=TrainSpec(global_batch=64, seq_len=2048),
+                cluster=A100.with_devices(128))
+    base.update(kw)
+    return Plan(**base)
+
+
+def test_predict_parts_add_up_and_recompute_costs_time():
+    sel, full = predict(_plan()), predict(_plan(recompute=("full",)))
+    assert sum(sel.step_time_parts.values()) == pytest.approx(sel.step_time_s)
+    assert sum(sel.memory_parts.values()) == pytest.approx(sel.peak_memory_bytes)
+    assert full.step_time_s > sel.step_time_s and full.peak_memory_bytes < sel.peak_memory_bytes
+    assert len(sel.memory_per_stage) == 8 and max(sel.memory_per_stage) == sel.peak_memory_bytes
+    assert sel.memory_per_stage[0] > sel.memory_per_stage[4]  # 1F1B: the first rank holds the most
+    assert 0 < sel.mfu < 1 and sel.bubble_fraction == pytest.approx(7 / (32 + 7), rel=0.15)
+
+
+def test_more_micro_batches_shrink_the_bubble():
+    few, many = predict(_plan(num_micro_batches=8, dp=8, cluster=A100.with_devices(512))), predict(_plan())
+    assert few.bubble_fraction > many.bubble_fraction
+
+
+def test_zero_three_saves_memory_and_costs_communication():
+    z1, z3 = predict(_plan(zero=1)), predict(_plan(zero=3))
+    assert z3.memory_parts["params"] < z1.memory_parts["params"]
+    assert z3.step_time_parts["dp_comm"] > z1.step_time_parts["dp_comm"]
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6, schedule="interleaved",
+           interleave=3),
+    Layout(dp=128, tp=8, pp=1, sp=False, zero=0, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+])
+def test_search_memory_table_equals_rank_memory(layout):
+    from plait.cost.memory import memory_table
+
+    setting = Setting(GPT175, A100, TrainSpec(global_batch=1536, seq_len=2048))
+    modes = ("none", "selective", "full")
+    fixed, per_layer = memory_table(setting, layout, modes)
+    for r in range(layout.pp):
+        for i, mode in enumerate(modes):
+            assert fixed[r, i] + 5 * per_layer[r, i] == pytest.approx(rank_memory(setting, layout, r, mode).total(5))
+
+
+def test_closed_form_estimate_is_exact_on_uniform_stages_without_transfers():
+    from plait.cost.model import predict_layout
+
+    setting = Setting(GPT175, A100.replace(intra_node=A100.intra_node, inter_node=A100.inter_node),
+                      TrainSpec(global_batch=64, seq_len=2048))
+    layout = Layout(dp=1, tp=8, pp=4, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="interleaved",
+                    interleave=2)
+    layers = (12,) * 8
+    exact = predict_layout(setting, layout, layers, ("full",) * 4).step_time_s
+    estimate = predict_layout(setting, layout, layers, ("full",) * 4, exact=False).step_time_s
+    assert estimate == pytest.approx(exact, rel=0.01)  # the ends and transfers differ a little
