@@ -93,7 +93,7 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.hooks import checkpointer_class
 
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
-    check_launch(config)
+    check_launch(config, plan)
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
     check_data(config, resolve_model(config.model))
     plan_path = write_plan(plan, config.log.dir).resolve()

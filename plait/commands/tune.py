@@ -271,9 +271,10 @@ def _field_change(term: str, cluster: Any, tuned: Any) -> str:
     old, new = cluster.efficiency, tuned.efficiency
     if term == "compute":
         return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} (GEMM time x{old.matmul / new.matmul:.3g})"
-    if term == "layer_overhead":
-        return (f"layer_overhead: efficiency.layer_overhead_s {old.layer_overhead_s * 1e6:.0f} -> "
-                f"{new.layer_overhead_s * 1e6:.0f} us per layer pass")
+    if term in ("layer_overhead", "tp_layer_overhead"):
+        field = f"{term}_s"
+        return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
+                "per layer pass")
     level, _, quantity = term.partition("_")
     attr = {"intra": "intra_node", "inter": "inter_node"}[level]
     before, after = getattr(cluster, attr), getattr(tuned, attr)

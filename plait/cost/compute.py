@@ -117,8 +117,10 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
-    # plus the fixed host time of the pass (Efficiency.layer_overhead_s): per micro-batch, not per token
-    fwd = (dense + attn) / tp / rate * rest + cluster.efficiency.layer_overhead_s
+    # plus the fixed host time of the pass (Efficiency.layer_overhead_s, and tp_layer_overhead_s for
+    # DTensor's dispatch under tensor parallelism): per micro-batch, not per token
+    host = cluster.efficiency.layer_overhead_s + (cluster.efficiency.tp_layer_overhead_s if tp > 1 else 0.0)
+    fwd = (dense + attn) / tp / rate * rest + host
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
     modes = ("none", "selective", "full")
     return LayerCost(

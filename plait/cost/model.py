@@ -97,20 +97,30 @@ each hidden second costs this much. A modeling assumption (not fitted); it is wh
 hundreds of replicas from looking free whenever its gathers fit under the compute."""
 
 
-def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float) -> float:
-    """Data-parallel communication of one rank that compute does not hide (see module docstring)."""
+def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
+               units: int = 1) -> float:
+    """Data-parallel communication of one rank that compute does not hide (see module docstring).
+    `units`: the FSDP units (layers + the root) the rank's parameters are sharded in."""
     if layout.dp == 1:
         return 0.0
-    total, exposed = _dp_comm(setting, layout, params, fwd_mb, bwd_mb)
+    total, exposed = _dp_comm(setting, layout, params, fwd_mb, bwd_mb, units)
+    if setting.cluster.device_type == "cpu":
+        # CPU ranks have no spare engine to overlap with: gloo runs collectives on the cores the
+        # ranks compute on (one thread per core), so every second of communication adds to the step.
+        return total
     return exposed + OVERLAP_SLOWDOWN * (total - exposed)
 
 
-def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float) -> tuple[float, float]:
+def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
+             units: int = 1) -> tuple[float, float]:
     """(all data-parallel communication of the step, the part not under compute)."""
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
     nbytes = params * setting.dtype_bytes
     bucket = min(nbytes, BUCKET_BYTES)
     m, zero = layout.num_micro_batches, layout.zero
+    # fully_shard issues one gather / reduce-scatter per unit, not one for the whole rank: each extra
+    # call pays the ring's latency again (negligible on NVLink, milliseconds between busy CPU processes)
+    extra_call = (units - 1) * (layout.dp - 1) * comm.bus(group, cluster)[0]
     if zero == 0:
         full, last = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
         return full, max(full - bwd_mb, last)
@@ -119,9 +129,9 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     if zero == 1:
         return scatter + gather, max(scatter - bwd_mb, last) + gather
     if zero == 2:
-        return m * scatter + gather, m * max(scatter - bwd_mb, 0.0) + last + gather
+        return m * (scatter + extra_call) + gather, m * max(scatter - bwd_mb, 0.0) + last + gather
     first_layer = comm.all_gather(layer_params(setting.model, layout.tp) * setting.dtype_bytes, group, cluster)
-    total = m * (2 * gather + scatter)
+    total = m * (2 * gather + scatter + 3 * extra_call)
     return total, m * (max(gather - fwd_mb, 0.0) + max(gather + scatter - bwd_mb, 0.0)) + first_layer + last
 
 
@@ -162,7 +172,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         key = (n, r == 0, r == pp - 1, sum(st.fwd[r::pp]), sum(st.bwd[r::pp]))
         if key not in seen:  # ranks with the same share cost the same: most of them
             params = rank_params(setting, layout, r, n)
-            seen[key] = (dp_exposed(setting, layout, params, key[3], key[4]),
+            seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
                          optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1)))
         tail.append(seen[key][0])
         opt.append(seen[key][1])

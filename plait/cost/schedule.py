@@ -130,7 +130,7 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
 
 
 def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
-             p2p: float = 0.0, exact_up_to: int = 4) -> float:
+             p2p: float = 0.0, exact_up_to: int = 16) -> float:
     """Makespan of the schedule. Past exact_up_to·pp micro-batches, simulate k·pp micro-batches for
     k = 2, 3, ... until two successive increments agree (the schedule's steady state), then extrapolate."""
     m = num_micro_batches

@@ -1,5 +1,9 @@
 """Turn raw measurements into a ClusterSpec (pure: numbers in, spec out; no torch).
 
+Two sources: `calibrate` fits what `plait profile` measured (GEMMs, blocks, collectives); `fit_terms`
+corrects a ClusterSpec from the measured step times of whole plans (`plait tune`), term by term,
+through the cost model itself. `kendall_tau` and `regret` say how right a ranking was.
+
 Conventions are the cost model's (see plait/profile/fit.py for the formulas):
 * `peak_flops`: the datasheet's dense 16-bit peak for a known GPU. A CPU has no figure plait can
   trust, so there the fitted large-GEMM asymptote of the rate each rank gets while every rank
@@ -182,7 +186,8 @@ def measurements_from_json(text: str) -> Measurements:
 # The cost model is a function of the ClusterSpec. Each *term* below is one ClusterSpec quantity in
 # which a kind of predicted time is proportional: 1/efficiency.matmul for compute (and the recompute
 # and bubble made of it), a link's latency for the latency share of its collectives, 1/bandwidth for
-# their volume share, efficiency.layer_overhead_s for the fixed host time of every layer pass. With
+# their volume share, efficiency.layer_overhead_s for the fixed host time of every layer pass (and
+# tp_layer_overhead_s for what DTensor adds to it under tensor parallelism). With
 # x_k term k's value in units of a reference r_k, the predicted step of plan i is, to first order
 # (exactly where the model is linear in them),
 #
@@ -193,13 +198,14 @@ def measurements_from_json(text: str) -> Measurements:
 # (max(comm - compute, last bucket)) make it piecewise linear, hence a few Gauss-Newton rounds,
 # re-linearizing at the corrected cluster each time.
 
-TERMS: tuple[str, ...] = ("compute", "layer_overhead", "intra_latency", "intra_bandwidth", "inter_latency",
-                          "inter_bandwidth")
+TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "intra_latency", "intra_bandwidth",
+                          "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
 
-ZERO_REFERENCE = {"layer_overhead": 1e-4, "intra_latency": 1e-6, "inter_latency": 1e-6}
+ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "intra_latency": 1e-6, "inter_latency": 1e-6}
 """Reference of a term whose value is 0 (a preset without that cost): 100 us of host time per layer pass
-(a CPU's dispatch of a transformer block's ops), 1 us per message."""
+(a CPU's dispatch of a transformer block's ops), 1 ms more under DTensor, 1 us per message. It sets the
+scale at which the term counts as exercised (MIN_TERM_SHARE) and its bound (ZERO_BOUND times it)."""
 
 MIN_TERM_SHARE = 0.01
 """A term below this share of every measured step (at its reference) is not identifiable from them
@@ -254,8 +260,8 @@ def term_value(cluster: ClusterSpec, term: str) -> float:
     """The quantity of `cluster` that term `term`'s time is proportional to."""
     if term == "compute":
         return 1.0 / cluster.efficiency.matmul
-    if term == "layer_overhead":
-        return cluster.efficiency.layer_overhead_s
+    if term in ("layer_overhead", "tp_layer_overhead"):
+        return getattr(cluster.efficiency, f"{term}_s")
     link = getattr(cluster, _link_attr(term))
     return link.latency_s if term.endswith("_latency") else 1.0 / link.bandwidth
 
@@ -265,8 +271,8 @@ def with_term_value(cluster: ClusterSpec, term: str, value: float) -> ClusterSpe
     eff = cluster.efficiency
     if term == "compute":
         return cluster.replace(efficiency=dataclasses.replace(eff, matmul=1.0 / value))
-    if term == "layer_overhead":
-        return cluster.replace(efficiency=dataclasses.replace(eff, layer_overhead_s=value))
+    if term in ("layer_overhead", "tp_layer_overhead"):
+        return cluster.replace(efficiency=dataclasses.replace(eff, **{f"{term}_s": value}))
     attr = _link_attr(term)
     link = getattr(cluster, attr)
     if term.endswith("_latency"):
@@ -395,7 +401,8 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     equal to its intra-node one when it was so (nothing measured can tell them apart)."""
     eff = cluster.efficiency
     cluster = cluster.replace(
-        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s)),
+        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s),
+                                       tp_layer_overhead_s=_sig(eff.tp_layer_overhead_s)),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

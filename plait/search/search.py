@@ -1,9 +1,17 @@
 """The joint search: enumerate degrees x sequence parallel x ZeRO x micro-batches x schedules, split the
 layers exactly (with recompute per stage), prune by memory, rank by predicted step time.
 
-Every candidate is priced with the cost model's closed-form schedule (plait.cost.model,
-exact=False); the best ones are then priced exactly (simulated schedule) and re-ranked.
-Costs that depend only on (tp, sp, micro-batch) are computed once per search.
+* Space: every dp·tp·pp = N (tp divides the heads and kv-heads and stays in a node unless allowed;
+  pp <= layers; dp divides the batch), ZeRO 0-3, every micro-batch size dividing the per-replica
+  batch, 1F1B (GPipe where m < pp), interleaved with v = 2..8, recompute chosen per stage by the
+  split (plait.search.partition). Dominated choices are not priced: sequence parallelism off
+  (same bytes moved, more memory) and GPipe where 1F1B can run (same bubble, more memory),
+  unless pinned.
+* Pricing: the cost model's closed-form schedule (plait.cost.model, exact=False); the shortlist
+  is then priced exactly (simulated schedule) and re-ranked.
+* With `top` K: layouts are priced best-first by a lower bound on their step time (the work spread
+  evenly, no recompute), stopping once the bound cannot beat the 2K-th best estimate; a layout
+  whose smaller micro-batch missed memory is skipped for larger ones.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator
 
 import numpy as np
 
@@ -50,7 +59,8 @@ class SearchResult:
     points: list[tuple[float, float]] = field(default_factory=list)
     """(estimated step time s, peak memory bytes) of every feasible candidate priced, for plots."""
     candidates_pruned: int = 0
-    """Candidates skipped because a lower bound on their step time could not beat the shortlist (only with top)."""
+    """Candidates not priced: a lower bound on their step time could not beat the shortlist (only with top),
+    or a smaller micro-batch of the same layout already missed memory."""
 
 
 def resolve_model(model: ModelSpec | str) -> ModelSpec:
@@ -120,8 +130,7 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     degrees = degree_choices(pins, model, cluster, train, n)
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
-    for d in degrees:
-        search.run_degrees(d)
+    search.run(degrees)
     if search.evaluated == 0 and search.pruned == 0:
         raise ConfigError(_no_schedule_message(pins, degrees, train))
     plans = search.finish(top)
@@ -175,7 +184,8 @@ class _Search:
             return [(r,)] * pp
         return [(m,) for m in (r * pp if len(r) == 1 else r)]
 
-    def run_degrees(self, d: Degrees) -> None:
+    def layouts(self, d: Degrees) -> Iterator[Layout]:
+        """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule, smaller b first."""
         pins, batch = self.pins, self.setting.train.global_batch
         # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
         # all-reduces and keeps less activation memory, so the cost model never prefers it off.
@@ -187,13 +197,29 @@ class _Search:
                 if pins.micro_batch is not None and b != pins.micro_batch:
                     continue
                 m = per_replica // b
-                fitted = False
                 for zero in zeros:
                     for schedule, v in schedule_choices(pins, d.pp, m, self.setting.model.num_layers):
-                        layout = Layout(d.dp, d.tp, d.pp, sp and d.tp > 1, zero, b, m, schedule, v)
-                        fitted |= self.evaluate(layout)
-                if not fitted and pins.micro_batch is None:
-                    break  # activations grow with b: a larger micro-batch cannot fit either
+                        yield Layout(d.dp, d.tp, d.pp, sp and d.tp > 1, zero, b, m, schedule, v)
+
+    def run(self, degrees: list[Degrees]) -> None:
+        """Price the layouts. With a shortlist, best-first by lower bound, stopping once no bound can beat it."""
+        layouts = [layout for d in degrees for layout in self.layouts(d)]
+        if self.shortlist is not None:
+            bounds = [self.lower_bound(layout) for layout in layouts]
+            order = sorted(range(len(layouts)), key=bounds.__getitem__)
+            layouts = [layouts[i] for i in order]
+            bounds = [bounds[i] for i in order]
+        too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
+        for i, layout in enumerate(layouts):
+            if self.shortlist is not None and len(self.best) >= self.shortlist and bounds[i] >= -self.best[0]:
+                self.pruned += len(layouts) - i
+                return
+            key = (layout.dp, layout.tp, layout.pp, layout.sp, layout.zero, layout.schedule, layout.interleave)
+            if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1):
+                self.pruned += 1  # activations grow with b: a larger micro-batch cannot fit either
+                continue
+            if not self.evaluate(layout):
+                too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
 
     def lower_bound(self, layout: Layout) -> float:
         """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
@@ -206,10 +232,6 @@ class _Search:
 
     def evaluate(self, layout: Layout) -> bool:
         """Split, price and keep one layout; False when nothing fits."""
-        if self.shortlist is not None and len(self.best) >= self.shortlist \
-                and self.lower_bound(layout) >= -self.best[0]:
-            self.pruned += 1
-            return True  # unknown whether it fits: do not stop the micro-batch loop on it
         self.evaluated += 1
         split = self.split(layout)
         if split is None:
@@ -252,8 +274,7 @@ class _Search:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
         chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
-        per_rank = np.add.reduceat(np.array(split.layers), np.arange(0, stages, 1)) if v == 1 else \
-            np.array([sum(split.layers[r::pp]) for r in range(pp)])
+        per_rank = [sum(split.layers[r::pp]) for r in range(pp)]
         peak = float(max(fixed_mem[r, i] + per_rank[r] * layer_mem[r, i] for r, i in enumerate(chosen)))
         return split.layers, tuple(all_modes[i] for i in chosen), peak
 

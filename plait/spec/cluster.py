@@ -49,13 +49,16 @@ class Efficiency:
     dispatch of its ops, kernel launches), seconds; backward costs twice it. Why micro-batches are not
     free: on CPU processes dispatch runs on the computing core, so 8 micro-batches of 1 take far longer
     than 1 of 8. 0 for the GPU presets (launches overlap with large kernels there); fitted by `plait tune`."""
+    tp_layer_overhead_s: float = 0.0
+    """What tensor parallelism adds to that host time per layer pass: DTensor's sharding propagation and
+    redistribution bookkeeping on every op of the layer. 0 for the GPU presets; fitted by `plait tune`."""
 
     def __post_init__(self) -> None:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
-        if not (self.matmul_half_dim >= 0 and self.overhead >= 0 and self.layer_overhead_s >= 0):
-            raise ValueError(f"matmul_half_dim={self.matmul_half_dim!r}, overhead={self.overhead!r} and "
-                             f"layer_overhead_s={self.layer_overhead_s!r} must be >= 0")
+        for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s"):
+            if not (getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

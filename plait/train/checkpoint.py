@@ -192,9 +192,10 @@ def plan_for_launch(config: Any, nproc: int | None) -> Any:
     return resolve_plan(replanned, nproc)
 
 
-def check_launch(config: Any) -> Found | None:
+def check_launch(config: Any, plan: Any = None) -> Found | None:
     """Before ranks start: refuse a non-resuming run into a used checkpoint.dir; on resume say
-    which checkpoint will be loaded (and which newer ones are broken)."""
+    which checkpoint will be loaded (and which newer ones are broken), and refuse one saved for
+    another model (with `plan`) or another data order (seed, batch, sequence length)."""
     if config.checkpoint.dir is None:
         return None
     if not config.checkpoint.resume:
@@ -205,6 +206,15 @@ def check_launch(config: Any) -> Found | None:
         warn(message)
     if found.path is None:
         warn(f"no complete checkpoint in {config.checkpoint.dir}; starting from step 0")
+        return found
+    meta = read_meta(found.path)
+    if plan is not None:
+        check_compatible(meta, plan, found.path)
+    for key in ("seed", "global_batch", "seq_len"):
+        saved, wanted = meta.get("loader", {}).get(key), getattr(config.train, key)
+        if saved is not None and saved != wanted:
+            raise ConfigError(f"checkpoint {found.path} was saved with train.{key}={saved}, this run has "
+                              f"train.{key}={wanted}; resume with train.{key}={saved} or use another checkpoint.dir")
     return found
 
 
@@ -454,6 +464,8 @@ def _layout(plan: dict[str, Any]) -> tuple:
 
 def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
     """Refuse a checkpoint of another model (its weights cannot be loaded, only mis-loaded)."""
+    if not isinstance(meta.get("plan"), dict) or not isinstance(meta["plan"].get("model"), dict):
+        raise ConfigError(f"checkpoint {directory}: {META} names no model; it was not written by this plait")
     saved = dict(meta["plan"]["model"])
     current = json.loads(plan.to_json())["model"]
     saved.pop("name", None)

@@ -43,7 +43,8 @@ WORLD = {name: math.prod(p.get(k, 1) for k in ("dp", "tp", "pp")) for name, p in
 EXACT = ["dp2", "zero1", "fsdp2", "tp2", "pp2"]
 # resumed run -> (plan that saved the step-3 checkpoint, plan that resumes from it)
 RESHARD = {"dp2tp2-to-fsdp4": ("dp2tp2", "fsdp4"), "dp2tp2-to-dp2": ("dp2tp2", "dp2"),
-           "pp2dp2-to-dp2": ("pp2dp2", "dp2"), "pp2-to-tp2": ("pp2", "tp2")}
+           "pp2dp2-to-dp2": ("pp2dp2", "dp2"), "pp2-to-tp2": ("pp2", "tp2"),
+           "zero1-to-fsdp2": ("zero1", "fsdp2")}
 
 
 # ---- building runs (pytest side) ----------------------------------------------------------

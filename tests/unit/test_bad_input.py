@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -50,13 +51,18 @@ def _plan_dict() -> dict[str, Any]:
     return json.loads(plan.to_json())
 
 
+def _meta() -> dict[str, Any]:
+    return {"step": 2, "tokens": 128, "world_size": 2, "plan": _plan_dict(),
+            "loader": {"epoch": 0, "step_in_epoch": 2, "seed": 0, "global_batch": 4, "seq_len": 16}}
+
+
 def _fake_checkpoint(root: Path) -> Path:
     from plait.train.checkpoint import publish, step_dir, tmp_dir, write_manifest
 
     tmp = tmp_dir(root, 2)
     (tmp / "rng").mkdir(parents=True)
     for name, data in {".metadata": b"m" * 64, "__0_0.distcp": b"a" * 999, "__1_0.distcp": b"b" * 999,
-                       "rng/rank_00000.pt": b"r" * 9, "meta.json": b'{"step": 2}'}.items():
+                       "rng/rank_00000.pt": b"r" * 9, "meta.json": json.dumps(_meta()).encode()}.items():
         (tmp / name).write_bytes(data)
     write_manifest(tmp, 2)
     publish(tmp, step_dir(root, 2))
@@ -157,6 +163,7 @@ def report() -> Iterator[None]:
     if out:
         Path(out).write_text(json.dumps(dict(COUNTS), indent=1))
     assert tree_digest(CKPT) == CKPT_DIGEST
+    shutil.rmtree(ROOT, ignore_errors=True)
 
 
 # ---- strategies ------------------------------------------------------------------------------
@@ -274,6 +281,17 @@ def test_token_files(data: bytes, dtype: str, batch: int, seq: int) -> None:
         BatchLoader(tokens, global_batch=batch, seq_len=seq)
 
     expect_loader_error("token data file", load)
+
+
+@pytest.mark.parametrize("section, key, value", [("train", "seed", 1), ("train", "seq_len", 8),
+                                                 ("model", "file", "tiny-gpt")])
+def test_resume_with_another_data_order_or_model(section: str, key: str, value: Any) -> None:
+    config = base_config()
+    config[section][key] = value
+    if section == "model":  # a plan for the other model, so that only the checkpoint disagrees
+        config["model"] = {"preset": value}
+        config["plan"] = {"file": "auto", "devices": 2}
+    expect_cli_error("resume: checkpoint of another run", to_toml(config))
 
 
 def test_resume_from_a_checkpoint_of_another_model() -> None:

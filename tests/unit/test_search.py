@@ -133,3 +133,11 @@ def test_full_listing_matches_top_k():
     assert len(full.plans) >= len(top.plans) == 2
     assert [p.describe() for p in top.plans] == [p.describe() for p in full.plans[:2]]
     assert len(full.points) == full.candidates_evaluated - 0 or len(full.points) <= full.candidates_evaluated
+
+
+def test_pruned_search_finds_the_same_best_as_the_full_one():
+    train = TrainSpec(global_batch=64, seq_len=1024)
+    full = plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16)
+    top = plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, top=3)
+    assert top.candidates_pruned > 0 and top.candidates_evaluated < full.candidates_evaluated
+    assert top.plans[0].describe() == full.plans[0].describe()
