@@ -12,9 +12,10 @@ Which PyTorch building block carries each ZeRO stage (Rajbhandari et al. 2020):
   and backward gives wrong gradients with some schedules and costs a gather per
   micro-batch (torchtitan's default there is False as well).
 
-DDP does not take DTensor parameters, and its bucket rebuilding breaks when one rank runs
-several pipeline stages (interleaved schedule: "rebuilt parameter indices size is not same
-as original model parameters size"). In those two cases zero 0 and 1 also use
+DDP does not take DTensor parameters, and its reducer breaks under any pipeline schedule,
+which runs several micro-batch forwards before their backwards ("rebuilt parameter indices
+size is not same as original model parameters size"; torchtitan never pairs DDP with PP
+either). In those two cases zero 0 and 1 also use
 `fully_shard(reshard_after_forward=False)`: the same numerics, memory at least as low.
 Wrapping is per transformer block and then the stage root, so each block's parameters
 are gathered (or its gradients reduced) as one unit, overlapping with the neighbours.
@@ -38,8 +39,9 @@ def has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def uses_fully_shard(zero: int, tensor_parallel: bool, stages_per_rank: int = 1) -> bool:
-    return zero >= 2 or tensor_parallel or stages_per_rank > 1
+def uses_fully_shard(zero: int, tensor_parallel: bool, pipelined: bool) -> bool:
+    """Whether data parallelism rides on fully_shard rather than DDP (see the module docstring)."""
+    return zero >= 2 or tensor_parallel or pipelined
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
@@ -60,12 +62,12 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
                                    init_sync=False)
 
 
-def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, *, zero: int, under_pipeline: bool, stages_per_rank: int = 1,
+def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, *, zero: int, under_pipeline: bool,
              mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Wrap one stage module for data parallelism; returns it (DDP wraps, fully_shard works in place)."""
     if dp_mesh.size() == 1 or not any(True for _ in module.parameters()):
         return module  # nothing to synchronize
-    if uses_fully_shard(zero, has_dtensor_params(module), stages_per_rank):
+    if uses_fully_shard(zero, has_dtensor_params(module), under_pipeline):
         reshard = zero == 3 and not under_pipeline
         return apply_fsdp(module, dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     return apply_ddp(module, dp_mesh)

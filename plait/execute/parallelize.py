@@ -167,7 +167,7 @@ class ParallelModel:
         stack = ExitStack()
         if self.plan.tp > 1:
             stack.enter_context(loss_parallel())  # forward and backward of the loss both need it
-        sharded = uses_fully_shard(self.plan.zero, self.plan.tp > 1, self.plan.interleave)
+        sharded = uses_fully_shard(self.plan.zero, self.plan.tp > 1, self.plan.pp > 1)
         if self.mixed_precision is not None and not sharded:  # fully_shard casts via its MixedPrecisionPolicy
             stack.enter_context(torch.autocast(self.device.type, dtype=self.mixed_precision))
         return stack
@@ -312,7 +312,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     parts = [_shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]
     for part in parts:
         _materialize(part, plan, seed, device)
-    if not uses_fully_shard(plan.zero, plan.tp > 1, plan.interleave) and plan.dp > 1:
+    if not uses_fully_shard(plan.zero, plan.tp > 1, plan.pp > 1) and plan.dp > 1:
         parts = [apply_ddp(part, mesh["dp"]) if any(True for _ in part.parameters()) else part for part in parts]
     return ParallelModel(plan, mesh, parts, stage_ids, device, mixed)
 
@@ -323,10 +323,10 @@ def _shard_stage(part: nn.Module, plan: Plan, mesh: DeviceMesh, pp_rank: int,
     if plan.tp > 1:
         apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     apply_ac(part, plan.recompute[pp_rank])
-    if uses_fully_shard(plan.zero, plan.tp > 1, plan.interleave):
+    if uses_fully_shard(plan.zero, plan.tp > 1, plan.pp > 1):
         policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
         part = apply_dp(part, mesh["dp"], zero=plan.zero, under_pipeline=plan.pp > 1,
-                        stages_per_rank=plan.interleave, mp_policy=policy)
+                        mp_policy=policy)
     return part
 
 

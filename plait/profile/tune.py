@@ -144,7 +144,8 @@ class _Runner:
         if self.cuda:
             # with several plans alive the peak covers them all: a bound, reported as such by callers
             memory = _max_over_ranks([float(torch.cuda.max_memory_allocated(device))], device)[0]
-        _release(self.model)
+        # The mesh's process groups stay: DeviceMesh caches them by ranks and hands the same ones to
+        # the next plan's mesh (destroying them breaks it), so their number stays bounded anyway.
         del self.model, self.optimizer
         return Measured(label=self.plan.describe(), step_times_s=tuple(slowest), peak_memory_bytes=memory)
 
@@ -177,20 +178,6 @@ def _max_over_ranks(values: list[float], device) -> list[float]:  # noqa: ANN001
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [float(v) for v in t.tolist()]
-
-
-def _release(model) -> None:  # noqa: ANN001
-    """Destroy the plan's mesh groups: a run of a hundred plans would otherwise keep hundreds of
-    gloo groups (sockets and threads) open."""
-    import torch.distributed as dist
-
-    groups = {model.mesh[axis].get_group() for axis in model.mesh.mesh_dim_names}
-    for group in groups:
-        if group is not dist.group.WORLD and group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError):
-                pass  # already gone (a size-1 axis may share a group)
 
 
 def layouts_first(plans: Sequence[Plan]) -> list[Plan]:

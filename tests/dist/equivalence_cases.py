@@ -65,6 +65,7 @@ CASES: list[dict] = [
     _case("tp-sp-pp", "gpt", 4, tp=2, pp=2, sequence_parallel=True, schedule="1f1b", layers_per_stage=[1, 3]),
     _case("dp-pp-zero1-interleaved", "llama", 4, dp=2, pp=2, zero=1, schedule="interleaved", interleave=2,
           num_micro_batches=4, layers_per_stage=[1, 1, 2, 0], recompute=["selective", "none"]),
+    _case("dp-pp-zero0-1f1b", "gpt", 4, dp=2, pp=2, zero=0, schedule="1f1b", num_micro_batches=2),
     _case("dp4-zero3-full", "gpt", 4, dp=4, zero=3, recompute=["full"], num_micro_batches=1),
     _case("pp4-gpipe-uneven", "llama", 4, pp=4, schedule="gpipe", layers=6, layers_per_stage=[1, 2, 2, 1]),
     _case("tp4-sp", "gpt", 4, tp=4, sequence_parallel=True),

@@ -46,7 +46,7 @@ def test_runs_the_planned_building_blocks(dist_results, case):
     dp, tp, pp, zero = (case.get(k, d) for k, d in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0)))
     interleave = case.get("interleave", 1)
     if dp > 1:
-        sharded = zero >= 2 or tp > 1 or interleave > 1
+        sharded = zero >= 2 or tp > 1 or pp > 1  # DDP cannot run under a pipeline schedule
         expected = "fully_shard" if sharded else "DistributedDataParallel"
         assert expected in runtime["data_parallel"], runtime
         if zero == 1 and not sharded:
