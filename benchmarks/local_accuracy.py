@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1, help="passes over all plans (default: 1)")
     parser.add_argument("--batch", type=int, default=32, help="plans stepped round-robin together (default: 32)")
-    parser.add_argument("--tune-top", type=int, default=4, help="plans `plait tune` would fit on (default: 4)")
+    parser.add_argument("--tune-top", type=int, default=6,
+                        help="plans `plait tune --top K` would run and fit on (default: 6, one per layout at 4 ranks)")
     parser.add_argument("--json", help="write every plan's predicted and measured step time here")
     parser.add_argument("--plot-dir", help="write local_accuracy_<N>.png here")
     args = parser.parse_args()

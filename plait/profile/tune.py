@@ -85,9 +85,9 @@ def time_plans(plans: Sequence[Plan], options: TimingOptions,
                 results[i] = Measured(label=plans[i].describe(), error=problem)
             else:
                 runners[i] = _Runner(plans[i], options)
-        for step in range(options.warmup + options.steps):
+        for step in range(options.warmup, options.warmup + options.steps):
             for runner in runners.values():
-                runner.step(step, timed=step >= options.warmup)
+                runner.step(step, timed=True)
         for i, runner in runners.items():
             results[i] = runner.finish()
         runners.clear()
@@ -123,6 +123,10 @@ class _Runner:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.model.device)
         self.times: list[float] = []
+        # Warm up at once, alone: first steps build DDP's buckets and autograd's caches, which
+        # must not interleave with another plan's first steps.
+        for step in range(options.warmup):
+            self.step(step, timed=False)
 
     def step(self, step: int, timed: bool) -> None:
         from plait.execute.batches import batch_for_step, dp_shard
