@@ -11,7 +11,8 @@
    `plait tune --top K` would run (the best of each layout first; the others are out of sample).
 
     .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE]
-        [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32] [--json FILE] [--plot-dir DIR]
+        [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32]
+        [--tune-top 6] [--json FILE] [--plot-dir DIR]
 
 Targets (issue 4): median error <= 15%, tau >= 0.7, regret <= 10%.
 """
@@ -149,7 +150,8 @@ def write_outputs(worlds: list[dict], args: argparse.Namespace) -> None:
         rows = [{"nproc": w["nproc"], "plans": [
             {"plan": p.describe(), "measured_s": m, "predicted_s": predicted_step(p, w["profiled"]),
              "tuned_s": predicted_step(p, w["tuned"])} for p, m in zip(w["plans"], w["measured"])],
-            "scores": {k: vars(v) for k, v in w["scores"].items()}} for w in worlds]
+            "scores": {k: vars(v) for k, v in w["scores"].items()},
+            "clusters": {"profiled": w["profiled"].to_dict(), "tuned": w["tuned"].to_dict()}} for w in worlds]
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot_dir:
         from plait.report import plot_predicted_vs_measured

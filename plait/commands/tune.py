@@ -1,5 +1,6 @@
 """Run the planner's top plans on this machine, compare predicted and measured step time, and
-correct the cost model's terms (GEMM efficiency, link latency, link bandwidth) from what was measured.
+correct the cost model's terms from what was measured: GEMM efficiency, host time per layer pass
+(and what DTensor adds to it under tensor parallelism), link latency and bandwidth.
 
 examples:
   plait profile --nproc 2 --out cluster.yaml
@@ -44,12 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"cluster file from `plait profile` (or a preset; default: {DEFAULT_CLUSTER})")
     parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                         help="local ranks (default: the cluster file's num_devices, else 2)")
-    parser.add_argument("--top", type=_positive_int, default=3, metavar="K", help="plans to run: the best of each (dp, tp, pp) layout first, then the next best (default: 3)")
-    parser.add_argument("--global-batch", type=_positive_int, default=8, metavar="B", help="sequences per step (default: 8)")
-    parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="S", help="tokens per sequence (default: 128)")
+    parser.add_argument("--top", type=_positive_int, default=3, metavar="K",
+                        help="plans to run: the best of each (dp, tp, pp) layout first, then of each micro-batch "
+                             "count, then the next best (default: 3)")
+    parser.add_argument("--global-batch", type=_positive_int, default=8, metavar="B",
+                        help="sequences per step (default: 8)")
+    parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="S",
+                        help="tokens per sequence (default: 128)")
     parser.add_argument("--steps", type=_positive_int, default=5, help="timed steps per plan (default: 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
-    parser.add_argument("--out", default="cluster.tuned.yaml", help="corrected cluster file (default: cluster.tuned.yaml)")
+    parser.add_argument("--out", default="cluster.tuned.yaml",
+                        help="corrected cluster file (default: cluster.tuned.yaml)")
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="predicted-vs-measured plot (default: next to --out, as <out>.png)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -270,7 +276,8 @@ def factor_lines(fit: Any, cluster: Any, tuned: Any) -> list[str]:
 def _field_change(term: str, cluster: Any, tuned: Any) -> str:
     old, new = cluster.efficiency, tuned.efficiency
     if term == "compute":
-        return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} (GEMM time x{old.matmul / new.matmul:.3g})"
+        return (f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} "
+                f"(GEMM time x{old.matmul / new.matmul:.3g})")
     if term in ("layer_overhead", "tp_layer_overhead"):
         field = f"{term}_s"
         return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "

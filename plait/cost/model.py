@@ -126,6 +126,11 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
         return full, max(full - bwd_mb, last)
     scatter, last = comm.reduce_scatter(nbytes, group, cluster), comm.reduce_scatter(bucket, group, cluster)
     gather = comm.all_gather(nbytes, group, cluster)
+    if zero == 1 and layout.tp == 1 and layout.pp == 1:
+        # plait runs this ZeRO-1 as DDP + ZeroRedundancyOptimizer (plait/execute/data.py): gradients are
+        # all-reduced in full, not reduce-scattered, then each rank broadcasts its updated shard
+        full, last_full = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
+        return full + gather, max(full - bwd_mb, last_full) + gather
     if zero == 1:
         return scatter + gather, max(scatter - bwd_mb, last) + gather
     if zero == 2:

@@ -185,17 +185,23 @@ def _max_over_ranks(values: list[float], device) -> list[float]:  # noqa: ANN001
 
 
 def layouts_first(plans: Sequence[Plan]) -> list[Plan]:
-    """`plans` (best first) reordered: the best of each (dp, tp, pp) in rank order, then the rest in rank order.
+    """`plans` (best first) reordered for `plait tune --top K`: the best of each (dp, tp, pp) layout,
+    then the best of each (layout, micro-batch count) not yet taken, then the rest, each in rank order.
 
-    What `plait tune` runs: plans that differ only in ZeRO stage or micro-batching exercise the same
-    cost terms, so the top K alone often cannot tell compute from communication; one per layout can."""
-    seen: set[tuple[int, int, int]] = set()
-    leaders, rest = [], []
-    for plan in plans:
-        key = (plan.dp, plan.tp, plan.pp)
-        (rest if key in seen else leaders).append(plan)
-        seen.add(key)
-    return leaders + rest
+    Plans that differ only in ZeRO stage exercise the same cost terms, so the top K alone often
+    cannot tell compute from communication; one per layout can, and a second micro-batch count per
+    layout tells what every micro-batch costs (host time per layer pass) from what a step costs once."""
+    keys = (lambda p: (p.dp, p.tp, p.pp), lambda p: (p.dp, p.tp, p.pp, p.num_micro_batches))
+    chosen: list[Plan] = []
+    taken: set[int] = set()
+    for key in keys:
+        seen = {key(p) for p in chosen}
+        for plan in plans:
+            if key(plan) not in seen and id(plan) not in taken:
+                chosen.append(plan)
+                seen.add(key(plan))
+                taken.add(id(plan))
+    return chosen + [p for p in plans if id(p) not in taken]
 
 
 # ---- files between the launcher and the ranks -------------------------------------------------

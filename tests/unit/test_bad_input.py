@@ -80,6 +80,15 @@ def tree_digest(root: Path) -> str:
 
 CKPT = _fake_checkpoint(ROOT / "ckpt")
 CKPT_DIGEST = tree_digest(CKPT)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _inside_root() -> Iterator[None]:
+    """Mutated configs that happen to be valid name relative log dirs: keep them inside ROOT."""
+    previous = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(previous)
 (ROOT / "model.json").write_text(json.dumps(MODEL))
 (ROOT / "cluster.json").write_text(json.dumps(CLUSTER))
 (ROOT / "plan.json").write_text(json.dumps(_plan_dict()))

@@ -1,0 +1,83 @@
+"""The causes `plait tune` found on CPU processes, as the cost model now prices them: fixed host time per
+layer pass (more under DTensor), no communication/compute overlap on CPU ranks, one collective per FSDP
+unit, and plait's ZeRO-1 (DDP + ZeroRedundancyOptimizer) all-reducing in full."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from plait.cost import comm, predict
+from plait.plan import Plan
+from plait.spec import TrainSpec
+from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+from plait.spec.models import MODEL_PRESETS
+
+MODEL = MODEL_PRESETS["tiny-gpt"]
+TRAIN = TrainSpec(global_batch=8, seq_len=128, precision="fp32")
+LINK = LinkSpec(latency_s=1e-3, bandwidth=1e9)
+CPU = ClusterSpec(name="cpu4", num_devices=4, devices_per_node=4, memory_bytes=4 * 2**30, peak_flops=2e10,
+                  efficiency=Efficiency(matmul=1.0, overhead=0.3), intra_node=LINK, inter_node=LINK,
+                  device_type="cpu", backend="gloo")
+
+
+def plan(cluster: ClusterSpec = CPU, **fields) -> Plan:
+    fields = {"dp": 4, "tp": 1, "pp": 1, "micro_batch": 1, "num_micro_batches": 2, **fields}
+    return Plan(model=MODEL, train=TRAIN, cluster=cluster, **fields)
+
+
+def with_efficiency(**changes) -> ClusterSpec:
+    return CPU.replace(efficiency=dataclasses.replace(CPU.efficiency, **changes))
+
+
+def step(p: Plan) -> float:
+    return predict(p).step_time_s
+
+
+@pytest.mark.parametrize("dp,tp,pp,mb,count", [(4, 1, 1, 1, 2), (4, 1, 1, 2, 1), (1, 4, 1, 1, 8), (1, 1, 4, 1, 8)])
+def test_layer_overhead_costs_three_passes_per_layer_and_micro_batch(dp, tp, pp, mb, count):
+    base = plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, num_micro_batches=count)
+    slow = base.replace(cluster=with_efficiency(layer_overhead_s=1e-3))
+    added = step(slow) - step(base)
+    per_rank_passes = 3 * MODEL.num_layers * count  # forward once, backward twice
+    if pp == 1:
+        assert added == pytest.approx(per_rank_passes * 1e-3, rel=1e-6)
+    else:  # the bottleneck stage holds num_layers / pp, and the fill and drain add some more
+        assert per_rank_passes * 1e-3 / pp < added < per_rank_passes * 1e-3
+
+
+def test_tp_layer_overhead_touches_only_tensor_parallel_plans():
+    cluster = with_efficiency(tp_layer_overhead_s=2e-3)
+    assert step(plan(cluster=cluster)) == step(plan())
+    tp = plan(dp=1, tp=4, num_micro_batches=8)
+    added = step(tp.replace(cluster=cluster)) - step(tp)
+    assert added == pytest.approx(3 * MODEL.num_layers * 8 * 2e-3, rel=1e-6)
+
+
+def test_cpu_ranks_do_not_overlap_data_parallel_communication():
+    cpu = plan(zero=3)
+    gpu = cpu.replace(cluster=CPU.replace(device_type="cuda", backend="nccl"))
+    assert predict(cpu).step_time_parts["dp_comm"] > predict(gpu).step_time_parts["dp_comm"]
+    full = comm.all_reduce(params_bytes(cpu), comm.Group(4, 1), CPU)
+    assert predict(plan()).step_time_parts["dp_comm"] == pytest.approx(full, rel=1e-6)
+
+
+def params_bytes(p: Plan) -> float:
+    return MODEL.num_params * TRAIN.param_bytes
+
+
+def test_fsdp_pays_latency_per_unit():
+    """ZeRO-3 gathers each layer separately: more layers, more latency, at the same volume."""
+    cheap = CPU.replace(intra_node=LinkSpec(latency_s=1e-6, bandwidth=1e9))
+    cheap = cheap.replace(inter_node=cheap.intra_node)
+    slow_latency = step(plan(zero=3)) - step(plan(zero=3, cluster=cheap))
+    calls_per_micro_batch = 3 * (MODEL.num_layers + 1)  # gather for forward and backward, reduce-scatter
+    per_call = (4 - 1) * (1e-3 - 1e-6)  # ring steps x latency
+    assert slow_latency >= 2 * calls_per_micro_batch * per_call * 0.9
+
+
+def test_plait_zero1_on_ddp_all_reduces_in_full():
+    zero0, zero1 = predict(plan(zero=0)), predict(plan(zero=1))
+    gather = comm.all_gather(params_bytes(plan()), comm.Group(4, 1), CPU)
+    assert zero1.step_time_parts["dp_comm"] == pytest.approx(zero0.step_time_parts["dp_comm"] + gather, rel=1e-6)
