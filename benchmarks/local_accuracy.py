@@ -157,8 +157,11 @@ def write_outputs(worlds: list[dict], args: argparse.Namespace) -> None:
         from plait.report import plot_predicted_vs_measured
 
         for w in worlds:
-            rows = [("", predicted_step(p, w["profiled"]), m) for p, m in zip(w["plans"], w["measured"])]
-            plot_predicted_vs_measured(rows, Path(args.plot_dir) / f"local_accuracy_{w['nproc']}.png")
+            for key, suffix in (("profiled", ""), ("tuned", "_tuned")):
+                rows = [("", predicted_step(p, w[key]), m) for p, m in zip(w["plans"], w["measured"])]
+                path = Path(args.plot_dir) / f"local_accuracy_{w['nproc']}{suffix}.png"
+                plot_predicted_vs_measured(rows, path, title=f"{w['nproc']} ranks, {key} cluster: "
+                                           f"{len(rows)} plans")
 
 
 def main() -> None:
@@ -176,7 +179,7 @@ def main() -> None:
     parser.add_argument("--tune-top", type=int, default=6,
                         help="plans `plait tune --top K` would run and fit on (default: 6, one per layout at 4 ranks)")
     parser.add_argument("--json", help="write every plan's predicted and measured step time here")
-    parser.add_argument("--plot-dir", help="write local_accuracy_<N>.png here")
+    parser.add_argument("--plot-dir", help="write local_accuracy_<N>.png (and _tuned.png) here")
     args = parser.parse_args()
     console = Console(width=max(Console().width, 140))
     with tempfile.TemporaryDirectory(prefix="plait-accuracy-") as tmp:
