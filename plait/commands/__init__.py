@@ -1,0 +1,14 @@
+"""One module per `plait` subcommand: `add_arguments(parser)` (cheap, no torch) and `main(args) -> int`."""
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts and degrees: a clear message instead of a traceback for 0, -1 or 'x'."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value

@@ -23,19 +23,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from plait.plan import RECOMPUTE_MODES, SCHEDULES
+from plait.commands import positive_int
 
 PROGRESS_AFTER_S = 0.5
 """Show a spinner on stderr only when the search outlasts this, so quick plans print nothing extra."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,25 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="model preset (e.g. gpt3-175b, llama3-8b, tiny-gpt), HF config.json, or plait model file")
     what.add_argument("--cluster", required=True, metavar="C",
                       help="cluster preset (a100-80g, a100-40g, h100-80g, local-cpu) or cluster file")
-    what.add_argument("--devices", type=_positive_int, metavar="N", help="devices to plan for (default: the cluster's)")
-    what.add_argument("--global-batch", type=_positive_int, required=True, metavar="B", help="sequences per step")
-    what.add_argument("--seq-len", type=_positive_int, required=True, metavar="S", help="tokens per sequence")
+    what.add_argument("--devices", type=positive_int, metavar="N", help="devices to plan for (default: the cluster's)")
+    what.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
+    what.add_argument("--seq-len", type=positive_int, required=True, metavar="S", help="tokens per sequence")
     what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
                       help="16-bit keeps fp32 master weights and Adam states (default: bf16)")
     out = parser.add_argument_group("output")
-    out.add_argument("--top", type=_positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
+    out.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
     out.add_argument("--report", type=Path, metavar="DIR",
                      help="write PNG plots: pipeline timeline, memory per stage, candidates scatter")
     pins = parser.add_argument_group("pins (each optional; the search completes the rest)")
-    pins.add_argument("--dp", type=_positive_int, metavar="N", help="data-parallel degree")
-    pins.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree")
-    pins.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline-parallel degree")
+    pins.add_argument("--dp", type=positive_int, metavar="N", help="data-parallel degree")
+    pins.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel degree")
+    pins.add_argument("--pp", type=positive_int, metavar="N", help="pipeline-parallel degree")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (3 = FSDP)")
     pins.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recomputation on every stage")
-    pins.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per micro-batch")
+    pins.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per micro-batch")
     pins.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
-    pins.add_argument("--interleave", type=_positive_int, metavar="V", help="model chunks per pipeline rank")
+    pins.add_argument("--interleave", type=positive_int, metavar="V", help="model chunks per pipeline rank")
     pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")

@@ -23,36 +23,27 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError, PlaitError
+from plait.commands import positive_int
 
 DEFAULT_CLUSTER = "local-cpu"
 LAUNCH_SECONDS = 120.0
 """Allowance for starting the ranks and building each plan, on top of the steps themselves."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="M", help="model preset (e.g. tiny-gpt) or model file")
     parser.add_argument("--cluster", default=None, metavar="C",
                         help=f"cluster file from `plait profile` (or a preset; default: {DEFAULT_CLUSTER})")
-    parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                         help="local ranks (default: the cluster file's num_devices, else 2)")
-    parser.add_argument("--top", type=_positive_int, default=3, metavar="K",
+    parser.add_argument("--top", type=positive_int, default=3, metavar="K",
                         help="plans to run: the best of each (dp, tp, pp) layout first, then of each micro-batch "
                              "count, then the next best (default: 3)")
-    parser.add_argument("--global-batch", type=_positive_int, default=8, metavar="B",
+    parser.add_argument("--global-batch", type=positive_int, default=8, metavar="B",
                         help="sequences per step (default: 8)")
-    parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="S",
+    parser.add_argument("--seq-len", type=positive_int, default=128, metavar="S",
                         help="tokens per sequence (default: 128)")
-    parser.add_argument("--steps", type=_positive_int, default=5, help="timed steps per plan (default: 5)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per plan (default: 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     parser.add_argument("--out", default="cluster.tuned.yaml",
                         help="corrected cluster file (default: cluster.tuned.yaml)")
