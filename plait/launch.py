@@ -51,7 +51,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # After a restart the workers join the agent's store again, which still holds the dead
+        # round's rendezvous keys: gloo then reads the old peers' addresses and fails ("connection
+        # refused") or waits on them (seen in about half of the restarts here). A key prefix per
+        # attempt keeps the rounds apart.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"plait/attempt_{restart}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
     # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -69,7 +69,7 @@ save_model = true
     return config
 
 
-def plait_train(config: Path, *args: str, fault: str | None = None, timeout: float = 400,
+def plait_train(config: Path, *args: str, fault: str | None = None, timeout: float = 240,
                 dist_timeout: float | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1"}
     env.pop("PLAIT_FAULT", None)
