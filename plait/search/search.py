@@ -34,6 +34,7 @@ from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split
 from plait.search.space import Degrees, Pins, check_pins, degree_choices, divisors, schedule_choices
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
+from plait.spec.load import load_cluster, load_model
 
 GiB = 2**30
 EXACT_SHORTLIST = 2
@@ -63,38 +64,6 @@ class SearchResult:
     or a smaller micro-batch of the same layout already missed memory."""
 
 
-def resolve_model(model: ModelSpec | str) -> ModelSpec:
-    if isinstance(model, ModelSpec):
-        return model
-    try:
-        from plait.spec.load import load_model  # the io helper's loader (files and presets), when present
-    except ImportError:
-        load_model = None
-    if load_model is not None:
-        return load_model(model)
-    from plait.spec.models import MODEL_PRESETS
-
-    if model not in MODEL_PRESETS:
-        raise ConfigError(f"unknown model preset {model!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
-    return MODEL_PRESETS[model]
-
-
-def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
-    if isinstance(cluster, ClusterSpec):
-        return cluster
-    try:
-        from plait.spec.load import load_cluster
-    except ImportError:
-        load_cluster = None
-    if load_cluster is not None:
-        return load_cluster(cluster)
-    from plait.spec.clusters import CLUSTER_PRESETS
-
-    if cluster not in CLUSTER_PRESETS:
-        raise ConfigError(f"unknown cluster preset {cluster!r}; presets: {', '.join(sorted(CLUSTER_PRESETS))}")
-    return CLUSTER_PRESETS[cluster]
-
-
 def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins) -> list[Plan]:
     """Feasible plans, best first. See `plan_with_stats` for the arguments."""
     return plan_with_stats(model, cluster, train, num_devices=num_devices, top=top, **pins).plans
@@ -112,7 +81,7 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     Any pin that is not None is fixed. `top` K keeps the K best plans (None: every feasible plan).
     Raises ConfigError for pins no plan can honour, NoFeasiblePlan when nothing fits in memory."""
     start = time.perf_counter()
-    model, cluster = resolve_model(model), resolve_cluster(cluster)
+    model, cluster = load_model(model), load_cluster(cluster)  # specs, preset names or files
     if not isinstance(train, TrainSpec):
         raise ConfigError(f"train must be a TrainSpec, got {type(train).__name__}")
     n = cluster.num_devices if num_devices is None else num_devices
