@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError, PlaitError
+from plait.commands import writable_output
 
 if TYPE_CHECKING:  # torch-free at import: the runner module imports torch
     from plait.profile.runner import ProfileOptions
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = _checked_out_path(args.out)
+    out = writable_output(args.out, "cluster.yaml")
     if _in_torchrun():
         return _worker(args, out)
     nproc = args.nproc if args.nproc is not None else _default_nproc()
@@ -48,17 +49,6 @@ def main(args: argparse.Namespace) -> int:
     if code != 0:
         raise PlaitError(f"profile failed on {nproc} processes (exit code {code}); {out} was not written")
     return 0
-
-
-def _checked_out_path(raw: str) -> Path:
-    """Refuse an unusable --out before minutes of measuring, not after."""
-    out = Path(raw).expanduser().resolve()
-    if out.is_dir():
-        raise ConfigError(f"--out {raw}: is a directory; give a file name such as {raw.rstrip('/')}/cluster.yaml")
-    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
-    if parent is None or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {raw}: cannot write in {parent}; pick a writable folder")
-    return out
 
 
 def _worker(args: argparse.Namespace, out: Path) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 from plait.errors import ConfigError, PlaitError
 from plait.commands import positive_int
+from plait.commands import writable_output
 
 DEFAULT_CLUSTER = "local-cpu"
 LAUNCH_SECONDS = 120.0
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: must be 0 or more")
-    out = _checked_out_path(args.out)
+    out = writable_output(args.out, "cluster.tuned.yaml")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if in_torchrun():
         return _torchrun_main(args, out, plot)
@@ -70,16 +71,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 # ---- inputs -------------------------------------------------------------------------------------
-
-def _checked_out_path(raw: str) -> Path:
-    """Refuse an unusable --out before minutes of measuring, not after."""
-    out = Path(raw).expanduser().resolve()
-    if out.is_dir():
-        raise ConfigError(f"--out {raw}: is a directory; give a file name such as {raw.rstrip('/')}/cluster.tuned.yaml")
-    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
-    if parent is None or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {raw}: cannot write in {parent}; pick a writable folder")
-    return out
 
 
 def _is_file_arg(name: str | None) -> bool:
