@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from plait.errors import PlaitError
+from plait.launch import note_failure
 
 COMMANDS: dict[str, str] = {
     "plan": "rank parallel plans for a model on a cluster (cost model + search)",
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._module.main(args) or 0)
     except PlaitError as e:
+        note_failure(e)  # under run_local, tells the launcher this rank failed first
         print(f"plait {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

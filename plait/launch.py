@@ -10,11 +10,15 @@ once and names the rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -22,6 +26,14 @@ DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: long enough for a slow first step on a busy CPU, short enough not to hang for long."""
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+FAILURE_DIR_ENV = "PLAIT_FAILURE_DIR"
+"""Set by run_local: each rank that fails writes a note there (when, and what), so the launcher can
+tell the rank that failed first from the ones that only lost it as a peer."""
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "communicator was aborted")
+"""What gloo and NCCL say in a rank whose peer died: such a rank failed because of another one."""
 
 
 def in_torchrun() -> bool:
@@ -65,10 +77,38 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                                 rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
+    _record_uncaught_failures()
     # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
     # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return dist.get_rank(), dist.get_world_size()
+
+
+def note_failure(error: BaseException) -> None:
+    """Leave this rank's failure note for run_local's launcher (a no-op outside run_local)."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder or "RANK" not in os.environ:
+        return
+    lines = str(error).strip().splitlines()
+    note = {"time_ns": time.time_ns(), "error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}
+    try:
+        with open(os.path.join(folder, f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump(note, f)
+    except OSError:
+        pass  # the note only improves the report; never hide the error itself
+
+
+def _record_uncaught_failures() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_plait", False):
+        return
+
+    def hook(kind, error, traceback):
+        note_failure(error)
+        previous(kind, error, traceback)
+
+    hook._plait = True
+    sys.excepthook = hook
 
 
 def shutdown_distributed() -> None:
@@ -98,9 +138,11 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
         max_restarts=max_restarts,  # a failed rank restarts all of them, up to this many times (torchrun's flag)
         monitor_interval=0.2,  # how fast a dead rank is noticed and the others stopped
     )
-    saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+    saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", FAILURE_DIR_ENV)}
     os.environ["OMP_NUM_THREADS"] = os.environ.get("PLAIT_OMP_THREADS", str(threads_per_rank(nproc)))
     os.environ["PYTHONUNBUFFERED"] = "1"
+    notes = tempfile.mkdtemp(prefix="plait-failures-")
+    os.environ[FAILURE_DIR_ENV] = notes
     previous_alarm = signal.getsignal(signal.SIGALRM)
     timer = _start_deadline(timeout_s)
     try:
@@ -108,12 +150,13 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
         elastic_launch(config, entrypoint=sys.executable)(*args)
         return 0
     except ChildFailedError as failure:
-        _report_failure(failure)
+        _report_failure(failure, _read_notes(notes))
         return 1
     except _Deadline:
         print(f"plait: ranks did not finish within {timeout_s:g} s; stopped them", file=sys.stderr)
         return 124
     finally:
+        shutil.rmtree(notes, ignore_errors=True)
         if timer is not None:
             timer.cancel()
             signal.signal(signal.SIGALRM, previous_alarm)
@@ -145,16 +188,37 @@ def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
     return timer
 
 
-def _report_failure(failure) -> None:
-    """One line per failed rank, the first failure (the root cause) first; ranks the launcher
-    itself stopped (SIGTERM) are left out unless nothing else failed."""
-    failures = sorted(failure.failures.items(), key=lambda item: item[1].timestamp)
-    causes = [(rank, info) for rank, info in failures if info.signal_name() != "SIGTERM"] or failures
-    for rank, info in causes:
+def _read_notes(folder: str) -> dict[int, dict]:
+    notes = {}
+    for name in os.listdir(folder):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                notes[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return notes
+
+
+def _report_failure(failure, notes: dict[int, dict]) -> None:
+    """Name the rank(s) that caused the failure, then the ranks that only lost them as a peer.
+
+    Ranks the launcher itself stopped (SIGTERM) are left out. A rank that died without a note
+    (killed by a signal, or exited with a code) comes first: its peers fail after it. Among ranks
+    with notes, the earliest is a cause, and so is any later one whose error is not a lost peer."""
+    failed = {rank: info for rank, info in failure.failures.items() if info.signal_name() != "SIGTERM"}
+    failed = failed or dict(failure.failures)
+    silent = sorted(rank for rank in failed if rank not in notes)
+    noted = sorted((rank for rank in failed if rank in notes), key=lambda rank: notes[rank]["time_ns"])
+    causes = silent or noted[:1]
+    causes += [rank for rank in noted if rank not in causes
+               and not any(sign in notes[rank]["error"] for sign in PEER_LOST)]
+    for rank in causes:
+        info = failed[rank]
         reason = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {info.signal_name()}"
-        print(f"plait: rank {rank} failed ({reason}); the other ranks were stopped", file=sys.stderr)
-        if info.error_file_data:
-            message = info.error_file_data.get("message", {})
-            text = message.get("message") if isinstance(message, dict) else message
-            if text:
-                print(f"plait: rank {rank}: {str(text).strip().splitlines()[-1]}", file=sys.stderr)
+        error = f": {notes[rank]['error']}" if rank in notes else ""
+        print(f"plait: rank {rank} failed ({reason}){error}", file=sys.stderr)
+    followers = [rank for rank in sorted(failed) if rank not in causes]
+    if followers:
+        print(f"plait: rank{'s' if len(followers) > 1 else ''} {', '.join(map(str, followers))} "
+              "lost a peer and stopped", file=sys.stderr)
+    print("plait: the other ranks were stopped", file=sys.stderr)

@@ -1,0 +1,42 @@
+"""Which rank the launcher blames when several fail together (the race CI once hit: every rank
+exited 1 within one monitor interval, and torch's timestamps are whole seconds)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from plait.launch import _report_failure
+
+PEER = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:18614"
+
+
+def failure(**ranks):
+    def info(code, sig):
+        return SimpleNamespace(exitcode=code, signal_name=lambda: sig)
+    return SimpleNamespace(failures={int(r[1:]): info(*v) for r, v in ranks.items()})
+
+
+def report(capsys, fail, notes):
+    _report_failure(fail, notes)
+    return capsys.readouterr().err
+
+
+def test_first_noted_failure_is_the_cause_and_peers_follow(capsys):
+    err = report(capsys, failure(r0=(1, "Signals.0"), r1=(1, "Signals.0"), r2=(1, "Signals.0")),
+                 {0: {"time_ns": 30, "error": PEER}, 1: {"time_ns": 10, "error": "RuntimeError: gives up"},
+                  2: {"time_ns": 20, "error": PEER}})
+    assert "plait: rank 1 failed (exit code 1): RuntimeError: gives up" in err
+    assert "ranks 0, 2 lost a peer and stopped" in err
+    assert "rank 0 failed" not in err and "rank 2 failed" not in err
+
+
+def test_a_rank_without_a_note_comes_first(capsys):
+    err = report(capsys, failure(r0=(1, "x"), r3=(-9, "SIGKILL")), {0: {"time_ns": 5, "error": PEER}})
+    assert err.index("rank 3 failed (signal SIGKILL)") < err.index("rank 0 lost a peer")
+
+
+def test_independent_errors_are_all_named_and_stopped_ranks_left_out(capsys):
+    err = report(capsys, failure(r0=(2, "x"), r1=(2, "x"), r2=(-15, "SIGTERM")),
+                 {0: {"time_ns": 1, "error": "PlaitError: bad data"}, 1: {"time_ns": 2, "error": "PlaitError: bad data"}})
+    assert "rank 0 failed (exit code 2)" in err and "rank 1 failed (exit code 2)" in err
+    assert "rank 2" not in err
