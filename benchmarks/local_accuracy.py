@@ -62,9 +62,15 @@ def profile(nproc: int, folder: Path, quick: bool) -> Path:
 
 
 def feasible_plans(model_name: str, cluster: ClusterSpec, train: TrainSpec, nproc: int) -> list[Plan]:
+    """Every plan the search can express, once per recompute mode (left to itself, the search recomputes
+    only where memory is tight, which it never is for a tiny model)."""
     from plait.search import plan as search
 
-    return list(search(load_model(model_name), cluster, train, num_devices=nproc, top=100_000))
+    plans = {}
+    for mode in ("none", "selective", "full"):
+        for plan in search(load_model(model_name), cluster, train, num_devices=nproc, recompute=mode):
+            plans.setdefault(plan.describe(), plan)
+    return list(plans.values())
 
 
 def time_all(plans: list[Plan], nproc: int, args: argparse.Namespace, folder: Path) -> list[Measured]:
