@@ -33,16 +33,18 @@ def members_per_node(group: Group, devices_per_node: int) -> int:
     return max(1, min(group.size, devices_per_node // group.stride))
 
 
-def bus(group: Group, cluster: ClusterSpec) -> tuple[float, float]:
-    """(latency term per ring step, bus bandwidth) for a ring over `group`; latency is averaged over the ring."""
+def bus(group: Group, cluster: ClusterSpec, collective: str = "all_reduce") -> tuple[float, float]:
+    """(latency term per ring step, bus bandwidth) of `collective` on a ring over `group`; latency is averaged
+    over the ring. Each link level prices the collective on its own line (LinkSpec.line)."""
     k = members_per_node(group, cluster.devices_per_node)
-    intra, inter = cluster.intra_node, cluster.inter_node
+    intra_latency, intra_bandwidth = cluster.intra_node.line(collective)
     if k >= group.size:
-        return intra.latency_s, intra.bandwidth
-    bandwidth = min(intra.bandwidth, k * inter.bandwidth)
+        return intra_latency, intra_bandwidth
+    inter_latency, inter_bandwidth = cluster.inter_node.line(collective)
+    bandwidth = min(intra_bandwidth, k * inter_bandwidth)
     # Of the ring's `size` hops, size/k cross nodes; the rest stay inside one.
     crossing = 1.0 / k
-    return crossing * inter.latency_s + (1 - crossing) * intra.latency_s, bandwidth
+    return crossing * inter_latency + (1 - crossing) * intra_latency, bandwidth
 
 
 def all_reduce(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
@@ -50,30 +52,30 @@ def all_reduce(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    latency, bandwidth = bus(group, cluster)
+    latency, bandwidth = bus(group, cluster, "all_reduce")
     return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
 
 
-def all_gather(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+def all_gather(nbytes: float, group: Group, cluster: ClusterSpec, collective: str = "all_gather") -> float:
     """Ring all-gather producing a `nbytes` buffer (each member holds nbytes/n): (n-1)/n of it per link."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    latency, bandwidth = bus(group, cluster)
+    latency, bandwidth = bus(group, cluster, collective)
     return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
 
 
 def reduce_scatter(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
-    """Ring reduce-scatter of a `nbytes` input buffer: the mirror image of all_gather."""
-    return all_gather(nbytes, group, cluster)
+    """Ring reduce-scatter of a `nbytes` input buffer: the mirror image of all_gather, on its own line."""
+    return all_gather(nbytes, group, cluster, "reduce_scatter")
 
 
 def p2p(nbytes: float, crosses_node: bool, cluster: ClusterSpec) -> float:
     """One point-to-point send of `nbytes` (pipeline activations or gradients)."""
     if nbytes <= 0:
         return 0.0
-    link = cluster.inter_node if crosses_node else cluster.intra_node
-    return link.latency_s + nbytes / link.bandwidth
+    latency, bandwidth = (cluster.inter_node if crosses_node else cluster.intra_node).line("p2p")
+    return latency + nbytes / bandwidth
 
 
 def spans_nodes(group: Group, devices_per_node: int) -> bool:

@@ -8,12 +8,12 @@ Parts: compute, recompute, tp_comm (on the bottleneck rank), pp_comm (the transf
 critical path of filling and draining the pipeline), bubble (the rest of the makespan the
 bottleneck rank sits idle), dp_comm (exposed part only), optimizer.
 
-Overlap as real implementations get it: DDP all-reduces (and ZeRO-1's reduce-scatter) run
-under the last micro-batch's backward, bucket by bucket, only the last bucket exposed when
-backward is long enough; ZeRO-2 reduce-scatters under every micro-batch's backward; ZeRO-3
-(FSDP) gathers each layer under the previous layer's forward/backward, exposing the first
-gather; ZeRO-1/2 gather updated parameters after the optimizer step (exposed). Hidden
-communication still costs OVERLAP_SLOWDOWN of itself.
+Data parallelism is priced as plait's executor runs it (`_dp_comm`): DDP all-reduces run under
+the last micro-batch's backward, bucket by bucket, only the last bucket exposed when backward is
+long enough (ZeRO-1 then broadcasts the updated shards, exposed); fully_shard gathers each unit
+under the previous unit's forward, exposing the first, and reduce-scatters under the last
+backward. On GPUs hidden communication still costs OVERLAP_SLOWDOWN of itself; CPU processes
+have no spare engine, so there all of it counts.
 """
 
 from __future__ import annotations
@@ -111,33 +111,40 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
     return exposed + OVERLAP_SLOWDOWN * (total - exposed)
 
 
+def rides_on_ddp(layout: Layout) -> bool:
+    """Whether plait's executor carries this layout's data parallelism on DDP (ZeRO 0/1 without tensor or
+    pipeline parallelism) rather than on fully_shard (plait/execute/data.py says why)."""
+    return layout.zero <= 1 and layout.tp == 1 and layout.pp == 1
+
+
 def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
              units: int = 1) -> tuple[float, float]:
-    """(all data-parallel communication of the step, the part not under compute)."""
+    """(all data-parallel communication of the step, the part not under compute), as plait's executor runs it.
+
+    DDP all-reduces the gradients once per step, after the last micro-batch's backward, bucket by bucket;
+    ZeRO-1 then broadcasts each rank's updated shard (one message per rank: an all-gather's volume).
+    fully_shard gathers each unit's parameters once per step and reduce-scatters its gradients once, after
+    the last micro-batch (ZeRO-3 without a pipeline instead re-gathers every unit for each micro-batch's
+    forward and backward). Its `units` calls each pay the ring's latency again: negligible on NVLink,
+    milliseconds between busy CPU processes."""
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
     nbytes = params * setting.dtype_bytes
-    bucket = min(nbytes, BUCKET_BYTES)
-    m, zero = layout.num_micro_batches, layout.zero
-    # fully_shard issues one gather / reduce-scatter per unit, not one for the whole rank: each extra
-    # call pays the ring's latency again (negligible on NVLink, milliseconds between busy CPU processes)
-    extra_call = (units - 1) * (layout.dp - 1) * comm.bus(group, cluster)[0]
-    if zero == 0:
-        full, last = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
-        return full, max(full - bwd_mb, last)
-    scatter, last = comm.reduce_scatter(nbytes, group, cluster), comm.reduce_scatter(bucket, group, cluster)
-    gather = comm.all_gather(nbytes, group, cluster)
-    if zero == 1 and layout.tp == 1 and layout.pp == 1:
-        # plait runs this ZeRO-1 as DDP + ZeroRedundancyOptimizer (plait/execute/data.py): gradients are
-        # all-reduced in full, not reduce-scattered, then each rank broadcasts its updated shard
-        full, last_full = comm.all_reduce(nbytes, group, cluster), comm.all_reduce(bucket, group, cluster)
-        return full + gather, max(full - bwd_mb, last_full) + gather
-    if zero == 1:
-        return scatter + gather, max(scatter - bwd_mb, last) + gather
-    if zero == 2:
-        return m * (scatter + extra_call) + gather, m * max(scatter - bwd_mb, 0.0) + last + gather
-    first_layer = comm.all_gather(layer_params(setting.model, layout.tp) * setting.dtype_bytes, group, cluster)
-    total = m * (2 * gather + scatter + 3 * extra_call)
-    return total, m * (max(gather - fwd_mb, 0.0) + max(gather + scatter - bwd_mb, 0.0)) + first_layer + last
+    m = layout.num_micro_batches
+    if rides_on_ddp(layout):
+        full = comm.all_reduce(nbytes, group, cluster)
+        last = comm.all_reduce(min(nbytes, BUCKET_BYTES), group, cluster)
+        sync = comm.all_gather(nbytes, group, cluster) if layout.zero == 1 else 0.0
+        return full + sync, max(full - bwd_mb, last) + sync
+    calls = (units - 1) * (layout.dp - 1)
+    gather = comm.all_gather(nbytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
+    scatter = comm.reduce_scatter(nbytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
+    unit_gather = comm.all_gather(nbytes / units, group, cluster)
+    unit_scatter = comm.reduce_scatter(nbytes / units, group, cluster)
+    scatter_exposed = max(scatter - bwd_mb, unit_scatter)
+    if layout.zero == 3 and layout.pp == 1:
+        exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
+        return 2 * m * gather + scatter, exposed
+    return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed
 
 
 @dataclass(frozen=True)

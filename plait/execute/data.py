@@ -79,7 +79,8 @@ def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, l
     params = [p for part in parts for p in part.parameters()]
     kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     if zero == 1 and dp_mesh.size() > 1 and any(isinstance(p, DistributedDataParallel) for p in parts):
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+        # bucket views: each rank broadcasts its updated shard in one message, not one per parameter
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
                                        process_group=dp_mesh.get_group(), **kwargs)
     # foreach needs all parameters of one kind (all DTensors, or none)
     kinds = {isinstance(p, DTensor) for p in params}
@@ -87,12 +88,17 @@ def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, l
 
 
 @contextmanager
-def gradient_sync(parts: list[nn.Module], enabled: bool) -> Iterator[None]:
-    """Skip the data-parallel gradient reduction for all but the last accumulation micro-batch."""
+def gradient_sync(parts: list[nn.Module], enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction for all but the last accumulation micro-batch.
+
+    `keep_gathered` (ZeRO 0-2 on fully_shard, whose parameters are not sharded between forward and
+    backward anyway): keep the gathered parameters until the last micro-batch's backward, so the step
+    gathers each unit once instead of once per micro-batch (as torch's pipeline schedules do)."""
     saved = []
     for part in parts:
         if isinstance(part, FSDPModule):
             part.set_requires_gradient_sync(enabled)
+            part.set_reshard_after_backward(enabled or not keep_gathered)
         elif isinstance(part, DistributedDataParallel) and not enabled:
             context = part.no_sync()
             context.__enter__()
@@ -105,3 +111,4 @@ def gradient_sync(parts: list[nn.Module], enabled: bool) -> Iterator[None]:
         for part in parts:
             if isinstance(part, FSDPModule):
                 part.set_requires_gradient_sync(True)
+                part.set_reshard_after_backward(True)

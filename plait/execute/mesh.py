@@ -39,10 +39,24 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Every axis is kept, even of size 1, so code can always say mesh["dp"]."""
-        return init_device_mesh(
-            device_type, (self.pp_degree, self.dp_degree, self.tp_degree), mesh_dim_names=MESH_AXES
-        )
+        """Every axis is kept, even of size 1, so code can always say mesh["dp"].
+
+        One mesh per shape and process group, reused by every plan of that shape in this process:
+        each new mesh creates its process groups anew (on gloo, a few threads and a socket per peer
+        each, never given back), and `plait tune` builds hundreds of plans in one process, whose
+        steps slowed by half after 80 plans on 4 CPU ranks before the meshes were shared."""
+        import torch.distributed as dist
+
+        shape = (self.pp_degree, self.dp_degree, self.tp_degree)
+        key = (device_type, shape)
+        world = dist.group.WORLD
+        cached = _MESHES.get(key)
+        if cached is None or cached[0] is not world:
+            cached = _MESHES[key] = (world, init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES))
+        return cached[1]
+
+
+_MESHES: dict[tuple[str, tuple[int, int, int]], tuple[object, DeviceMesh]] = {}
 
 
 def device_type_of(device: str | torch.device) -> str:

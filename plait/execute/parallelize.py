@@ -226,7 +226,7 @@ class ParallelModel:
         total = torch.zeros((), device=self.device)
         model = self.model_parts[0]
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
-            with gradient_sync(self.model_parts, enabled=index == count - 1):
+            with gradient_sync(self.model_parts, enabled=index == count - 1, keep_gathered=self.plan.zero < 3):
                 loss = cross_entropy(model(tok), tgt) / count
                 loss.backward()
             total += _scalar(loss.detach())

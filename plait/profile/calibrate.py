@@ -29,7 +29,7 @@ import numpy as np
 from plait.profile.fit import (
     CommSample, ComputeSample, LinkFit, MatmulFit, fit_link, fit_matmul_efficiency, fit_overhead,
 )
-from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+from plait.spec.cluster import COLLECTIVES, Algorithm, ClusterSpec, Efficiency, LinkSpec
 
 if TYPE_CHECKING:
     from plait.plan import Plan
@@ -78,8 +78,9 @@ def calibrate(m: Measurements, name: str = "") -> Calibration:
     links = {level: fit_link(samples) for level, samples in m.comm.items() if samples}
     if "intra_node" not in links:
         raise ValueError("no intra-node samples: a profile needs at least 2 ranks on a node")
-    intra = _link(links["intra_node"])
-    inter = _link(links["inter_node"]) if "inter_node" in links else intra
+    per_collective = _per_collective(m.comm)
+    intra = _link(links["intra_node"], per_collective.get("intra_node", {}))
+    inter = _link(links["inter_node"], per_collective.get("inter_node", {})) if "inter_node" in links else intra
     cluster = ClusterSpec(
         name=name or f"profiled-{m.host or m.device_type}",
         num_devices=m.world_size,
@@ -93,7 +94,7 @@ def calibrate(m: Measurements, name: str = "") -> Calibration:
         device_type=m.device_type,
         backend=m.backend,
     )
-    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=_per_collective(m.comm))
+    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective)
 
 
 def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:
@@ -114,8 +115,15 @@ def _peak_and_matmul(gemms: list[ComputeSample], datasheet_peak: float | None) -
     return peak, MatmulFit(matmul=1.0, half_dim=absolute.half_dim, max_rel_residual=absolute.max_rel_residual)
 
 
-def _link(fit: LinkFit) -> LinkSpec:
-    return LinkSpec(latency_s=float(f"{fit.latency_s:.4g}"), bandwidth=float(f"{fit.bandwidth:.4g}"))
+def _link(fit: LinkFit, own: dict[str, LinkFit]) -> LinkSpec:
+    """The level's line over every collective, and each plan collective's own line as multiples of it."""
+    latency, bandwidth = _sig(fit.latency_s), _sig(fit.bandwidth)
+    algorithms = {}
+    for name in COLLECTIVES:
+        if name in own:
+            algorithms[name] = Algorithm(latency=_sig(own[name].latency_s / latency) if latency > 0 else 1.0,
+                                         bandwidth=_sig(own[name].bandwidth / bandwidth))
+    return LinkSpec(latency_s=latency, bandwidth=bandwidth, **algorithms)
 
 
 # ---- the file's comment header ------------------------------------------------------------------
@@ -274,10 +282,10 @@ def with_term_value(cluster: ClusterSpec, term: str, value: float) -> ClusterSpe
     if term in ("layer_overhead", "tp_layer_overhead"):
         return cluster.replace(efficiency=dataclasses.replace(eff, **{f"{term}_s": value}))
     attr = _link_attr(term)
-    link = getattr(cluster, attr)
+    link = getattr(cluster, attr)  # every collective's line moves with the level's (their ratios are kept)
     if term.endswith("_latency"):
-        return cluster.replace(**{attr: LinkSpec(latency_s=value, bandwidth=link.bandwidth)})
-    return cluster.replace(**{attr: LinkSpec(latency_s=link.latency_s, bandwidth=1.0 / value)})
+        return cluster.replace(**{attr: dataclasses.replace(link, latency_s=value)})
+    return cluster.replace(**{attr: dataclasses.replace(link, bandwidth=1.0 / value)})
 
 
 def _link_attr(term: str) -> str:
@@ -414,7 +422,7 @@ def _sig(value: float) -> float:
 
 
 def _sig_link(link: LinkSpec) -> LinkSpec:
-    return LinkSpec(latency_s=_sig(link.latency_s), bandwidth=_sig(link.bandwidth))
+    return dataclasses.replace(link, latency_s=_sig(link.latency_s), bandwidth=_sig(link.bandwidth))
 
 
 # ---- how right the predictions are ---------------------------------------------------------------

@@ -89,6 +89,8 @@ def missing_fields(cls: type, data: dict[str, Any], prefix: str = "") -> list[st
     missing = []
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
+        if f.name not in data and f.default is None:
+            continue  # an optional refinement (a collective's own line): absent means none
         if f.name not in data:
             missing.append(name)
         elif dataclasses.is_dataclass(hints[f.name]) and isinstance(data[f.name], dict):

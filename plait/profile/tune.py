@@ -148,8 +148,8 @@ class _Runner:
         if self.cuda:
             # with several plans alive the peak covers them all: a bound, reported as such by callers
             memory = _max_over_ranks([float(torch.cuda.max_memory_allocated(device))], device)[0]
-        # The mesh's process groups stay: DeviceMesh caches them by ranks and hands the same ones to
-        # the next plan's mesh (destroying them breaks it), so their number stays bounded anyway.
+        # The mesh and its process groups stay: plait.execute.mesh hands them to the next plan of the
+        # same shape, so their number stays bounded by the shapes timed.
         del self.model, self.optimizer
         return Measured(label=self.plan.describe(), step_times_s=tuple(slowest), peak_memory_bytes=memory)
 

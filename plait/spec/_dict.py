@@ -19,7 +19,9 @@ T = TypeVar("T")
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain dict (tuples become lists), recursively."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # a field left at None where None is its default is an absent option: not written
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.default is None and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(x) for x in obj]
     if isinstance(obj, dict):

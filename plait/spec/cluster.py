@@ -14,20 +14,60 @@ from typing import Any, Literal
 from plait.spec._dict import from_dict, to_dict
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""The collectives plans use, each of which a link level may price on its own line (LinkSpec)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    """How far one collective's implementation runs from its link level's line: its latency per ring
+    step and its bus bandwidth, as multiples of the level's. NCCL's rings need none; gloo runs its
+    all-gather and reduce-scatter at about a quarter of its all-reduce's bus bandwidth on CPU processes,
+    and its point-to-point sends at twice it (measured and written by `plait profile`)."""
+
+    latency: float = 1.0
+    bandwidth: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0) or not (self.bandwidth > 0):
+            raise ValueError(f"latency={self.latency!r} must be >= 0 and bandwidth={self.bandwidth!r} > 0 "
+                             "(multiples of the link level's)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LinkSpec:
-    """Alpha-beta cost of one link level: a message of n bytes takes latency_s + n / bandwidth."""
+    """Alpha-beta cost of one link level: a message of n bytes takes latency_s + n / bandwidth.
+
+    A collective with its own `Algorithm` (`all_reduce`, `all_gather`, `reduce_scatter`, `p2p`; may be
+    left out) runs on the level's line scaled by it; `line(collective)` gives the result."""
 
     latency_s: float
     """Per-message (per ring step) latency, seconds."""
     bandwidth: float
     """Bytes per second one device can push through this level (ring bus bandwidth)."""
+    all_reduce: Algorithm | None = None
+    all_gather: Algorithm | None = None
+    reduce_scatter: Algorithm | None = None
+    p2p: Algorithm | None = None
 
     def __post_init__(self) -> None:
         if not (self.latency_s >= 0):
             raise ValueError(f"latency_s={self.latency_s!r} must be >= 0")
         if not (self.bandwidth > 0):
             raise ValueError(f"bandwidth={self.bandwidth!r} must be > 0 (bytes per second)")
+
+    def line(self, collective: str) -> tuple[float, float]:
+        """(latency per ring step, bus bandwidth) of `collective` on this level."""
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r} is not one of {', '.join(COLLECTIVES)}")
+        algorithm = getattr(self, collective)
+        if algorithm is None:
+            return self.latency_s, self.bandwidth
+        return self.latency_s * algorithm.latency, self.bandwidth * algorithm.bandwidth
+
+    def scaled(self, latency: float = 1.0, bandwidth: float = 1.0) -> "LinkSpec":
+        """This level with its latency and bandwidth times these factors, every collective alike."""
+        return dataclasses.replace(self, latency_s=self.latency_s * latency, bandwidth=self.bandwidth * bandwidth)
 
 
 @dataclass(frozen=True, kw_only=True)

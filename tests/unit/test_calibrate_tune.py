@@ -3,6 +3,7 @@ ClusterSpec terms (GEMM efficiency, link latency, link bandwidth) that produced 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from plait.profile.calibrate import (
     term_value, with_term_value,
 )
 from plait.spec import TrainSpec
-from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+from plait.spec.cluster import Algorithm, ClusterSpec, Efficiency, LinkSpec
 from plait.spec.models import MODEL_PRESETS
 
 MODEL = MODEL_PRESETS["tiny-gpt"]
@@ -60,6 +61,15 @@ def test_scale_term_scales_only_its_fields():
     assert scale_term(CLUSTER, "inter_latency", 2.0).intra_node == LINK
     with pytest.raises(ValueError, match="not one of"):
         scale_term(CLUSTER, "intra_speed", 2.0)
+
+
+def test_scaling_a_link_keeps_each_collectives_ratio_to_it():
+    slow_gather = dataclasses.replace(LINK, all_gather=Algorithm(latency=2.0, bandwidth=0.25))
+    cluster = CLUSTER.replace(intra_node=slow_gather)
+    scaled = scale_term(cluster, "intra_bandwidth", 2.0).intra_node
+    assert scaled.all_gather == slow_gather.all_gather
+    assert scaled.line("all_gather")[1] == pytest.approx(slow_gather.line("all_gather")[1] / 2)
+    assert scaled.line("all_reduce")[1] == pytest.approx(LINK.bandwidth / 2)
 
 
 def test_term_shares_add_up_to_the_step_and_follow_the_plan():
