@@ -184,6 +184,19 @@ def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch:
                     embed_tp=embed_tp, head_tp=head_tp)
 
 
+def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool) -> int:
+    """Parameter tensors of a pipeline rank holding `layers` layers of plait's models (plait/models):
+    a GPT layer has 16 (two norms, q, k, v, output, two MLP weights, with biases), a Llama layer 9; the
+    first stage adds the embeddings, the last the final norm and the output layer."""
+    gpt = model.arch == "gpt"
+    count = layers * (16 if gpt else 9)
+    if first:
+        count += 2 if gpt else 1
+    if last:
+        count += (2 if gpt else 1) + (0 if model.tied_embeddings and first else 1)
+    return count
+
+
 def optimizer_time(cluster: ClusterSpec, params_updated: float) -> float:
     """Adam step over the parameters this device updates (memory-bound)."""
     bandwidth = cluster.peak_flops / MACHINE_BALANCE[cluster.device_type]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from plait.cost import comm
 from plait.cost.compute import (EndsCost, LayerCost, ends_cost, layer_cost, model_flops_per_step,
-                                optimizer_time)
+                                optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
 from plait.cost.schedule import makespan
@@ -111,6 +111,14 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
     return exposed + OVERLAP_SLOWDOWN * (total - exposed)
 
 
+def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
+    """Host time of a step spent on the rank's parameters as DTensors (Efficiency.dtensor_param_overhead_s),
+    where they are: under tensor parallelism, or data parallelism on fully_shard."""
+    if layout.tp == 1 and (layout.dp == 1 or rides_on_ddp(layout)):
+        return 0.0
+    return setting.cluster.efficiency.dtensor_param_overhead_s * param_tensors(setting.model, layers, first, last)
+
+
 def rides_on_ddp(layout: Layout) -> bool:
     """Whether plait's executor carries this layout's data parallelism on DDP (ZeRO 0/1 without tensor or
     pipeline parallelism) rather than on fully_shard (plait/execute/data.py says why)."""
@@ -185,22 +193,44 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         if key not in seen:  # ranks with the same share cost the same: most of them
             params = rank_params(setting, layout, r, n)
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
-                         optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1)))
+                         optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
+                         + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1))
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
     on = range(bottleneck, len(layers), pp)
+    lent = lent_cores_factor(setting.cluster, layout, st, work, pipe, c, exact)
     parts = {
-        "compute": m * sum(st.compute[k] for k in on),
-        "recompute": m * sum(st.recompute[k] for k in on),
-        "tp_comm": m * sum(st.tp_comm[k] for k in on),
-        "bubble": max(idle - work[bottleneck], 0.0),
-        "pp_comm": max(pipe - idle, 0.0),
+        "compute": lent * m * sum(st.compute[k] for k in on),
+        "recompute": lent * m * sum(st.recompute[k] for k in on),
+        "tp_comm": lent * m * sum(st.tp_comm[k] for k in on),
+        "bubble": lent * max(idle - work[bottleneck], 0.0),
+        "pp_comm": lent * max(pipe - idle, 0.0),
         "dp_comm": tail[last],
         "optimizer": opt[last],
     }
     total = sum(parts.values())
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / pipe if pipe > 0 else 0.0)
+
+
+def lent_cores_factor(cluster, layout: Layout, st: StageTimes, work: list[float], pipe: float, p2p: float,
+                      exact: bool) -> float:
+    """How much faster a pipeline runs where ranks share cores (ClusterSpec.oversubscription o > 1).
+
+    Stage times are priced at the rate every rank gets while all compute. A stage waiting in the
+    pipeline's fill or drain lends its cores to the busy ones, which then run up to o times faster; the
+    node's cores still have to do everyone's work. So the makespan lies between two bounds, and the
+    larger one is taken: the schedule with every stage o times faster, and the ranks' mean work (the
+    node's total at the shared rate, spread over all of them). 1 without a pipeline or shared cores."""
+    o = cluster.oversubscription
+    if layout.pp == 1 or o <= 1.0 or pipe <= 0:
+        return 1.0
+    fast = StageTimes(tuple(f / o for f in st.fwd), tuple(b / o for b in st.bwd), st.compute, st.recompute, st.tp_comm)
+    if exact:
+        solo = makespan(fast.fwd, fast.bwd, layout.pp, layout.num_micro_batches, layout.schedule, p2p)
+    else:
+        solo = closed_form_makespan(fast, layout, p2p)
+    return min(1.0, max(solo, sum(work) / len(work)) / pipe)
 
 
 def _fill_transfers(layout: Layout, p2p: float) -> float:

@@ -53,6 +53,8 @@ class Measurements:
     compute: tuple[ComputeSample, ...]
     comm: dict[str, tuple[CommSample, ...]] = field(default_factory=dict)
     """Samples per link level ("intra_node", "inter_node"); a level with no groups is absent."""
+    oversubscription: float = 1.0
+    """Threads of a node's ranks over its cores, where above 1 (ClusterSpec.oversubscription)."""
     host: str = ""
     torch_version: str = ""
     started_at: str = ""
@@ -206,11 +208,14 @@ def measurements_from_json(text: str) -> Measurements:
 # (max(comm - compute, last bucket)) make it piecewise linear, hence a few Gauss-Newton rounds,
 # re-linearizing at the corrected cluster each time.
 
-TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "intra_latency", "intra_bandwidth",
-                          "inter_latency", "inter_bandwidth")
+TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "dtensor_param_overhead",
+                          "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
+HOST_TERMS = ("layer_overhead", "tp_layer_overhead", "dtensor_param_overhead")
+"""Terms that are an Efficiency field `<term>_s` of host seconds."""
 
-ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "intra_latency": 1e-6, "inter_latency": 1e-6}
+ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "dtensor_param_overhead": 1e-4,
+                  "intra_latency": 1e-6, "inter_latency": 1e-6}
 """Reference of a term whose value is 0 (a preset without that cost): 100 us of host time per layer pass
 (a CPU's dispatch of a transformer block's ops), 1 ms more under DTensor, 1 us per message. It sets the
 scale at which the term counts as exercised (MIN_TERM_SHARE) and its bound (ZERO_BOUND times it)."""
@@ -268,7 +273,7 @@ def term_value(cluster: ClusterSpec, term: str) -> float:
     """The quantity of `cluster` that term `term`'s time is proportional to."""
     if term == "compute":
         return 1.0 / cluster.efficiency.matmul
-    if term in ("layer_overhead", "tp_layer_overhead"):
+    if term in HOST_TERMS:
         return getattr(cluster.efficiency, f"{term}_s")
     link = getattr(cluster, _link_attr(term))
     return link.latency_s if term.endswith("_latency") else 1.0 / link.bandwidth
@@ -279,7 +284,7 @@ def with_term_value(cluster: ClusterSpec, term: str, value: float) -> ClusterSpe
     eff = cluster.efficiency
     if term == "compute":
         return cluster.replace(efficiency=dataclasses.replace(eff, matmul=1.0 / value))
-    if term in ("layer_overhead", "tp_layer_overhead"):
+    if term in HOST_TERMS:
         return cluster.replace(efficiency=dataclasses.replace(eff, **{f"{term}_s": value}))
     attr = _link_attr(term)
     link = getattr(cluster, attr)  # every collective's line moves with the level's (their ratios are kept)
@@ -410,7 +415,8 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     eff = cluster.efficiency
     cluster = cluster.replace(
         efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s),
-                                       tp_layer_overhead_s=_sig(eff.tp_layer_overhead_s)),
+                                       tp_layer_overhead_s=_sig(eff.tp_layer_overhead_s),
+                                       dtensor_param_overhead_s=_sig(eff.dtensor_param_overhead_s)),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

@@ -7,6 +7,7 @@ rank returns the same `Measurements`.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -70,11 +71,32 @@ def run_profile(options: ProfileOptions, progress: Callable[[str, int], None] | 
         memory_bytes=_min_over_ranks(devices.available_memory_bytes(device, topology.devices_per_node), device),
         compute=tuple(compute),
         comm={level: tuple(samples) for level, samples in comm.items()},
+        oversubscription=oversubscription(device, topology.devices_per_node),
         host=socket.gethostname(),
         torch_version=torch.__version__,
         started_at=started_at,
         seconds=time.perf_counter() - start,
     )
+
+
+def oversubscription(device: devices.Device, ranks_per_node: int) -> float:
+    """Threads this node's ranks run over the cores they may use (>= 1); 1 on GPUs, whose compute is not
+    shared. Assumes every rank of the node runs as many threads as this one (run_local and torchrun do)."""
+    if device.is_cuda:
+        return 1.0
+    return max(1.0, ranks_per_node * torch.get_num_threads() / usable_cores())
+
+
+def usable_cores() -> float:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
+    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cores = min(cores, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1.0)
 
 
 def compute_steps(device: devices.Device, options: ProfileOptions, out: list[ComputeSample]) -> list[Step]:

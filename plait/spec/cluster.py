@@ -92,11 +92,16 @@ class Efficiency:
     tp_layer_overhead_s: float = 0.0
     """What tensor parallelism adds to that host time per layer pass: DTensor's sharding propagation and
     redistribution bookkeeping on every op of the layer. 0 for the GPU presets; fitted by `plait tune`."""
+    dtensor_param_overhead_s: float = 0.0
+    """Host time per parameter tensor per step where a rank's parameters are DTensors (tensor parallelism,
+    or data parallelism on fully_shard): DTensor's dispatch of every optimizer op, and fully_shard's copies
+    in and out of its flat buffers. 0 for the GPU presets; fitted by `plait tune`."""
 
     def __post_init__(self) -> None:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
-        for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s"):
+        for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s",
+                     "dtensor_param_overhead_s"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
@@ -119,8 +124,15 @@ class ClusterSpec:
     """Links between nodes (InfiniBand; per device)."""
     device_type: Literal["cuda", "cpu"] = "cuda"
     backend: Literal["nccl", "gloo"] = "nccl"
+    oversubscription: float = 1.0
+    """Threads the ranks of a node run over the cores it has (ranks x threads per rank / cores), where
+    above 1: CPU processes sharing cores. `peak_flops` is then the rate each rank gets while all of them
+    compute (what `plait profile` measures), and a rank computing while others wait runs up to this many
+    times faster: a pipeline's idle stages lend their cores to the busy ones. 1 on GPUs."""
 
     def __post_init__(self) -> None:
+        if not (self.oversubscription >= 1.0):
+            raise ValueError(f"oversubscription={self.oversubscription!r} must be >= 1 (1: no core is shared)")
         for name in ("num_devices", "devices_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

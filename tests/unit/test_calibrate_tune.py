@@ -174,5 +174,5 @@ def test_kendall_tau_and_regret():
 
 
 def test_terms_cover_every_link_level():
-    assert set(TERMS) == {"compute", "layer_overhead", "tp_layer_overhead", "intra_latency", "intra_bandwidth",
-                          "inter_latency", "inter_bandwidth"}
+    assert set(TERMS) == {"compute", "layer_overhead", "tp_layer_overhead", "dtensor_param_overhead",
+                          "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"}

@@ -82,3 +82,31 @@ def test_plait_zero1_on_ddp_all_reduces_in_full():
     zero0, zero1 = predict(plan(zero=0)), predict(plan(zero=1))
     gather = comm.all_gather(params_bytes(plan()), comm.Group(4, 1), CPU)
     assert zero1.step_time_parts["dp_comm"] == pytest.approx(zero0.step_time_parts["dp_comm"] + gather, rel=1e-6)
+
+
+def test_idle_pipeline_stages_lend_their_cores():
+    """4 ranks on 2 cores (oversubscription 2): with one micro-batch, GPipe keeps one stage busy at a time,
+    which then runs twice as fast as when all compute; plans without a pipeline keep every rank busy."""
+    shared = CPU.replace(oversubscription=2.0)
+    serial = plan(dp=1, pp=4, micro_batch=8, num_micro_batches=1, schedule="gpipe")
+    assert step(serial.replace(cluster=shared)) == pytest.approx(step(serial) / 2, rel=0.05)
+    flat = plan()
+    assert step(flat.replace(cluster=shared)) == step(flat)
+    # with 8 micro-batches the stages idle only in the fill and drain: the node's work bounds the gain
+    full = plan(dp=1, pp=4, micro_batch=1, num_micro_batches=8, schedule="1f1b")
+    busy = predict(full).step_time_parts
+    work = busy["compute"] + busy["recompute"] + busy["tp_comm"]  # the busiest rank's share, at the shared rate
+    assert step(full) / 2 < step(full.replace(cluster=shared)) < step(full) - 0.5 * busy["bubble"]
+    assert step(full.replace(cluster=shared)) > 0.8 * work
+    with pytest.raises(ValueError, match="oversubscription"):
+        CPU.replace(oversubscription=0.5)
+
+
+def test_dtensor_parameters_cost_host_time_per_tensor():
+    cluster = with_efficiency(dtensor_param_overhead_s=1e-3)
+    tensors = 16 * MODEL.num_layers + 5  # plait's GPT: 16 per layer; embeddings, final norm, head
+    for sharded in (plan(zero=2), plan(zero=3), plan(dp=1, tp=4, num_micro_batches=8)):
+        added = step(sharded.replace(cluster=cluster)) - step(sharded)
+        assert added == pytest.approx(tensors * 1e-3, rel=1e-6)
+    for plain in (plan(zero=0), plan(zero=1)):  # DDP: plain tensors
+        assert step(plain.replace(cluster=cluster)) == step(plain)
