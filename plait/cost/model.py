@@ -14,6 +14,10 @@ long enough (ZeRO-1 then broadcasts the updated shards, exposed); fully_shard ga
 under the previous unit's forward, exposing the first, and reduce-scatters under the last
 backward. On GPUs hidden communication still costs OVERLAP_SLOWDOWN of itself; CPU processes
 have no spare engine, so there all of it counts.
+
+Where CPU ranks share cores (ClusterSpec.oversubscription > 1), a pipeline's idle stages lend
+theirs to the busy ones (`lent_cores_factor`); where parameters are DTensors, the step pays host
+time per parameter tensor (Efficiency.dtensor_param_overhead_s).
 """
 
 from __future__ import annotations
