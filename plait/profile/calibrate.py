@@ -95,6 +95,7 @@ def calibrate(m: Measurements, name: str = "") -> Calibration:
         inter_node=inter,
         device_type=m.device_type,
         backend=m.backend,
+        oversubscription=round(max(1.0, m.oversubscription), 3),
     )
     return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective)
 
@@ -139,6 +140,8 @@ def describe(m: Measurements, cal: Calibration) -> list[str]:
         f"{m.device_name} ({m.dtype}), backend {m.backend}",
         f"memory_bytes: smallest free memory of any rank ({m.memory_bytes / 2**30:.2f} GiB)",
         _peak_line(m, cal),
+        f"oversubscription {m.oversubscription:g}: threads of this node's ranks over its cores"
+        + (" (ranks share cores: an idle pipeline stage lends its cores to the busy ones)" if m.oversubscription > 1 else ""),
         "compute (forward + backward, every rank computing at once; GFLOP/s per rank):",
     ]
     lines += ["  " + row for row in compute_rows(m.compute)]

@@ -157,6 +157,10 @@ def test_calibrate_cpu_uses_the_fitted_asymptote_as_peak():
     assert c.memory_bytes == 3 * 2**30
     text = "\n".join(describe(synthetic_measurements(), cal))
     assert "intra_node: latency 50.0 us" in text and "R2 1.000" in text
+    assert c.oversubscription == 1.0
+    shared = Measurements(**{**synthetic_measurements().__dict__, "oversubscription": 2.0})
+    assert calibrate(shared).cluster.oversubscription == 2.0
+    assert "oversubscription 2" in "\n".join(describe(shared, calibrate(shared)))
 
 
 def test_calibrate_gpu_keeps_datasheet_peak_and_fits_inter_node():
