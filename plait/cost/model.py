@@ -214,7 +214,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         "optimizer": opt[last],
     }
     total = sum(parts.values())
-    return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / pipe if pipe > 0 else 0.0)
+    return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
 
 
 def lent_cores_factor(cluster, layout: Layout, st: StageTimes, work: list[float], pipe: float, p2p: float,

@@ -192,12 +192,15 @@ class _Search:
 
     def lower_bound(self, layout: Layout) -> float:
         """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
-        without recompute (the closed-form estimate is never below this)."""
+        without recompute (the closed-form estimate is never below this; with shared cores, see
+        plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work)."""
         lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
         work = (self.setting.model.num_layers * (lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd)
                 + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
         pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
-        return m * work / pp + (work - work / pp) / v
+        spread = m * work / pp
+        # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
+        return max(spread, (spread + (work - work / pp) / v) / self.setting.cluster.oversubscription)
 
     def evaluate(self, layout: Layout) -> bool:
         """Split, price and keep one layout; False when nothing fits."""

@@ -1,5 +1,7 @@
 """The joint search: sensible plans, pins honoured, memory respected, errors that say what would work."""
 
+import dataclasses
+
 import pytest
 
 import plait
@@ -141,3 +143,16 @@ def test_pruned_search_finds_the_same_best_as_the_full_one():
     top = plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, top=3)
     assert top.candidates_pruned > 0 and top.candidates_evaluated < full.candidates_evaluated
     assert top.plans[0].describe() == full.plans[0].describe()
+
+
+def test_pruned_search_stays_exact_where_ranks_share_cores():
+    """Idle pipeline stages lend their cores (oversubscription 2): the bound must still never exceed a price."""
+    from plait.spec.load import load_cluster
+
+    shared = load_cluster("local-cpu").replace(oversubscription=2.0, efficiency=dataclasses.replace(
+        load_cluster("local-cpu").efficiency, layer_overhead_s=2e-3))
+    train = TrainSpec(global_batch=16, seq_len=128, precision="fp32")
+    full = plan_with_stats("tiny-gpt", shared, train, num_devices=4)
+    top = plan_with_stats("tiny-gpt", shared, train, num_devices=4, top=3)
+    assert [p.describe() for p in top.plans] == [p.describe() for p in full.plans[:3]]
+    assert any(p.pp > 1 for p in full.plans[:10])
