@@ -8,11 +8,12 @@
 4. print the median and worst relative error of the predicted step time, Kendall's tau between
    predicted and measured order, and the regret (measured step of plait's choice / measured best - 1),
    first with the profiled cluster, then after `plait tune`'s correction fitted on the --tune-top plans
-   `plait tune --top K` would run (the best of each layout first; the others are out of sample).
+   `plait tune --top K` would run, for each K of --tune-top (the best of each layout first, then a second
+   micro-batch count per layout; the others are out of sample).
 
     .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE]
         [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32]
-        [--tune-top 6] [--json FILE] [--plot-dir DIR]
+        [--tune-top 6 12] [--json FILE] [--plot-dir DIR]
 
 Targets (issue 4): median error <= 15%, tau >= 0.7, regret <= 10%.
 """
@@ -125,12 +126,13 @@ def run_world(nproc: int, args: argparse.Namespace, folder: Path, console: Conso
     plans, measured = [p for p, _ in timed], [r.median_s for _, r in timed]
     # what `plait tune --top K` runs: the best plan of each layout first
     by_plan = {id(p): m for p, m in zip(plans, measured)}
-    top = [Observation(plan=p, measured_s=by_plan[id(p)]) for p in layouts_first(plans)[:args.tune_top]]
-    tuned = fit_terms(top, cluster).cluster
+    scores, tuned = {"profile": score(plans, measured, cluster)}, cluster
+    for k in args.tune_top:
+        top = [Observation(plan=p, measured_s=by_plan[id(p)]) for p in layouts_first(plans)[:k]]
+        tuned = fit_terms(top, cluster).cluster
+        scores[f"profile + tune (top {k})"] = score(plans, measured, tuned)
     return {"nproc": nproc, "plans": plans, "measured": measured, "profiled": cluster, "tuned": tuned,
-            "scores": {"profile": score(plans, measured, cluster), f"profile + tune (top {args.tune_top})":
-                       score(plans, measured, tuned)},
-            "seconds": time.perf_counter() - started}
+            "scores": scores, "seconds": time.perf_counter() - started}
 
 
 def print_table(worlds: list[dict], args: argparse.Namespace, console: Console) -> None:
@@ -186,8 +188,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1, help="passes over all plans (default: 1)")
     parser.add_argument("--batch", type=int, default=32, help="plans stepped round-robin together (default: 32)")
-    parser.add_argument("--tune-top", type=int, default=6,
-                        help="plans `plait tune --top K` would run and fit on (default: 6, one per layout at 4 ranks)")
+    parser.add_argument("--tune-top", type=int, nargs="+", default=[6, 12],
+                        help="plans `plait tune --top K` would run and fit on, one fit per K; the plots and --json "
+                             "use the last (default: 6 12; 6 is one per layout at 4 ranks)")
     parser.add_argument("--json", help="write every plan's predicted and measured step time here")
     parser.add_argument("--plot-dir", help="write local_accuracy_<N>.png (and _tuned.png) here")
     args = parser.parse_args()
