@@ -92,6 +92,12 @@ class RankMemory:
         return sum(self.parts(layers).values())
 
 
+def held_zero(layout: Layout) -> int:
+    """The ZeRO stage whose memory a rank holds at its peak: plait keeps ZeRO-3's parameters gathered
+    through a pipeline schedule (plait/execute/data.py), which is ZeRO-2's memory."""
+    return 2 if layout.zero == 3 and layout.pp > 1 else layout.zero
+
+
 def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankMemory:
     """Memory coefficients of pipeline rank `rank` running recompute `mode` on all its layers."""
     model, train, tp, b = setting.model, setting.train, layout.tp, layout.micro_batch
@@ -99,8 +105,8 @@ def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankM
     dtype, s = setting.dtype_bytes, setting.seq_len
     ends = (first_stage_params(model, tp) if first else 0.0) + (
         last_stage_params(model, tp, shares_embedding_rank=first) if last else 0.0)
-    fixed = model_state_bytes(ends, layout.dp, layout.zero, train)
-    per_layer = model_state_bytes(layer_params(model, tp), layout.dp, layout.zero, train)
+    fixed = model_state_bytes(ends, layout.dp, held_zero(layout), train)
+    per_layer = model_state_bytes(layer_params(model, tp), layout.dp, held_zero(layout), train)
     flight = in_flight(layout, rank)
     act = {m: activation_bytes(model, b, s, tp, layout.sp, m, dtype) for m in ("none", mode)}
     per_layer["activations"] = flight * act[mode]
@@ -122,7 +128,7 @@ def _buffers(setting: Setting, layout: Layout) -> float:
         total += 4.0 * sbh / (layout.tp if layout.sp else 1)
     if layout.dp > 1:
         total += 2.0 * BUCKET_BYTES
-    if layout.zero >= 3 and layout.dp > 1:  # the layer in use and the prefetched next one, gathered
+    if held_zero(layout) >= 3 and layout.dp > 1:  # the layer in use and the prefetched next one, gathered
         total += 2.0 * layer_params(setting.model, layout.tp) * setting.dtype_bytes
     return total
 
@@ -135,12 +141,12 @@ def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tu
     flight = np.array([in_flight(layout, r) for r in range(pp)])
     act = np.array([activation_bytes(model, b, setting.seq_len, tp, layout.sp, m, setting.dtype_bytes) for m in modes])
     act_none = activation_bytes(model, b, setting.seq_len, tp, layout.sp, "none", setting.dtype_bytes)
-    states = sum(model_state_bytes(layer_params(model, tp), layout.dp, layout.zero, train).values())
+    states = sum(model_state_bytes(layer_params(model, tp), layout.dp, held_zero(layout), train).values())
     per_layer = states + flight[:, None] * act[None, :]
     ends = np.zeros(pp)
     ends[0] += first_stage_params(model, tp)
     ends[-1] += last_stage_params(model, tp, shares_embedding_rank=pp == 1)
-    ends_bytes = np.array([sum(model_state_bytes(e, layout.dp, layout.zero, train).values()) for e in ends])
+    ends_bytes = np.array([sum(model_state_bytes(e, layout.dp, held_zero(layout), train).values()) for e in ends])
     sbh = b * setting.seq_len * model.hidden_size * setting.dtype_bytes
     extra = np.zeros(pp)
     extra[0] += flight[0] * 1.5 * sbh / (tp if layout.sp else 1)

@@ -159,7 +159,9 @@ class _Search:
         # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
         # all-reduces and keeps less activation memory, so the cost model never prefers it off.
         sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
-        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if d.dp > 1 else [0])
+        # Under a pipeline plait runs ZeRO-3 as ZeRO-2 (parameters kept gathered through the schedule), so
+        # it is listed only when pinned.
+        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2] + ([3] if d.pp == 1 else []) if d.dp > 1 else [0])
         per_replica = batch // d.dp
         for sp in sps:
             for b in divisors(per_replica):
