@@ -260,7 +260,9 @@ def _field_change(term: str, cluster: Any, tuned: Any) -> str:
     if term == "compute":
         return (f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} "
                 f"(GEMM time x{old.matmul / new.matmul:.3g})")
-    if term in ("layer_overhead", "tp_layer_overhead", "dtensor_param_overhead"):
+    from plait.profile.calibrate import HOST_TERMS
+
+    if term in HOST_TERMS:
         field = f"{term}_s"
         per = "per parameter tensor and step" if term == "dtensor_param_overhead" else "per layer pass"
         return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
