@@ -1,6 +1,7 @@
 """How right is plait's cost model on this machine? For tiny-gpt on 2 and 4 local CPU ranks:
 
-1. calibrate with `plait profile --quick` (or reuse a cluster file per world size);
+1. calibrate with `plait profile` (compute, links, and the host time of a few small probe plans; or reuse
+   a cluster file per world size; --quick-profile for the seconds-long version);
 2. enumerate every feasible plan plait can express (the search with an unbounded top: degrees,
    ZeRO stage, recompute, micro-batches, schedule, interleaving);
 3. time all of them in one launch (`python -m plait.profile.tune`), --batch plans stepped round-robin
@@ -11,7 +12,7 @@
    `plait tune --top K` would run, for each K of --tune-top (the best of each layout first, then a second
    micro-batch count per layout; the others are out of sample).
 
-    .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE]
+    .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE] [--quick-profile]
         [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32]
         [--tune-top 6 12] [--json FILE] [--plot-dir DIR]
 
@@ -112,8 +113,8 @@ def run_world(nproc: int, args: argparse.Namespace, folder: Path, console: Conso
     source = getattr(args, f"cluster_{nproc}", None)
     started = time.perf_counter()
     if source is None:
-        console.print(f"[{nproc} ranks] plait profile --quick ...")
-        source = profile(nproc, folder, quick=True)
+        console.print(f"[{nproc} ranks] plait profile{' --quick' * args.quick_profile} ...")
+        source = profile(nproc, folder, quick=args.quick_profile)
     cluster = validate_cluster_for_world(source, nproc)
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len, precision="fp32")
     plans = feasible_plans(args.model, cluster, train, nproc)
@@ -182,6 +183,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-gpt")
     parser.add_argument("--cluster-2", dest="cluster_2", help="cluster file for 2 ranks (default: profile now)")
     parser.add_argument("--cluster-4", dest="cluster_4", help="cluster file for 4 ranks (default: profile now)")
+    parser.add_argument("--quick-profile", action="store_true", help="profile with --quick (seconds, noisier)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)

@@ -264,7 +264,9 @@ def _field_change(term: str, cluster: Any, tuned: Any) -> str:
 
     if term in HOST_TERMS:
         field = f"{term}_s"
-        per = "per parameter tensor and step" if term == "dtensor_param_overhead" else "per layer pass"
+        per = {"dtensor_param_overhead": "per parameter tensor and step", "tp_param_overhead": "per parameter tensor and step",
+               "step_overhead": "per step"}.get(
+            term, "per layer pass")
         return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
                 f"{per}")
     level, _, quantity = term.partition("_")

@@ -46,7 +46,7 @@ class LayerCost:
     tp_bwd: float
     """Tensor-parallel collectives of the backward pass."""
     recompute: dict[str, float]
-    """Extra backward time per recompute mode (full: the forward again; selective: the forward but its weight GEMMs)."""
+    """Extra backward time per recompute mode (full: the forward again; selective: the attention core's forward)."""
     activations: dict[str, float]
     """Activation bytes kept per recompute mode until the backward pass."""
     gemm_fraction: float
@@ -128,10 +128,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
         bwd=2.0 * fwd,
         tp_fwd=tp_pass,
         tp_bwd=tp_pass,
-        # Full recompute reruns the layer. Selective, as plait runs it (a selective-checkpoint policy that
-        # keeps the weight GEMMs' outputs), reruns the rest of the forward: the attention core, norms and
-        # activations, and the dispatch of every op (kept outputs still pass through the policy).
-        recompute={"none": 0.0, "selective": fwd - dense / tp / rate, "full": fwd + tp_pass},
+        # Full recompute reruns the layer; selective reruns the attention core (Korthikanti et al. 2022).
+        recompute={"none": 0.0, "selective": attn / tp / rate * rest, "full": fwd + tp_pass},
         activations={m: activation_bytes(model, micro_batch, seq_len, tp, sp, m, dtype_bytes) for m in modes},
         gemm_fraction=fraction,
     )

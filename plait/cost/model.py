@@ -17,11 +17,14 @@ have no spare engine, so there all of it counts.
 
 Where CPU ranks share cores (ClusterSpec.oversubscription > 1), a pipeline's idle stages lend
 theirs to the busy ones (`lent_cores_factor`); where parameters are DTensors, the step pays host
-time per parameter tensor (Efficiency.dtensor_param_overhead_s).
+time per parameter tensor (Efficiency.dtensor_param_overhead_s), and fully_shard's hooks host time per
+layer pass (Efficiency.fsdp_layer_overhead_s). Every step pays a fixed host time
+(Efficiency.step_overhead_s), counted with the optimizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from plait.cost import comm
@@ -117,10 +120,22 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
 
 def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
     """Host time of a step spent on the rank's parameters as DTensors (Efficiency.dtensor_param_overhead_s),
-    where they are: under tensor parallelism, or data parallelism on fully_shard."""
+    where they are: under tensor parallelism (plus Efficiency.tp_param_overhead_s), or data parallelism on
+    fully_shard."""
     if layout.tp == 1 and (layout.dp == 1 or rides_on_ddp(layout)):
         return 0.0
-    return setting.cluster.efficiency.dtensor_param_overhead_s * param_tensors(setting.model, layers, first, last)
+    eff = setting.cluster.efficiency
+    per_tensor = eff.dtensor_param_overhead_s + (eff.tp_param_overhead_s if layout.tp > 1 else 0.0)
+    return per_tensor * param_tensors(setting.model, layers, first, last)
+
+
+def with_fsdp_hooks(lc: LayerCost, seconds: float) -> LayerCost:
+    """`lc` with fully_shard's host time per layer pass (Efficiency.fsdp_layer_overhead_s): forward 1x,
+    backward 2x, and a recomputed forward runs the forward hooks again."""
+    if seconds == 0:
+        return lc
+    recompute = {mode: t + (seconds if mode != "none" else 0.0) for mode, t in lc.recompute.items()}
+    return dataclasses.replace(lc, fwd=lc.fwd + seconds, bwd=lc.bwd + 2 * seconds, recompute=recompute)
 
 
 def rides_on_ddp(layout: Layout) -> bool:
@@ -174,6 +189,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     pp, m = layout.pp, layout.num_micro_batches
     lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                     setting.dtype_bytes)
+    if layout.dp > 1 and not rides_on_ddp(layout):
+        lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)
     modes = tuple(recompute[k % pp] for k in range(len(layers)))
@@ -198,7 +215,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
             params = rank_params(setting, layout, r, n)
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
                          optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
-                         + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1))
+                         + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1)
+                         + setting.cluster.efficiency.step_overhead_s)
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])

@@ -44,6 +44,7 @@ from plait.execute.state import _plain_names, gather_full_state_dict, load_full_
 from plait.execute.tensor import apply_tp
 from plait.launch import in_torchrun, init_distributed
 from plait.models import build_model, initial_state_dict
+from plait.models.transformer import AttentionCore
 from plait.plan import Plan
 
 
@@ -279,8 +280,8 @@ class ParallelModel:
         return {
             "data_parallel": sorted({data_parallel(part) for part in self.model_parts}),
             "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in modules),
-            "selective_blocks": sum(isinstance(m, CheckpointWrapper) and "context_fn" in m.checkpoint_fn.keywords
-                                    for m in modules),
+            "selective_blocks": sum(isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module,
+                                                                                   AttentionCore) for m in modules),
             "dtensor_params": sum(isinstance(p, DTensor) for p in self.parameters()),
             "params": len(self.parameters()),
             "schedule": type(self.schedule).__name__ if self.schedule else None,

@@ -71,6 +71,17 @@ def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """softmax(q·kᵀ/√d)·v, causal, over [batch, heads, seq, head_dim]: no parameters. A module of its own so
+    that selective recompute can checkpoint exactly this (plait/execute/recompute.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, hd]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -81,6 +92,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, kv, bias=bias)
         self.wv = nn.Linear(h, kv, bias=bias)
         self.wo = nn.Linear(h, h, bias=bias)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]
@@ -91,10 +103,7 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, hd]
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -38,6 +38,14 @@ GEMM_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostSample:
+    """One probe plan (Plan.to_dict()) and its measured step time (median over steps, slowest rank)."""
+
+    plan: dict
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Measurements:
     """Everything one profile measured, as plain numbers."""
 
@@ -55,6 +63,8 @@ class Measurements:
     """Samples per link level ("intra_node", "inter_node"); a level with no groups is absent."""
     oversubscription: float = 1.0
     """Threads of a node's ranks over its cores, where above 1 (ClusterSpec.oversubscription)."""
+    host_steps: tuple["HostSample", ...] = ()
+    """Small plans timed end to end (plait/profile/host.py): the host time per layer pass and parameter."""
     host: str = ""
     torch_version: str = ""
     started_at: str = ""
@@ -70,6 +80,8 @@ class Calibration:
     per_collective: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
     """level -> collective -> its own fit: how far each collective's algorithm is from the level's line
     (gloo's all-gather, for one, runs well below its all-reduce)."""
+    host: "TermFit | None" = None
+    """The host-time fit on the probe plans (None where the profile timed none)."""
 
 
 def calibrate(m: Measurements, name: str = "") -> Calibration:
@@ -97,7 +109,20 @@ def calibrate(m: Measurements, name: str = "") -> Calibration:
         backend=m.backend,
         oversubscription=round(max(1.0, m.oversubscription), 3),
     )
-    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective)
+    host = fit_host_terms(m.host_steps, cluster) if m.host_steps else None
+    if host is not None:
+        cluster = host.cluster
+    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective, host=host)
+
+
+def fit_host_terms(samples: tuple[HostSample, ...], cluster: ClusterSpec) -> "TermFit":
+    """The host-time fields of `cluster` that best explain the probe plans' measured steps, given its
+    compute and link fits (which stay as they are)."""
+    from plait.plan import Plan
+
+    observations = [Observation(plan=Plan.from_dict(s.plan).replace(cluster=cluster, predicted=None),
+                                measured_s=s.seconds) for s in samples]
+    return fit_terms(observations, cluster, HOST_TERMS)
 
 
 def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:
@@ -155,7 +180,21 @@ def describe(m: Measurements, cal: Calibration) -> list[str]:
                          f"{own.bandwidth / 1e9:.3f} GB/s, max rel residual {own.max_rel_residual:.0%}")
     if "inter_node" not in cal.links:
         lines.append("  inter_node: one node, nothing crosses nodes: set equal to intra_node")
+    if cal.host is not None:
+        lines.append(host_line(cal.host, len(m.host_steps)))
     return lines
+
+
+def host_line(fit: "TermFit", plans: int) -> str:
+    eff = fit.cluster.efficiency
+    errors = sorted(fit.errors_after)
+    return (f"host time (fitted on {plans} small plans timed end to end): {eff.layer_overhead_s * 1e3:.2f} ms per "
+            f"layer pass, {eff.tp_layer_overhead_s * 1e3:.2f} ms more under TP, "
+            f"{eff.fsdp_layer_overhead_s * 1e3:.2f} ms more on fully_shard, "
+            f"{eff.dtensor_param_overhead_s * 1e3:.3f} ms per DTensor parameter and step "
+            f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP), "
+            f"{eff.step_overhead_s * 1e3:.2f} ms per step; "
+            f"step error {errors[len(errors) // 2]:.0%} median, {errors[-1]:.0%} worst")
 
 
 def _peak_line(m: Measurements, cal: Calibration) -> str:
@@ -191,6 +230,7 @@ def measurements_from_json(text: str) -> Measurements:
     data = json.loads(text)
     data["compute"] = tuple(ComputeSample(**s) for s in data["compute"])
     data["comm"] = {level: tuple(CommSample(**s) for s in rows) for level, rows in data["comm"].items()}
+    data["host_steps"] = tuple(HostSample(**s) for s in data.get("host_steps", ()))
     return Measurements(**data)
 
 
@@ -200,7 +240,8 @@ def measurements_from_json(text: str) -> Measurements:
 # which a kind of predicted time is proportional: 1/efficiency.matmul for compute (and the recompute
 # and bubble made of it), a link's latency for the latency share of its collectives, 1/bandwidth for
 # their volume share, efficiency.layer_overhead_s for the fixed host time of every layer pass (and
-# tp_layer_overhead_s for what DTensor adds to it under tensor parallelism). With
+# tp_layer_overhead_s for what DTensor adds to it under tensor parallelism; dtensor_param_overhead_s per
+# DTensor parameter and step, step_overhead_s once per step). With
 # x_k term k's value in units of a reference r_k, the predicted step of plan i is, to first order
 # (exactly where the model is linear in them),
 #
@@ -211,14 +252,16 @@ def measurements_from_json(text: str) -> Measurements:
 # (max(comm - compute, last bucket)) make it piecewise linear, hence a few Gauss-Newton rounds,
 # re-linearizing at the corrected cluster each time.
 
-TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "dtensor_param_overhead",
-                          "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
+TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead",
+                          "dtensor_param_overhead", "tp_param_overhead", "step_overhead", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
-HOST_TERMS = ("layer_overhead", "tp_layer_overhead", "dtensor_param_overhead")
+HOST_TERMS = ("layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead", "dtensor_param_overhead",
+              "tp_param_overhead", "step_overhead")
 """Terms that are an Efficiency field `<term>_s` of host seconds."""
 
-ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "dtensor_param_overhead": 1e-4,
-                  "intra_latency": 1e-6, "inter_latency": 1e-6}
+ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "fsdp_layer_overhead": 1e-4,
+                  "dtensor_param_overhead": 1e-4, "tp_param_overhead": 1e-4,
+                  "step_overhead": 1e-3, "intra_latency": 1e-6, "inter_latency": 1e-6}
 """Reference of a term whose value is 0 (a preset without that cost): 100 us of host time per layer pass
 (a CPU's dispatch of a transformer block's ops), 1 ms more under DTensor, 1 us per message. It sets the
 scale at which the term counts as exercised (MIN_TERM_SHARE) and its bound (ZERO_BOUND times it)."""
@@ -384,28 +427,42 @@ def bounded_prior_lstsq(a: np.ndarray, b: np.ndarray, prior: np.ndarray, weight:
                         bounds: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """argmin ||a x - b||² + sum_k weight_k·(x_k - prior_k)² subject to low <= x <= high.
 
-    Exact for the handful of unknowns here: the minimum of a convex quadratic over a box lies on
-    one of its faces, so every assignment of (free, at low, at high) per unknown is solved
-    (3^n, n <= 5) and the best feasible one kept."""
-    low, high = bounds
+    A convex quadratic over a box (positive definite where every weight is > 0), solved by the primal
+    active-set method: solve for the free unknowns with the others held at their bounds; where that
+    leaves the box, walk towards it up to the first bound and hold that unknown there; where it stays
+    inside, release the held unknown whose gradient points most into the box, until none does. Exact,
+    and a handful of small solves for the dozen unknowns here."""
+    low, high = (np.asarray(v, dtype=float) for v in bounds)
     n = a.shape[1]
     weight = np.broadcast_to(np.asarray(weight, dtype=float), (n,))
     gram = a.T @ a + np.diag(weight)
     rhs = a.T @ b + weight * prior
-    best, best_cost = np.clip(prior, low, high), math.inf
-    for pattern in itertools.product((0, 1, 2), repeat=n):
-        x = np.where(np.array(pattern) == 1, low, high).astype(float)
-        free = [k for k in range(n) if pattern[k] == 0]
-        if free:
-            pinned = [k for k in range(n) if pattern[k] != 0]
-            sub_rhs = rhs[free] - gram[np.ix_(free, pinned)] @ x[pinned]
-            x[free] = np.linalg.solve(gram[np.ix_(free, free)], sub_rhs)
-        if (x < low - 1e-12).any() or (x > high + 1e-12).any():
+    x = np.clip(np.asarray(prior, dtype=float), low, high)
+    held = np.zeros(n, dtype=bool)
+    for _ in range(10 * n + 10):
+        free = ~held
+        target = x.copy()
+        if free.any():
+            target[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free] - gram[np.ix_(free, held)] @ x[held])
+        step = target - x
+        with np.errstate(divide="ignore", invalid="ignore"):
+            room = np.where(step > 0, (high - x) / step, np.where(step < 0, (low - x) / step, np.inf))
+        room[held] = np.inf
+        blocking = int(np.argmin(room))
+        if room[blocking] < 1.0:  # the free solution leaves the box: go to its edge and hold that unknown
+            x = np.clip(x + room[blocking] * step, low, high)
+            x[blocking] = high[blocking] if step[blocking] > 0 else low[blocking]
+            held[blocking] = True
             continue
-        cost = float(np.sum((a @ x - b) ** 2) + np.sum(weight * (x - prior) ** 2))
-        if cost < best_cost:
-            best, best_cost = x, cost
-    return best
+        x = target
+        gradient = gram @ x - rhs
+        # a held unknown may leave its bound when the gradient points into the box
+        pulls = np.where(held & (x <= low) & (gradient < 0), -gradient, 0.0)
+        pulls += np.where(held & (x >= high) & (gradient > 0), gradient, 0.0)
+        if not (pulls > 1e-12 * (1.0 + np.abs(rhs).max())).any():
+            return x
+        held[int(np.argmax(pulls))] = False
+    return x
 
 
 def _relative_errors(observations: list[Observation], cluster: ClusterSpec) -> tuple[float, ...]:
@@ -419,7 +476,10 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     cluster = cluster.replace(
         efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s),
                                        tp_layer_overhead_s=_sig(eff.tp_layer_overhead_s),
-                                       dtensor_param_overhead_s=_sig(eff.dtensor_param_overhead_s)),
+                                       dtensor_param_overhead_s=_sig(eff.dtensor_param_overhead_s),
+                                       fsdp_layer_overhead_s=_sig(eff.fsdp_layer_overhead_s),
+                                       tp_param_overhead_s=_sig(eff.tp_param_overhead_s),
+                                       step_overhead_s=_sig(eff.step_overhead_s)),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

@@ -1,10 +1,13 @@
-"""What a profile prints: compute rates, link fits and their quality, per-collective bandwidth."""
+"""What a profile prints: compute rates, link fits and their quality, per-collective bandwidth, and the
+host time fitted on the probe plans."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
+from plait.cost import predict
+from plait.plan import Plan
 from plait.profile.calibrate import Calibration, Measurements
 from plait.profile.fit import evaluate_link, ring_terms
 
@@ -15,6 +18,8 @@ def print_report(m: Measurements, cal: Calibration, console: Console | None = No
     console.print(links_table(cal))
     for level, samples in m.comm.items():
         console.print(collectives_table(level, samples, cal))
+    if cal.host is not None:
+        console.print(host_table(m, cal))
     c = cal.cluster
     console.print(f"memory per device {c.memory_bytes / 2**30:.2f} GiB; peak {c.peak_flops / 1e9:.1f} GFLOP/s; "
                   f"efficiency matmul={c.efficiency.matmul:g} half_dim={c.efficiency.matmul_half_dim:g} "
@@ -64,6 +69,25 @@ def collectives_table(level: str, samples, cal: Calibration) -> Table:  # noqa: 
                       f"{own.latency_s * 1e6:.1f} us", f"{own.bandwidth / 1e9:.3f} GB/s",
                       f"{own.max_rel_residual:.0%}", f"{_bus_bandwidth(largest) / 1e9:.3f}",
                       f"{level_fit.max_rel_residual:.0%}")
+    return table
+
+
+def host_table(m: Measurements, cal: Calibration) -> Table:
+    """Each probe plan's measured step against the cost model's with the fitted host time."""
+    eff = cal.cluster.efficiency
+    table = Table(title=f"host time: {eff.layer_overhead_s * 1e3:.2f} ms per layer pass, "
+                        f"+{eff.tp_layer_overhead_s * 1e3:.2f} ms under TP, +{eff.fsdp_layer_overhead_s * 1e3:.2f} ms on "
+                        f"fully_shard, {eff.dtensor_param_overhead_s * 1e3:.3f} ms "
+                        f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP) per DTensor parameter, {eff.step_overhead_s * 1e3:.2f} ms per step (fitted on these probe plans, "
+                        f"{m.host_steps[0].plan['train']['seq_len']} "
+                        "tokens per sequence)")
+    for column in ("probe plan", "measured", "predicted", "error"):
+        table.add_column(column, justify="left" if column == "probe plan" else "right")
+    for sample in m.host_steps:
+        plan = Plan.from_dict(sample.plan).replace(cluster=cal.cluster, predicted=None)
+        predicted = predict(plan).step_time_s
+        table.add_row(plan.describe(), f"{sample.seconds * 1e3:.1f} ms", f"{predicted * 1e3:.1f} ms",
+                      f"{(predicted - sample.seconds) / sample.seconds:+.0%}")
     return table
 
 

@@ -1,4 +1,4 @@
-"""Run a whole profile on the initialized process group: compute, memory, then links.
+"""Run a whole profile on the initialized process group: compute, memory, links, then host time.
 
 Every rank runs the same list of steps in the same order (each step is a collective affair: rank
 counts are agreed and groups are created by all ranks), rank 0 shows the progress bar, and every
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from plait.profile import collectives, devices
-from plait.profile.calibrate import GEMM_NAMES, Measurements
+from plait.profile.calibrate import GEMM_NAMES, HostSample, Measurements
 from plait.profile.collectives import GroupSet, Level, Topology
 from plait.profile.fit import COLLECTIVES, CommSample, ComputeSample
 
@@ -54,7 +54,9 @@ def run_profile(options: ProfileOptions, progress: Callable[[str, int], None] | 
     start = time.perf_counter()
     compute: list[ComputeSample] = []
     comm: dict[str, list[CommSample]] = {}
-    steps = compute_steps(device, options, compute) + comm_steps(device, topology, options, comm)
+    host: list[HostSample] = []
+    steps = (compute_steps(device, options, compute) + comm_steps(device, topology, options, comm)
+             + host_steps(options, host))
     for step in steps:
         if progress is not None:
             progress(step.label, len(steps))
@@ -72,6 +74,7 @@ def run_profile(options: ProfileOptions, progress: Callable[[str, int], None] | 
         compute=tuple(compute),
         comm={level: tuple(samples) for level, samples in comm.items()},
         oversubscription=oversubscription(device, topology.devices_per_node),
+        host_steps=tuple(host),
         host=socket.gethostname(),
         torch_version=torch.__version__,
         started_at=started_at,
@@ -143,6 +146,24 @@ def comm_steps(device: devices.Device, topology: Topology, options: ProfileOptio
                     steps.append(Step(f"{level} {name} x{size} {_human_bytes(num_bytes)}", _comm_measure(
                         out.setdefault(level, []), holder, name, num_bytes, device, options.comm_target_s)))
     return steps
+
+
+def host_steps(options: ProfileOptions, out: list[HostSample]) -> list[Step]:
+    """Time the probe plans of plait/profile/host.py end to end, one after another."""
+    from plait.profile.host import probe_plans
+    from plait.profile.tune import TimingOptions, time_plan
+
+    timing = TimingOptions(steps=3 if options.quick else 8, warmup=1 if options.quick else 2, batch=1)
+
+    def measure(plan) -> Callable[[], None]:  # noqa: ANN001
+        def run() -> None:
+            result = time_plan(plan, timing)
+            if result.median_s is None:  # the executor refused it: a bug in probe_plans, not the user's input
+                raise RuntimeError(f"probe plan {plan.describe()} was not timed: {result.error}")
+            out.append(HostSample(plan=plan.to_dict(), seconds=result.median_s))
+        return run
+
+    return [Step(f"host {plan.describe()}", measure(plan)) for plan in probe_plans(dist.get_world_size())]
 
 
 def _group_builder(holder: dict[str, GroupSet], topology: Topology, level: Level, size: int) -> Callable[[], None]:

@@ -96,12 +96,23 @@ class Efficiency:
     """Host time per parameter tensor per step where a rank's parameters are DTensors (tensor parallelism,
     or data parallelism on fully_shard): DTensor's dispatch of every optimizer op, and fully_shard's copies
     in and out of its flat buffers. 0 for the GPU presets; fitted by `plait tune`."""
+    tp_param_overhead_s: float = 0.0
+    """What tensor parallelism adds to that per parameter tensor and step: the optimizer's DTensor ops over
+    parameters of mixed placements (sharded by row, by column, replicated). 0 for the GPU presets; measured
+    by `plait profile` on CPU processes."""
+    fsdp_layer_overhead_s: float = 0.0
+    """Host time fully_shard adds to each layer pass (forward 1x, backward 2x) where data parallelism rides on
+    it: its hooks before and after every unit's forward and backward. 0 for the GPU presets; measured by
+    `plait profile` on CPU processes."""
+    step_overhead_s: float = 0.0
+    """Fixed host time of a step, whatever the plan: launching the optimizer, zeroing the gradients,
+    averaging the loss over ranks. 0 for the GPU presets; measured by `plait profile` on CPU processes."""
 
     def __post_init__(self) -> None:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
         for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s",
-                     "dtensor_param_overhead_s"):
+                     "dtensor_param_overhead_s", "tp_param_overhead_s", "fsdp_layer_overhead_s", "step_overhead_s"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 

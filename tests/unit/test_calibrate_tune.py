@@ -4,6 +4,7 @@ ClusterSpec terms (GEMM efficiency, link latency, link bandwidth) that produced 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -165,6 +166,42 @@ def test_bounded_prior_lstsq_matches_unconstrained_inside_and_respects_bounds():
     assert np.sum((a @ boxed - b) ** 2) <= best + 1e-12
 
 
+def _enumerate_box(a, b, prior, weight, low, high):
+    """The definition, by brute force: the minimum of a convex quadratic over a box lies on one of its faces,
+    so solve every assignment of (free, at low, at high) per unknown and keep the best feasible one."""
+    n = a.shape[1]
+    gram, rhs = a.T @ a + np.diag(weight), a.T @ b + weight * prior
+    best, best_cost = None, math.inf
+    for pattern in itertools.product((0, 1, 2), repeat=n):
+        x = np.where(np.array(pattern) == 1, low, high).astype(float)
+        free = [k for k in range(n) if pattern[k] == 0]
+        held = [k for k in range(n) if pattern[k] != 0]
+        if free:
+            x[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free] - gram[np.ix_(free, held)] @ x[held])
+        if (x < low - 1e-12).any() or (x > high + 1e-12).any():
+            continue
+        cost = float(np.sum((a @ x - b) ** 2) + np.sum(weight * (x - prior) ** 2))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    return best_cost
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bounded_prior_lstsq_finds_the_box_minimum(seed):
+    """The active-set solver against enumerating every face of the box, on random problems with weak and
+    strong priors, bounds at 0 and bounds that bind."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 7))
+    a, b = rng.normal(size=(8, n)), 3 * rng.normal(size=8)
+    prior, weight = rng.uniform(0, 2, n), rng.choice([1e-6, 0.005, 1.0], n)
+    low = np.where(rng.random(n) < 0.3, 0.0, 0.5 * prior)
+    high = 2 * prior + rng.random(n)
+    x = bounded_prior_lstsq(a, b, prior, weight, (low, high))
+    assert (x >= low - 1e-12).all() and (x <= high + 1e-12).all()
+    cost = float(np.sum((a @ x - b) ** 2) + np.sum(weight * (x - prior) ** 2))
+    assert cost == pytest.approx(_enumerate_box(a, b, prior, weight, low, high), rel=1e-9, abs=1e-12)
+
+
 def test_kendall_tau_and_regret():
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
@@ -174,5 +211,6 @@ def test_kendall_tau_and_regret():
 
 
 def test_terms_cover_every_link_level():
-    assert set(TERMS) == {"compute", "layer_overhead", "tp_layer_overhead", "dtensor_param_overhead",
+    assert set(TERMS) == {"compute", "layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead",
+                          "dtensor_param_overhead", "tp_param_overhead", "step_overhead",
                           "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"}

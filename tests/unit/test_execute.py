@@ -81,6 +81,8 @@ def test_mesh_puts_tp_innermost_and_pp_outermost(fake_world, rank):
 @pytest.mark.parametrize("rank", [0, 5, 15])
 def test_shards_on_meta_at_16_ranks(fake_world, rank):
     """Split -> TP/SP -> AC -> FSDP on the meta device as rank `rank` of pp2 x dp2 x tp4 sees it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     from plait.execute.parallelize import _shard_stage
     from plait.execute.pipeline import split_model
     from plait.models import build_model
@@ -101,4 +103,8 @@ def test_shards_on_meta_at_16_ranks(fake_world, rank):
     name, wq = next((n, t) for n, t in params.items() if n.endswith("attention.wq.weight"))
     assert wq.shape == (64, 64)  # the global shape is kept ...
     assert wq.to_local().shape == (64 // 4 // 2, 64)  # ... each rank holds 1/tp of the rows, split again over dp
-    assert "_checkpoint_wrapped_module" in name
+    # full recompute wraps whole blocks; selective only each block's parameter-free attention core
+    assert ("_checkpoint_wrapped_module" in name) == (pp_rank == 0)
+    cores = [m for n, m in part.named_modules() if n.endswith("attention.core")]
+    assert len(cores) == len(p.stage_layers(pp_rank))
+    assert all(isinstance(m, CheckpointWrapper) for m in cores) == (pp_rank == 1)

@@ -125,6 +125,10 @@ def test_nothing_fits_says_by_how_much_and_what_would():
 def test_explain_names_the_parts_that_differ(gpt3_1024):
     best, runner = gpt3_1024.plans[:2]
     line = explain(best, runner)
+    # faster, or as fast and lighter: either way the parts that differ are named in brackets
+    assert line.startswith(("best by", "ties with the runner-up")) and "[" in line
+    slower = next(p for p in gpt3_1024.plans if p.predicted.step_time_s > best.predicted.step_time_s * 1.001)
+    line = explain(best, slower)
     assert line.startswith("best by") and "[" in line
     assert explain(best, None) == "the only feasible plan"
 

@@ -110,3 +110,38 @@ def test_dtensor_parameters_cost_host_time_per_tensor():
         assert added == pytest.approx(tensors * 1e-3, rel=1e-6)
     for plain in (plan(zero=0), plan(zero=1)):  # DDP: plain tensors
         assert step(plain.replace(cluster=cluster)) == step(plain)
+
+
+def test_tensor_parallel_parameters_cost_more_per_tensor():
+    cluster = with_efficiency(tp_param_overhead_s=1e-3)
+    tensors = 16 * MODEL.num_layers + 5
+    tp = plan(dp=1, tp=4, num_micro_batches=8)
+    assert step(tp.replace(cluster=cluster)) - step(tp) == pytest.approx(tensors * 1e-3, rel=1e-6)
+    for other in (plan(zero=0), plan(zero=2), plan(zero=3)):  # fully_shard's DTensors are all sharded alike
+        assert step(other.replace(cluster=cluster)) == step(other)
+
+
+@pytest.mark.parametrize("fields,sharded", [
+    ({"zero": 2}, True), ({"zero": 3}, True), ({"dp": 2, "tp": 2, "zero": 0, "num_micro_batches": 4}, True),
+    ({"dp": 2, "pp": 2, "zero": 1, "num_micro_batches": 4, "schedule": "1f1b"}, True),
+    ({"zero": 0}, False), ({"zero": 1}, False), ({"dp": 1, "tp": 4, "num_micro_batches": 8}, False)])
+def test_fsdp_hooks_cost_host_time_per_layer_pass_only_on_fully_shard(fields, sharded):
+    base = plan(**fields)
+    added = step(base.replace(cluster=with_efficiency(fsdp_layer_overhead_s=1e-3))) - step(base)
+    if not sharded:  # DDP, or no data parallelism: no fully_shard hooks
+        assert added == 0
+    elif base.pp == 1:
+        assert added == pytest.approx(3 * MODEL.num_layers * base.num_micro_batches * 1e-3, rel=1e-6)
+    else:  # the bottleneck stage's share, plus some of the fill and drain
+        passes = 3 * MODEL.num_layers * base.num_micro_batches
+        assert passes * 1e-3 / base.pp < added < passes * 1e-3
+
+
+@pytest.mark.parametrize("fields", [{}, {"zero": 3}, {"dp": 1, "tp": 4, "num_micro_batches": 8},
+                                    {"dp": 1, "pp": 4, "num_micro_batches": 8, "schedule": "1f1b"}])
+def test_step_overhead_is_paid_once_per_step_whatever_the_plan(fields):
+    base = plan(**fields)
+    slow = base.replace(cluster=with_efficiency(step_overhead_s=5e-3))
+    assert step(slow) - step(base) == pytest.approx(5e-3, rel=1e-6)
+    assert predict(slow).step_time_parts["optimizer"] - predict(base).step_time_parts["optimizer"] == \
+        pytest.approx(5e-3, rel=1e-6)
