@@ -3,7 +3,7 @@
 Compute: forward+backward GEMMs of the widths planned models use, attention and a whole block, on
 every rank at once. Links: all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point,
 4 KiB to 32 MiB, every group size that divides a node (and across nodes under multi-node
-torchrun), fitted to latency + bandwidth. Memory: free memory per device. Host time: six small plans
+torchrun), fitted to latency + bandwidth. Memory: free memory per device. Host time: eight small plans
 timed end to end (plait/profile/host.py), fitted to the cost model's host-time fields (per layer pass,
 per parameter, per step; more under tensor parallelism and fully_shard).
 

@@ -18,7 +18,8 @@ have no spare engine, so there all of it counts.
 Where CPU ranks share cores (ClusterSpec.oversubscription > 1), a pipeline's idle stages lend
 theirs to the busy ones (`lent_cores_factor`); where parameters are DTensors, the step pays host
 time per parameter tensor (Efficiency.dtensor_param_overhead_s), and fully_shard's hooks host time per
-layer pass (Efficiency.fsdp_layer_overhead_s). Every step pays a fixed host time
+layer pass (Efficiency.fsdp_layer_overhead_s); a pipeline's schedule, per stage and micro-batch pass
+(Efficiency.pipeline_overhead_s). Every step pays a fixed host time
 (Efficiency.step_overhead_s), counted with the optimizer.
 """
 
@@ -47,14 +48,16 @@ class StageTimes:
     tp_comm: tuple[float, ...]
 
 
-def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[int, ...], modes: tuple[str, ...]) -> StageTimes:
-    """`layers[k]` layers on virtual stage k, recomputed with `modes[k]`."""
+def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[int, ...], modes: tuple[str, ...],
+                stage_host: float = 0.0) -> StageTimes:
+    """`layers[k]` layers on virtual stage k, recomputed with `modes[k]`; each stage's forward and backward
+    of a micro-batch also pay `stage_host` seconds (Efficiency.pipeline_overhead_s, under a pipeline)."""
     last = len(layers) - 1
     fwd, bwd, compute, recompute, tp = [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
-        c = n * (lc.fwd + lc.bwd)
+        c = n * (lc.fwd + lc.bwd) + 2 * stage_host
         t = n * (lc.tp_fwd + lc.tp_bwd)
-        f = n * (lc.fwd + lc.tp_fwd)
+        f = n * (lc.fwd + lc.tp_fwd) + stage_host
         r = n * lc.recompute[mode]
         if k == 0:
             c += ends.embed_fwd + ends.embed_bwd
@@ -194,7 +197,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)
     modes = tuple(recompute[k % pp] for k in range(len(layers)))
-    st = stage_times(lc, ends, layers, modes)
+    st = stage_times(lc, ends, layers, modes, setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)

@@ -193,6 +193,7 @@ def host_line(fit: "TermFit", plans: int) -> str:
             f"{eff.fsdp_layer_overhead_s * 1e3:.2f} ms more on fully_shard, "
             f"{eff.dtensor_param_overhead_s * 1e3:.3f} ms per DTensor parameter and step "
             f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP), "
+            f"{eff.pipeline_overhead_s * 1e3:.2f} ms per pipeline stage pass, "
             f"{eff.step_overhead_s * 1e3:.2f} ms per step; "
             f"step error {errors[len(errors) // 2]:.0%} median, {errors[-1]:.0%} worst")
 
@@ -253,14 +254,14 @@ def measurements_from_json(text: str) -> Measurements:
 # re-linearizing at the corrected cluster each time.
 
 TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead",
-                          "dtensor_param_overhead", "tp_param_overhead", "step_overhead", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
+                          "dtensor_param_overhead", "tp_param_overhead", "pipeline_overhead", "step_overhead", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
 HOST_TERMS = ("layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead", "dtensor_param_overhead",
-              "tp_param_overhead", "step_overhead")
+              "tp_param_overhead", "pipeline_overhead", "step_overhead")
 """Terms that are an Efficiency field `<term>_s` of host seconds."""
 
 ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "fsdp_layer_overhead": 1e-4,
-                  "dtensor_param_overhead": 1e-4, "tp_param_overhead": 1e-4,
+                  "dtensor_param_overhead": 1e-4, "tp_param_overhead": 1e-4, "pipeline_overhead": 1e-4,
                   "step_overhead": 1e-3, "intra_latency": 1e-6, "inter_latency": 1e-6}
 """Reference of a term whose value is 0 (a preset without that cost): 100 us of host time per layer pass
 (a CPU's dispatch of a transformer block's ops), 1 ms more under DTensor, 1 us per message. It sets the
@@ -479,6 +480,7 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
                                        dtensor_param_overhead_s=_sig(eff.dtensor_param_overhead_s),
                                        fsdp_layer_overhead_s=_sig(eff.fsdp_layer_overhead_s),
                                        tp_param_overhead_s=_sig(eff.tp_param_overhead_s),
+                                       pipeline_overhead_s=_sig(eff.pipeline_overhead_s),
                                        step_overhead_s=_sig(eff.step_overhead_s)),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:

@@ -4,13 +4,16 @@ Microbenchmarks price FLOPs and bytes; they miss the time the host spends per op
 autograd, DTensor's sharding propagation, a collective's bookkeeping). On GPUs that time hides under
 the kernels; on CPU processes it is a large part of a small model's step, and it is per micro-batch,
 not per token, so it decides how many micro-batches a plan should use. The cost model charges it as
-three Efficiency fields (plait/cost/compute.py and model.py): `layer_overhead_s` per layer pass,
-`tp_layer_overhead_s` more under tensor parallelism, `dtensor_param_overhead_s` per parameter tensor
-and step where parameters are DTensors (TP, or data parallelism on fully_shard).
+Efficiency fields (plait/cost/compute.py and model.py): `layer_overhead_s` per layer pass, and more
+under tensor parallelism (`tp_layer_overhead_s`) and fully_shard (`fsdp_layer_overhead_s`);
+`dtensor_param_overhead_s` per parameter tensor and step where parameters are DTensors (TP, or data
+parallelism on fully_shard), and more under TP (`tp_param_overhead_s`); `pipeline_overhead_s` per
+pipeline stage and micro-batch pass; `step_overhead_s` once per step.
 
 `probe_plans` lists plans chosen so that each of these moves their step time on its own: data
 parallelism on DDP with 1 and 4 micro-batches (the per-pass time), the same on fully_shard (the
-per-parameter time), and tensor parallelism with 1 and 4 micro-batches where the world is even. They
+per-parameter time), and, where the world is even, tensor parallelism with 1 and 4 micro-batches and
+a 2-stage 1F1B pipeline with 2 and 8 (`pipeline_overhead_s`, per stage and micro-batch pass). They
 use a small GPT at a short sequence, so host time is a large share of every step. `plait profile`
 times them (plait.profile.tune) and `calibrate` fits the three fields through the cost model
 (`fit_terms` with HOST_TERMS), on top of the compute and link fits. `plait tune` refines them later on
@@ -27,6 +30,8 @@ PROBE_MODEL = "tiny-gpt"
 PROBE_SEQ_LEN = 32
 """Short sequences: the GEMMs take about as long as the host's dispatch of them."""
 PROBE_MICRO_BATCHES = (1, 4)
+PIPELINE_MICRO_BATCHES = (2, 8)
+"""A pipeline of 2 stages needs at least 2 micro-batches; 8 makes its per-micro-batch time stand out."""
 
 
 def probe_plans(world_size: int) -> list[Plan]:
@@ -36,13 +41,14 @@ def probe_plans(world_size: int) -> list[Plan]:
     stand_in = ClusterSpec(name="probe", num_devices=world_size, devices_per_node=world_size, memory_bytes=2**40,
                            peak_flops=1e12, efficiency=Efficiency(), intra_node=LinkSpec(latency_s=1e-5, bandwidth=1e9),
                            inter_node=LinkSpec(latency_s=1e-5, bandwidth=1e9))
-    layouts = [dict(dp=world_size, tp=1, zero=0), dict(dp=world_size, tp=1, zero=2)]
+    layouts = [dict(dp=world_size, tp=1, pp=1, zero=0), dict(dp=world_size, tp=1, pp=1, zero=2)]
     if world_size % 2 == 0:
-        layouts.append(dict(dp=world_size // 2, tp=2, zero=0))
+        layouts.append(dict(dp=world_size // 2, tp=2, pp=1, zero=0))
+        layouts.append(dict(dp=world_size // 2, tp=1, pp=2, zero=0, schedule="1f1b"))
     plans = []
     for layout in layouts:
-        for m in PROBE_MICRO_BATCHES:
+        for m in PIPELINE_MICRO_BATCHES if layout["pp"] > 1 else PROBE_MICRO_BATCHES:
             train = TrainSpec(global_batch=layout["dp"] * m, seq_len=PROBE_SEQ_LEN, precision="fp32")
-            plans += search(PROBE_MODEL, stand_in, train, num_devices=world_size, top=1, pp=1, micro_batch=1,
+            plans += search(PROBE_MODEL, stand_in, train, num_devices=world_size, top=1, micro_batch=1,
                             recompute="none", **layout)
     return plans

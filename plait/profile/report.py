@@ -78,7 +78,8 @@ def host_table(m: Measurements, cal: Calibration) -> Table:
     table = Table(title=f"host time: {eff.layer_overhead_s * 1e3:.2f} ms per layer pass, "
                         f"+{eff.tp_layer_overhead_s * 1e3:.2f} ms under TP, +{eff.fsdp_layer_overhead_s * 1e3:.2f} ms on "
                         f"fully_shard, {eff.dtensor_param_overhead_s * 1e3:.3f} ms "
-                        f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP) per DTensor parameter, {eff.step_overhead_s * 1e3:.2f} ms per step (fitted on these probe plans, "
+                        f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP) per DTensor parameter, "
+                        f"{eff.pipeline_overhead_s * 1e3:.2f} ms per pipeline stage pass, {eff.step_overhead_s * 1e3:.2f} ms per step (fitted on these probe plans, "
                         f"{m.host_steps[0].plan['train']['seq_len']} "
                         "tokens per sequence)")
     for column in ("probe plan", "measured", "predicted", "error"):

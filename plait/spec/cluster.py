@@ -104,6 +104,10 @@ class Efficiency:
     """Host time fully_shard adds to each layer pass (forward 1x, backward 2x) where data parallelism rides on
     it: its hooks before and after every unit's forward and backward. 0 for the GPU presets; measured by
     `plait profile` on CPU processes."""
+    pipeline_overhead_s: float = 0.0
+    """Host time of one pipeline stage's forward or backward of one micro-batch beyond its layers': the
+    schedule's bookkeeping, posting its sends and receives and waiting on them. 0 for the GPU presets;
+    measured by `plait profile` on CPU processes."""
     step_overhead_s: float = 0.0
     """Fixed host time of a step, whatever the plan: launching the optimizer, zeroing the gradients,
     averaging the loss over ranks. 0 for the GPU presets; measured by `plait profile` on CPU processes."""
@@ -112,7 +116,8 @@ class Efficiency:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
         for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s",
-                     "dtensor_param_overhead_s", "tp_param_overhead_s", "fsdp_layer_overhead_s", "step_overhead_s"):
+                     "dtensor_param_overhead_s", "tp_param_overhead_s", "fsdp_layer_overhead_s", "pipeline_overhead_s",
+                     "step_overhead_s"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 

@@ -54,7 +54,7 @@ def test_quick_profile_writes_a_loadable_cluster_file(quick_profile):
     header = out.read_text().split("name:")[0]
     assert "measured:" in header and "intra_node: latency" in header and "R2" in header
     # host time, from the probe plans timed end to end: CPU processes always spend some per layer pass
-    assert "host time (fitted on 6 small plans" in header
+    assert "host time (fitted on 8 small plans" in header
     assert cluster.efficiency.layer_overhead_s + cluster.efficiency.tp_layer_overhead_s > 0
 
 
@@ -67,7 +67,7 @@ def test_quick_profile_prints_fits_and_keeps_raw_samples(quick_profile):
     assert collectives == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     assert {s["name"] for s in raw["compute"]} >= {"qkv", "fc1", "attention", "block"}
     assert all(s["seconds"] > 0 for s in raw["comm"]["intra_node"] + raw["compute"])
-    assert len(raw["host_steps"]) == 6 and all(s["seconds"] > 0 for s in raw["host_steps"])
+    assert len(raw["host_steps"]) == 8 and all(s["seconds"] > 0 for s in raw["host_steps"])
     assert "host time:" in result.stdout and "probe plan" in result.stdout
 
 

@@ -212,5 +212,5 @@ def test_kendall_tau_and_regret():
 
 def test_terms_cover_every_link_level():
     assert set(TERMS) == {"compute", "layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead",
-                          "dtensor_param_overhead", "tp_param_overhead", "step_overhead",
+                          "dtensor_param_overhead", "tp_param_overhead", "pipeline_overhead", "step_overhead",
                           "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"}

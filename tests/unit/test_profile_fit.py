@@ -215,18 +215,19 @@ def test_calibrate_fits_host_time_on_the_probe_plans():
 
     base = calibrate(synthetic_measurements()).cluster
     host = dict(layer_overhead_s=1.2e-3, tp_layer_overhead_s=8e-3, fsdp_layer_overhead_s=3e-4,
-                dtensor_param_overhead_s=2e-4, tp_param_overhead_s=4e-4, step_overhead_s=3e-3)
+                dtensor_param_overhead_s=2e-4, tp_param_overhead_s=4e-4, pipeline_overhead_s=6e-4, step_overhead_s=3e-3)
     truth = base.replace(efficiency=dataclasses.replace(base.efficiency, **host))
     probes = probe_plans(4)
-    assert {(p.dp, p.tp, p.zero, p.num_micro_batches) for p in probes} == {
-        (4, 1, 0, 1), (4, 1, 0, 4), (4, 1, 2, 1), (4, 1, 2, 4), (2, 2, 0, 1), (2, 2, 0, 4)}
+    assert {(p.dp, p.tp, p.pp, p.zero, p.num_micro_batches) for p in probes} == {
+        (4, 1, 1, 0, 1), (4, 1, 1, 0, 4), (4, 1, 1, 2, 1), (4, 1, 1, 2, 4), (2, 2, 1, 0, 1), (2, 2, 1, 0, 4),
+        (2, 1, 2, 0, 2), (2, 1, 2, 0, 8)}
     samples = tuple(HostSample(plan=p.to_dict(), seconds=predicted_step(p, truth)) for p in probes)
     m = Measurements(**{**synthetic_measurements().__dict__, "host_steps": samples})
     cal = calibrate(m)
     for name, value in host.items():
         assert getattr(cal.cluster.efficiency, name) == pytest.approx(value, rel=0.02), name
     assert max(cal.host.errors_after) < 0.01
-    assert "host time (fitted on 6 small plans" in "\n".join(describe(m, cal))
+    assert "host time (fitted on 8 small plans" in "\n".join(describe(m, cal))
     assert measurements_from_json(measurements_json(m)) == m
     assert calibrate(synthetic_measurements()).host is None  # nothing timed, nothing fitted
 
@@ -236,6 +237,6 @@ def test_probe_plans_fit_any_world():
 
     for world in (2, 3, 8):
         probes = probe_plans(world)
-        assert all(p.num_devices == world and p.pp == 1 for p in probes)
-        assert any(p.tp > 1 for p in probes) == (world % 2 == 0)
-        assert {p.num_micro_batches for p in probes} == {1, 4}
+        assert all(p.num_devices == world for p in probes)
+        assert any(p.tp > 1 for p in probes) == any(p.pp > 1 for p in probes) == (world % 2 == 0)
+        assert {p.num_micro_batches for p in probes if p.pp == 1} == {1, 4}

@@ -145,3 +145,19 @@ def test_step_overhead_is_paid_once_per_step_whatever_the_plan(fields):
     assert step(slow) - step(base) == pytest.approx(5e-3, rel=1e-6)
     assert predict(slow).step_time_parts["optimizer"] - predict(base).step_time_parts["optimizer"] == \
         pytest.approx(5e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("pp,schedule,interleave", [(4, "gpipe", 1), (4, "1f1b", 1), (2, "interleaved", 2)])
+def test_pipeline_overhead_is_paid_per_stage_pass_and_only_under_a_pipeline(pp, schedule, interleave):
+    cluster = with_efficiency(pipeline_overhead_s=2e-3)
+    flat = plan()
+    assert step(flat.replace(cluster=cluster)) == step(flat)
+    added = {}
+    for m in (pp, 2 * pp):
+        p = plan(dp=4 // pp, pp=pp, num_micro_batches=m, micro_batch=8 * pp // 4 // m, schedule=schedule,
+                 interleave=interleave)
+        added[m] = step(p.replace(cluster=cluster)) - step(p)
+    # each micro-batch passes every virtual stage forward and backward: at least the bottleneck rank's share
+    for m, seconds in added.items():
+        assert seconds >= 2 * m * interleave * 2e-3 * (1 - 1e-9)
+    assert added[2 * pp] > added[pp]
