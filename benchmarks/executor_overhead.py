@@ -90,7 +90,7 @@ class PlainLoop:
                 fully_shard(block, mesh=mesh)
             self.model = fully_shard(model, mesh=mesh)
         self.kind, self.count = kind, plan.num_micro_batches
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 
     def step(self, tokens, targets) -> None:
         import torch

@@ -13,7 +13,7 @@
    micro-batch count per layout; the others are out of sample).
 
     .venv/bin/python benchmarks/local_accuracy.py [--nproc 2 4] [--cluster-2 FILE] [--cluster-4 FILE] [--quick-profile]
-        [--global-batch 8] [--seq-len 128] [--steps 4] [--warmup 1] [--rounds 1] [--batch 32]
+        [--global-batch 8] [--seq-len 128] [--steps 3] [--warmup 1] [--rounds 2] [--batch 32]
         [--tune-top 6 12] [--json FILE] [--plot-dir DIR]
 
 Targets (issue 4): median error <= 15%, tau >= 0.7, regret <= 10%.
@@ -186,9 +186,10 @@ def main() -> None:
     parser.add_argument("--quick-profile", action="store_true", help="profile with --quick (seconds, noisier)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=1, help="passes over all plans (default: 1)")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all plans, each building every plan anew; "
+                        "a plan's steps of all rounds are pooled (default: 2)")
     parser.add_argument("--batch", type=int, default=32, help="plans stepped round-robin together (default: 32)")
     parser.add_argument("--tune-top", type=int, nargs="+", default=[6, 12],
                         help="plans `plait tune --top K` would run and fit on, one fit per K; the plots and --json "

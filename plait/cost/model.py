@@ -224,7 +224,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
     on = range(bottleneck, len(layers), pp)
-    lent = lent_cores_factor(setting.cluster, layout, st, work, pipe, c, exact)
+    lent = lent_cores_factor(setting.cluster, layout, st, pipe, c)
     parts = {
         "compute": lent * m * sum(st.compute[k] for k in on),
         "recompute": lent * m * sum(st.recompute[k] for k in on),
@@ -238,24 +238,19 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
 
 
-def lent_cores_factor(cluster, layout: Layout, st: StageTimes, work: list[float], pipe: float, p2p: float,
-                      exact: bool) -> float:
+def lent_cores_factor(cluster, layout: Layout, st: StageTimes, pipe: float, p2p: float) -> float:
     """How much faster a pipeline runs where ranks share cores (ClusterSpec.oversubscription o > 1).
 
     Stage times are priced at the rate every rank gets while all compute. A stage waiting in the
-    pipeline's fill or drain lends its cores to the busy ones, which then run up to o times faster; the
-    node's cores still have to do everyone's work. So the makespan lies between two bounds, and the
-    larger one is taken: the schedule with every stage o times faster, and the ranks' mean work (the
-    node's total at the shared rate, spread over all of them). 1 without a pipeline or shared cores."""
+    pipeline's fill or drain lends its cores to the busy ones, each of which then runs up to o times
+    faster: the schedule is simulated with the cores shared among the ranks computing at each moment
+    (plait.cost.schedule.simulate_shared), and the makespan's parts shrink in proportion. 1 without
+    a pipeline or shared cores."""
     o = cluster.oversubscription
     if layout.pp == 1 or o <= 1.0 or pipe <= 0:
         return 1.0
-    fast = StageTimes(tuple(f / o for f in st.fwd), tuple(b / o for b in st.bwd), st.compute, st.recompute, st.tp_comm)
-    if exact:
-        solo = makespan(fast.fwd, fast.bwd, layout.pp, layout.num_micro_batches, layout.schedule, p2p)
-    else:
-        solo = closed_form_makespan(fast, layout, p2p)
-    return min(1.0, max(solo, sum(work) / len(work)) / pipe)
+    shared = makespan(st.fwd, st.bwd, layout.pp, layout.num_micro_batches, layout.schedule, p2p, oversubscription=o)
+    return min(1.0, shared / pipe)
 
 
 def _fill_transfers(layout: Layout, p2p: float) -> float:

@@ -129,11 +129,73 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
     return Timeline(makespan=max(free), busy=tuple(busy), events=tuple(events))
 
 
+def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
+                    p2p: float = 0.0, oversubscription: float = 1.0) -> Timeline:
+    """`simulate` where the pipeline's ranks share cores (ClusterSpec.oversubscription o > 1, CPU processes).
+
+    Stage times are priced at the rate each rank gets while all of them compute. With k of the pp
+    ranks computing, the node's cores are shared by k instead (every data- and tensor-parallel copy
+    of the pipeline runs in step with it), so each runs min(o, pp / k) times faster: a waiting stage
+    lends its cores to the busy ones, but a rank cannot use more than its own threads. A fluid
+    simulation: between events every computing rank advances at that speed; an action starts when
+    its rank is free and its input has arrived (plus the point-to-point time, which takes no cores)."""
+    if oversubscription <= 1.0:
+        return simulate(fwd, bwd, pp, num_micro_batches, schedule, p2p)
+    stages, m = len(fwd), num_micro_batches
+    queues = rank_actions(schedule, pp, m, stages // pp)
+    done = {"F": [[-1.0] * m for _ in range(stages)], "B": [[-1.0] * m for _ in range(stages)]}
+    pos, left = [0] * pp, [0.0] * pp  # next action per rank; work left of the one it runs (all-busy seconds)
+    running = [False] * pp
+    now = 0.0
+
+    def ready_at(r: int) -> float | None:
+        """When rank r's next action may start (None: its input is not produced yet)."""
+        kind, k, mb = queues[r][pos[r]]
+        if kind == "F":
+            return 0.0 if k == 0 else (done["F"][k - 1][mb] + p2p if done["F"][k - 1][mb] >= 0 else None)
+        if k == stages - 1:
+            return done["F"][k][mb] if done["F"][k][mb] >= 0 else None
+        return done["B"][k + 1][mb] + p2p if done["B"][k + 1][mb] >= 0 else None
+
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        for r in range(pp):  # start every action whose input is here
+            if not running[r] and pos[r] < len(queues[r]):
+                t = ready_at(r)
+                if t is not None and t <= now + 1e-15:
+                    kind, k, _ = queues[r][pos[r]]
+                    running[r], left[r] = True, (fwd if kind == "F" else bwd)[k]
+        busy = [r for r in range(pp) if running[r]]
+        arrivals = [t for r in range(pp) if not running[r] and pos[r] < len(queues[r])
+                    for t in [ready_at(r)] if t is not None and t > now]
+        if not busy and not arrivals:
+            raise ValueError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, stages={stages}")
+        speed = min(oversubscription, pp / len(busy)) if busy else 0.0
+        step = min([left[r] / speed for r in busy] + [t - now for t in arrivals])
+        now += step
+        for r in busy:
+            left[r] -= step * speed
+            if left[r] <= 1e-12 * (1.0 + now):
+                kind, k, mb = queues[r][pos[r]]
+                done[kind][k][mb] = now
+                running[r], pos[r] = False, pos[r] + 1
+                remaining -= 1
+    busy_time = [0.0] * pp
+    for k in range(stages):
+        busy_time[k % pp] += m * (fwd[k] + bwd[k])
+    return Timeline(makespan=now, busy=tuple(busy_time))
+
+
 def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
-             p2p: float = 0.0, exact_up_to: int = 16) -> float:
-    """Makespan of the schedule. Past exact_up_to·pp micro-batches, simulate k·pp micro-batches for
-    k = 2, 3, ... until two successive increments agree (the schedule's steady state), then extrapolate."""
+             p2p: float = 0.0, exact_up_to: int = 16, oversubscription: float = 1.0) -> float:
+    """Makespan of the schedule (on cores shared `oversubscription` times over: `simulate_shared`). Past
+    exact_up_to·pp micro-batches, simulate k·pp micro-batches for k = 2, 3, ... until two successive
+    increments agree (the schedule's steady state), then extrapolate."""
     m = num_micro_batches
+
+    def simulate(fwd, bwd, pp, m, schedule, p2p):  # noqa: ANN001 (the module's, on shared cores)
+        return simulate_shared(fwd, bwd, pp, m, schedule, p2p, oversubscription)
+
     if pp == 1 or m <= exact_up_to * pp:
         return simulate(fwd, bwd, pp, m, schedule, p2p).makespan
     times = [simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan for k in (2, 3)]

@@ -53,3 +53,31 @@ def test_extrapolated_makespan_matches_full_simulation(shape, k, times, p2p):
     fwd, bwd = times[:stages], [2 * t for t in times[-stages:]]
     full = simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan
     assert makespan(fwd, bwd, pp, k * pp, schedule, p2p, exact_up_to=4) == pytest.approx(full, rel=0.02)
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 4, 1, 1), ("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1),
+                                             ("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2)])
+@pytest.mark.parametrize("o", [1.0, 1.5, 2.0, 4.0])
+def test_shared_cores_simulation_lies_between_the_node_work_and_the_unshared_schedule(schedule, pp, m, v, o):
+    from plait.cost.schedule import simulate_shared
+
+    fwd = [1.0 + 0.3 * k for k in range(pp * v)]
+    bwd = [2.0 * f for f in fwd]
+    alone = simulate(fwd, bwd, pp, m, schedule, p2p=0.1).makespan
+    shared = simulate_shared(fwd, bwd, pp, m, schedule, p2p=0.1, oversubscription=o).makespan
+    node_work = m * sum(f + b for f, b in zip(fwd, bwd)) / pp  # the node's cores do everyone's work
+    busiest = max(m * sum(fwd[r::pp]) + m * sum(bwd[r::pp]) for r in range(pp))
+    assert max(node_work, busiest / o) <= shared * (1 + 1e-9)
+    assert shared <= alone * (1 + 1e-9)
+    if o == 1.0:
+        assert shared == pytest.approx(alone)
+
+
+def test_shared_cores_one_busy_stage_runs_at_its_threads_speed():
+    """GPipe with one micro-batch keeps one stage of four busy at a time: it runs min(o, 4) times faster."""
+    from plait.cost.schedule import simulate_shared
+
+    fwd, bwd = [1.0] * 4, [2.0] * 4
+    for o in (1.5, 2.0, 4.0, 8.0):
+        shared = simulate_shared(fwd, bwd, 4, 1, "gpipe", oversubscription=o).makespan
+        assert shared == pytest.approx(12.0 / min(o, 4.0))
