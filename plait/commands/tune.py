@@ -264,11 +264,8 @@ def _field_change(term: str, cluster: Any, tuned: Any) -> str:
 
     if term in HOST_TERMS:
         field = f"{term}_s"
-        per = {"dtensor_param_overhead": "per parameter tensor and step", "tp_param_overhead": "per parameter tensor and step",
-               "step_overhead": "per step", "pipeline_overhead": "per pipeline stage pass"}.get(
-            term, "per layer pass")
         return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
-                f"{per}")
+                f"{HOST_TERMS[term]}")
     level, _, quantity = term.partition("_")
     attr = {"intra": "intra_node", "inter": "inter_node"}[level]
     before, after = getattr(cluster, attr), getattr(tuned, attr)

@@ -125,7 +125,7 @@ def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: 
     """Host time of a step spent on the rank's parameters as DTensors (Efficiency.dtensor_param_overhead_s),
     where they are: under tensor parallelism (plus Efficiency.tp_param_overhead_s), or data parallelism on
     fully_shard."""
-    if layout.tp == 1 and (layout.dp == 1 or rides_on_ddp(layout)):
+    if layout.tp == 1 and not on_fully_shard(layout):
         return 0.0
     eff = setting.cluster.efficiency
     per_tensor = eff.dtensor_param_overhead_s + (eff.tp_param_overhead_s if layout.tp > 1 else 0.0)
@@ -145,6 +145,12 @@ def rides_on_ddp(layout: Layout) -> bool:
     """Whether plait's executor carries this layout's data parallelism on DDP (ZeRO 0/1 without tensor or
     pipeline parallelism) rather than on fully_shard (plait/execute/data.py says why)."""
     return layout.zero <= 1 and layout.tp == 1 and layout.pp == 1
+
+
+def on_fully_shard(layout: Layout) -> bool:
+    """Whether this layout has data parallelism and plait's executor runs it on fully_shard: its parameters
+    are then DTensors, and its hooks run on every unit's forward and backward."""
+    return layout.dp > 1 and not rides_on_ddp(layout)
 
 
 def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
@@ -192,7 +198,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     pp, m = layout.pp, layout.num_micro_batches
     lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                     setting.dtype_bytes)
-    if layout.dp > 1 and not rides_on_ddp(layout):
+    if on_fully_shard(layout):
         lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)

@@ -95,25 +95,12 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
             queue, i = queues[r], pos[r]
             while i < len(queue):
                 kind, k, mb = queue[i]
-                if kind == "F":
-                    ready = 0.0 if k == 0 else done_f[k - 1][mb] + p2p
-                    if k > 0 and done_f[k - 1][mb] < 0:
-                        break
-                    end = max(free[r], ready) + fwd[k]
-                    done_f[k][mb] = end
-                    duration = fwd[k]
-                else:
-                    if k == stages - 1:
-                        ready = done_f[k][mb]
-                    else:
-                        if done_b[k + 1][mb] < 0:
-                            break
-                        ready = done_b[k + 1][mb] + p2p
-                    if ready < 0:
-                        break
-                    end = max(free[r], ready) + bwd[k]
-                    done_b[k][mb] = end
-                    duration = bwd[k]
+                ready = _input_time(kind, k, mb, done_f, done_b, p2p)
+                if ready is None:
+                    break
+                duration = (fwd if kind == "F" else bwd)[k]
+                end = max(free[r], ready) + duration
+                (done_f if kind == "F" else done_b)[k][mb] = end
                 if keep_events:
                     events.append((r, kind, k, mb, end - duration, end))
                 free[r] = end
@@ -123,10 +110,26 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
             pos[r] = i
         if not progressed:
             raise ValueError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, stages={stages}")
-    busy = [0.0] * pp
-    for k in range(stages):
-        busy[k % pp] += m * (fwd[k] + bwd[k])
-    return Timeline(makespan=max(free), busy=tuple(busy), events=tuple(events))
+    return Timeline(makespan=max(free), busy=_busy(fwd, bwd, pp, m), events=tuple(events))
+
+
+def _input_time(kind: str, k: int, mb: int, done_f: list[list[float]], done_b: list[list[float]],
+                p2p: float) -> float | None:
+    """When the input of action (kind, virtual stage k, micro-batch mb) is on its rank: the previous stage's
+    forward, the last stage's own forward, or the next stage's backward, plus the transfer between ranks;
+    None while it has not been produced (done times are -1 until then)."""
+    if kind == "F":
+        if k == 0:
+            return 0.0
+        return done_f[k - 1][mb] + p2p if done_f[k - 1][mb] >= 0 else None
+    if k == len(done_f) - 1:
+        return done_f[k][mb] if done_f[k][mb] >= 0 else None
+    return done_b[k + 1][mb] + p2p if done_b[k + 1][mb] >= 0 else None
+
+
+def _busy(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int) -> tuple[float, ...]:
+    """Compute time of each rank: m micro-batches through its virtual stages k = r, r + pp, ..."""
+    return tuple(m * sum(f + b for f, b in zip(fwd[r::pp], bwd[r::pp])) for r in range(pp))
 
 
 def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
@@ -151,11 +154,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
     def ready_at(r: int) -> float | None:
         """When rank r's next action may start (None: its input is not produced yet)."""
         kind, k, mb = queues[r][pos[r]]
-        if kind == "F":
-            return 0.0 if k == 0 else (done["F"][k - 1][mb] + p2p if done["F"][k - 1][mb] >= 0 else None)
-        if k == stages - 1:
-            return done["F"][k][mb] if done["F"][k][mb] >= 0 else None
-        return done["B"][k + 1][mb] + p2p if done["B"][k + 1][mb] >= 0 else None
+        return _input_time(kind, k, mb, done["F"], done["B"], p2p)
 
     remaining = sum(len(q) for q in queues)
     while remaining:
@@ -180,10 +179,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
                 done[kind][k][mb] = now
                 running[r], pos[r] = False, pos[r] + 1
                 remaining -= 1
-    busy_time = [0.0] * pp
-    for k in range(stages):
-        busy_time[k % pp] += m * (fwd[k] + bwd[k])
-    return Timeline(makespan=now, busy=tuple(busy_time))
+    return Timeline(makespan=now, busy=_busy(fwd, bwd, pp, m))
 
 
 def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
@@ -193,24 +189,25 @@ def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
     increments agree (the schedule's steady state), then extrapolate."""
     m = num_micro_batches
 
-    def simulate(fwd, bwd, pp, m, schedule, p2p):  # noqa: ANN001 (the module's, on shared cores)
-        return simulate_shared(fwd, bwd, pp, m, schedule, p2p, oversubscription)
+    def span(count: int) -> float:
+        return simulate_shared(fwd, bwd, pp, count, schedule, p2p, oversubscription).makespan
 
     if pp == 1 or m <= exact_up_to * pp:
-        return simulate(fwd, bwd, pp, m, schedule, p2p).makespan
-    times = [simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan for k in (2, 3)]
+        return span(m)
+    times = [span(k * pp) for k in (2, 3)]
     k = 3
     while k * pp < m:
         steps = [b - a for a, b in zip(times[-4:], times[-3:])]
         if len(steps) == 3 and max(steps) - min(steps) <= 1e-9 * times[-1]:
             break
         k += 1
-        times.append(simulate(fwd, bwd, pp, k * pp, schedule, p2p).makespan)
+        times.append(span(k * pp))
     if k * pp >= m:
-        return simulate(fwd, bwd, pp, m, schedule, p2p).makespan if k * pp > m else times[-1]
-    # No rank can run faster than its own work: a floor on the period for uneven interleaved stages.
+        return span(m) if k * pp > m else times[-1]
+    # A floor on the period for uneven interleaved stages: no rank runs faster than its own work (o times
+    # faster at most on shared cores), and the node's cores do everyone's.
     work = max(sum(f + b for f, b in zip(fwd[r::pp], bwd[r::pp])) for r in range(pp))
-    period = max(times[-1] - times[-2], pp * work)
+    period = max(times[-1] - times[-2], pp * work / max(1.0, oversubscription), sum(fwd) + sum(bwd))
     return times[-1] + (m - k * pp) / pp * period
 
 

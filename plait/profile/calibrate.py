@@ -122,7 +122,7 @@ def fit_host_terms(samples: tuple[HostSample, ...], cluster: ClusterSpec) -> "Te
 
     observations = [Observation(plan=Plan.from_dict(s.plan).replace(cluster=cluster, predicted=None),
                                 measured_s=s.seconds) for s in samples]
-    return fit_terms(observations, cluster, HOST_TERMS)
+    return fit_terms(observations, cluster, tuple(HOST_TERMS))
 
 
 def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:
@@ -186,16 +186,14 @@ def describe(m: Measurements, cal: Calibration) -> list[str]:
 
 
 def host_line(fit: "TermFit", plans: int) -> str:
-    eff = fit.cluster.efficiency
     errors = sorted(fit.errors_after)
-    return (f"host time (fitted on {plans} small plans timed end to end): {eff.layer_overhead_s * 1e3:.2f} ms per "
-            f"layer pass, {eff.tp_layer_overhead_s * 1e3:.2f} ms more under TP, "
-            f"{eff.fsdp_layer_overhead_s * 1e3:.2f} ms more on fully_shard, "
-            f"{eff.dtensor_param_overhead_s * 1e3:.3f} ms per DTensor parameter and step "
-            f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP), "
-            f"{eff.pipeline_overhead_s * 1e3:.2f} ms per pipeline stage pass, "
-            f"{eff.step_overhead_s * 1e3:.2f} ms per step; "
+    return (f"host time (fitted on {plans} small plans timed end to end): {host_time_text(fit.cluster.efficiency)}; "
             f"step error {errors[len(errors) // 2]:.0%} median, {errors[-1]:.0%} worst")
+
+
+def host_time_text(eff: Efficiency) -> str:
+    """Every host-time field, e.g. '0.57 ms per layer pass, 9.48 ms more per layer pass under TP, ...'."""
+    return ", ".join(f"{getattr(eff, f'{term}_s') * 1e3:.3g} ms {paid_for}" for term, paid_for in HOST_TERMS.items())
 
 
 def _peak_line(m: Measurements, cal: Calibration) -> str:
@@ -253,12 +251,18 @@ def measurements_from_json(text: str) -> Measurements:
 # (max(comm - compute, last bucket)) make it piecewise linear, hence a few Gauss-Newton rounds,
 # re-linearizing at the corrected cluster each time.
 
-TERMS: tuple[str, ...] = ("compute", "layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead",
-                          "dtensor_param_overhead", "tp_param_overhead", "pipeline_overhead", "step_overhead", "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
+HOST_TERMS: dict[str, str] = {
+    "layer_overhead": "per layer pass",
+    "tp_layer_overhead": "more per layer pass under TP",
+    "fsdp_layer_overhead": "more per layer pass on fully_shard",
+    "dtensor_param_overhead": "per DTensor parameter and step",
+    "tp_param_overhead": "more per parameter and step under TP",
+    "pipeline_overhead": "per pipeline stage pass",
+    "step_overhead": "per step",
+}
+"""Terms that are an Efficiency field `<term>_s` of host seconds, and what each is paid for."""
+TERMS: tuple[str, ...] = ("compute", *HOST_TERMS, "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
-HOST_TERMS = ("layer_overhead", "tp_layer_overhead", "fsdp_layer_overhead", "dtensor_param_overhead",
-              "tp_param_overhead", "pipeline_overhead", "step_overhead")
-"""Terms that are an Efficiency field `<term>_s` of host seconds."""
 
 ZERO_REFERENCE = {"layer_overhead": 1e-4, "tp_layer_overhead": 1e-3, "fsdp_layer_overhead": 1e-4,
                   "dtensor_param_overhead": 1e-4, "tp_param_overhead": 1e-4, "pipeline_overhead": 1e-4,
@@ -475,13 +479,8 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     equal to its intra-node one when it was so (nothing measured can tell them apart)."""
     eff = cluster.efficiency
     cluster = cluster.replace(
-        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul), layer_overhead_s=_sig(eff.layer_overhead_s),
-                                       tp_layer_overhead_s=_sig(eff.tp_layer_overhead_s),
-                                       dtensor_param_overhead_s=_sig(eff.dtensor_param_overhead_s),
-                                       fsdp_layer_overhead_s=_sig(eff.fsdp_layer_overhead_s),
-                                       tp_param_overhead_s=_sig(eff.tp_param_overhead_s),
-                                       pipeline_overhead_s=_sig(eff.pipeline_overhead_s),
-                                       step_overhead_s=_sig(eff.step_overhead_s)),
+        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul),
+                                       **{f"{t}_s": _sig(getattr(eff, f"{t}_s")) for t in HOST_TERMS}),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from plait.cost import predict
 from plait.plan import Plan
-from plait.profile.calibrate import Calibration, Measurements
+from plait.profile.calibrate import Calibration, Measurements, host_time_text
 from plait.profile.fit import evaluate_link, ring_terms
 
 
@@ -74,14 +74,8 @@ def collectives_table(level: str, samples, cal: Calibration) -> Table:  # noqa: 
 
 def host_table(m: Measurements, cal: Calibration) -> Table:
     """Each probe plan's measured step against the cost model's with the fitted host time."""
-    eff = cal.cluster.efficiency
-    table = Table(title=f"host time: {eff.layer_overhead_s * 1e3:.2f} ms per layer pass, "
-                        f"+{eff.tp_layer_overhead_s * 1e3:.2f} ms under TP, +{eff.fsdp_layer_overhead_s * 1e3:.2f} ms on "
-                        f"fully_shard, {eff.dtensor_param_overhead_s * 1e3:.3f} ms "
-                        f"(+{eff.tp_param_overhead_s * 1e3:.3f} ms under TP) per DTensor parameter, "
-                        f"{eff.pipeline_overhead_s * 1e3:.2f} ms per pipeline stage pass, {eff.step_overhead_s * 1e3:.2f} ms per step (fitted on these probe plans, "
-                        f"{m.host_steps[0].plan['train']['seq_len']} "
-                        "tokens per sequence)")
+    table = Table(title=f"host time: {host_time_text(cal.cluster.efficiency)} (fitted on these probe plans, "
+                        f"{m.host_steps[0].plan['train']['seq_len']} tokens per sequence)")
     for column in ("probe plan", "measured", "predicted", "error"):
         table.add_column(column, justify="left" if column == "probe plan" else "right")
     for sample in m.host_steps:
