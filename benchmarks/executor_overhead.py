@@ -51,7 +51,7 @@ def make_plan(args, zero: int):
                       num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len, precision="fp32")
     rows = args.global_batch // args.nproc
-    return Plan(dp=args.nproc, tp=1, pp=1, zero=zero, micro_batch=rows // args.micro_batches,
+    return Plan.of(dp=args.nproc, tp=1, pp=1, zero=zero, micro_batch=rows // args.micro_batches,
                 num_micro_batches=args.micro_batches, model=model, train=train,
                 cluster=CLUSTER_PRESETS["local-cpu"].with_devices(args.nproc))
 

@@ -53,7 +53,7 @@ def make_plan(args, schedule: str, num_micro_batches: int):
     model = ModelSpec(name="uniform-gpt", arch="gpt", num_layers=args.layers_per_stage * p, hidden_size=args.hidden,
                       num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
     train = TrainSpec(global_batch=args.micro_batch * num_micro_batches, seq_len=args.seq_len, precision="fp32")
-    return Plan(dp=1, tp=1, pp=p, micro_batch=args.micro_batch, num_micro_batches=num_micro_batches,
+    return Plan.of(dp=1, tp=1, pp=p, micro_batch=args.micro_batch, num_micro_batches=num_micro_batches,
                 schedule=schedule, layers_per_stage=(args.layers_per_stage,) * p, model=model, train=train,
                 cluster=CLUSTER_PRESETS["local-cpu"].with_devices(p))
 

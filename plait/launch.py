@@ -116,6 +116,9 @@ def shutdown_distributed() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    from plait.execute.mesh import forget_meshes
+
+    forget_meshes()
 
 
 def threads_per_rank(nproc: int) -> int:

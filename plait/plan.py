@@ -5,6 +5,9 @@ parallel degrees and every other choice, the model, training and cluster specs i
 made for, and (when the planner made it) what the cost model predicted. It round-trips
 through JSON; a hand-written plan file is equally valid input to the executor.
 
+The parallel degrees live in one mapping of mesh axes, `degrees` (plait.axes): a new dimension is one
+entry there, not a field here. `plan.dp`, `plan.tp`, ... read it.
+
 Pipeline stages are *virtual* stages in model order: with `pp` devices per pipeline and
 `interleave` = v model chunks per device there are pp·v of them, and virtual stage k
 lives on pipeline rank k % pp (chunk k // pp) -- the layout of Megatron's and PyTorch's
@@ -20,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from plait.axes import ALL_AXES, Degrees
 from plait.errors import ConfigError
+from plait.legality import DataParallelMode, data_parallel_mode
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec._dict import from_dict, to_dict
 
@@ -53,16 +58,15 @@ class Prediction:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    dp: int
-    """Data-parallel degree (replicas, or shards under ZeRO)."""
-    tp: int
-    """Tensor-parallel degree (Megatron-style; inside a node unless allowed otherwise)."""
-    pp: int
-    """Pipeline-parallel degree (devices per pipeline)."""
+    degrees: Degrees
+    """Degree of every parallel axis (plait.axes.AXES: pp, dp, cp, tp; ep inside dp); a dict is accepted."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the tensor group (needs tp > 1 to matter)."""
     zero: int = 0
     """0: plain data parallel (DDP); 1: optimizer states sharded; 2: + gradients; 3: + parameters (FSDP)."""
+    data_parallel: Literal["none", "ddp", "fully_shard"] | None = None
+    """How the executor carries data parallelism; None: plait.legality.data_parallel_mode's rule (DDP for
+    ZeRO 0/1 of plain replicas, fully_shard otherwise), filled in when the plan is made."""
     recompute: tuple[Recompute, ...] = ()
     """Activation recomputation per pipeline rank (pp entries); () means "none" everywhere."""
     micro_batch: int = 1
@@ -81,12 +85,17 @@ class Plan:
     predicted: Prediction | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "num_micro_batches", "interleave"):
+        if not isinstance(self.degrees, Degrees):
+            object.__setattr__(self, "degrees", Degrees.from_plain(self.degrees))
+        for name in ("micro_batch", "num_micro_batches", "interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        mode = data_parallel_mode(self.degrees, self.zero)
+        if self.data_parallel is None or mode.carrier == "none":
+            object.__setattr__(self, "data_parallel", mode.carrier)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.interleave > 1 and self.schedule != "interleaved":
@@ -119,8 +128,36 @@ class Plan:
 
     # ---- derived ---------------------------------------------------------------
     @property
+    def dp(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
+
+    @property
+    def pp(self) -> int:
+        return self.degrees.pp
+
+    @property
+    def cp(self) -> int:
+        return self.degrees.cp
+
+    @property
+    def ep(self) -> int:
+        return self.degrees.ep
+
+    @property
     def num_devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.degrees.world_size
+
+    @property
+    def dp_mode(self) -> DataParallelMode:
+        """How the executor carries data parallelism (plait.legality.data_parallel_mode), as this plan says."""
+        mode = data_parallel_mode(self.degrees, self.zero)
+        if self.data_parallel == mode.carrier:
+            return mode
+        return DataParallelMode(self.data_parallel, False, self.zero)  # fully_shard chosen for ZeRO 0/1
 
     @property
     def num_stages(self) -> int:
@@ -138,7 +175,7 @@ class Plan:
 
     def describe(self) -> str:
         """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3'."""
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts = [self.degrees.describe()]
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(f"zero{self.zero}")
@@ -152,7 +189,17 @@ class Plan:
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> "Plan":
+        """A copy with `changes`; axis names (dp=4, cp=2, ...) change the degrees."""
+        axes = {a: changes.pop(a) for a in ALL_AXES if a in changes}
+        if axes:
+            changes["degrees"] = Degrees(changes.get("degrees", self.degrees), **axes)
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, **fields: Any) -> "Plan":
+        """Plan(...) with the degrees given as keywords: ``Plan.of(dp=2, tp=2, model=..., ...)``."""
+        axes = {a: fields.pop(a) for a in ALL_AXES if a in fields}
+        return cls(degrees=Degrees(fields.pop("degrees", None), **axes), **fields)
 
     # ---- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +207,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if isinstance(data, dict) and "degrees" not in data and any(a in data for a in ALL_AXES):
+            # plan files of plait <= 0.1 held the degrees as top-level keys
+            data = dict(data)
+            data["degrees"] = {a: data.pop(a) for a in ALL_AXES if a in data}
         return from_dict(cls, data, "plan")
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.axes import ALL_AXES, Degrees
+from plait.legality import DataParallelMode, data_parallel_mode
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
@@ -31,23 +33,59 @@ class Setting:
 
 @dataclass(frozen=True)
 class Layout:
-    dp: int
-    tp: int
-    pp: int
+    degrees: Degrees
     sp: bool
     zero: int
     micro_batch: int
     num_micro_batches: int
     schedule: str
     interleave: int
+    data_parallel: str | None = None
+    """As Plan.data_parallel; None: the rule's choice."""
+
+    def __post_init__(self) -> None:
+        if self.data_parallel is None or self.degrees.dp * self.degrees.cp == 1:
+            object.__setattr__(self, "data_parallel", data_parallel_mode(self.degrees, self.zero).carrier)
+
+    @property
+    def dp_mode(self) -> DataParallelMode:
+        """How the executor carries this layout's data parallelism (the one rule: plait.legality)."""
+        mode = data_parallel_mode(self.degrees, self.zero)
+        return mode if self.data_parallel == mode.carrier else DataParallelMode(self.data_parallel, False, self.zero)
+
+    @property
+    def dp(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
+
+    @property
+    def pp(self) -> int:
+        return self.degrees.pp
+
+    @property
+    def cp(self) -> int:
+        return self.degrees.cp
+
+    @property
+    def ep(self) -> int:
+        return self.degrees.ep
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.interleave
 
     @classmethod
+    def make(cls, **fields) -> "Layout":
+        """Layout(...) with the degrees given as keywords (dp=2, tp=8, ...)."""
+        axes = {a: fields.pop(a) for a in ALL_AXES if a in fields}
+        return cls(degrees=Degrees(fields.pop("degrees", None), **axes), **fields)
+
+    @classmethod
     def of(cls, plan: Plan) -> "Layout":
         schedule = plan.schedule if plan.pp > 1 else "1f1b"
-        return cls(dp=plan.dp, tp=plan.tp, pp=plan.pp, sp=plan.sequence_parallel and plan.tp > 1, zero=plan.zero,
+        return cls(degrees=plan.degrees, sp=plan.sequence_parallel and plan.tp > 1, zero=plan.zero,
                    micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches, schedule=schedule,
-                   interleave=plan.interleave)
+                   interleave=plan.interleave, data_parallel=plan.data_parallel)

@@ -93,9 +93,9 @@ class RankMemory:
 
 
 def held_zero(layout: Layout) -> int:
-    """The ZeRO stage whose memory a rank holds at its peak: plait keeps ZeRO-3's parameters gathered
-    through a pipeline schedule (plait/execute/data.py), which is ZeRO-2's memory."""
-    return 2 if layout.zero == 3 and layout.pp > 1 else layout.zero
+    """The ZeRO stage whose memory a rank holds at its peak (plait.legality.data_parallel_mode: ZeRO-3's
+    parameters stay gathered through a pipeline schedule, which is ZeRO-2's memory)."""
+    return layout.dp_mode.held_zero
 
 
 def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankMemory:

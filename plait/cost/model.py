@@ -141,16 +141,10 @@ def with_fsdp_hooks(lc: LayerCost, seconds: float) -> LayerCost:
     return dataclasses.replace(lc, fwd=lc.fwd + seconds, bwd=lc.bwd + 2 * seconds, recompute=recompute)
 
 
-def rides_on_ddp(layout: Layout) -> bool:
-    """Whether plait's executor carries this layout's data parallelism on DDP (ZeRO 0/1 without tensor or
-    pipeline parallelism) rather than on fully_shard (plait/execute/data.py says why)."""
-    return layout.zero <= 1 and layout.tp == 1 and layout.pp == 1
-
-
 def on_fully_shard(layout: Layout) -> bool:
     """Whether this layout has data parallelism and plait's executor runs it on fully_shard: its parameters
-    are then DTensors, and its hooks run on every unit's forward and backward."""
-    return layout.dp > 1 and not rides_on_ddp(layout)
+    are then DTensors, and its hooks run on every unit's forward and backward (plait.legality says when)."""
+    return layout.dp_mode.carrier == "fully_shard"
 
 
 def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
@@ -166,7 +160,7 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
     nbytes = params * setting.dtype_bytes
     m = layout.num_micro_batches
-    if rides_on_ddp(layout):
+    if layout.dp_mode.carrier == "ddp":
         full = comm.all_reduce(nbytes, group, cluster)
         last = comm.all_reduce(min(nbytes, BUCKET_BYTES), group, cluster)
         sync = comm.all_gather(nbytes, group, cluster) if layout.zero == 1 else 0.0
@@ -177,7 +171,7 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     unit_gather = comm.all_gather(nbytes / units, group, cluster)
     unit_scatter = comm.reduce_scatter(nbytes / units, group, cluster)
     scatter_exposed = max(scatter - bwd_mb, unit_scatter)
-    if layout.zero == 3 and layout.pp == 1:
+    if layout.dp_mode.reshard_after_forward:
         exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
         return 2 * m * gather + scatter, exposed
     return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed

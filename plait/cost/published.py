@@ -64,7 +64,7 @@ def megatron_plan(row: MegatronRow, cluster: ClusterSpec) -> Plan:
                       num_heads=row.heads, vocab_size=VOCAB, max_seq_len=SEQ_LEN)
     dp = row.devices // (row.tp * row.pp)
     v = megatron_chunks(row)
-    return Plan(dp=dp, tp=row.tp, pp=row.pp, zero=0, recompute=("full",), micro_batch=1,
+    return Plan.of(dp=dp, tp=row.tp, pp=row.pp, zero=0, recompute=("full",), micro_batch=1,
                 num_micro_batches=row.batch // dp, schedule="interleaved" if v > 1 else "1f1b", interleave=v,
                 model=model, train=TrainSpec(global_batch=row.batch, seq_len=SEQ_LEN, precision="fp16"),
                 cluster=cluster.with_devices(row.devices))

@@ -1,4 +1,5 @@
-"""The executor: apply a Plan to the reference model on torch.distributed, with PyTorch's own parts.
+"""The executor: apply a Plan to the plan's model (through its adapter, plait.models) on torch.distributed,
+with PyTorch's own parts.
 
     from plait.launch import init_distributed
     from plait.execute import parallelize
@@ -13,9 +14,7 @@ Composition order and the reasons for it: plait/execute/parallelize.py.
 """
 
 from plait.execute.batches import batch_for_step, dp_shard
-from plait.execute.parallelize import ParallelModel, parallelize, validate_plan
+from plait.execute.parallelize import ParallelModel, parallelize
 from plait.execute.reference import single_process_reference
 
-__all__ = [
-    "ParallelModel", "batch_for_step", "dp_shard", "parallelize", "single_process_reference", "validate_plan",
-]
+__all__ = ["ParallelModel", "batch_for_step", "dp_shard", "parallelize", "single_process_reference"]

@@ -1,24 +1,20 @@
-"""apply_dp: data parallelism over the mesh's "dp" axis -- DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP.
+"""apply_dp: data parallelism over the mesh's data-parallel ranks -- DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP.
 
-Which PyTorch building block carries each ZeRO stage (Rajbhandari et al. 2020):
+Which PyTorch building block carries each ZeRO stage (Rajbhandari et al. 2020); the choice itself is
+one rule, plait.legality.data_parallel_mode, which the cost model reads too:
 
 * zero 0: `DistributedDataParallel` (bucketed gradient all-reduce overlapped with backward);
-* zero 1: DDP plus `ZeroRedundancyOptimizer` (each dp rank keeps and updates the AdamW
-  states of its share of the parameters, then broadcasts them);
-* zero 2: `fully_shard(reshard_after_forward=False)`: gradients and optimizer states
-  sharded (reduce-scatter), parameters gathered once per step and kept through backward;
-* zero 3: `fully_shard(reshard_after_forward=True)`: parameters too are re-gathered for
-  backward -- except under pipelining, where resharding between a micro-batch's forward
-  and backward gives wrong gradients with some schedules and costs a gather per
-  micro-batch (torchtitan's default there is False as well).
+* zero 1: DDP plus `ZeroRedundancyOptimizer` (each dp rank keeps and updates the AdamW states of its
+  share of the parameters, then broadcasts them);
+* zero 2: `fully_shard(reshard_after_forward=False)`: gradients and optimizer states sharded
+  (reduce-scatter), parameters gathered once per step and kept through backward;
+* zero 3: `fully_shard(reshard_after_forward=True)`: parameters too are re-gathered for backward --
+  except under pipelining (see the rule).
 
-DDP does not take DTensor parameters, and its reducer breaks under any pipeline schedule,
-which runs several micro-batch forwards before their backwards ("rebuilt parameter indices
-size is not same as original model parameters size"; torchtitan never pairs DDP with PP
-either). In those two cases zero 0 and 1 also use
-`fully_shard(reshard_after_forward=False)`: the same numerics, memory at least as low.
-Wrapping is per transformer block and then the stage root, so each block's parameters
-are gathered (or its gradients reduced) as one unit, overlapping with the neighbours.
+Where DDP cannot carry zero 0/1 (tensor or context parallelism, a pipeline) they ride on
+`fully_shard(reshard_after_forward=False)`: the same numerics, memory at least as low. Wrapping is per
+block and then the stage root, so each block's parameters are gathered (or its gradients reduced) as
+one unit, overlapping with the neighbours.
 """
 
 from __future__ import annotations
@@ -32,45 +28,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
-
-def has_dtensor_params(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
+from plait.legality import DataParallelMode
 
 
-def uses_fully_shard(zero: int, tensor_parallel: bool, pipelined: bool) -> bool:
-    """Whether data parallelism rides on fully_shard rather than DDP (see the module docstring)."""
-    return zero >= 2 or tensor_parallel or pipelined
+def unshardable(stage: nn.Module) -> set[nn.Parameter]:
+    """Parameters fully_shard cannot shard further: a packed projection's bias split over tp (GPT-2's q|k|v,
+    an _StridedShard on dim 0, which fully_shard's dim-0 shard would compose with into a layout DTensor cannot
+    place). They stay whole on every dp rank; ReplicatedGradients averages their gradients."""
+    return {p for p in stage.parameters() if isinstance(p, DTensor)
+            and any(isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
+def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
                mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    ignored = unshardable(stage)
+    stage.dp_replicated = {name for name, p in stage.named_parameters() if p in ignored}  # names: to_empty
+    # replaces the parameter objects
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": ignored or None}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in module.layers.values():
+    for block in stage.blocks().values():
         fully_shard(block, **kwargs)
-    fully_shard(module, **kwargs)
-    return module
+    fully_shard(stage, **kwargs)
+    return stage
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     # init_sync=False: every rank already holds the same initial weights (plait loads them
     # from the same seed), so the initial broadcast would only cost time.
-    return DistributedDataParallel(module, process_group=dp_mesh.get_group(),
-                                   init_sync=False)
+    return DistributedDataParallel(module, process_group=dp_mesh.get_group(), init_sync=False)
 
 
-def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, *, zero: int, under_pipeline: bool,
-             mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Wrap one stage module for data parallelism; returns it (DDP wraps, fully_shard works in place)."""
-    if dp_mesh.size() == 1 or not any(True for _ in module.parameters()):
-        return module  # nothing to synchronize
-    if uses_fully_shard(zero, has_dtensor_params(module), under_pipeline):
-        reshard = zero == 3 and not under_pipeline
-        return apply_fsdp(module, dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-    return apply_ddp(module, dp_mesh)
+def apply_fully_shard(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode,
+                      mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard one meta stage for data parallelism when its mode rides on fully_shard (before materializing)."""
+    if mode.carrier != "fully_shard" or dp_mesh.size() == 1 or not any(True for _ in stage.parameters()):
+        return stage
+    return apply_fsdp(stage, dp_mesh, reshard_after_forward=mode.reshard_after_forward, mp_policy=mp_policy)
+
+
+def apply_ddp_if(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode) -> nn.Module:
+    """Wrap one materialized stage in DDP when its mode rides on DDP (after materializing: DDP needs real tensors)."""
+    if mode.carrier != "ddp" or dp_mesh.size() == 1 or not any(True for _ in stage.parameters()):
+        return stage
+    return apply_ddp(stage, dp_mesh)
 
 
 def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, lr: float, weight_decay: float,

@@ -1,20 +1,18 @@
-"""apply_ac: activation recomputation per transformer block, as the plan says for this pipeline rank.
+"""apply_ac: activation recomputation per block, as the plan says for this pipeline rank.
 
-* "full": keep only each block's input and recompute the whole block in backward
-  (Chen et al. 2016; Megatron's full recompute).
-* "selective": recompute only the attention core, softmax(q·kᵀ)·v, whose activations grow with
-  the square of the sequence while costing few FLOPs (Korthikanti et al. 2022, section 4.2):
-  each block's `attention.core` module is checkpointed, everything else is kept.
+* "full": keep only each block's input and recompute the whole block in backward (Chen et al. 2016;
+  Megatron's full recompute).
+* "selective": recompute only what the adapter names (ModelAdapter.selective): the attention core,
+  softmax(q·kᵀ/√d)·v (Korthikanti et al. 2022, section 4.2), for plait's and Hugging Face's models.
 * "none": keep everything.
 
-Selective recompute checkpoints a module rather than running a selective-checkpoint policy over
-the whole block: a policy is a Python call on every op of the forward and again of the recompute,
-which on CPU processes made "selective" slower than "full" (measured on tiny-gpt, 2 gloo ranks:
-+6.4 ms per layer and micro-batch against full's +3.7 ms); one checkpointed core costs one extra
-forward of that core.
+Selective recompute checkpoints a module (or the attention function) rather than running a
+selective-checkpoint policy over the whole block: a policy is a Python call on every op of the forward
+and again of the recompute, which on CPU processes made "selective" slower than "full" (measured on
+tiny-gpt, 2 gloo ranks: +6.4 ms per layer and micro-batch against full's +3.7 ms).
 
-Always non-reentrant: reentrant checkpointing breaks under pipelining (and the other
-ranks then hang), and it does not compose with DTensor/FSDP hooks.
+Always non-reentrant: reentrant checkpointing breaks under pipelining (and the other ranks then hang),
+and it does not compose with DTensor/FSDP hooks.
 """
 
 from __future__ import annotations
@@ -22,22 +20,26 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from plait.plan import RECOMPUTE_MODES
 
-def _checkpointed(module: nn.Module) -> nn.Module:
-    # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs time
+
+def checkpointed(module: nn.Module) -> nn.Module:
+    # preserve_rng_state=False: plait runs without dropout, and saving RNG state costs time
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
 
 
-def apply_ac(module: nn.Module, mode: str) -> None:
-    """Wrap every block (full) or every block's attention core (selective) of a stage module in place.
+def apply_ac(stage: nn.Module, mode: str) -> None:
+    """Wrap every block (full) or what the adapter recomputes of each block (selective) of a Stage in place.
     Full recompute's names gain `_checkpoint_wrapped_module.`, which torch.distributed.checkpoint's
-    state-dict helpers strip again; the attention core has no parameters, so selective renames nothing."""
+    state-dict helpers strip again."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    stage.recompute_mode, stage.selective_units = mode, 0
     if mode == "none":
         return
-    if mode not in ("selective", "full"):
-        raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
-    for name, block in list(module.layers.items()):
+    blocks = stage.blocks()
+    for name, block in list(blocks.items()):
         if mode == "full":
-            module.layers[name] = _checkpointed(block)
+            blocks[name] = checkpointed(block)
         else:
-            block.attention.core = _checkpointed(block.attention.core)
+            stage.selective_units += stage.adapter.selective(block, checkpointed)

@@ -1,43 +1,59 @@
-"""The single-process truth a parallel run is compared with: the same model, initial weights,
-data and AdamW steps on one process, no parallelism at all."""
+"""The single-process truth a parallel run is compared with: the same model (its author's own forward), initial
+weights, data and AdamW steps on one process, no parallelism at all."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from plait.execute.batches import batch_for_step
-from plait.execute.parallelize import cross_entropy
-from plait.models import build_model
+from plait.models import adapter_for, build_model
 from plait.plan import Plan
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """step -> (tokens, targets), each [global_batch, seq_len]: the whole global batch of that step."""
 
 
+@dataclass
+class ReferenceRun:
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Final parameters (named_parameters: a tied output layer appears once, under the embedding's name)."""
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Gradients of the first step, before clipping and the optimizer."""
+    grad_norms: list[float] = field(default_factory=list)
+
+
 def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: int = 3, seed: int = 0,
                              lr: float = 1e-3, *, max_norm: float | None = None, weight_decay: float = 0.0,
                              betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                             grad_norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train `plan.model` for `steps` AdamW steps on one process over the plan's global batches;
-    returns the per-step losses (mean token cross-entropy over the global batch) and the final
-    parameters. `batches` defaults to the random batches of `batch_for_step(plan, seed, step)`.
-    With `max_norm`, gradients are clipped, and their norms before clipping are appended to
-    `grad_norms` when given."""
+                             dtype: torch.dtype = torch.float32,
+                             initial_state: dict[str, torch.Tensor] | None = None) -> ReferenceRun:
+    """Train `plan.model` for `steps` AdamW steps on one process over the plan's global batches. `batches`
+    defaults to the random batches of `batch_for_step(plan, seed, step)`; with `max_norm`, gradients are
+    clipped (their norms before clipping are recorded)."""
     batches = batches or (lambda step: batch_for_step(plan, seed, step))
-    model = build_model(plan.model, device="cpu", seed=seed)
+    adapter = adapter_for(plan.model)
+    model = build_model(plan.model, device="cpu", seed=None if initial_state is not None else seed)
+    if initial_state is not None:
+        model.load_state_dict(initial_state, strict=False)
+        adapter.reset_buffers(model)
+    model.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-    losses = []
+    run = ReferenceRun(initial={n: p.detach().clone() for n, p in model.named_parameters()})
     for step in range(steps):
         tokens, targets = batches(step)
-        loss = cross_entropy(model(tokens), targets)
+        loss = adapter.loss(adapter.forward(model, tokens), targets)
         loss.backward()
+        if step == 0:
+            run.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         if max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if grad_norms is not None:
-                grad_norms.append(norm.item())
+            run.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+        run.losses.append(loss.item())
+    run.params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return run

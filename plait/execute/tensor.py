@@ -1,44 +1,57 @@
-"""apply_tp: Megatron-style tensor parallelism, sequence parallelism, vocabulary-parallel
-embedding and loss-parallel output, as `parallelize_module` plans (dicts of ParallelStyle).
+"""apply_tp: an adapter's tensor-parallel plan (data: module pattern -> style name) as PyTorch ParallelStyles,
+with sequence parallelism, a vocabulary-parallel embedding and a loss-parallel output.
 
 Layouts between modules (t = tensor degree, local tensors unless noted):
 
-* without sequence parallelism, activations between blocks are full [b, s, h] and equal
-  on every tensor rank; each block does one all-reduce after attention (wo, row-wise)
-  and one after the MLP (w2, row-wise), Megatron's f/g operators;
-* with sequence parallelism (Korthikanti et al. 2022) they are [b, s/t, h] slices along
-  the sequence; norms run on the slices, and each all-reduce becomes an all-gather before
-  the column-wise projections plus a reduce-scatter after the row-wise ones;
-* the token embedding is split over the vocabulary (row-wise: each rank looks up its
-  rows, a reduction makes the sum), the output layer column-wise over the vocabulary and
-  returns a vocab-sharded DTensor that `loss_parallel()` turns into the cross-entropy
-  without ever gathering the [b, s, V] logits.
+* without sequence parallelism, activations between blocks are full [b, s, h] and equal on every tensor
+  rank; each block does one all-reduce after attention and one after the MLP (the row-wise projections),
+  Megatron's f/g operators;
+* with sequence parallelism (Korthikanti et al. 2022) they are [b, s/t, h] slices along the sequence:
+  norms run on the slices, each "gather_input" module (attention, MLP) all-gathers its input, and each
+  row-wise projection reduce-scatters its output back to slices;
+* the token embedding is split over the vocabulary (row-wise: each rank looks up its rows, a reduction
+  makes the sum; any vocabulary size: DTensor shards unevenly, so no padding changes the model's shapes),
+  the output layer column-wise over the vocabulary, returning a vocab-sharded DTensor that
+  `loss_parallel()` turns into the cross-entropy without ever gathering the [b, s, V] logits.
 
-Norm weights and the position table stay whole on every tensor rank but become
-replicated DTensors, so that every parameter is a DTensor: FSDP, the optimizer (foreach)
-and gradient clipping then see one kind of parameter.
+Norm weights stay whole on every tensor rank but become replicated DTensors, so every parameter is a
+DTensor: FSDP, the optimizer and gradient clipping then see one kind of parameter. Hugging Face's GPT-2
+uses `Conv1D` (weight [in, out]), which torch's styles do not take; `ProjectionParallel` shards it, and
+fused projections (GPT-2's q|k|v) are split per projection (DTensor's _StridedShard: rank r holds the r-th
+slice of each).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from plait.models.adapter import get_module
+
+
+def _to_replicated(x: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return x
 
 
 class ReplicateParallel(ParallelStyle):
     """Keep a small module whole on every tensor rank, its parameters as replicated DTensors.
 
-    Floating inputs are taken as replicated; the output is redistributed to `output_layout`
-    (Shard(d) just slices, no communication) and returned as a local tensor."""
+    Tensor inputs are taken as replicated; the output is redistributed to `output_layout` (Shard(d) just
+    slices, no communication) and returned as a local tensor."""
 
     def __init__(self, output_layout: Placement | None = None) -> None:
         super().__init__()
@@ -49,12 +62,7 @@ class ReplicateParallel(ParallelStyle):
 
     @staticmethod
     def _input_fn(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
-        return tuple(
-            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            if hasattr(x, "is_floating_point") and x.is_floating_point() and not isinstance(x, DTensor)
-            else x
-            for x in inputs
-        )
+        return tuple(_to_replicated(x, device_mesh) for x in inputs)
 
     def _output_fn(self, module: nn.Module, output: DTensor, device_mesh: DeviceMesh):
         if output.placements != (self.output_layout,):
@@ -62,55 +70,144 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local()
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan for one TransformerBlock (module names relative to the block)."""
-    if not sequence_parallel:
-        return {
-            "attention_norm": ReplicateParallel(),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "ffn_norm": ReplicateParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-    gather_sequence = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(**gather_sequence),  # all-gather the sequence before q/k/v
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter back to sequence slices
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(**gather_sequence),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
+class HeadNormParallel(ParallelStyle):
+    """A norm over head_dim applied to [b, s, heads/t, head_dim] slices of tensor-sharded heads (Qwen3's q_norm,
+    k_norm): the weight is replicated, the input is a Shard over the heads dim, so the weight's gradient is
+    summed over the tensor ranks (Hugging Face's 'replicated_with_grad_allreduce')."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+    @staticmethod
+    def _input_fn(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _output_fn(module: nn.Module, output: DTensor, device_mesh: DeviceMesh):
+        return output.to_local()
 
 
-def root_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan for the embeddings, final norm and output layer (those a stage has)."""
-    between_blocks = Shard(1) if sequence_parallel else Replicate()
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
-        # the [s, h] position table: sliced along the sequence (dim 0) to match the token slices
-        "pos_embeddings": ReplicateParallel(Shard(0) if sequence_parallel else Replicate()),
-        "norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
-        # logits stay a vocab-sharded DTensor for loss_parallel()
-        "output": ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False),
-    }
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism's all-gather before a module that needs the whole sequence (attention, MLP): its
+    hidden-state input (the first positional argument, or `hidden_states=`) goes from [b, s/t, h] slices to
+    [b, s, h]; its gradient is reduce-scattered back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor):  # a sequence-parallel norm may hand over a local slice or a DTensor
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(device_mesh, [Replicate()]).to_local()
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args and isinstance(args[0], torch.Tensor):
+                return (gather(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise TypeError(f"{type(mod).__name__}: sequence parallelism found no hidden-state input to gather")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
-    """Shard one stage module (a Transformer, possibly missing parts) over `tp_mesh`, in place."""
-    root = {name: style for name, style in root_plan(sequence_parallel).items() if getattr(module, name) is not None}
-    parallelize_module(module, tp_mesh, root)
-    for block in module.layers.values():
-        plan = block_plan(sequence_parallel)
-        if block.feed_forward.w3 is None:
-            del plan["feed_forward.w3"]
-        parallelize_module(block, tp_mesh, plan)
+class ProjectionParallel(ParallelStyle):
+    """Column- or row-wise tensor parallelism for the projections torch's styles do not take: Hugging Face's
+    Conv1D (y = x @ W + b, W [in, out]), and fused projections (q|k|v, gate|up) of `packed` parts, each split
+    over tp on its own (DTensor's _StridedShard: rank r holds the r-th slice of every part). Row-wise sums
+    the partial outputs (all-reduce, or reduce-scatter over the sequence under SP)."""
+
+    def __init__(self, kind: str, packed: int = 1, output_layout: Placement | None = None,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.kind, self.packed, self.transposed = kind, packed, transposed
+        self.output_layout = output_layout or Replicate()
+
+    def _split(self, dim: int) -> Placement:
+        return Shard(dim) if self.packed == 1 else _StridedShard(dim, split_factor=self.packed)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        out_dim, in_dim = (1, 0) if self.transposed else (0, 1)
+        if self.kind == "colwise":
+            placements = {"weight": self._split(out_dim), "bias": self._split(0)}
+        else:
+            placements = {"weight": Shard(in_dim), "bias": Replicate()}
+        for pname, param in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(param, mesh, [placements[pname]])
+            module.register_parameter(pname, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        colwise = self.kind == "colwise"
+
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            layout = [Replicate()] if colwise else [Shard(x.dim() - 1)]
+            return (DTensor.from_local(x, mesh, layout, run_check=False), *inputs[1:])
+
+        def output_fn(mod, output, mesh):
+            if not colwise and output.placements != (self.output_layout,):
+                output = output.redistribute(mesh, [self.output_layout])
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    """The ParallelStyle of one style name for `module` inside a block; None where it does nothing."""
+    name, _, arg = style.partition(":")
+    between = Shard(1) if sequence_parallel else Replicate()
+    if name in ("colwise", "colwise_packed"):
+        packed = int(arg or 1) if name == "colwise_packed" else 1
+        if packed > 1 or _is_conv1d(module):
+            return ProjectionParallel("colwise", packed, transposed=_is_conv1d(module))
+        return ColwiseParallel()
+    if name == "rowwise":
+        if _is_conv1d(module):
+            return ProjectionParallel("rowwise", output_layout=between, transposed=True)
+        return RowwiseParallel(output_layouts=between)
+    if name == "norm":
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if name == "head_norm":
+        return HeadNormParallel()
+    if name == "gather_input":
+        return GatherSequence() if sequence_parallel else None
+    if name == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"style {style!r} does not apply inside a block ({type(module).__name__})")
+
+
+def root_style(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle:
+    between = Shard(1) if sequence_parallel else Replicate()
+    if style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if style == "position_embedding":
+        return ReplicateParallel(between)  # [1, s, h] rows: sliced along the sequence under SP
+    if style == "final_norm":
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if style == "output":  # logits stay a vocab-sharded DTensor for loss_parallel()
+        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    return block_style(style, module, sequence_parallel)
+
+
+def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Shard one Stage (plait.models.stage) over `tp_mesh` in place, as its adapter's plan says."""
+    adapter = stage.adapter
+    plan = adapter.tp_plan()
+    root = {path: root_style(style, get_module(stage, path), sequence_parallel)
+            for path, style in plan.root.items() if get_module(stage, path) is not None}
+    parallelize_module(stage, tp_mesh, root)
+    for block in stage.blocks().values():
+        styles = {}
+        for pattern, style in plan.block.items():
+            module = get_module(block, pattern)
+            if module is None:
+                continue
+            parallel = block_style(style, module, sequence_parallel)
+            if parallel is not None:
+                styles[pattern] = parallel
+        parallelize_module(block, tp_mesh, styles)
+        adapter.after_tensor_parallel(block, tp_mesh.size())
+    stage.retie()  # distributing replaced the parameters, which unties an output layer from its embedding

@@ -99,10 +99,10 @@ def _refusal(plan: Plan) -> str:
     import torch.distributed as dist
 
     from plait.errors import ConfigError
-    from plait.execute.parallelize import validate_plan
+    from plait import legality
 
     try:
-        validate_plan(plan, dist.get_world_size())
+        legality.check(plan, dist.get_world_size())
     except ConfigError as e:
         return str(e)
     return ""

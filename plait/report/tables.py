@@ -54,6 +54,14 @@ def human_count(value: float) -> str:
     return f"{value:.3g}"
 
 
+def human_bytes(value: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {suffix}"
+    return f"{value:.0f} B"
+
+
 def seconds_cell(seconds: float) -> str:
     """Three significant figures, in ms below one second."""
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
@@ -130,3 +138,19 @@ def parts_table(parts: dict[str, float], title: str, unit: str, scale: float = 1
 
 def _largest_first(items: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
     return sorted(items, key=lambda kv: -kv[1])
+
+
+def dry_run_table(plan: Plan, reports: Sequence) -> Table:
+    """`plait check --dry-run`: per pipeline rank, what one of its ranks holds and the collectives of a step."""
+    table = Table(title=f"dry run: {plan.describe()} on {plan.num_devices:,} ranks", header_style="bold",
+                  title_justify="left")
+    for name, justify in (("pp rank", "right"), ("stages", "left"), ("blocks", "left"), ("params", "right"),
+                          ("shard", "right"), ("of full", "right"), ("collectives per step", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for r in reports:
+        blocks = f"{r.blocks[0]}-{r.blocks[-1]} ({len(r.blocks)})" if r.blocks else "-"
+        share = f"{r.local_bytes / r.full_bytes:.1%}" if r.full_bytes else "-"
+        comms = ", ".join(f"{k} x{v}" for k, v in sorted(r.collectives.items())) or "none"
+        table.add_row(str(r.pp_rank), ",".join(map(str, r.stages)), blocks, str(r.params),
+                      human_bytes(r.local_bytes), share, comms)
+    return table

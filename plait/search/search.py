@@ -32,7 +32,8 @@ from plait.cost.model import predict_layout, step_time
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split
-from plait.search.space import Degrees, Pins, check_pins, degree_choices, divisors, schedule_choices
+from plait.axes import ALL_AXES, Degrees
+from plait.search.space import Pins, check_pins, degree_choices, divisors, schedule_choices
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.load import load_cluster, load_model
 
@@ -70,14 +71,12 @@ def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins
 
 
 def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: TrainSpec, *,
-                    num_devices: int | None = None, top: int | None = None, dp: int | None = None,
-                    tp: int | None = None, pp: int | None = None, zero: int | None = None,
-                    recompute: str | tuple[str, ...] | None = None, micro_batch: int | None = None,
-                    schedule: str | None = None, interleave: int | None = None,
-                    sequence_parallel: bool | None = None, allow_cross_node_tp: bool = False,
-                    explain_infeasible: bool = True) -> SearchResult:
+                    num_devices: int | None = None, top: int | None = None, explain_infeasible: bool = True,
+                    **pins) -> SearchResult:
     """Search the joint space for `model` on `num_devices` devices of `cluster` (default: all of it).
 
+    Pins (plait.search.space.PIN_NAMES): any axis degree (dp, tp, pp, cp, ep), zero, recompute (one mode
+    or one per pipeline rank), micro_batch, schedule, interleave, sequence_parallel, allow_cross_node_tp.
     Any pin that is not None is fixed. `top` K keeps the K best plans (None: every feasible plan).
     Raises ConfigError for pins no plan can honour, NoFeasiblePlan when nothing fits in memory."""
     start = time.perf_counter()
@@ -89,10 +88,7 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
         raise ConfigError(f"num_devices={n!r} must be a positive integer")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
         raise ConfigError(f"top={top!r} must be a positive integer")
-    if isinstance(recompute, list):
-        recompute = tuple(recompute)
-    pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, micro_batch=micro_batch, schedule=schedule,
-                interleave=interleave, sequence_parallel=sequence_parallel, allow_cross_node_tp=allow_cross_node_tp)
+    pins = Pins.from_kwargs(**pins)
     check_pins(pins, model, cluster, train, n)
     setting = Setting(model, cluster.with_devices(n), train)
     search = _Search(setting, pins, None if top is None else EXACT_SHORTLIST * top)
@@ -170,7 +166,7 @@ class _Search:
                 m = per_replica // b
                 for zero in zeros:
                     for schedule, v in schedule_choices(pins, d.pp, m, self.setting.model.num_layers):
-                        yield Layout(d.dp, d.tp, d.pp, sp and d.tp > 1, zero, b, m, schedule, v)
+                        yield Layout(d, sp and d.tp > 1, zero, b, m, schedule, v)
 
     def run(self, degrees: list[Degrees]) -> None:
         """Price the layouts. With a shortlist, best-first by lower bound, stopping once no bound can beat it."""
@@ -278,7 +274,7 @@ class _Search:
 
     def to_plan(self, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]) -> Plan:
         s = self.setting
-        plan = Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sp, zero=layout.zero,
+        plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
                     recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
                     schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
                     model=s.model, train=s.train, cluster=s.cluster)
@@ -323,11 +319,9 @@ def smallest_fitting_devices(setting: Setting, pins: Pins, n: int) -> int | None
 
     def fits(count: int) -> bool:
         try:
+            kwargs = {k: v for k, v in pins.to_kwargs().items() if k not in ALL_AXES}  # degrees scale with n
             result = plan_with_stats(setting.model, setting.cluster, setting.train, num_devices=count, top=1,
-                                     zero=pins.zero, recompute=pins.recompute, micro_batch=pins.micro_batch,
-                                     schedule=pins.schedule, interleave=pins.interleave,
-                                     sequence_parallel=pins.sequence_parallel,
-                                     allow_cross_node_tp=pins.allow_cross_node_tp, explain_infeasible=False)
+                                     explain_infeasible=False, **kwargs)
         except ConfigError:
             return False
         return bool(result.plans)

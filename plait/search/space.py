@@ -8,9 +8,11 @@ ZeRO with one replica) is accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
 
+from plait import legality
+from plait.axes import ALL_AXES, Degrees
 from plait.errors import ConfigError
 from plait.plan import RECOMPUTE_MODES, SCHEDULES
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -23,9 +25,8 @@ each extra chunk adds p2p messages (a pin may ask for more)."""
 
 @dataclass(frozen=True, kw_only=True)
 class Pins:
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
+    degrees: Mapping[str, int] = field(default_factory=dict)
+    """The pinned axes only (plait.axes), e.g. {"tp": 8}."""
     zero: int | None = None
     recompute: str | tuple[str, ...] | None = None
     micro_batch: int | None = None
@@ -33,6 +34,49 @@ class Pins:
     interleave: int | None = None
     sequence_parallel: bool | None = None
     allow_cross_node_tp: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **pins: Any) -> "Pins":
+        """Pins from `plait.search.plan`'s keywords: axis names (dp=2, tp=8, ...) and the other choices;
+        None means not pinned. An unknown name raises ConfigError listing the known ones."""
+        known = set(PIN_NAMES)
+        unknown = sorted(set(pins) - known)
+        if unknown:
+            raise ConfigError(f"unknown pin {unknown[0]!r}; pins: {', '.join(PIN_NAMES)}")
+        degrees = {a: pins.pop(a) for a in ALL_AXES if pins.get(a) is not None}
+        for a in ALL_AXES:
+            pins.pop(a, None)
+        if isinstance(pins.get("recompute"), list):
+            pins["recompute"] = tuple(pins["recompute"])
+        return cls(degrees=degrees, **{k: v for k, v in pins.items() if v is not None or k == "allow_cross_node_tp"})
+
+    def axis(self, name: str) -> int | None:
+        return self.degrees.get(name)
+
+    @property
+    def dp(self) -> int | None:
+        return self.degrees.get("dp")
+
+    @property
+    def tp(self) -> int | None:
+        return self.degrees.get("tp")
+
+    @property
+    def pp(self) -> int | None:
+        return self.degrees.get("pp")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The keywords `from_kwargs` reads back (for a search on another device count)."""
+        out = dict(self.degrees)
+        for name in ("zero", "recompute", "micro_batch", "schedule", "interleave", "sequence_parallel",
+                     "allow_cross_node_tp"):
+            out[name] = getattr(self, name)
+        return out
+
+
+PIN_NAMES: tuple[str, ...] = ALL_AXES + ("zero", "recompute", "micro_batch", "schedule", "interleave",
+                                         "sequence_parallel", "allow_cross_node_tp")
+"""Everything a search can be pinned to (`plait plan --dp ...`, `[plan] pins` in a train config)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -46,10 +90,10 @@ def _listing(values: Sequence[int]) -> str:
 
 
 def tp_degrees(model: ModelSpec, cluster: ClusterSpec, num_devices: int, allow_cross_node: bool) -> list[int]:
-    """Tensor degrees that split the heads and kv-heads evenly and (unless allowed) stay inside a node."""
+    """Tensor degrees the model allows (plait.legality.tensor_problems) that (unless allowed) stay inside a node."""
     out = []
     for t in divisors(num_devices):
-        if model.num_heads % t or model.num_kv_heads % t:
+        if legality.tensor_problems(model, t):
             continue
         if not allow_cross_node and (t > cluster.devices_per_node or cluster.devices_per_node % t):
             continue
@@ -58,14 +102,13 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec, num_devices: int, allow_c
 
 
 def pp_degrees(model: ModelSpec, num_devices: int) -> list[int]:
-    return [p for p in divisors(num_devices) if p <= model.num_layers]
+    return [p for p in divisors(num_devices) if not legality.stage_problems(model.num_layers, p, 1)]
 
 
 def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int) -> None:
     """Raise ConfigError for a pin no plan can honour."""
     n, batch = num_devices, train.global_batch
-    for name in ("dp", "tp", "pp", "micro_batch", "interleave"):
-        value = getattr(pins, name)
+    for name, value in [*pins.degrees.items(), ("micro_batch", pins.micro_batch), ("interleave", pins.interleave)]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ConfigError(f"{name}={value!r} must be a positive integer")
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
@@ -112,19 +155,11 @@ def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainS
 def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cross_node: bool) -> str:
     if n % tp:
         return f"does not divide {n} devices"
-    if model.num_heads % tp:
-        return f"does not divide num_heads={model.num_heads}"
-    if model.num_kv_heads % tp:
-        return f"does not divide num_kv_heads={model.num_kv_heads}"
+    problems = legality.tensor_problems(model, tp)
+    if problems:  # "num_heads=12 is not divisible by tp=8" -> "does not divide num_heads=12"
+        return "does not divide " + problems[0].message.split(" is not divisible")[0]
     return (f"does not fit inside a node of {cluster.devices_per_node} devices "
             f"(pass allow_cross_node_tp / --allow-cross-node-tp to allow it)")
-
-
-@dataclass(frozen=True)
-class Degrees:
-    dp: int
-    tp: int
-    pp: int
 
 
 def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int
@@ -140,25 +175,30 @@ def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: Tr
                 continue
             if isinstance(pins.recompute, tuple) and len(pins.recompute) not in (1, pp):
                 continue
-            out.append(Degrees(dp, tp, pp))
+            out.append(Degrees(dp=dp, tp=tp, pp=pp))
     return out
 
 
 def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int) -> Iterator[tuple[str, int]]:
-    """(schedule, interleave) pairs: with one stage the schedule has no effect (the pin, or 1f1b, is kept);
-    1F1B needs m >= pp (PyTorch's Schedule1F1B), interleaved m % pp == 0 and pp·v <= layers."""
+    """(schedule, interleave) pairs the pins allow and plait.legality accepts: with one stage the schedule has
+    no effect (the pin, or 1f1b, is kept)."""
     m = num_micro_batches
     if pp == 1:
         yield (pins.schedule or "1f1b"), 1
         return
     # GPipe has 1F1B's bubble and holds all m micro-batches instead of at most p: unpinned, it is tried only
     # where 1F1B cannot run (m < pp).
-    if (pins.schedule == "gpipe" or (pins.schedule is None and m < pp)) and pins.interleave in (None, 1):
-        yield "gpipe", 1
-    if pins.schedule in (None, "1f1b") and pins.interleave in (None, 1) and m >= pp:
-        yield "1f1b", 1
-    if pins.schedule in (None, "interleaved") and m % pp == 0:
+    candidates = []
+    if pins.schedule == "gpipe" or (pins.schedule is None and m < pp):
+        candidates.append(("gpipe", 1))
+    if pins.schedule in (None, "1f1b"):
+        candidates.append(("1f1b", 1))
+    if pins.schedule in (None, "interleaved"):
         vs = [pins.interleave] if pins.interleave else range(2, min(MAX_INTERLEAVE, num_layers // pp) + 1)
-        for v in vs:
-            if v >= 2 and pp * v <= num_layers:
-                yield "interleaved", v
+        candidates += [("interleaved", v) for v in vs]
+    for schedule, v in candidates:
+        if pins.interleave is not None and v != pins.interleave:
+            continue
+        if legality.schedule_problems(schedule, pp, m, v) or legality.stage_problems(num_layers, pp, v):
+            continue
+        yield schedule, v

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from plait.errors import ConfigError
@@ -24,7 +25,7 @@ def to_dict(obj: Any) -> Any:
                 if not (f.default is None and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(x) for x in obj]
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
@@ -96,6 +97,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         return {k: _convert(vt, v, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
+    if isinstance(tp, type) and hasattr(tp, "from_plain"):  # a value type with its own reader (Degrees)
+        try:
+            return tp.from_plain(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
     if tp is Any:
         return value
     if tp is bool:

@@ -33,13 +33,15 @@ from plait.spec.train import TrainSpec
 
 FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
-# Hugging Face model_type -> the plait arch whose block it matches.
-HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# Hugging Face model types plait runs (plait.models.hf), and the class names that imply them.
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 HF_GPT_TYPES = ("gpt2",)
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -52,10 +54,17 @@ def load_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
     text = str(name_or_path)
     if not _looks_like_path(text):
         return _preset(MODEL_PRESETS, text, "model")
+    if text.startswith("module:"):
+        from plait.models.factory import factory_spec  # imports the user's module (and torch) to measure it
+
+        return factory_spec(text)
+    if text.startswith("hf:"):
+        text = text.removeprefix("hf:")
     path = _existing_file(text, "model")
     data = read_mapping(path)
     if _is_hf_config(data):
-        return model_from_hf_config(data, name=_hf_name(path, data), where=str(path))
+        return model_from_hf_config(data, name=_hf_name(path, data), where=str(path),
+                                    source="hf:" + str(path.resolve().parent))
     return _spec_from_mapping(ModelSpec, MODEL_PRESETS, data, "model", path, _default_name(path))
 
 
@@ -88,13 +97,15 @@ def load_train(source: str | Path | Mapping[str, Any] | TrainSpec | None = None,
     return TrainSpec.from_dict(base)
 
 
-def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", where: str = "config.json") -> ModelSpec:
-    """Map a Hugging Face config dict to a ModelSpec (shapes only; weights are never read)."""
+def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", where: str = "config.json",
+                         source: str = "plait") -> ModelSpec:
+    """Map a Hugging Face config dict to a ModelSpec (shapes only; weights are never read). With `source`
+    "hf:<dir>" the executor runs the Hugging Face class itself; "plait" runs plait's reference decoder of
+    the same shape."""
     model_type = _hf_model_type(config, where)
-    convert = _llama_fields if model_type in HF_LLAMA_TYPES else _gpt2_fields
-    fields = convert(config, where)
+    fields = _llama_fields(config, where, model_type) if model_type in HF_LLAMA_TYPES else _gpt2_fields(config, where)
     try:
-        return ModelSpec(name=name, **fields)
+        return ModelSpec(name=name, source=source, **fields)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -226,30 +237,34 @@ def _need(config: Mapping[str, Any], key: str, where: str) -> Any:
     return config[key]
 
 
-def _llama_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _llama_fields(config: Mapping[str, Any], where: str, model_type: str) -> dict[str, Any]:
     hidden = _need(config, "hidden_size", where)
     heads = _need(config, "num_attention_heads", where)
-    head_dim = config.get("head_dim")
-    if head_dim is not None and heads and head_dim * heads != hidden:
-        # plait's blocks derive head_dim = hidden / heads; a decoupled head_dim changes every shape.
-        raise ConfigError(
-            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={hidden}/{heads}; "
-            f"plait models need head_dim = hidden_size / num_attention_heads"
-        )
     if config.get("num_local_experts") or config.get("num_experts"):
-        raise ConfigError(f"{where}: mixture-of-experts models are not supported; plait plans dense decoders")
+        raise ConfigError(f"{where}: mixture-of-experts models of type {model_type!r} are not supported")
+    if config.get("attention_bias") and model_type not in ("qwen2",) or config.get("mlp_bias"):
+        raise ConfigError(f"{where}: attention_bias / mlp_bias are not supported for model_type {model_type!r}")
+    activation = config.get("hidden_act") or config.get("hidden_activation") or "silu"
+    rope = config.get("rope_parameters") or {}
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    tied_default = model_type == "gemma"
     return dict(
         arch="llama",
+        mlp="swiglu" if activation == "silu" else "geglu",
+        bias="qkv" if model_type == "qwen2" else "none",
+        qk_norm=model_type == "qwen3",
         num_layers=_need(config, "num_hidden_layers", where),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or None,
         ffn_hidden_size=_need(config, "intermediate_size", where),
         vocab_size=_need(config, "vocab_size", where),
         max_seq_len=config.get("max_position_embeddings") or 2048,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", tied_default)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        sliding_window=int(window) if window else None,
     )
 
 

@@ -1,10 +1,23 @@
-"""ModelSpec: what the planner and the executor need to know about a decoder-only transformer.
+"""ModelSpec: what the planner needs to know about a decoder-only model, and where it comes from.
 
-No weights: shapes only. Two block styles cover the presets and the reference models:
+No weights: shapes only. A decoder is an embedding, `num_layers` repeated blocks and a head. A block
+is described by its shape (hidden, heads, kv-heads, head_dim, ffn, experts) and a few features:
 
-* ``arch="gpt"``: LayerNorm, plain GeLU MLP (ffn = 4h by default), learned positions,
-  biases in every linear layer (GPT-2/GPT-3/Megatron).
-* ``arch="llama"``: RMSNorm, RoPE, gated SwiGLU MLP, grouped-query attention, no biases.
+* ``mlp``: "gelu" (GPT-2: up, GeLU, down), "swiglu" (Llama: down(silu(gate) * up)) or "geglu" (Gemma);
+* ``norm``: "layernorm" (weight and bias) or "rmsnorm" (weight);
+* ``bias``: which linear layers have biases: "all" (GPT-2), "qkv" (Qwen2), "none" (Llama);
+* ``positions``: "learned" (a table of max_seq_len rows: a hard limit on seq_len) or "rope";
+* ``qk_norm``: a norm over head_dim on queries and keys (Qwen3).
+
+``arch`` is a shorthand that fills the features left unset: "gpt" (gelu, layernorm, all biases,
+learned positions) and "llama" (swiglu, rmsnorm, no biases, rope). Blocks may differ (a user's own
+module measured on ``meta``): ``blocks`` then holds each block's measured cost, and the cost model
+prices them one by one.
+
+``source`` says which model adapter builds the module the executor runs (plait.models.adapters):
+"plait" (plait's reference decoder for this spec), "hf:<dir>" (a Hugging Face model directory or
+config.json) or "module:<package.module:factory>" (a user's own module). The planner's spec and the
+executor's module come from the same source, so the cost model prices what runs.
 """
 
 from __future__ import annotations
@@ -15,59 +28,132 @@ from typing import Any, Literal
 
 from plait.spec._dict import from_dict, to_dict
 
-Arch = Literal["gpt", "llama"]
+Mlp = Literal["gelu", "swiglu", "geglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+Bias = Literal["all", "qkv", "none"]
+Positions = Literal["learned", "rope"]
+
+ARCH_FEATURES: dict[str, dict[str, Any]] = {
+    "gpt": {"mlp": "gelu", "norm": "layernorm", "bias": "all", "positions": "learned"},
+    "llama": {"mlp": "swiglu", "norm": "rmsnorm", "bias": "none", "positions": "rope"},
+}
+FEATURES = ("mlp", "norm", "bias", "positions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """One block as measured on `meta` (plait.models.measure): what the cost model needs when blocks are not
+    all the same transformer layer. Per token of a micro-batch, forward pass, whole block (before tensor
+    parallelism)."""
+
+    params: int
+    """Parameters of the block."""
+    flops_per_token: float
+    """Forward FLOPs per token that do not grow with the sequence (weight GEMMs)."""
+    attention_flops_per_token: float = 0.0
+    """Forward FLOPs per token per position of the sequence (attention scores and values: 4·h for a
+    transformer layer): the block costs flops_per_token + s · attention_flops_per_token per token."""
+    activation_bytes_per_token: float = 0.0
+    """Bytes the block keeps for backward per token, at the measured precision (fp32 on meta)."""
+
+    def __post_init__(self) -> None:
+        if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
+                or self.activation_bytes_per_token < 0:
+            raise ValueError("block costs must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str = "custom"
     """A label for tables and checkpoints."""
-    arch: Arch = "gpt"
-    """Block style: "gpt" (LayerNorm, GeLU, learned positions, biases) or "llama" (RMSNorm, RoPE, SwiGLU)."""
+    source: str = "plait"
+    """The adapter that builds the module: "plait", "hf:<dir>" or "module:<package.module:factory>"."""
+    arch: str = "gpt"
+    """Shorthand for the block features left unset: "gpt" or "llama" (see the module docstring)."""
     num_layers: int
-    """Transformer blocks."""
+    """Repeated blocks (transformer layers)."""
     hidden_size: int
     """Model width h."""
     num_heads: int
     """Attention (query) heads a."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
+    head_dim: int | None = None
+    """Width of one head; None means hidden_size / num_heads (Qwen3 and Gemma decouple it)."""
     ffn_hidden_size: int | None = None
-    """MLP inner width; None means 4h for gpt, and Llama's rule (2/3·4h rounded up to 256) for llama."""
+    """MLP inner width; None means 4h for gelu, and Llama's rule (2/3·4h rounded up to 256) for gated MLPs."""
     vocab_size: int
     """Vocabulary V."""
     max_seq_len: int = 2048
-    """Longest sequence (size of the learned position table for gpt)."""
+    """Longest sequence (the size of the learned position table; a default only for RoPE)."""
     tied_embeddings: bool = False
     """Share the input embedding with the output layer."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    mlp: Mlp | None = None
+    norm: Norm | None = None
+    bias: Bias | None = None
+    positions: Positions | None = None
+    qk_norm: bool = False
+    """A norm over head_dim applied to queries and keys (Qwen3)."""
+    sliding_window: int | None = None
+    """Attention window of the model's own code (Mistral); plait runs full causal attention, so seq_len must
+    stay within it."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one expert; None means ffn_hidden_size."""
+    blocks: tuple[BlockCost, ...] = ()
+    """Per-block measured costs (num_layers entries) when blocks differ; () means every block is the
+    transformer layer the shape describes."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        defaults = ARCH_FEATURES.get(self.arch, {})
+        missing = [f for f in FEATURES if getattr(self, f) is None and f not in defaults]
+        if missing:
+            raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCH_FEATURES)}; then set "
+                             f"{', '.join(missing)} explicitly")
+        for feature in FEATURES:
+            if getattr(self, feature) is None:
+                object.__setattr__(self, feature, defaults[feature])
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                    f"pick heads among the divisors of {self.hidden_size} or give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", _default_ffn(self.arch, self.hidden_size))
-        if self.num_kv_heads <= 0 or self.ffn_hidden_size <= 0:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} and ffn_hidden_size={self.ffn_hidden_size} must be positive")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
-                f"pick heads among the divisors of {self.hidden_size}"
-            )
+            object.__setattr__(self, "ffn_hidden_size", _default_ffn(self.gated_mlp, self.hidden_size))
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        for name in ("num_kv_heads", "ffn_hidden_size", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.arch not in ("gpt", "llama"):
-            raise ValueError(f"arch={self.arch!r} is not one of 'gpt', 'llama'")
+        if self.num_experts < 0 or (self.num_experts and not 0 < self.experts_per_token <= self.num_experts):
+            raise ValueError(f"experts_per_token={self.experts_per_token} must lie in [1, num_experts="
+                             f"{self.num_experts}] for a mixture-of-experts model")
+        if self.blocks and len(self.blocks) != self.num_layers:
+            raise ValueError(f"blocks holds {len(self.blocks)} entries, num_layers={self.num_layers}")
+        if self.source != "plait" and not self.source.startswith(("hf:", "module:")):
+            raise ValueError(f"source={self.source!r} must be 'plait', 'hf:<model dir>' or "
+                             f"'module:<package.module:factory>'")
 
-    # ---- shapes -------------------------------------------------------------------
+    # ---- shapes -------------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_size(self) -> int:
+        """Width of the query projection: heads · head_dim."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
@@ -76,39 +162,63 @@ class ModelSpec:
 
     @property
     def gated_mlp(self) -> bool:
-        return self.arch == "llama"
+        return self.mlp in ("swiglu", "geglu")
 
     @property
     def has_bias(self) -> bool:
-        return self.arch == "gpt"
+        """Biases in the output projection and the MLP (GPT-2)."""
+        return self.bias == "all"
 
-    # ---- parameter counts (exactly those of plait.models) ------------------------
+    @property
+    def uniform(self) -> bool:
+        """Whether every block is the same transformer layer (no measured per-block costs)."""
+        return not self.blocks
+
+    # ---- parameter counts (exactly those of the adapters' modules) --------------------
     @property
     def attention_params(self) -> int:
-        h, kv = self.hidden_size, self.kv_size
-        weights = h * h + 2 * h * kv + h * h  # q, k, v, out
-        return weights + ((h + 2 * kv + h) if self.has_bias else 0)
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        weights = h * q + 2 * h * kv + q * h  # q, k, v, out
+        bias = {"all": q + 2 * kv + h, "qkv": q + 2 * kv, "none": 0}[self.bias]
+        return weights + bias + (2 * self.head_dim if self.qk_norm else 0)
+
+    def _mlp_params(self, ffn: int) -> int:
+        h = self.hidden_size
+        if self.gated_mlp:
+            return 3 * h * ffn + (2 * ffn + h if self.has_bias else 0)
+        return 2 * h * ffn + (ffn + h if self.has_bias else 0)
 
     @property
     def mlp_params(self) -> int:
-        h, f = self.hidden_size, self.ffn_hidden_size
-        if self.gated_mlp:
-            return 3 * h * f  # gate, up, down
-        return 2 * h * f + (f + h if self.has_bias else 0)
+        """The dense MLP, or every expert and the router of a mixture-of-experts layer."""
+        if self.num_experts:
+            return self.num_experts * self._mlp_params(self.moe_ffn_hidden_size) + self.hidden_size * self.num_experts
+        return self._mlp_params(self.ffn_hidden_size)
+
+    @property
+    def active_mlp_params(self) -> int:
+        """MLP parameters one token passes through (experts_per_token experts and the router)."""
+        if self.num_experts:
+            return (self.experts_per_token * self._mlp_params(self.moe_ffn_hidden_size)
+                    + self.hidden_size * self.num_experts)
+        return self.mlp_params
 
     @property
     def norm_params(self) -> int:
         """Parameters of one normalization layer (LayerNorm has a bias, RMSNorm not)."""
-        return 2 * self.hidden_size if self.arch == "gpt" else self.hidden_size
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
     @property
     def params_per_layer(self) -> int:
+        """Parameters of one transformer layer (the average block when blocks were measured)."""
+        if self.blocks:
+            return round(sum(b.params for b in self.blocks) / len(self.blocks))
         return self.attention_params + self.mlp_params + 2 * self.norm_params
 
     @property
     def embedding_params(self) -> int:
-        """Token embedding (plus the learned position table for gpt)."""
-        positions = self.max_seq_len * self.hidden_size if self.arch == "gpt" else 0
+        """Token embedding (plus the learned position table)."""
+        positions = self.max_seq_len * self.hidden_size if self.positions == "learned" else 0
         return self.vocab_size * self.hidden_size + positions
 
     @property
@@ -119,7 +229,8 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return self.num_layers * self.params_per_layer + self.embedding_params + self.head_params
+        layers = sum(b.params for b in self.blocks) if self.blocks else self.num_layers * self.params_per_layer
+        return layers + self.embedding_params + self.head_params
 
     # ---- (de)serialization -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -130,11 +241,14 @@ class ModelSpec:
         return from_dict(cls, data, "model")
 
     def replace(self, **changes: Any) -> "ModelSpec":
+        """A copy with `changes`; a new `arch` resets the features it implies unless they are given too."""
+        if "arch" in changes:
+            changes = {**{f: None for f in FEATURES}, **changes}
         return dataclasses.replace(self, **changes)
 
 
-def _default_ffn(arch: str, hidden: int) -> int:
-    if arch == "llama":
+def _default_ffn(gated: bool, hidden: int) -> int:
+    if gated:
         ffn = int(2 * 4 * hidden / 3)
         return 256 * ((ffn + 255) // 256)
     return 4 * hidden

@@ -65,12 +65,9 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
 
 
 def _check_pins(pins: dict[str, Any]) -> None:
-    import inspect
+    from plait.search.space import PIN_NAMES
 
-    from plait.search import plan_with_stats  # plan() passes its pins on to it
-
-    known = [name for name, p in inspect.signature(plan_with_stats).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("num_devices", "top", "explain_infeasible")]
+    known = list(PIN_NAMES)
     for name in pins:
         if name not in known:
             raise ConfigError(f"plan.pins: unknown pin {name!r}; pins: {', '.join(known)}")

@@ -30,7 +30,7 @@ def make_plan(case: dict) -> Plan:
     kwargs.setdefault("num_micro_batches", 2)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     global_batch = kwargs["dp"] * kwargs["micro_batch"] * kwargs["num_micro_batches"]
-    return Plan(model=tiny_spec(case["arch"], case.get("layers", 4)),
+    return Plan.of(model=tiny_spec(case["arch"], case.get("layers", 4)),
                 train=TrainSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32"),
                 cluster=CLUSTER_PRESETS["local-cpu"], **kwargs)
 

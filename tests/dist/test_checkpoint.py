@@ -55,7 +55,7 @@ def write_plan(root: Path, name: str) -> Path:
 
     kwargs = {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1, **PLANS[name]}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-    plan = Plan(model=ModelSpec(**MODEL), train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32"),
+    plan = Plan.of(model=ModelSpec(**MODEL), train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32"),
                 cluster=CLUSTER_PRESETS["local-cpu"], **kwargs)
     path = root / "plans" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ def write_config(root: Path, name: str) -> Path:
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    plan = Plan(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
+    plan = Plan.of(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
                 train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
     (root / "plan.json").write_text(plan.to_json())
     (root / "model.json").write_text(json.dumps(MODEL))

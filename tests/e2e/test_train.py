@@ -22,7 +22,7 @@ def plait(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def write_plan(path, model="tiny-gpt", global_batch=8, seq_len=32, **degrees) -> str:
     degrees = degrees or dict(dp=2, tp=1, pp=1, num_micro_batches=2, micro_batch=2)
-    plan = Plan(model=MODEL_PRESETS[model], train=TrainSpec(global_batch=global_batch, seq_len=seq_len,
+    plan = Plan.of(model=MODEL_PRESETS[model], train=TrainSpec(global_batch=global_batch, seq_len=seq_len,
                                                              precision="fp32"),
                 cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2), **degrees)
     path.write_text(plan.to_json())

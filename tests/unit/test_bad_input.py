@@ -46,7 +46,7 @@ def _plan_dict() -> dict[str, Any]:
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    plan = Plan(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
+    plan = Plan.of(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
                 train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
     return json.loads(plan.to_json())
 

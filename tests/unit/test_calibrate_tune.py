@@ -36,7 +36,7 @@ def plans(cluster: ClusterSpec = CLUSTER) -> list[Plan]:
             count = TRAIN.global_batch // dp // micro_batch
             if count < pp:
                 continue
-            out.append(Plan(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, num_micro_batches=count,
+            out.append(Plan.of(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, num_micro_batches=count,
                             model=MODEL, train=TRAIN, cluster=cluster))
     return out
 

@@ -97,7 +97,7 @@ def test_plan_for_another_model_or_batch_is_refused():
     config = Config()
     model = MODEL_PRESETS["tiny-gpt"]
     train = config.train.spec()
-    plan = Plan(dp=2, tp=1, pp=1, num_micro_batches=8, model=MODEL_PRESETS["tiny-llama"], train=train,
+    plan = Plan.of(dp=2, tp=1, pp=1, num_micro_batches=8, model=MODEL_PRESETS["tiny-llama"], train=train,
                 cluster=CLUSTER_PRESETS["local-cpu"])
     with pytest.raises(ConfigError, match="plan is for model 'tiny-llama'"):
         check_plan(plan, config, model)

@@ -76,17 +76,17 @@ def test_zero_model_states_match_the_paper(nd):
 
 def test_in_flight_per_schedule():
     base = dict(dp=1, tp=1, sp=False, zero=0, micro_batch=1)
-    one = Layout(pp=4, num_micro_batches=8, schedule="1f1b", interleave=1, **base)
+    one = Layout.make(pp=4, num_micro_batches=8, schedule="1f1b", interleave=1, **base)
     assert [in_flight(one, r) for r in range(4)] == [4, 3, 2, 1]
-    gpipe = Layout(pp=4, num_micro_batches=8, schedule="gpipe", interleave=1, **base)
+    gpipe = Layout.make(pp=4, num_micro_batches=8, schedule="gpipe", interleave=1, **base)
     assert in_flight(gpipe, 3) == 8
-    inter = Layout(pp=4, num_micro_batches=8, schedule="interleaved", interleave=2, **base)
+    inter = Layout.make(pp=4, num_micro_batches=8, schedule="interleaved", interleave=2, **base)
     assert in_flight(inter, 0) == pytest.approx(4 * (1 + 3 / 8))  # Korthikanti: p·(1 + (p-1)/(p·v))
 
 
 def test_memory_falls_with_more_recompute():
     setting = Setting(GPT175, A100, TrainSpec(global_batch=64, seq_len=2048))
-    layout = Layout(dp=1, tp=8, pp=8, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="1f1b",
+    layout = Layout.make(dp=1, tp=8, pp=8, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="1f1b",
                     interleave=1)
     totals = [rank_memory(setting, layout, 0, mode).total(12) for mode in ("none", "selective", "full")]
     assert totals[0] > totals[1] > totals[2]
@@ -97,7 +97,7 @@ def _plan(**kw):
                 num_micro_batches=32, schedule="1f1b", model=GPT175, train=TrainSpec(global_batch=64, seq_len=2048),
                 cluster=A100.with_devices(128))
     base.update(kw)
-    return Plan(**base)
+    return Plan.of(**base)
 
 
 def test_predict_parts_add_up_and_recompute_costs_time():
@@ -129,10 +129,10 @@ def test_zero_three_saves_memory_and_costs_communication():
 
 
 @pytest.mark.parametrize("layout", [
-    Layout(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
-    Layout(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6, schedule="interleaved",
+    Layout.make(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6, schedule="interleaved",
            interleave=3),
-    Layout(dp=128, tp=8, pp=1, sp=False, zero=0, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=128, tp=8, pp=1, sp=False, zero=0, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
 ])
 def test_search_memory_table_equals_rank_memory(layout):
     from plait.cost.memory import memory_table
@@ -150,7 +150,7 @@ def test_closed_form_estimate_is_exact_on_uniform_stages_without_transfers():
 
     setting = Setting(GPT175, A100.replace(intra_node=A100.intra_node, inter_node=A100.inter_node),
                       TrainSpec(global_batch=64, seq_len=2048))
-    layout = Layout(dp=1, tp=8, pp=4, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="interleaved",
+    layout = Layout.make(dp=1, tp=8, pp=4, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="interleaved",
                     interleave=2)
     layers = (12,) * 8
     exact = predict_layout(setting, layout, layers, ("full",) * 4).step_time_s

@@ -24,7 +24,7 @@ def plan(**kw) -> Plan:
     model = kw.pop("model", SPEC)
     seq = kw.pop("seq_len", 32)
     batch = kw["dp"] * kw["micro_batch"] * kw["num_micro_batches"]
-    return Plan(model=model, train=TrainSpec(global_batch=batch, seq_len=seq, precision="fp32"),
+    return Plan.of(model=model, train=TrainSpec(global_batch=batch, seq_len=seq, precision="fp32"),
                 cluster=CLUSTER_PRESETS["local-cpu"], **kw)
 
 

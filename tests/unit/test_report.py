@@ -32,7 +32,7 @@ def _plan(**changes) -> Plan:
                              model_tflops_per_device=0.0123, mfu=0.31, bubble_fraction=0.125),
     )
     fields.update(changes)
-    return Plan(**fields)
+    return Plan.of(**fields)
 
 
 def _render(table) -> str:

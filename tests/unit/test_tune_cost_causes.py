@@ -24,7 +24,7 @@ CPU = ClusterSpec(name="cpu4", num_devices=4, devices_per_node=4, memory_bytes=4
 
 def plan(cluster: ClusterSpec = CPU, **fields) -> Plan:
     fields = {"dp": 4, "tp": 1, "pp": 1, "micro_batch": 1, "num_micro_batches": 2, **fields}
-    return Plan(model=MODEL, train=TRAIN, cluster=cluster, **fields)
+    return Plan.of(model=MODEL, train=TRAIN, cluster=cluster, **fields)
 
 
 def with_efficiency(**changes) -> ClusterSpec:

@@ -1,0 +1,214 @@
+"""What makes a plan runnable, in one place: every rule, pure (no torch).
+
+The search prunes with these rules, `plait train` and `plait check` refuse a plan that breaks one
+before any rank starts (exit 2, naming the rule), and the executor asserts them. A rule that could
+be lifted instead has been: a vocabulary that tp does not divide is sharded unevenly (DTensor's
+uneven shards; no padding, the state dict keeps the model's shapes), and tied embeddings run under
+every plan (plait/execute/tied.py).
+
+Each rule returns `Violation`s whose message names the value and what would work. The functions
+take the few numbers they need, so the search can ask before it has built a Plan.
+
+Also here, because the cost model and the executor must agree on it: how a plan's data parallelism
+is carried (`data_parallel_mode`: DDP or fully_shard, and whether parameters stay gathered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from plait.axes import Degrees
+from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.plan import Plan
+    from plait.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    """A short name: 'tp-divides-heads', 'world-size', ..."""
+    message: str
+    """What is wrong, with the values, and what would work."""
+
+    def __str__(self) -> str:
+        return f"{self.message} [rule {self.rule}]"
+
+
+class IllegalPlan(ConfigError):
+    """A plan that breaks a legality rule; `violations` holds all of them, the message the first."""
+
+    def __init__(self, violations: list[Violation]) -> None:
+        self.violations = violations
+        more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+        super().__init__(f"the plan cannot run: {violations[0]}{more}")
+
+
+# ---- how data parallelism is carried ---------------------------------------------------------
+Carrier = Literal["none", "ddp", "fully_shard"]
+
+
+@dataclass(frozen=True)
+class DataParallelMode:
+    """How plait's executor runs a plan's data parallelism; the cost model prices exactly this."""
+
+    carrier: Carrier
+    """"ddp": DistributedDataParallel (+ ZeroRedundancyOptimizer for ZeRO-1); "fully_shard": FSDP2;
+    "none": one replica."""
+    reshard_after_forward: bool
+    """fully_shard frees gathered parameters after each unit's forward (ZeRO-3) or keeps them until
+    backward (ZeRO-2, and ZeRO 0/1 on fully_shard)."""
+    held_zero: int
+    """The ZeRO stage whose memory a rank holds at its peak."""
+
+
+def data_parallel_mode(degrees: Degrees, zero: int) -> DataParallelMode:
+    """DDP carries ZeRO 0/1 where it can: one replica of plain tensors without a pipeline. DDP takes no
+    DTensor parameters (tensor or context parallelism make them), and its reducer breaks under a
+    pipeline schedule, which runs several forwards before their backwards ("rebuilt parameter indices
+    size is not same"; torchtitan never pairs DDP with PP either); there ZeRO 0/1 ride on
+    `fully_shard(reshard_after_forward=False)`: the same numerics, no more memory. ZeRO-3 under a
+    pipeline keeps its parameters gathered through the schedule (resharding between a micro-batch's
+    forward and backward gives wrong gradients with some schedules and a gather per micro-batch; it is
+    torchtitan's default there too), which is ZeRO-2's memory."""
+    if degrees.dp == 1 and degrees.cp == 1:
+        return DataParallelMode("none", False, 0)
+    pipelined = degrees.pp > 1
+    if zero <= 1 and degrees.tp == 1 and degrees.cp == 1 and not pipelined:
+        return DataParallelMode("ddp", False, zero)
+    reshard = zero == 3 and not pipelined
+    return DataParallelMode("fully_shard", reshard, 2 if zero == 3 and pipelined else zero)
+
+
+# ---- rules ---------------------------------------------------------------------------------------
+def _divisors(value: int, limit: int = 64) -> str:
+    return ", ".join(str(d) for d in range(1, min(value, limit) + 1) if value % d == 0)
+
+
+def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
+    """Tensor parallelism splits heads, kv-heads and the MLP's inner width evenly (each rank reshapes its
+    slice into whole heads); the vocabulary may split unevenly."""
+    sizes = {"num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
+             "ffn_hidden_size": model.ffn_hidden_size}
+    if model.num_experts:
+        sizes["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
+    return [Violation(f"tp-divides-{name}", f"{name}={value} is not divisible by tp={tp}; use a tp that "
+                      f"divides it (divisors: {_divisors(value)})")
+            for name, value in sizes.items() if tp > 1 and value % tp]
+
+
+def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
+                      ) -> list[Violation]:
+    out = []
+    if model.positions == "learned" and seq_len > model.max_seq_len:
+        out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s max_seq_len="
+                             f"{model.max_seq_len} (a learned position table); use seq_len <= {model.max_seq_len}"))
+    if model.sliding_window and seq_len > model.sliding_window:
+        out.append(Violation("seq-len-within-window", f"seq_len={seq_len} exceeds {model.name}'s sliding_window="
+                             f"{model.sliding_window}; plait runs full causal attention, which equals the model's "
+                             f"only up to its window: use seq_len <= {model.sliding_window}"))
+    if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+        out.append(Violation("sp-divides-seq", f"seq_len={seq_len} (per context rank: {seq_len // cp}) is not "
+                             f"divisible by tp={tp}, which sequence parallelism needs; pick a multiple of {tp * cp} "
+                             f"or turn sequence parallelism off"))
+    if cp > 1 and seq_len % (2 * cp):
+        out.append(Violation("cp-divides-seq", f"seq_len={seq_len} is not divisible by 2 x cp={2 * cp}: context "
+                             f"parallelism gives each rank two balanced chunks of every sequence; pick a multiple "
+                             f"of {2 * cp}"))
+    return out
+
+
+def expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
+    if ep == 1:
+        return []
+    if not model.num_experts:
+        return [Violation("ep-needs-experts", f"ep={ep} needs a mixture-of-experts model; {model.name} has no "
+                          f"experts (use ep=1)")]
+    if model.num_experts % ep:
+        return [Violation("ep-divides-experts", f"num_experts={model.num_experts} is not divisible by ep={ep}; "
+                          f"use an ep among {_divisors(model.num_experts)}")]
+    return []
+
+
+def stage_problems(num_layers: int, pp: int, interleave: int, layers_per_stage: tuple[int, ...] = ()
+                   ) -> list[Violation]:
+    """Every virtual stage but the first and last holds a layer (the ends may hold only the embedding
+    or the output layer)."""
+    stages = pp * interleave
+    if num_layers < stages - 2 or (num_layers < stages and not layers_per_stage):
+        return [Violation("stages-fit-layers", f"the model has {num_layers} layers, fewer than the plan's {stages} "
+                          f"pipeline stages (pp={pp} x interleave={interleave}); use at most {num_layers} stages")]
+    empty = [s for s in range(1, stages - 1) if layers_per_stage and layers_per_stage[s] == 0]
+    if empty:
+        return [Violation("middle-stages-hold-layers", f"pipeline stages {empty} have no layers (layers_per_stage="
+                          f"{list(layers_per_stage)}); only the first and last stage may be empty")]
+    return []
+
+
+SCHEDULE_NEEDS = {
+    "gpipe": "any number of micro-batches",
+    "1f1b": "num_micro_batches >= pp",
+    "interleaved": "num_micro_batches a multiple of pp and interleave >= 2",
+}
+
+
+def schedule_problems(schedule: str, pp: int, num_micro_batches: int, interleave: int) -> list[Violation]:
+    """What torch.distributed.pipelining's schedules need (PyTorch raises mid-run otherwise)."""
+    m = num_micro_batches
+    if pp == 1:
+        return []
+    if schedule == "1f1b" and m < pp:
+        return [Violation("1f1b-needs-micro-batches", f"schedule 1f1b needs num_micro_batches >= pp, got "
+                          f"{m} < {pp}; use gpipe or more micro-batches")]
+    if schedule == "interleaved" and (m % pp or interleave < 2):
+        return [Violation("interleaved-needs", f"schedule interleaved needs num_micro_batches % pp == 0 and "
+                          f"interleave >= 2, got num_micro_batches={m}, pp={pp}, interleave={interleave}")]
+    if schedule != "interleaved" and interleave > 1:
+        return [Violation("interleave-needs-interleaved", f"interleave={interleave} needs schedule "
+                          f"'interleaved', not {schedule!r}")]
+    return []
+
+
+def carrier_problems(degrees: Degrees, zero: int, carrier: str) -> list[Violation]:
+    if carrier == "ddp" and (degrees.tp > 1 or degrees.pp > 1 or degrees.cp > 1 or zero >= 2):
+        return [Violation("ddp-needs-plain-replicas", f"data_parallel='ddp' cannot carry {degrees.describe()} "
+                          f"zero{zero}: DDP takes no DTensor parameters (tp, cp), breaks under a pipeline "
+                          f"schedule and shards nothing (ZeRO-2/3); use 'fully_shard'")]
+    return []
+
+
+def world_problems(degrees: Degrees, world_size: int) -> list[Violation]:
+    if degrees.world_size == world_size:
+        return []
+    product = " x ".join(f"{a}={degrees[a]}" for a in ("pp", "dp", "cp", "tp") if degrees[a] > 1) or "1"
+    return [Violation("world-size", f"the plan needs {product} = {degrees.world_size} ranks but the world has "
+                      f"{world_size}; launch {degrees.world_size} processes (--nproc {degrees.world_size}) or plan "
+                      f"for {world_size} devices")]
+
+
+def check_world(degrees: Degrees, world_size: int) -> None:
+    problems = world_problems(degrees, world_size)
+    if problems:
+        raise IllegalPlan(problems)
+
+
+def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation]:
+    """Every rule `plan` breaks (empty: it runs)."""
+    d, model = plan.degrees, plan.model
+    out = world_problems(d, world_size) if world_size is not None else []
+    out += tensor_problems(model, d.tp)
+    out += sequence_problems(model, plan.train.seq_len, d.tp, plan.sequence_parallel, d.cp)
+    out += expert_problems(model, d.ep)
+    out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
+    out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)
+    out += carrier_problems(d, plan.zero, plan.data_parallel)
+    return out
+
+
+def check(plan: "Plan", world_size: int | None = None) -> None:
+    """Raise IllegalPlan (a ConfigError: exit 2) naming the first rule `plan` breaks."""
+    problems = plan_problems(plan, world_size)
+    if problems:
+        raise IllegalPlan(problems)

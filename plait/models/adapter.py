@@ -1,0 +1,207 @@
+"""Model adapters: what the executor (and, through the ModelSpec, the planner) needs from a model family.
+
+An adapter describes one family of decoder-only models without changing their code:
+
+* ``build(device)``: the whole model as its author builds it (on ``meta`` for planning and before
+  sharding); its own ``forward`` is the single-process truth `plait check` compares with;
+* ``blocks_path``: the repeated blocks (the unit of pipeline cuts, FSDP and activation checkpointing);
+  ``pre`` / ``post``: the modules that run before and after them (embedding, final norm, head);
+  ``shared``: modules every pipeline stage needs (rotary tables);
+* ``embed`` / ``block_kwargs`` / ``head``: how one pipeline stage runs its share (plait.models.stage);
+* ``tp_plan()``: tensor parallelism as data, module pattern -> style name (`TensorPlan`);
+* ``tied``: parameter aliases (the output layer sharing the embedding);
+* ``initial_tensor(name, shape, seed)``: deterministic initial weights per parameter, so any shard
+  or stage builds alone and equals the single-process model;
+* ``loss(logits, targets)``; ``selective(block)``: what "selective" recompute checkpoints in a block.
+
+Adapters: plait's reference decoders (plait.models.reference_adapter), Hugging Face causal LMs
+(plait.models.hf) and a user's own module (plait.models.factory). `adapter_for(spec)` picks one from
+`ModelSpec.source`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.spec import ModelSpec
+
+STYLES = {
+    # inside a block (patterns relative to the block)
+    "colwise": "output features split over tp (Linear, or HF Conv1D)",
+    "colwise_packed": "K fused projections (q|k|v, gate|up), each split over tp: 'colwise_packed:3'",
+    "rowwise": "input features split over tp; outputs summed (all-reduce, or reduce-scatter under SP)",
+    "norm": "a norm over hidden: replicated, or on sequence slices under sequence parallelism",
+    "head_norm": "a norm over head_dim of tp-sharded heads (Qwen3's q_norm / k_norm)",
+    "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",
+    "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
+    "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
+    # around the blocks (paths from the root)
+    "embedding": "vocabulary-parallel embedding (rows split over tp, any vocabulary size)",
+    "position_embedding": "learned positions: replicated (sliced along the sequence under SP)",
+    "final_norm": "the norm after the last block",
+    "output": "the output layer, vocabulary split over tp, with a loss that never gathers the logits",
+}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Tensor parallelism as data: module pattern -> style name (see STYLES). `block` patterns are relative to a
+    block (e.g. "self_attn.q_proj"), `root` ones to the model (e.g. "model.embed_tokens")."""
+
+    block: dict[str, str]
+    root: dict[str, str]
+
+    def __post_init__(self) -> None:
+        for pattern, style in {**self.block, **self.root}.items():
+            if style.split(":")[0] not in STYLES:
+                raise ValueError(f"tensor plan entry {pattern!r}: style {style!r} is not one of {', '.join(STYLES)}")
+
+
+@dataclass
+class StageContext:
+    """What the blocks of one stage need besides the hidden states: the global positions of this rank's tokens
+    (under context parallelism a slice of the sequence), and the adapter's per-step tables."""
+
+    positions: torch.Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module | None:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def set_module(root: nn.Module, path: str, value: nn.Module | None) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = get_module(root, parent_path) if parent_path else root
+    setattr(parent, name, value)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed from (seed, name); Python's hash() is salted per process, so not that."""
+    value = (seed * 1_000_003) & (2**63 - 1)
+    for char in name.encode():
+        value = (value * 131 + char) % (2**61 - 1)
+    return value
+
+
+class ModelAdapter:
+    """Base class: the generic parts; a family overrides what differs (see the module docstring)."""
+
+    blocks_path: str = "layers"
+    pre: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    tied: dict[str, str] = {}
+    """alias parameter name -> canonical name (e.g. "lm_head.weight" -> "model.embed_tokens.weight")."""
+    residual_outputs: tuple[str, ...] = ()
+    """Name suffixes of the projections that write into the residual stream (scaled init, GPT-2's scheme)."""
+    init_std: float = 0.02
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    # ---- building ------------------------------------------------------------------------
+    def build(self, device: str | torch.device = "meta") -> nn.Module:
+        raise NotImplementedError
+
+    def reset_buffers(self, module: nn.Module) -> None:
+        """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""
+
+    def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
+        """Fix a block's attributes that encode full widths (GPT-2's fused-projection split size)."""
+
+    # ---- running one pipeline stage ------------------------------------------------------
+    def embed(self, stage: nn.Module, tokens: torch.Tensor, ctx: StageContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_kwargs(self, stage: nn.Module, hidden: torch.Tensor, ctx: StageContext) -> dict[str, Any]:
+        """Keyword arguments every block of the stage is called with (rotary tables, masks)."""
+        return {}
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        out = block(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the whole single-process model (its author's own forward)."""
+        return model(tokens)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of one (micro-)batch; logits [b, s, V], targets [b, s]."""
+        # at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    # ---- parallelism as data -------------------------------------------------------------
+    def tp_plan(self) -> TensorPlan:
+        raise NotImplementedError
+
+    def selective(self, block: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> int:
+        """Selective recompute: wrap (or mark) what of `block` is recomputed; returns how many units."""
+        raise NotImplementedError
+
+    # ---- weights -------------------------------------------------------------------------
+    def is_norm(self, name: str) -> bool:
+        leaf = name.rsplit(".", 2)
+        module = leaf[-2] if len(leaf) > 1 else ""
+        return "norm" in module or module.startswith("ln_") or module == "ln_f"
+
+    def initial_tensor(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The initial value of parameter `name` (full, unsharded, fp32, CPU): GPT-2's scheme.
+
+        normal(0, init_std) for weights, the residual projections scaled by 1/sqrt(2·layers), zeros for
+        biases, ones for norm weights. Each tensor has its own generator seeded from (seed, name), so any
+        subset of the model (a stage, a shard) is built alone and equals the single-process model's."""
+        name = self.tied.get(name, name)
+        leaf = name.rsplit(".", 1)[-1]
+        if self.is_norm(name):
+            return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+        if leaf == "bias":
+            return torch.zeros(shape)
+        generator = torch.Generator().manual_seed(_name_seed(seed, name))
+        std = self.init_std
+        if name.endswith(self.residual_outputs):
+            std /= math.sqrt(2 * self.spec.num_layers)
+        return torch.randn(shape, generator=generator) * std
+
+    def initialize(self, model: nn.Module, seed: int) -> None:
+        """Fill a whole (single-process) model with the initial tensors."""
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(self.initial_tensor(name, tuple(param.shape), seed))
+        self.reset_buffers(model)
+
+    def canonical(self, name: str) -> str:
+        return self.tied.get(name, name)
+
+
+_ADAPTERS: dict[str, Callable[[ModelSpec], ModelAdapter]] = {}
+
+
+def register(kind: str, factory: Callable[[ModelSpec], ModelAdapter]) -> None:
+    """Adapters by the prefix of ModelSpec.source ("plait", "hf", "module")."""
+    _ADAPTERS[kind] = factory
+
+
+def adapter_for(spec: ModelSpec) -> ModelAdapter:
+    kind = spec.source.split(":", 1)[0]
+    if kind not in _ADAPTERS:
+        import importlib
+
+        importlib.import_module({"plait": "plait.models.reference_adapter", "hf": "plait.models.hf",
+                                 "module": "plait.models.factory"}[kind])
+    return _ADAPTERS[kind](spec)
