@@ -26,6 +26,9 @@ class Stage(nn.Module):
             self.add_module(name, child)
         for name, param in skeleton.named_parameters(recurse=False):
             self.register_parameter(name, param)
+        for name, value in vars(skeleton).items():  # plain attributes the model's own embed/head may read
+            if not name.startswith("_") and name != "training" and not hasattr(self, name):
+                setattr(self, name, value)
         set_module(self, adapter.blocks_path, nn.ModuleDict({str(i): block for i, block in blocks.items()}))
         self.adapter = adapter
         self.first, self.last = first, last

@@ -52,14 +52,14 @@ def load_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
     if isinstance(name_or_path, ModelSpec):
         return name_or_path
     text = str(name_or_path)
-    if not _looks_like_path(text):
-        return _preset(MODEL_PRESETS, text, "model")
     if text.startswith("module:"):
         from plait.models.factory import factory_spec  # imports the user's module (and torch) to measure it
 
         return factory_spec(text)
     if text.startswith("hf:"):
         text = text.removeprefix("hf:")
+    elif not _looks_like_path(text):
+        return _preset(MODEL_PRESETS, text, "model")
     path = _existing_file(text, "model")
     data = read_mapping(path)
     if _is_hf_config(data):

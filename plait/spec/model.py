@@ -55,6 +55,8 @@ class BlockCost:
     transformer layer): the block costs flops_per_token + s · attention_flops_per_token per token."""
     activation_bytes_per_token: float = 0.0
     """Bytes the block keeps for backward per token, at the measured precision (fp32 on meta)."""
+    tensors: int = 0
+    """Parameter tensors of the block."""
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
@@ -106,8 +108,15 @@ class ModelSpec:
     moe_ffn_hidden_size: int | None = None
     """Inner width of one expert; None means ffn_hidden_size."""
     blocks: tuple[BlockCost, ...] = ()
-    """Per-block measured costs (num_layers entries) when blocks differ; () means every block is the
-    transformer layer the shape describes."""
+    """Per-block measured costs (num_layers entries) of a module measured on meta; () means every block is
+    the transformer layer the shape describes."""
+    pre_params: int | None = None
+    """Measured parameters of what runs before the blocks (None: the embedding the shape describes)."""
+    post_params: int | None = None
+    """Measured parameters of what runs after the blocks (None: final norm and output layer of the shape)."""
+    tp_plan: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    """Tensor-parallel plan of a module:factory model (plait.models.adapter.STYLES): "blocks.*.attn.q":
+    "colwise", ..., "embed": "embedding"; the other adapters derive theirs."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
@@ -218,12 +227,16 @@ class ModelSpec:
     @property
     def embedding_params(self) -> int:
         """Token embedding (plus the learned position table)."""
+        if self.pre_params is not None:
+            return self.pre_params
         positions = self.max_seq_len * self.hidden_size if self.positions == "learned" else 0
         return self.vocab_size * self.hidden_size + positions
 
     @property
     def head_params(self) -> int:
         """Final norm and, unless tied, the output projection."""
+        if self.post_params is not None:
+            return self.post_params
         out = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
         return self.norm_params + out
 

@@ -11,18 +11,30 @@ import pytest
 from plait.launch import run_local
 
 WORKER = Path(__file__).parent / "_equivalence_worker.py"
-LAUNCH_TIMEOUT_S = 600
+LAUNCH_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """config.json of a tiny model of every Hugging Face family plait runs (written locally, nothing downloaded)."""
+    from plait.models.hf_tiny import FAMILIES, write_tiny_config
+
+    root = tmp_path_factory.mktemp("hf")
+    for family in FAMILIES:
+        write_tiny_config(family, root / family)
+    return root
 
 
 class _Results:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, hf_dir: Path) -> None:
+        self.tmp, self.hf_dir = tmp, hf_dir
         self.by_world: dict[int, dict] = {}
 
     def get(self, world: int) -> dict:
         if world not in self.by_world:
             out = self.tmp / f"results-{world}.json"
             os.environ.setdefault("PLAIT_OMP_THREADS", "1")
+            os.environ["PLAIT_TEST_HF_DIR"] = str(self.hf_dir)
             code = run_local(world, [str(WORKER), str(world), str(out)], module=None, timeout_s=LAUNCH_TIMEOUT_S)
             results = json.loads(out.read_text()) if out.exists() else {}
             self.by_world[world] = {"exit_code": code, "cases": results}
@@ -30,5 +42,5 @@ class _Results:
 
 
 @pytest.fixture(scope="session")
-def dist_results(tmp_path_factory) -> _Results:
-    return _Results(tmp_path_factory.mktemp("dist"))
+def dist_results(tmp_path_factory, tiny_hf_dir) -> _Results:
+    return _Results(tmp_path_factory.mktemp("dist"), tiny_hf_dir)

@@ -1,42 +1,56 @@
 """The plan cases the multi-process equivalence tests run, grouped by world size.
 
-Tiny models (4 layers, hidden 32, vocab 64, seq 16) so that one launch per world size
-runs every case in a few seconds each on a 2-core machine. Each case is the keyword
-arguments of a Plan plus the model's arch; `clip` turns on gradient clipping (at a norm
-below the real one, so clipping acts) to prove the global norm across shards."""
+Tiny models (4 layers, hidden 32, seq 16) so that one launch per world size runs every case in a few seconds
+each on a 2-core machine. A case is the keyword arguments of a Plan plus its model: plait's reference
+decoder of a tiny spec ("gpt", "llama", or "gpt-tied") or a tiny Hugging Face model ("hf:llama", "hf:gpt2", ...,
+written by plait.models.hf_tiny into PLAIT_TEST_HF_DIR). `clip` turns on gradient clipping (at a norm below
+the real one, so clipping acts) to prove the global norm across shards. Every case is judged by the same
+verdict as `plait check` (plait.execute.equivalence.Tolerance)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from plait.models.hf_tiny import FAMILIES
 from plait.plan import Plan
 from plait.spec import ModelSpec, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.load import load_model
 
 SEQ_LEN = 16
 CLIP = 0.5
+HF_DIR_ENV = "PLAIT_TEST_HF_DIR"
 
 
 def tiny_spec(arch: str, num_layers: int = 4) -> ModelSpec:
-    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64."""
+    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64; gpt-tied: tied, vocab 67."""
+    tied = arch == "gpt-tied"
+    arch = "gpt" if tied else arch
     return ModelSpec(name=f"tiny-{arch}-test", arch=arch, num_layers=num_layers, hidden_size=32, num_heads=4,
-                     num_kv_heads=2 if arch == "llama" else None, ffn_hidden_size=64, vocab_size=64, max_seq_len=32)
+                     num_kv_heads=2 if arch == "llama" else None, ffn_hidden_size=64,
+                     vocab_size=67 if tied else 64, max_seq_len=32, tied_embeddings=tied)
+
+
+def model_of(case: dict) -> ModelSpec:
+    model = case["model"]
+    if model.startswith("hf:"):
+        return load_model(str(Path(os.environ[HF_DIR_ENV]) / model.removeprefix("hf:")))
+    return tiny_spec(model, case.get("layers", 4))
 
 
 def make_plan(case: dict) -> Plan:
-    kwargs = {k: v for k, v in case.items() if k not in ("name", "arch", "clip", "world", "layers")}
-    kwargs.setdefault("tp", 1)
-    kwargs.setdefault("pp", 1)
-    kwargs.setdefault("dp", 1)
+    kwargs = {k: v for k, v in case.items() if k not in ("name", "model", "clip", "world", "layers", "broken")}
     kwargs.setdefault("micro_batch", 1)
     kwargs.setdefault("num_micro_batches", 2)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-    global_batch = kwargs["dp"] * kwargs["micro_batch"] * kwargs["num_micro_batches"]
-    return Plan.of(model=tiny_spec(case["arch"], case.get("layers", 4)),
-                train=TrainSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32"),
-                cluster=CLUSTER_PRESETS["local-cpu"], **kwargs)
+    global_batch = kwargs.get("dp", 1) * kwargs["micro_batch"] * kwargs["num_micro_batches"]
+    return Plan.of(model=model_of(case), train=TrainSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32"),
+                   cluster=CLUSTER_PRESETS["local-cpu"], **kwargs)
 
 
-def _case(name: str, arch: str, world: int, clip: bool = True, **plan) -> dict:
-    return {"name": name, "arch": arch, "world": world, "clip": clip, **plan}
+def _case(name: str, model: str, world: int, clip: bool = True, **plan) -> dict:
+    return {"name": name, "model": model, "world": world, "clip": clip, **plan}
 
 
 CASES: list[dict] = [
@@ -58,6 +72,8 @@ CASES: list[dict] = [
     _case("pp-interleaved-uneven-empty-end", "gpt", 2, pp=2, schedule="interleaved", interleave=2,
           num_micro_batches=4, layers_per_stage=[2, 1, 1, 0]),
     _case("pp-1f1b-empty-first", "gpt", 2, pp=2, schedule="1f1b", layers_per_stage=[0, 4]),
+    # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
+    _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------
     _case("fsdp-tp-sp", "llama", 4, dp=2, tp=2, zero=3, sequence_parallel=True),
     _case("ddp-tp", "gpt", 4, dp=2, tp=2, zero=0),
@@ -75,6 +91,19 @@ CASES: list[dict] = [
           interleave=2, num_micro_batches=4, layers=6, layers_per_stage=[2, 1, 2, 1], recompute=["selective", "full"]),
     _case("2x2x2-ddp-gpipe", "gpt", 8, dp=2, tp=2, pp=2, zero=0, schedule="gpipe", recompute=["full", "none"]),
 ]
+
+# Every Hugging Face family and plait's own tied model under the six plans of the adapter proof.
+FAMILY_PLANS: list[tuple[str, int, dict]] = [
+    ("dp2", 2, dict(dp=2)),
+    ("tp2-sp", 2, dict(tp=2, sequence_parallel=True)),
+    ("pp2-1f1b", 2, dict(pp=2, schedule="1f1b")),
+    ("pp2-interleaved", 2, dict(pp=2, schedule="interleaved", interleave=2)),
+    ("fsdp4", 4, dict(dp=4, zero=3, num_micro_batches=1)),
+    ("2x2x2", 8, dict(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, schedule="1f1b")),
+]
+for _model in ("gpt-tied", *(f"hf:{f}" for f in FAMILIES)):
+    for _plan_name, _world, _plan in FAMILY_PLANS:
+        CASES.append(_case(f"{_model}-{_plan_name}", _model, _world, **_plan))
 
 
 def cases_for(world: int) -> list[dict]:

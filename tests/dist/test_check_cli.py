@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def plait(*argv: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def pipeline_plan(tmp_path) -> Path:
     path = tmp_path / "plan.json"
-    plan = make_plan({"name": "cli", "arch": "llama", "pp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]})
+    plan = make_plan({"name": "cli", "model": "llama", "pp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]})
     path.write_text(plan.to_json())
     return path
 
@@ -34,13 +35,23 @@ def pipeline_plan(tmp_path) -> Path:
 def test_check_passes_a_correct_plan(pipeline_plan):
     done = plait("check", "--plan", str(pipeline_plan), "--steps", "2", "--clip", "0.5")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "EQUAL" in done.stdout and "loss (1 process)" in done.stdout
+    assert "EQUAL" in done.stdout and "loss (1 process)" in done.stdout and "float64" in done.stdout
+    assert "worst gradient after step 1" in done.stdout
+
+
+def test_dry_run_builds_without_ranks(pipeline_plan, tmp_path):
+    done = plait("check", "--plan", str(pipeline_plan), "--dry-run", "--json", str(tmp_path / "dry.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BUILDS" in done.stdout
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert [r["blocks"] for r in report["ranks"]] == [[0], [1, 2, 3]]
+    assert report["ranks"][0]["collectives"]["pp send/recv"] == 2  # one micro-batch pair each way, 2 micro-batches
 
 
 def test_check_refuses_before_launching(pipeline_plan, tmp_path):
     done = plait("check", "--plan", str(pipeline_plan), "--nproc", "3")
     assert done.returncode == 2 and "--nproc 3 does not match" in done.stderr
-    big = make_plan({"name": "big", "arch": "gpt", "dp": 2}).replace(model=MODEL_PRESETS["gpt-1.7b"], layers_per_stage=())
+    big = make_plan({"name": "big", "model": "gpt", "dp": 2}).replace(model=MODEL_PRESETS["gpt-1.7b"], layers_per_stage=())
     (tmp_path / "big.json").write_text(big.to_json())
     done = plait("check", "--plan", str(tmp_path / "big.json"))
     assert done.returncode == 2 and "too big to check" in done.stderr

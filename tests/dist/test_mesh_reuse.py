@@ -16,16 +16,17 @@ def test_meshes_are_shared_by_shape_and_threads_stay_bounded(tmp_path):
     script = tmp_path / "meshes.py"
     script.write_text(textwrap.dedent("""
         import os
-        from plait.execute.mesh import ParallelDims
+        from plait.axes import Degrees
+        from plait.execute.mesh import build_mesh
         from plait.launch import init_distributed, shutdown_distributed
         init_distributed(timeout_s=120)
-        dp2, tp2 = ParallelDims(pp_degree=1, dp_degree=2, tp_degree=1), ParallelDims(pp_degree=1, dp_degree=1, tp_degree=2)
-        first = dp2.build_mesh("cpu")
-        tp_mesh = tp2.build_mesh("cpu")
+        dp2, tp2 = Degrees(dp=2), Degrees(tp=2)
+        first = build_mesh(dp2, "cpu")
+        tp_mesh = build_mesh(tp2, "cpu")
         assert tp_mesh is not first and tp_mesh["tp"].size() == 2 and first["dp"].size() == 2
         threads = len(os.listdir("/proc/self/task"))
         for _ in range(20):
-            assert dp2.build_mesh("cpu") is first and tp2.build_mesh("cpu") is tp_mesh
+            assert build_mesh(dp2, "cpu") is first and build_mesh(tp2, "cpu") is tp_mesh
         assert len(os.listdir("/proc/self/task")) == threads
         shutdown_distributed()
     """))

@@ -14,7 +14,7 @@ from plait.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny-gpt", "--cluster", "local-cpu", "--devices", "4", "--global-batch", "8", "--seq-len", "128"]
-PLAN_KEYS = {"dp", "tp", "pp", "sequence_parallel", "zero", "recompute", "micro_batch", "num_micro_batches",
+PLAN_KEYS = {"degrees", "data_parallel", "sequence_parallel", "zero", "recompute", "micro_batch", "num_micro_batches",
              "schedule", "interleave", "layers_per_stage", "model", "train", "cluster", "predicted"}
 
 
@@ -54,7 +54,8 @@ def test_json_schema_and_round_trip(tiny_run):
     assert times == sorted(times)  # best first
     for raw in document["plans"]:
         assert set(raw) == PLAN_KEYS
-        assert raw["dp"] * raw["tp"] * raw["pp"] == 4
+        d = raw["degrees"]
+        assert d["dp"] * d["tp"] * d["pp"] * d["cp"] == 4 and set(d) == {"pp", "dp", "cp", "tp", "ep"}
         assert {"step_time_s", "step_time_parts", "peak_memory_bytes", "memory_parts"} <= set(raw["predicted"])
         assert raw["predicted"]["peak_memory_bytes"] <= raw["cluster"]["memory_bytes"]
     best = Plan.from_json(out / "plans.json")
@@ -78,7 +79,7 @@ def test_pins_are_honoured(tmp_path):
     plans = json.loads(path.read_text())["plans"]
     assert plans
     for p in plans:
-        assert (p["dp"], p["tp"], p["pp"], p["zero"], p["schedule"], p["micro_batch"]) == (1, 2, 2, 1, "gpipe", 1)
+        assert (p["degrees"]["dp"], p["degrees"]["tp"], p["degrees"]["pp"], p["zero"], p["schedule"], p["micro_batch"]) == (1, 2, 2, 1, "gpipe", 1)
         assert p["recompute"] == ["full", "full"] and p["sequence_parallel"] is False
 
 

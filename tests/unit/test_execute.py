@@ -1,15 +1,14 @@
-"""Executor tier 1-2: plan legality (pure) and meshes/sharding at 8-64 ranks with the `fake` backend."""
+"""Executor tiers 1-2: the legality rules (pure) and meshes/sharding at 8-64 ranks with the `fake` backend."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from plait import legality
+from plait.axes import Degrees
 from plait.errors import ConfigError
-from plait.execute.mesh import ParallelDims
-from plait.execute.parallelize import validate_plan
 from plait.plan import Plan
 from plait.spec import ModelSpec, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -19,29 +18,34 @@ SPEC = ModelSpec(arch="llama", num_layers=8, hidden_size=64, num_heads=8, num_kv
 
 
 def plan(**kw) -> Plan:
-    kw.setdefault("dp", 1), kw.setdefault("tp", 1), kw.setdefault("pp", 1)
     kw.setdefault("micro_batch", 1), kw.setdefault("num_micro_batches", 4)
     model = kw.pop("model", SPEC)
     seq = kw.pop("seq_len", 32)
-    batch = kw["dp"] * kw["micro_batch"] * kw["num_micro_batches"]
+    batch = kw.get("dp", 1) * kw["micro_batch"] * kw["num_micro_batches"]
     return Plan.of(model=model, train=TrainSpec(global_batch=batch, seq_len=seq, precision="fp32"),
-                cluster=CLUSTER_PRESETS["local-cpu"], **kw)
+                   cluster=CLUSTER_PRESETS["local-cpu"], **kw)
 
 
-@pytest.mark.parametrize("kwargs,world,message", [
-    (dict(tp=8), 8, "num_kv_heads=4 is not divisible by tp=8"),
-    (dict(tp=3, model=SPEC.replace(num_heads=4, num_kv_heads=4, hidden_size=48)), 3, "num_heads=4 is not divisible by tp=3"),
-    (dict(tp=4, sequence_parallel=True, seq_len=30), 4, "seq_len=30 is not divisible by tp=4"),
-    (dict(pp=4, interleave=3, schedule="interleaved", num_micro_batches=4), 4, "fewer than the plan's 12"),
-    (dict(pp=2, schedule="1f1b", num_micro_batches=1), 2, "1f1b needs at least pp=2 micro-batches"),
-    (dict(pp=4, layers_per_stage=(3, 0, 3, 2)), 4, "stages [1] have no layers"),
-    (dict(dp=2), 4, "world has 4"),
-    (dict(seq_len=128), 1, "exceeds the model's max_seq_len=64"),
-    (dict(tp=2, model=SPEC.replace(tied_embeddings=True)), 2, "tied embeddings"),
+@pytest.mark.parametrize("kwargs,world,rule,message", [
+    (dict(tp=8), 8, "tp-divides-num_kv_heads", "num_kv_heads=4 is not divisible by tp=8"),
+    (dict(tp=3, model=SPEC.replace(num_heads=6, num_kv_heads=6, hidden_size=48)), 3, "tp-divides-ffn_hidden_size",
+     "ffn_hidden_size=128 is not divisible by tp=3"),
+    (dict(tp=4, sequence_parallel=True, seq_len=30), 4, "sp-divides-seq", "seq_len=30 (per context rank: 30)"),
+    (dict(pp=4, interleave=3, schedule="interleaved", num_micro_batches=4), 4, "stages-fit-layers",
+     "fewer than the plan's 12"),
+    (dict(pp=2, schedule="1f1b", num_micro_batches=1), 2, "1f1b-needs-micro-batches", "needs num_micro_batches >= pp"),
+    (dict(pp=4, layers_per_stage=(3, 0, 3, 2)), 4, "middle-stages-hold-layers", "stages [1] have no layers"),
+    (dict(dp=2), 4, "world-size", "world has 4"),
+    (dict(seq_len=128, model=SPEC.replace(arch="gpt")), 1, "seq-len-fits-positions", "exceeds"),
+    (dict(dp=2, tp=2, data_parallel="ddp"), 4, "ddp-needs-plain-replicas", "DDP takes no DTensor"),
+    (dict(ep=2, dp=2), 2, "ep-needs-experts", "needs a mixture-of-experts model"),
 ])
-def test_refuses_plans_that_cannot_run(kwargs, world, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        validate_plan(plan(**kwargs), world)
+def test_refuses_plans_that_cannot_run(kwargs, world, rule, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")) as caught:
+        legality.check(plan(**kwargs), world)
+    assert caught.value.violations[0].rule == rule
+    assert f"[rule {rule}]" in str(caught.value)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -49,15 +53,32 @@ def test_refuses_plans_that_cannot_run(kwargs, world, message):
     dict(pp=2, layers_per_stage=(8, 0)),  # empty end stage: it still holds norm and output
     dict(pp=4, interleave=2, schedule="interleaved", layers_per_stage=(1, 1, 1, 1, 1, 1, 1, 1)),
     dict(tp=4, sequence_parallel=True),
+    dict(tp=2, model=SPEC.replace(vocab_size=127)),  # an uneven vocabulary is sharded unevenly
+    dict(tp=2, pp=2, model=SPEC.replace(tied_embeddings=True)),  # tied embeddings run under every plan
 ])
 def test_accepts_plans_that_fit(kwargs):
     p = plan(**kwargs)
-    validate_plan(p, p.num_devices)
+    assert legality.plan_problems(p, p.num_devices) == []
+
+
+def test_data_parallel_mode_is_one_rule_for_plan_and_cost_layout():
+    from plait.cost.layout import Layout
+
+    cases = {(Degrees(dp=4), 1): ("ddp", False, 1), (Degrees(dp=4), 3): ("fully_shard", True, 3),
+             (Degrees(dp=2, tp=2), 0): ("fully_shard", False, 0), (Degrees(dp=2, pp=2), 3): ("fully_shard", False, 2),
+             (Degrees(tp=2), 2): ("none", False, 0)}
+    for (degrees, zero), expected in cases.items():
+        mode = legality.data_parallel_mode(degrees, zero)
+        assert (mode.carrier, mode.reshard_after_forward, mode.held_zero) == expected
+        p = plan(zero=zero, **{a: degrees[a] for a in ("dp", "tp", "pp")})
+        assert p.data_parallel == mode.carrier and Layout.of(p).dp_mode == p.dp_mode == mode
 
 
 @pytest.fixture
 def fake_world():
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plait.execute.mesh import forget_meshes
 
     def start(rank: int, world: int) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -65,15 +86,20 @@ def fake_world():
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_meshes()
 
 
 @pytest.mark.parametrize("rank", [0, 23, 63])
 def test_mesh_puts_tp_innermost_and_pp_outermost(fake_world, rank):
+    from plait.execute.mesh import build_mesh
+
     fake_world(rank, 64)
-    mesh = ParallelDims(pp_degree=4, dp_degree=4, tp_degree=4).build_mesh("cpu")
-    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    degrees = Degrees(pp=4, dp=4, tp=4)
+    mesh = build_mesh(degrees, "cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
+    coords = degrees.coordinates(rank)
     assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == \
-        (rank // 16, rank // 4 % 4, rank % 4)
+        (rank // 16, rank // 4 % 4, rank % 4) == (coords["pp"], coords["dp"], coords["tp"])
     # tensor-parallel peers are adjacent ranks (one node on real clusters)
     assert mesh["tp"].mesh.tolist() == [rank // 4 * 4 + i for i in range(4)]
 
@@ -83,17 +109,19 @@ def test_shards_on_meta_at_16_ranks(fake_world, rank):
     """Split -> TP/SP -> AC -> FSDP on the meta device as rank `rank` of pp2 x dp2 x tp4 sees it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from plait.execute.parallelize import _shard_stage
+    from plait.execute.mesh import build_mesh
+    from plait.execute.parallelize import shard_stage
     from plait.execute.pipeline import split_model
-    from plait.models import build_model
+    from plait.models import adapter_for
 
     fake_world(rank, 16)
     p = plan(dp=2, tp=4, pp=2, sequence_parallel=True, zero=3, recompute=("full", "selective"),
              layers_per_stage=(3, 5))
-    mesh = ParallelDims(pp_degree=2, dp_degree=2, tp_degree=4).build_mesh("cpu")
+    mesh = build_mesh(p.degrees, "cpu")
     pp_rank = mesh["pp"].get_local_rank()
-    stages, parts = split_model(build_model(SPEC, device="meta"), p, pp_rank)
-    part = _shard_stage(parts[0], p, mesh, pp_rank, None)
+    adapter = adapter_for(SPEC)
+    stages, parts = split_model(adapter, adapter.build("meta"), p, pp_rank)
+    part = shard_stage(parts[0], p, mesh, pp_rank, None)
     assert stages == [pp_rank]
     assert sorted(int(k) for k in part.layers.keys()) == list(p.stage_layers(pp_rank))
     assert (part.tok_embeddings is not None) == (pp_rank == 0)

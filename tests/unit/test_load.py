@@ -78,7 +78,8 @@ def test_llama2_config_matches_preset():
     spec = load_model(EXAMPLES / "hf/llama-2-7b/config.json")
     preset = MODEL_PRESETS["llama2-7b"]
     assert spec.arch == "llama" and spec.name == "Llama-2-7b-hf"
-    assert spec.replace(name=preset.name) == preset
+    assert spec.source == "hf:" + str((EXAMPLES / "hf/llama-2-7b").resolve())  # the executor runs the HF class
+    assert spec.replace(name=preset.name, source="plait") == preset
 
 
 def test_mistral_config_gqa_and_context():
@@ -91,8 +92,8 @@ def test_qwen2_config_tied_and_rope():
     spec = load_model(EXAMPLES / "hf/qwen2-0.5b/config.json")
     assert spec.tied_embeddings and spec.rope_theta == 1e6 and spec.norm_eps == 1e-6
     assert (spec.num_heads, spec.num_kv_heads, spec.vocab_size) == (14, 2, 151936)
-    # Qwen2-0.5B has 494.0M parameters; plait's blocks omit its q/k/v biases (24·(896+2·128) = 27.6k).
-    assert abs(spec.num_params + 24 * (896 + 2 * 128) - 494_032_768) < 1
+    assert spec.bias == "qkv"  # Qwen2's q/k/v projections have biases, o_proj and the MLP none
+    assert spec.num_params == 494_032_768  # Qwen2-0.5B, as Hugging Face counts it
 
 
 def test_gpt2_config_exact_parameter_count():
@@ -111,7 +112,7 @@ def test_hf_detected_by_architectures_alone():
 def test_hf_unknown_model_type_names_supported(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "falcon", "hidden_size": 64}))
-    with pytest.raises(ConfigError, match=r"'falcon' is not supported.*llama, mistral, qwen2, gpt2"):
+    with pytest.raises(ConfigError, match=r"'falcon' is not supported.*llama, mistral, qwen2, qwen3, gemma, gpt2"):
         load_model(path)
 
 
@@ -122,11 +123,13 @@ def test_hf_missing_key_named(tmp_path):
         load_model(path)
 
 
-def test_hf_decoupled_head_dim_refused():
-    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32,
+def test_hf_decoupled_head_dim_is_priced():
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32,
               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
-    with pytest.raises(ConfigError, match="head_dim=32"):
-        model_from_hf_config(config)
+    spec = model_from_hf_config(config)
+    assert (spec.head_dim, spec.q_size, spec.qk_norm) == (32, 128, True)
+    # q: 64x128, k and v: 64x64 (4 kv heads of 32), o: 128x64, q/k norms over head_dim
+    assert spec.attention_params == 64 * 128 + 2 * 64 * 128 + 128 * 64 + 2 * 32
 
 
 def test_hf_non_positive_size_named(tmp_path):

@@ -56,17 +56,17 @@ def test_init_is_deterministic_and_per_tensor():
     assert not torch.equal(a["layers.0.attention.wq.weight"], a["layers.1.attention.wq.weight"])
 
 
-def test_stage_without_embedding_or_head_passes_hidden_states():
+def test_stages_keep_global_names_and_pass_hidden_states():
+    from plait.models import adapter_for, build_stage
+
     spec = tiny("gpt")
+    adapter = adapter_for(spec)
     full = build_model(spec, device="cpu", seed=0)
-    first = build_model(spec, device="cpu", seed=0)
-    last = build_model(spec, device="cpu", seed=0)
-    del first.layers["2"]
-    first.norm, first.output = None, None
-    for name in ("0", "1"):
-        del last.layers[name]
-    last.tok_embeddings, last.pos_embeddings = None, None
+    first = build_stage(adapter, build_model(spec, device="cpu", seed=0), [0, 1], first=True, last=False, seq_len=10)
+    last = build_stage(adapter, build_model(spec, device="cpu", seed=0), [2], first=False, last=True, seq_len=10)
     assert list(last.layers.keys()) == ["2"]  # global names survive the cut
+    assert first.output is None and last.tok_embeddings is None
+    assert {n for n, _ in last.named_parameters()} >= {"layers.2.attention.wq.weight", "output.weight"}
     tokens = torch.randint(0, 50, (2, 10))
     hidden = first(tokens)
     assert hidden.shape == (2, 10, 32)

@@ -1,0 +1,142 @@
+"""A user's own model: ModelSpec.source = "module:<package.module:factory>".
+
+The factory is called with no arguments and returns an `nn.Module` shaped like a decoder:
+
+    class MyModel(nn.Module):
+        blocks: nn.ModuleList                  # the repeated blocks, each called as block(hidden) -> hidden
+        def embed(self, tokens): ...           # tokens [b, s] -> hidden [b, s, h]
+        def head(self, hidden): ...            # hidden -> logits [b, s, V]
+        def forward(self, tokens):             # the single-process model: head(blocks(embed(tokens)))
+        # optional, for tensor parallelism (semi-automatic mode: you say how a block shards, plait decides
+        # the rest): num_heads, num_kv_heads, ffn_hidden_size; and max_seq_len if positions are learned.
+
+Which modules run before and after the blocks is found by calling `embed` and `head` on `meta`; an output
+layer whose weight is the embedding's Parameter is a tied pair. The tensor-parallel plan is data, in the
+config or the plan (ModelSpec.tp_plan): HF-style patterns, "blocks.*.attn.q": "colwise", and the root's
+"embed": "embedding", "head": "output" (plait.models.adapter.STYLES lists the styles). The planner's
+ModelSpec is measured from the module on `meta` (plait.models.measure): per-block FLOPs, parameters and
+activation bytes, so blocks of unequal cost are priced and split as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, register
+
+
+def load_factory(source: str):
+    """The callable `package.module:factory` of a "module:..." source, with errors that say what to fix."""
+    target = source.removeprefix("module:")
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"model {source!r} must look like 'module:package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"model {source!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model {source!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def build_user_model(source: str, device: str | torch.device = "meta") -> nn.Module:
+    with torch.device(device):
+        model = load_factory(source)()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    missing = [name for name in ("embed", "head") if not callable(getattr(model, name, None))]
+    if missing or _blocks_path(model) is None:
+        raise ConfigError(f"model {source!r}: a module:factory model needs `blocks` (an nn.ModuleList), `embed(tokens)` "
+                          f"and `head(hidden)`; missing {', '.join(missing) or 'blocks'}")
+    return model
+
+
+def _blocks_path(model: nn.Module) -> str | None:
+    blocks = getattr(model, "blocks", None)
+    return "blocks" if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) else None
+
+
+@functools.lru_cache(maxsize=32)
+def _structure(source: str) -> tuple[type, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(class, pre modules, post modules, tied pairs) of a factory model, found by running embed and head on meta."""
+    model = build_user_model(source)
+    children = [name for name in model._modules if name != "blocks"]
+    touched: dict[str, set[str]] = {"embed": set(), "head": set()}
+    current = ["embed"]
+    hooks = [model._modules[name].register_forward_pre_hook(lambda m, a, n=name: touched[current[0]].add(n))
+             for name in children if model._modules[name] is not None]
+    try:
+        hidden = model.embed(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+        current[0] = "head"
+        model.head(hidden)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    params: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in params:
+            tied.append((name, params[id(param)]))
+        else:
+            params[id(param)] = name
+    return type(model), tuple(sorted(touched["embed"])), tuple(sorted(touched["head"] - touched["embed"])), tuple(tied)
+
+
+class FactoryAdapter(ModelAdapter):
+    blocks_path = "blocks"
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.user_class, self.pre, self.post, tied = _structure(spec.source)
+        self.tied = dict(tied)
+
+    def build(self, device: str | torch.device = "meta") -> nn.Module:
+        return build_user_model(self.spec.source, device)
+
+    # The user's own embed and head, run on the Stage, which holds the model's modules and attributes under
+    # their names.
+    def embed(self, stage: nn.Module, tokens: torch.Tensor, ctx: StageContext) -> torch.Tensor:
+        return self.user_class.embed(stage, tokens)
+
+    def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return self.user_class.head(stage, hidden)
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        return block(hidden)
+
+    def tp_plan(self) -> TensorPlan:
+        plan = dict(self.spec.tp_plan)
+        if not plan:
+            raise ConfigError(f"{self.spec.name}: tensor parallelism needs a tp_plan for this module:factory model "
+                              f"([model] tp_plan in the config: 'blocks.*.attn.q' = 'colwise', ...); use tp=1")
+        block = {k.removeprefix("blocks.*."): v for k, v in plan.items() if k.startswith("blocks.*.")}
+        root = {k: v for k, v in plan.items() if not k.startswith("blocks.*.")}
+        return TensorPlan(block=block, root=root)
+
+    def selective(self, block: nn.Module, wrap) -> int:
+        """No attention core is known in a user's block: selective recompute checkpoints the modules the plan
+        marks "gather_input" (attention and MLP) when a tp_plan is given, else the whole block's first child."""
+        targets = [k.removeprefix("blocks.*.") for k, v in self.spec.tp_plan.items()
+                   if k.startswith("blocks.*.") and v == "gather_input"]
+        names = targets[:1] or [next(iter(block._modules))]
+        for name in names:
+            setattr(block, name, wrap(getattr(block, name)))
+        return len(names)
+
+
+register("module", FactoryAdapter)
+
+
+def factory_spec(source: str, **overrides: Any):
+    """The ModelSpec of a "module:..." model, measured on meta (plait.models.measure)."""
+    from plait.models.measure import measure_spec
+
+    return measure_spec(source, **overrides)

@@ -1,0 +1,85 @@
+"""Measure a model on `meta` for the planner: what each block costs, without any weights or compute.
+
+* FLOPs: torch.utils.flop_counter.FlopCounterMode over one block's forward at two sequence lengths, which
+  splits them into a part per token (weight GEMMs) and a part per token and position (attention);
+* activation bytes: the tensors autograd saves for backward during the block's forward
+  (torch.autograd.graph.saved_tensors_hooks), per token;
+* parameters: counted per block, and for what runs before and after the blocks.
+
+`measure_spec(source)` turns a "module:package.module:factory" model into a ModelSpec whose `blocks` hold
+these measurements, so the cost model prices each block as it is (they need not be alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from plait.errors import ConfigError
+from plait.spec.model import BlockCost, ModelSpec
+
+SEQ_PROBES = (64, 128)
+"""Sequence lengths at which each block's FLOPs are counted (two points fix the linear and quadratic parts)."""
+
+
+def _forward_cost(block: nn.Module, hidden: int, seq: int) -> tuple[float, float]:
+    """(forward FLOPs, bytes saved for backward) of one block over one sequence of `seq` tokens, on meta."""
+    x = torch.zeros(1, seq, hidden, device="meta", requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t is not x:
+            saved[id(t)] = t.numel() * t.element_size()
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+    return float(counter.get_total_flops()), float(sum(saved.values()))
+
+
+def measure_block(block: nn.Module, hidden: int) -> BlockCost:
+    (f1, a1), (f2, _) = (_forward_cost(block, hidden, s) for s in SEQ_PROBES)
+    s1, s2 = SEQ_PROBES
+    per_position = max(0.0, (f2 / s2 - f1 / s1) / (s2 - s1))  # attention: FLOPs per token grow with s
+    per_token = max(0.0, f1 / s1 - per_position * s1)
+    return BlockCost(params=sum(p.numel() for p in block.parameters()), flops_per_token=per_token,
+                     attention_flops_per_token=per_position, activation_bytes_per_token=a1 / s1,
+                     tensors=sum(1 for _ in block.parameters()))
+
+
+def measure_spec(source: str, **overrides: Any) -> ModelSpec:
+    """The ModelSpec of a module:factory model, every block measured on meta."""
+    from plait.models.factory import _structure, build_user_model
+
+    model = build_user_model(source)
+    _, pre, post, tied = _structure(source)
+    blocks = list(model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks)
+    if not blocks:
+        raise ConfigError(f"model {source!r} has no blocks")
+    hidden_states = model.embed(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+    hidden = hidden_states.shape[-1]
+    vocab = model.head(hidden_states).shape[-1]
+    costs = tuple(measure_block(block, hidden) for block in blocks)
+    aliases = {alias for alias, _ in tied}
+
+    def params_of(names: tuple[str, ...]) -> int:
+        return sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
+                   if n.split(".")[0] in names and n not in aliases)
+
+    attrs = {key: getattr(model, key) for key in ("num_heads", "num_kv_heads", "ffn_hidden_size", "max_seq_len")
+             if isinstance(getattr(model, key, None), int)}
+    name = source.removeprefix("module:").split(":")[-1]
+    fields = dict(name=name, source=source, arch="llama", num_layers=len(blocks), hidden_size=hidden,
+                  num_heads=attrs.get("num_heads", 1), num_kv_heads=attrs.get("num_kv_heads"),
+                  ffn_hidden_size=attrs.get("ffn_hidden_size", 4 * hidden), vocab_size=vocab,
+                  head_dim=hidden // attrs.get("num_heads", 1) if hidden % attrs.get("num_heads", 1) == 0 else 1,
+                  max_seq_len=attrs.get("max_seq_len", 1 << 20),
+                  positions="learned" if "max_seq_len" in attrs else "rope",
+                  tied_embeddings=bool(tied), blocks=costs, pre_params=params_of(pre), post_params=params_of(post))
+    fields.update(overrides)
+    return ModelSpec(**fields)
