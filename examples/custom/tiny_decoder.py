@@ -68,7 +68,7 @@ class TinyDecoder(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)[None]
+        return self.tokens(tokens) + self.positions(positions[None])  # [b, s, h] + [1, s, h]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden))
@@ -89,5 +89,5 @@ TP_PLAN = {
     "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
     "blocks.*.attn.out": "rowwise",
     "blocks.*.ln2": "norm", "blocks.*.mlp": "gather_input", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
-    "tokens": "embedding", "ln_f": "final_norm", "lm_head": "output",
+    "tokens": "embedding", "positions": "position_embedding", "ln_f": "final_norm", "lm_head": "output",
 }

@@ -65,7 +65,6 @@ def main(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len, precision=args.precision)
-    _check_seq_len(model, train)
     num_devices = args.devices or cluster.num_devices
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
@@ -75,17 +74,6 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         _write_report(args.report, result)
     return 0
-
-
-def _check_seq_len(model: Any, train: Any) -> None:
-    from plait.errors import ConfigError
-
-    # gpt blocks have a learned position table of max_seq_len rows; RoPE (llama) has no such table.
-    if model.arch == "gpt" and train.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"--seq-len {train.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len} "
-            f"(learned positions); use --seq-len <= {model.max_seq_len} or a model file with a larger max_seq_len"
-        )
 
 
 def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argparse.Namespace) -> Any:

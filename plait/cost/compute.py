@@ -62,11 +62,58 @@ def gemm_fraction(cluster: ClusterSpec, width: float) -> float:
 
 
 def layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs of one layer over `tokens` tokens: (weight GEMMs, attention scores+values), whole layer."""
-    h, kv, f = model.hidden_size, model.kv_size, model.ffn_hidden_size
+    """Forward FLOPs of one layer over `tokens` tokens: (weight GEMMs, attention scores+values), whole layer.
+    For a model measured on meta (ModelSpec.blocks), the mean block's (block_loads weighs each block)."""
+    if model.blocks:
+        n = len(model.blocks)
+        return (tokens * sum(b.flops_per_token for b in model.blocks) / n,
+                tokens * seq_len * sum(b.attention_flops_per_token for b in model.blocks) / n)
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
     mlp_weights = (3 if model.gated_mlp else 2) * h * f
-    weights = h * (h + 2 * kv) + h * h + mlp_weights
-    return 2.0 * tokens * weights, 4.0 * tokens * seq_len * h
+    weights = h * (q + 2 * kv) + q * h + mlp_weights
+    return 2.0 * tokens * weights, 4.0 * tokens * seq_len * q
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """Each block's cost relative to the mean block, where blocks differ (a model measured on meta): forward time
+    (FLOPs at the sequence length), parameters and activation bytes."""
+
+    time: tuple[float, ...]
+    params: tuple[float, ...]
+    activations: tuple[float, ...]
+
+
+@lru_cache(maxsize=256)
+def block_weights(model: ModelSpec, seq_len: int) -> BlockWeights | None:
+    """None when every block costs the same (the cost model then counts layers)."""
+    if not model.blocks:
+        return None
+    flops = [b.flops_per_token + seq_len * b.attention_flops_per_token for b in model.blocks]
+    params = [float(b.params) for b in model.blocks]
+    acts = [b.activation_bytes_per_token for b in model.blocks]
+    if len(set(flops)) == len(set(params)) == len(set(acts)) == 1:
+        return None
+
+    def relative(values: list[float]) -> tuple[float, ...]:
+        mean = sum(values) / len(values)
+        return tuple(v / mean if mean > 0 else 1.0 for v in values)
+
+    return BlockWeights(relative(flops), relative(params), relative(acts))
+
+
+def block_loads(model: ModelSpec, seq_len: int, layers: tuple[int, ...]) -> list[tuple[float, float, float]]:
+    """Per virtual stage holding `layers[k]` consecutive blocks: (time, parameter, activation) load in units of
+    the mean block -- the block count itself when blocks are alike."""
+    weights = block_weights(model, seq_len)
+    if weights is None:
+        return [(float(n), float(n), float(n)) for n in layers]
+    out, start = [], 0
+    for n in layers:
+        out.append((sum(weights.time[start:start + n]), sum(weights.params[start:start + n]),
+                    sum(weights.activations[start:start + n])))
+        start += n
+    return out
 
 
 def head_flops(model: ModelSpec, tokens: int) -> float:
@@ -100,8 +147,14 @@ def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, 
     split = tp if sp else 1
     if mode == "full":
         return scale * 2.0 * sbh / split
+    if model.blocks:
+        # measured on meta in fp32 (the mean block): the part Korthikanti's table splits over tp (24 of 34 sbh)
+        # is split, the rest only under sequence parallelism; fused attention keeps no scores to drop
+        measured = s * b * sum(x.activation_bytes_per_token for x in model.blocks) / len(model.blocks)
+        return dtype_bytes / 4.0 * measured * (10.0 / 34 / split + 24.0 / 34 / tp)
     inner = (6 if model.gated_mlp else 4) * s * b * model.ffn_hidden_size
-    sharded = 2 * sbh + 4 * s * b * model.kv_size + 2 * sbh + inner
+    sbq = s * b * model.q_size
+    sharded = 2 * sbq + 4 * s * b * model.kv_size + 2 * sbq + inner
     total = 10.0 * sbh / split + sharded / tp
     if mode == "none":
         total += 5.0 * a * s * s * b / tp
@@ -182,16 +235,25 @@ def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch:
                     embed_tp=embed_tp, head_tp=head_tp)
 
 
+def layer_tensors(model: ModelSpec) -> int:
+    """Parameter tensors of one block: a GPT layer has 16 (two norms with biases; q, k, v, output and two MLP
+    weights, each with a bias), a Llama layer 9."""
+    if model.blocks:
+        return round(sum(b.tensors for b in model.blocks) / len(model.blocks))
+    norm = 2 if model.norm == "layernorm" else 1
+    biases = {"all": 4, "qkv": 3, "none": 0}[model.bias] + ((3 if model.gated_mlp else 2) if model.has_bias else 0)
+    return 2 * norm + 4 + (3 if model.gated_mlp else 2) + biases + (2 if model.qk_norm else 0)
+
+
 def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool) -> int:
-    """Parameter tensors of a pipeline rank holding `layers` layers of plait's models (plait/models):
-    a GPT layer has 16 (two norms, q, k, v, output, two MLP weights, with biases), a Llama layer 9; the
-    first stage adds the embeddings, the last the final norm and the output layer."""
-    gpt = model.arch == "gpt"
-    count = layers * (16 if gpt else 9)
+    """Parameter tensors of a pipeline rank holding `layers` blocks; the first stage adds the embeddings, the
+    last the final norm and the output layer."""
+    norm = 2 if model.norm == "layernorm" else 1
+    count = layers * layer_tensors(model)
     if first:
-        count += 2 if gpt else 1
+        count += 2 if model.positions == "learned" else 1
     if last:
-        count += (2 if gpt else 1) + (0 if model.tied_embeddings and first else 1)
+        count += norm + (0 if model.tied_embeddings and first else 1)
     return count
 
 

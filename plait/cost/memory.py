@@ -85,11 +85,14 @@ class RankMemory:
     fixed: dict[str, float]
     per_layer: dict[str, float]
 
-    def parts(self, layers: int) -> dict[str, float]:
-        return {k: self.fixed[k] + layers * self.per_layer[k] for k in PART_NAMES}
+    def parts(self, layers: float, activation_layers: float | None = None) -> dict[str, float]:
+        """`layers` blocks' worth of parameters (and `activation_layers` of activations, where blocks differ:
+        plait.cost.compute.block_loads)."""
+        acts = layers if activation_layers is None else activation_layers
+        return {k: self.fixed[k] + (acts if k == "activations" else layers) * self.per_layer[k] for k in PART_NAMES}
 
-    def total(self, layers: int) -> float:
-        return sum(self.parts(layers).values())
+    def total(self, layers: float, activation_layers: float | None = None) -> float:
+        return sum(self.parts(layers, activation_layers).values())
 
 
 def held_zero(layout: Layout) -> int:
@@ -136,13 +139,21 @@ def _buffers(setting: Setting, layout: Layout) -> float:
 def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """(fixed [pp, M], per_layer [pp, M]) bytes for every pipeline rank and recompute mode: the totals of
     `rank_memory` in one array pass, for the search."""
+    fixed, states, acts = memory_table_parts(setting, layout, modes)
+    return fixed, states[:, None] + acts
+
+
+def memory_table_parts(setting: Setting, layout: Layout, modes: tuple[str, ...]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fixed [pp, M], per-layer model states [pp], per-layer activations [pp, M]): `memory_table` with a layer's
+    parameters and activations apart (blocks that differ weigh them differently)."""
     model, train, tp, b = setting.model, setting.train, layout.tp, layout.micro_batch
     pp = layout.pp
     flight = np.array([in_flight(layout, r) for r in range(pp)])
     act = np.array([activation_bytes(model, b, setting.seq_len, tp, layout.sp, m, setting.dtype_bytes) for m in modes])
     act_none = activation_bytes(model, b, setting.seq_len, tp, layout.sp, "none", setting.dtype_bytes)
     states = sum(model_state_bytes(layer_params(model, tp), layout.dp, held_zero(layout), train).values())
-    per_layer = states + flight[:, None] * act[None, :]
+    acts = flight[:, None] * act[None, :]
     ends = np.zeros(pp)
     ends[0] += first_stage_params(model, tp)
     ends[-1] += last_stage_params(model, tp, shares_embedding_rank=pp == 1)
@@ -153,4 +164,4 @@ def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tu
     extra[-1] += 4.0 * b * setting.seq_len * model.vocab_size / tp
     common = _buffers(setting, layout) + RESERVE_FRACTION * setting.cluster.memory_bytes
     fixed = (ends_bytes + extra + common)[:, None] + (act_none - act)[None, :]
-    return fixed, per_layer
+    return fixed, np.full(pp, states), acts

@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from plait.cost import comm
-from plait.cost.compute import (EndsCost, LayerCost, ends_cost, layer_cost, model_flops_per_step,
+from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
@@ -48,10 +48,11 @@ class StageTimes:
     tp_comm: tuple[float, ...]
 
 
-def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[int, ...], modes: tuple[str, ...],
+def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[float, ...], modes: tuple[str, ...],
                 stage_host: float = 0.0) -> StageTimes:
-    """`layers[k]` layers on virtual stage k, recomputed with `modes[k]`; each stage's forward and backward
-    of a micro-batch also pay `stage_host` seconds (Efficiency.pipeline_overhead_s, under a pipeline)."""
+    """`layers[k]` layers (or mean-block time loads: plait.cost.compute.block_loads) on virtual stage k,
+    recomputed with `modes[k]`; each stage's forward and backward of a micro-batch also pay `stage_host` seconds
+    (Efficiency.pipeline_overhead_s, under a pipeline)."""
     last = len(layers) - 1
     fwd, bwd, compute, recompute, tp = [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
@@ -91,7 +92,7 @@ def p2p_time(setting: Setting, layout: Layout) -> float:
     return t
 
 
-def rank_params(setting: Setting, layout: Layout, rank: int, layers: int) -> float:
+def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> float:
     model, tp = setting.model, layout.tp
     total = layers * layer_params(model, tp)
     if rank == 0:
@@ -197,7 +198,9 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)
     modes = tuple(recompute[k % pp] for k in range(len(layers)))
-    st = stage_times(lc, ends, layers, modes, setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
+    loads = block_loads(setting.model, setting.seq_len, layers)
+    st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
+                     setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)
@@ -213,9 +216,9 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     tail, opt, seen = [], [], {}
     for r in range(pp):
         n = sum(layers[r::pp])
-        key = (n, r == 0, r == pp - 1, sum(st.fwd[r::pp]), sum(st.bwd[r::pp]))
+        key = (n, r == 0, r == pp - 1, sum(st.fwd[r::pp]), sum(st.bwd[r::pp]), sum(x[1] for x in loads[r::pp]))
         if key not in seen:  # ranks with the same share cost the same: most of them
-            params = rank_params(setting, layout, r, n)
+            params = rank_params(setting, layout, r, sum(load[1] for load in loads[r::pp]))
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
                          optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
                          + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1)
@@ -276,9 +279,11 @@ def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recom
                 ) -> tuple[tuple[float, ...], dict[str, float]]:
     """(memory of each pipeline rank, parts of the peak rank)."""
     per_rank = []
+    loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
         mem = rank_memory(setting, layout, r, recompute[r])
-        per_rank.append(mem.parts(sum(layers[r::layout.pp])))
+        mine = loads[r::layout.pp]
+        per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     totals = tuple(sum(p.values()) for p in per_rank)
     peak = max(range(layout.pp), key=lambda r: totals[r])
     return totals, per_rank[peak]

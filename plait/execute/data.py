@@ -50,7 +50,7 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": ignored or None}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in stage.blocks().values():
+    for block in stage.stage_blocks().values():
         fully_shard(block, **kwargs)
     fully_shard(stage, **kwargs)
     return stage

@@ -233,7 +233,7 @@ class ParallelModel:
         stages = [getattr(part, "module", part) for part in self.model_parts]
         return {
             "data_parallel": sorted({data_parallel(part) for part in self.model_parts}),
-            "checkpointed_blocks": sum(isinstance(b, CheckpointWrapper) for s in stages for b in s.blocks().values()),
+            "checkpointed_blocks": sum(isinstance(b, CheckpointWrapper) for s in stages for b in s.stage_blocks().values()),
             "selective_blocks": sum(getattr(s, "selective_units", 0) for s in stages),
             "dtensor_params": sum(isinstance(p, DTensor) for p in self.parameters()),
             "params": len(self.parameters()),

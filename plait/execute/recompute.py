@@ -37,7 +37,7 @@ def apply_ac(stage: nn.Module, mode: str) -> None:
     stage.recompute_mode, stage.selective_units = mode, 0
     if mode == "none":
         return
-    blocks = stage.blocks()
+    blocks = stage.stage_blocks()
     for name, block in list(blocks.items()):
         if mode == "full":
             blocks[name] = checkpointed(block)

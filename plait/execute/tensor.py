@@ -199,7 +199,7 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     root = {path: root_style(style, get_module(stage, path), sequence_parallel)
             for path, style in plan.root.items() if get_module(stage, path) is not None}
     parallelize_module(stage, tp_mesh, root)
-    for block in stage.blocks().values():
+    for block in stage.stage_blocks().values():
         styles = {}
         for pattern, style in plan.block.items():
             module = get_module(block, pattern)

@@ -65,8 +65,10 @@ def _blocks_path(model: nn.Module) -> str | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _structure(source: str) -> tuple[type, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """(class, pre modules, post modules, tied pairs) of a factory model, found by running embed and head on meta."""
+def _structure(source: str) -> tuple[type, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...],
+                                     frozenset[str]]:
+    """(class, pre modules, post modules, tied pairs, norm parameters) of a factory model, found by running embed
+    and head on meta."""
     model = build_user_model(source)
     children = [name for name in model._modules if name != "blocks"]
     touched: dict[str, set[str]] = {"embed": set(), "head": set()}
@@ -87,7 +89,11 @@ def _structure(source: str) -> tuple[type, tuple[str, ...], tuple[str, ...], tup
             tied.append((name, params[id(param)]))
         else:
             params[id(param)] = name
-    return type(model), tuple(sorted(touched["embed"])), tuple(sorted(touched["head"] - touched["embed"])), tuple(tied)
+    norms = frozenset(f"{module_name}.{leaf}" if module_name else leaf
+                      for module_name, module in model.named_modules() if "Norm" in type(module).__name__
+                      for leaf, _ in module.named_parameters(recurse=False))
+    return (type(model), tuple(sorted(touched["embed"])), tuple(sorted(touched["head"] - touched["embed"])),
+            tuple(tied), norms)
 
 
 class FactoryAdapter(ModelAdapter):
@@ -95,7 +101,7 @@ class FactoryAdapter(ModelAdapter):
 
     def __init__(self, spec) -> None:
         super().__init__(spec)
-        self.user_class, self.pre, self.post, tied = _structure(spec.source)
+        self.user_class, self.pre, self.post, tied, self.norm_names = _structure(spec.source)
         self.tied = dict(tied)
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
@@ -108,6 +114,9 @@ class FactoryAdapter(ModelAdapter):
 
     def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return self.user_class.head(stage, hidden)
+
+    def is_norm(self, name: str) -> bool:
+        return name in self.norm_names
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         return block(hidden)

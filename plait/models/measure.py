@@ -57,7 +57,7 @@ def measure_spec(source: str, **overrides: Any) -> ModelSpec:
     from plait.models.factory import _structure, build_user_model
 
     model = build_user_model(source)
-    _, pre, post, tied = _structure(source)
+    _, pre, post, tied, _ = _structure(source)
     blocks = list(model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks)
     if not blocks:
         raise ConfigError(f"model {source!r} has no blocks")
@@ -73,13 +73,15 @@ def measure_spec(source: str, **overrides: Any) -> ModelSpec:
 
     attrs = {key: getattr(model, key) for key in ("num_heads", "num_kv_heads", "ffn_hidden_size", "max_seq_len")
              if isinstance(getattr(model, key, None), int)}
-    name = source.removeprefix("module:").split(":")[-1]
+    name = source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
+    plan = getattr(model, "tp_plan", None)
     fields = dict(name=name, source=source, arch="llama", num_layers=len(blocks), hidden_size=hidden,
                   num_heads=attrs.get("num_heads", 1), num_kv_heads=attrs.get("num_kv_heads"),
                   ffn_hidden_size=attrs.get("ffn_hidden_size", 4 * hidden), vocab_size=vocab,
                   head_dim=hidden // attrs.get("num_heads", 1) if hidden % attrs.get("num_heads", 1) == 0 else 1,
                   max_seq_len=attrs.get("max_seq_len", 1 << 20),
                   positions="learned" if "max_seq_len" in attrs else "rope",
-                  tied_embeddings=bool(tied), blocks=costs, pre_params=params_of(pre), post_params=params_of(post))
+                  tied_embeddings=bool(tied), blocks=costs, pre_params=params_of(pre), post_params=params_of(post),
+                  tp_plan=dict(plan) if isinstance(plan, dict) else {})
     fields.update(overrides)
     return ModelSpec(**fields)

@@ -35,7 +35,7 @@ class Stage(nn.Module):
         self.block_ids = tuple(blocks)
         self.ctx = StageContext(positions=torch.arange(seq_len))
 
-    def blocks(self) -> nn.ModuleDict:
+    def stage_blocks(self) -> nn.ModuleDict:
         return get_module(self, self.adapter.blocks_path)
 
     def retie(self) -> None:
@@ -55,7 +55,7 @@ class Stage(nn.Module):
             self.ctx.positions = self.ctx.positions.to(x.device)
         hidden = self.adapter.embed(self, x, self.ctx) if self.first else x
         kwargs = self.adapter.block_kwargs(self, hidden, self.ctx)
-        for block in self.blocks().values():
+        for block in self.stage_blocks().values():
             hidden = self.adapter.run_block(block, hidden, kwargs)
         return self.adapter.head(self, hidden) if self.last else hidden
 

@@ -127,3 +127,89 @@ def min_max_split_reference(num_layers: int, fixed_time, layer_time, fixed_mem, 
         if worst is not None and (best is None or worst < best):
             best = worst
     return best
+
+
+def min_max_split_weighted(time_w, param_w, act_w, fixed_time, layer_time, fixed_mem, layer_states, layer_act,
+                           capacity, rel_tol: float = 1e-9) -> Split | None:
+    """The optimal contiguous split of blocks that differ (a model measured on meta).
+
+    Block b weighs time_w[b], param_w[b], act_w[b] mean blocks; stage j holding blocks [a, e) in mode i takes
+    fixed_time[j] + T(a, e)·layer_time[j, i] seconds and needs fixed_mem[j, i] + P(a, e)·layer_states[j] +
+    A(a, e)·layer_act[j, i] bytes <= capacity[j] (T, P, A: sums of the weights). Every stage holds a block.
+
+    For a bound on the slowest stage, taking as many blocks as fit on each stage in turn finds a split if
+    one exists (a stage's time and memory only grow with its range), so a bisection over the bound finds the
+    optimum to `rel_tol`. Arrays: weights [L]; fixed_time [S]; layer_time, fixed_mem, layer_act [S, M];
+    layer_states, capacity [S]. `min_max_split_weighted_reference` enumerates every split to check it."""
+    tw, pw, aw = (np.concatenate(([0.0], np.cumsum(np.asarray(w, float)))) for w in (time_w, param_w, act_w))
+    fixed_time, capacity, layer_states = (np.asarray(a, float) for a in (fixed_time, capacity, layer_states))
+    layer_time, fixed_mem, layer_act = (np.asarray(a, float) for a in (layer_time, fixed_mem, layer_act))
+    num_blocks, stages = len(tw) - 1, len(fixed_time)
+    if num_blocks < stages:
+        return None
+
+    def stage_cost(j: int, start: int, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Times [len(ends), M] and fits [len(ends), M] of stage j holding [start, end) for each end."""
+        times = fixed_time[j] + (tw[ends] - tw[start])[:, None] * layer_time[j][None, :]
+        mems = fixed_mem[j][None, :] + (pw[ends] - pw[start])[:, None] * layer_states[j] \
+            + (aw[ends] - aw[start])[:, None] * layer_act[j][None, :]
+        return times, mems <= capacity[j]
+
+    def assign(bound: float) -> list[int] | None:
+        ends, start = [], 0
+        for j in range(stages):
+            last = num_blocks if j == stages - 1 else num_blocks - (stages - 1 - j)
+            candidates = np.arange(start + 1, last + 1)
+            if j == stages - 1:
+                candidates = candidates[-1:]
+            times, fits = stage_cost(j, start, candidates)
+            ok = np.any(fits & (times <= bound), axis=1)
+            if not ok.any():
+                return None
+            start = int(candidates[np.nonzero(ok)[0][-1]])  # ranges grow monotonically: the last that fits
+            ends.append(start)
+        return ends if start == num_blocks else None
+
+    everything = [stage_cost(j, 0, np.array([num_blocks]))[0].max() for j in range(stages)]
+    hi = float(max(everything)) * 1.0001 + 1e-30
+    if assign(hi) is None:
+        return None
+    lo = 0.0
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if assign(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    ends = assign(hi)
+    counts, modes, worst, start = [], [], 0.0, 0
+    for j, end in enumerate(ends):
+        times, fits = stage_cost(j, start, np.array([end]))
+        options = np.where(fits[0], times[0], np.inf)
+        modes.append(int(np.argmin(options)))
+        worst = max(worst, float(options.min()))
+        counts.append(end - start)
+        start = end
+    return Split(bottleneck=worst, layers=tuple(counts), modes=tuple(modes))
+
+
+def min_max_split_weighted_reference(time_w, param_w, act_w, fixed_time, layer_time, fixed_mem, layer_states,
+                                     layer_act, capacity) -> float | None:
+    """Slow reference: the optimal bottleneck over every composition of the blocks into stages."""
+    num_blocks, stages = len(time_w), len(fixed_time)
+    best = None
+    for cuts in itertools.combinations(range(1, num_blocks), stages - 1):
+        bounds = (0, *cuts, num_blocks)
+        worst = 0.0
+        for j in range(stages):
+            a, e = bounds[j], bounds[j + 1]
+            t, p, r = sum(time_w[a:e]), sum(param_w[a:e]), sum(act_w[a:e])
+            options = [fixed_time[j] + t * layer_time[j][i] for i in range(len(layer_time[j]))
+                       if fixed_mem[j][i] + p * layer_states[j] + r * layer_act[j][i] <= capacity[j]]
+            if not options:
+                worst = None
+                break
+            worst = max(worst, min(options))
+        if worst is not None and (best is None or worst < best):
+            best = worst
+    return best

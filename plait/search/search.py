@@ -25,13 +25,14 @@ from typing import Iterator
 
 import numpy as np
 
-from plait.cost.compute import EndsCost, LayerCost, ends_cost, layer_cost
+from plait.cost.compute import EndsCost, LayerCost, block_loads, block_weights, ends_cost, layer_cost
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import memory_table
+from plait.cost.memory import memory_table_parts
 from plait.cost.model import predict_layout, step_time
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import RECOMPUTE_MODES, Plan
-from plait.search.partition import min_max_split
+from plait.search.partition import min_max_split, min_max_split_weighted
+from plait import legality
 from plait.axes import ALL_AXES, Degrees
 from plait.search.space import Pins, check_pins, degree_choices, divisors, schedule_choices
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -89,6 +90,8 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
         raise ConfigError(f"top={top!r} must be a positive integer")
     pins = Pins.from_kwargs(**pins)
+    if problems := legality.sequence_problems(model, train.seq_len, 1, False):
+        raise legality.IllegalPlan(problems)
     check_pins(pins, model, cluster, train, n)
     setting = Setting(model, cluster.with_devices(n), train)
     search = _Search(setting, pins, None if top is None else EXACT_SHORTLIST * top)
@@ -222,7 +225,8 @@ class _Search:
         lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
         rank_modes = self.modes(pp)
         all_modes = tuple(RECOMPUTE_MODES)
-        fixed_mem, layer_mem = memory_table(s, layout, all_modes)
+        fixed_mem, layer_states, layer_act = memory_table_parts(s, layout, all_modes)
+        layer_mem = layer_states[:, None] + layer_act
         per_layer = np.array([lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in all_modes])
         cap = s.cluster.memory_bytes
         stages = layout.num_stages
@@ -238,14 +242,21 @@ class _Search:
             allowed[np.arange(pp), choice] = True
         ranks = np.arange(stages) % pp
         big = np.where(allowed[ranks], 0.0, np.inf)  # a mode not allowed on a rank never fits
-        split = min_max_split(s.model.num_layers, fixed_time, np.tile(per_layer, (stages, 1)),
-                              fixed_mem[ranks] / v + big, layer_mem[ranks], np.full(stages, cap / v))
+        weights = block_weights(s.model, s.seq_len)
+        if weights is None:
+            split = min_max_split(s.model.num_layers, fixed_time, np.tile(per_layer, (stages, 1)),
+                                  fixed_mem[ranks] / v + big, layer_mem[ranks], np.full(stages, cap / v))
+        else:  # blocks that differ: each stage's range of blocks, weighed
+            split = min_max_split_weighted(weights.time, weights.params, weights.activations, fixed_time,
+                                           np.tile(per_layer, (stages, 1)), fixed_mem[ranks] / v + big,
+                                           layer_states[ranks], layer_act[ranks], np.full(stages, cap / v))
         if split is None:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
         chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
-        per_rank = [sum(split.layers[r::pp]) for r in range(pp)]
-        peak = float(max(fixed_mem[r, i] + per_rank[r] * layer_mem[r, i] for r, i in enumerate(chosen)))
+        loads = block_loads(s.model, s.seq_len, split.layers)
+        peak = float(max(fixed_mem[r, i] + sum(x[1] for x in loads[r::pp]) * layer_states[r]
+                         + sum(x[2] for x in loads[r::pp]) * layer_act[r, i] for r, i in enumerate(chosen)))
         return split.layers, tuple(all_modes[i] for i in chosen), peak
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:

@@ -32,9 +32,18 @@ from plait.spec._dict import from_dict, to_dict
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     preset: str | None = "tiny-gpt"
-    """A name from plait.spec.models.MODEL_PRESETS (ignored when `file` is set)."""
+    """A name from plait.spec.models.MODEL_PRESETS (ignored when `file` or `module` is set)."""
     file: str | None = None
-    """A plait model file (JSON/YAML of ModelSpec fields) or a Hugging Face config.json."""
+    """A plait model file (JSON/YAML of ModelSpec fields), or a Hugging Face model directory / config.json (the
+    executor then runs the transformers class itself)."""
+    module: str | None = None
+    """Your own model: "package.module:factory", a callable returning an nn.Module with `blocks`, `embed(tokens)`
+    and `head(hidden)` (plait.models.factory)."""
+    path: str | None = None
+    """A folder to import `module` from (relative to the working directory); added to every rank's PYTHONPATH."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """Tensor parallelism of a `module` model, HF-style: "blocks.*.attn.q" = "colwise", "tokens" = "embedding", ...
+    (styles: plait.models.adapter.STYLES). Without it such a model runs with tp = 1."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,18 +20,41 @@ DEFAULT_DEVICES = 2
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
-    """The ModelSpec a [model] section names: a model file if given, else a preset."""
+    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset."""
+    if config.module:
+        if config.path:
+            import_path(config.path)
+        spec = load_model("module:" + config.module)
+        return spec.replace(tp_plan=dict(config.tp_plan)) if config.tp_plan else spec
+    if config.tp_plan:
+        raise ConfigError("model.tp_plan applies to a model.module model; plait derives the plan of presets, model "
+                          "files and Hugging Face models itself")
     if config.file:
         return load_model(config.file if "/" in config.file else f"./{config.file}")
     if not config.preset:
-        raise ConfigError("[model] needs preset (e.g. 'tiny-gpt') or file (a model file or config.json)")
+        raise ConfigError("[model] needs preset (e.g. 'tiny-gpt'), file (a model file or Hugging Face model) or "
+                          "module (package.module:factory)")
     return load_model(config.preset)
+
+
+def import_path(folder: str) -> None:
+    """Make `folder` importable here and in every rank this process starts (PYTHONPATH is inherited)."""
+    import os
+    import sys
+
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"model.path {folder!r} is not a folder; give the folder your model's module is in")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(path) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *parts])
 
 
 def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     """The plan this run follows: read from [plan] file, or searched for [plan] cluster ("auto")."""
     model = resolve_model(config.model)
-    check_seq_len(config, model)
     if config.plan.file == "auto":
         plan = auto_plan(config, model, num_devices)
     else:
@@ -73,16 +96,11 @@ def _check_pins(pins: dict[str, Any]) -> None:
             raise ConfigError(f"plan.pins: unknown pin {name!r}; pins: {', '.join(known)}")
 
 
-def check_seq_len(config: Config, model: ModelSpec) -> None:
-    if config.train.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={config.train.seq_len} exceeds {model.name}'s max_seq_len={model.max_seq_len}; "
-            f"use train.seq_len <= {model.max_seq_len}"
-        )
-
-
 def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
-    """Refuse a plan made for another model or another batch shape, naming the first difference."""
+    """Refuse a plan made for another model or another batch shape, naming the first difference, or one that
+    breaks a legality rule (plait.legality: exit 2 before any rank starts)."""
+    from plait import legality
+
     diff = _first_difference(plan.model, model, ignore=("name",))
     if diff:
         key, planned, wanted = diff
@@ -97,6 +115,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"the plan was made for {key}={getattr(plan.train, key)} but the config has train.{key}="
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
+    legality.check(plan)
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:

@@ -11,6 +11,7 @@ import pytest
 from plait.launch import run_local
 
 WORKER = Path(__file__).parent / "_equivalence_worker.py"
+EXAMPLE_MODULES = Path(__file__).parents[2] / "examples" / "custom"  # the module:factory example's package
 LAUNCH_TIMEOUT_S = 900
 
 
@@ -35,6 +36,7 @@ class _Results:
             out = self.tmp / f"results-{world}.json"
             os.environ.setdefault("PLAIT_OMP_THREADS", "1")
             os.environ["PLAIT_TEST_HF_DIR"] = str(self.hf_dir)
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE_MODULES), os.environ.get("PYTHONPATH")]))
             code = run_local(world, [str(WORKER), str(world), str(out)], module=None, timeout_s=LAUNCH_TIMEOUT_S)
             results = json.loads(out.read_text()) if out.exists() else {}
             self.by_world[world] = {"exit_code": code, "cases": results}

@@ -32,8 +32,16 @@ def tiny_spec(arch: str, num_layers: int = 4) -> ModelSpec:
                      vocab_size=67 if tied else 64, max_seq_len=32, tied_embeddings=tied)
 
 
+FACTORY = "module:tiny_decoder:build"
+"""examples/custom/tiny_decoder.py: a user's own module (not a transformers class), blocks of unequal width."""
+
+
 def model_of(case: dict) -> ModelSpec:
     model = case["model"]
+    if model == "factory":
+        from tiny_decoder import TP_PLAN
+
+        return load_model(FACTORY).replace(tp_plan=TP_PLAN)
     if model.startswith("hf:"):
         return load_model(str(Path(os.environ[HF_DIR_ENV]) / model.removeprefix("hf:")))
     return tiny_spec(model, case.get("layers", 4))
@@ -101,7 +109,7 @@ FAMILY_PLANS: list[tuple[str, int, dict]] = [
     ("fsdp4", 4, dict(dp=4, zero=3, num_micro_batches=1)),
     ("2x2x2", 8, dict(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, schedule="1f1b")),
 ]
-for _model in ("gpt-tied", *(f"hf:{f}" for f in FAMILIES)):
+for _model in ("gpt-tied", "factory", *(f"hf:{f}" for f in FAMILIES)):
     for _plan_name, _world, _plan in FAMILY_PLANS:
         CASES.append(_case(f"{_model}-{_plan_name}", _model, _world, **_plan))
 
