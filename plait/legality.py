@@ -68,7 +68,8 @@ def data_parallel_mode(degrees: Degrees, zero: int) -> DataParallelMode:
     """DDP carries ZeRO 0/1 where it can: one replica of plain tensors without a pipeline. DDP takes no
     DTensor parameters (tensor or context parallelism make them), and its reducer breaks under a
     pipeline schedule, which runs several forwards before their backwards ("rebuilt parameter indices
-    size is not same"; torchtitan never pairs DDP with PP either); there ZeRO 0/1 ride on
+    size is not same"; torchtitan never pairs DDP with PP either); expert parallelism's experts must stay out
+    of the data-parallel reduction DDP would run over all of dp; there ZeRO 0/1 ride on
     `fully_shard(reshard_after_forward=False)`: the same numerics, no more memory. ZeRO-3 under a
     pipeline keeps its parameters gathered through the schedule (resharding between a micro-batch's
     forward and backward gives wrong gradients with some schedules and a gather per micro-batch; it is
@@ -76,7 +77,7 @@ def data_parallel_mode(degrees: Degrees, zero: int) -> DataParallelMode:
     if degrees.dp == 1 and degrees.cp == 1:
         return DataParallelMode("none", False, 0)
     pipelined = degrees.pp > 1
-    if zero <= 1 and degrees.tp == 1 and degrees.cp == 1 and not pipelined:
+    if zero <= 1 and degrees.tp == 1 and degrees.cp == 1 and degrees.ep == 1 and not pipelined:
         return DataParallelMode("ddp", False, zero)
     reshard = zero == 3 and not pipelined
     return DataParallelMode("fully_shard", reshard, 2 if zero == 3 and pipelined else zero)
@@ -118,6 +119,22 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
                              f"parallelism gives each rank two balanced chunks of every sequence; pick a multiple "
                              f"of {2 * cp}"))
     return out
+
+
+def context_problems(model: "ModelSpec", degrees: Degrees, kind: str) -> list[Violation]:
+    """Context parallelism swaps the attention of a model whose positions plait controls (its own decoders and
+    Hugging Face models; a module:factory model computes its positions itself)."""
+    if degrees.cp == 1:
+        return []
+    if model.source.startswith("module:"):
+        return [Violation("cp-needs-known-positions", f"cp={degrees.cp}: a module:factory model computes its own "
+                          f"positions and attention, which context parallelism must replace; use cp=1")]
+    local_heads = model.num_heads // degrees.tp
+    if kind == "all_to_all" and local_heads % degrees.cp:
+        return [Violation("a2a-cp-divides-heads", f"all-to-all context parallelism splits the {local_heads} heads of a "
+                          f"tensor rank over cp={degrees.cp}; use cp among {_divisors(local_heads)} or "
+                          f"context_parallel='all_gather'")]
+    return []
 
 
 def expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
@@ -172,7 +189,7 @@ def schedule_problems(schedule: str, pp: int, num_micro_batches: int, interleave
 
 
 def carrier_problems(degrees: Degrees, zero: int, carrier: str) -> list[Violation]:
-    if carrier == "ddp" and (degrees.tp > 1 or degrees.pp > 1 or degrees.cp > 1 or zero >= 2):
+    if carrier == "ddp" and (degrees.tp > 1 or degrees.pp > 1 or degrees.cp > 1 or degrees.ep > 1 or zero >= 2):
         return [Violation("ddp-needs-plain-replicas", f"data_parallel='ddp' cannot carry {degrees.describe()} "
                           f"zero{zero}: DDP takes no DTensor parameters (tp, cp), breaks under a pipeline "
                           f"schedule and shards nothing (ZeRO-2/3); use 'fully_shard'")]
@@ -200,6 +217,7 @@ def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation
     out = world_problems(d, world_size) if world_size is not None else []
     out += tensor_problems(model, d.tp)
     out += sequence_problems(model, plan.train.seq_len, d.tp, plan.sequence_parallel, d.cp)
+    out += context_problems(model, d, plan.context_parallel)
     out += expert_problems(model, d.ep)
     out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
     out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)

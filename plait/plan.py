@@ -73,6 +73,8 @@ class Plan:
     """Sequences per micro-batch."""
     num_micro_batches: int = 1
     """Micro-batches per step per data-parallel replica (pipeline micro-batches, or gradient accumulation)."""
+    context_parallel: Literal["all_gather", "all_to_all"] = "all_gather"
+    """How context-parallel ranks see each other's keys and values (plait/execute/context.py); ignored when cp = 1."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule; ignored when pp == 1."""
     interleave: int = 1

@@ -38,15 +38,22 @@ def unshardable(stage: nn.Module) -> set[nn.Parameter]:
     """Parameters fully_shard cannot shard further: a packed projection's bias split over tp (GPT-2's q|k|v,
     an _StridedShard on dim 0, which fully_shard's dim-0 shard would compose with into a layout DTensor cannot
     place). They stay whole on every dp rank; ReplicatedGradients averages their gradients."""
-    return {p for p in stage.parameters() if isinstance(p, DTensor)
+    from plait.execute.state import clean_name
+
+    experts = getattr(stage, "expert_params", set())
+    return {p for name, p in stage.named_parameters() if isinstance(p, DTensor) and clean_name(name) not in experts
             and any(isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
 
 
 def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
                mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+    from plait.execute.state import clean_name
+
     ignored = unshardable(stage)
-    stage.dp_replicated = {name for name, p in stage.named_parameters() if p in ignored}  # names: to_empty
-    # replaces the parameter objects
+    # names, not objects: to_empty replaces the parameter objects
+    stage.dp_replicated = {clean_name(name) for name, p in stage.named_parameters() if p in ignored}
+    experts = getattr(stage, "expert_params", set())
+    ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}  # their own reduction
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": ignored or None}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

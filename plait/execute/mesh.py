@@ -1,36 +1,76 @@
-"""The device mesh: one named DeviceMesh over the plan's axes (plait.axes.AXES: "pp", "dp", "cp", "tp").
+"""The device mesh: one DeviceMesh over the plan's axes (plait.axes), and the sub-meshes the executor uses.
 
-Axis order decides which ranks share an axis (plait.axes says why): "tp" innermost, so tensor-parallel
-groups are adjacent ranks, inside a node on real clusters; "pp" outermost. Every axis is kept, even of
-size 1, so code can always say mesh["dp"].
+The root mesh is ("pp", "edp", "ep", "cp", "tp"): plait.axes's order with the data-parallel axis split into
+expert-data-parallel x expert-parallel (dp = edp · ep; ep = 1 for dense models). "tp" is innermost, so tensor-
+parallel groups are adjacent ranks, inside a node on real clusters; "pp" outermost (plait.axes says why); an
+expert-parallel group is the nearest data-parallel ranks, for its all-to-alls.
+
+`Meshes` hands out named sub-meshes, so code says meshes["dp"] whatever the layout: "pp", "dp", "cp", "tp",
+"ep", "edp", "dp_cp" (data parallelism's gradient reduction: dp, and cp whose ranks hold other tokens of the
+same sequences), "edp_cp" (the reduction of an expert's copies) and "ep_tp" (where an expert's weights are split).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait import legality
-from plait.axes import AXES, Degrees
+from plait.axes import Degrees
 
-_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
+ROOT_AXES = ("pp", "edp", "ep", "cp", "tp")
 
 
-def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
-    """The mesh of `degrees` over the whole world (which must have degrees.world_size ranks).
+@dataclass(frozen=True)
+class Meshes:
+    root: DeviceMesh
+    named: dict[str, DeviceMesh]
 
-    One mesh per shape and process group, reused by every plan of that shape in this process: each new
-    mesh creates its process groups anew (on gloo, a few threads and a socket per peer each, never given
-    back), and `plait tune` builds hundreds of plans in one process, whose steps slowed by half after 80
-    plans on 4 CPU ranks before the meshes were shared."""
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.named[name]
+
+
+def _flat(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    return root[dims[0]] if len(dims) == 1 else root[dims]._flatten(name)
+
+
+def _build(degrees: Degrees, device_type: str) -> Meshes:
+    shape = (degrees.pp, degrees.dp // degrees.ep, degrees.ep, degrees.cp, degrees.tp)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=ROOT_AXES)
+    named = {axis: root[axis] for axis in ROOT_AXES}
+    named["dp"] = _flat(root, ("edp", "ep"), "dp")
+    named["dp_cp"] = named["dp"] if degrees.cp == 1 else _flat(root, ("edp", "ep", "cp"), "dp_cp")
+    named["edp_cp"] = named["edp"] if degrees.cp == 1 else _flat(root, ("edp", "cp"), "edp_cp")
+    named["ep_tp"] = root["ep", "tp"]
+    return Meshes(root, named)
+
+
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, Meshes]] = {}
+
+
+def build_mesh(degrees: Degrees, device_type: str) -> Meshes:
+    """The meshes of `degrees` over the whole world (which must have degrees.world_size ranks).
+
+    One set per shape and process group, reused by every plan of that shape in this process: each new mesh
+    creates its process groups anew (on gloo, a few threads and a socket per peer each, never given back), and
+    `plait tune` builds hundreds of plans in one process, whose steps slowed by half after 80 plans on 4 CPU
+    ranks before the meshes were shared."""
     legality.check_world(degrees, dist.get_world_size())
-    key = (device_type, degrees.mesh_shape)
+    key = (device_type, (degrees.pp, degrees.dp, degrees.ep, degrees.cp, degrees.tp))
     world = dist.group.WORLD
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not world:
-        cached = _MESHES[key] = (world, init_device_mesh(device_type, degrees.mesh_shape, mesh_dim_names=AXES))
+        cached = _MESHES[key] = (world, _build(degrees, device_type))
     return cached[1]
+
+
+def data_mesh(meshes: Meshes) -> DeviceMesh:
+    """The ranks that share the data-parallel gradient reduction: "dp", and under context parallelism the cp ranks
+    too (each holds other tokens of the same sequences: torchtitan's FSDP over dp x cp)."""
+    return meshes["dp_cp"]
 
 
 def forget_meshes() -> None:

@@ -40,7 +40,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from plait import legality
 from plait.errors import ConfigError
 from plait.execute.data import apply_ddp_if, apply_fully_shard, build_optimizer, gradient_sync
-from plait.execute.mesh import build_mesh, device_type_of
+from plait.execute.context import apply_cp, cp_positions
+from plait.execute.expert import apply_experts
+from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
 from plait.execute.state import gather_full_state_dict, load_full_state_dict, plain_named_parameters
@@ -48,6 +50,7 @@ from plait.execute.tensor import apply_tp
 from plait.execute.tied import ReplicatedGradients, TiedGradients
 from plait.launch import in_torchrun, init_distributed
 from plait.models import ModelAdapter, adapter_for, initial_state_dict
+from plait.models.moe import set_aux_scale
 from plait.plan import Plan
 
 
@@ -97,7 +100,7 @@ class ParallelModel:
     model_parts (this rank's Stage modules, in chunk order); stage_ids (their virtual stage indices);
     device."""
 
-    def __init__(self, plan: Plan, adapter: ModelAdapter, mesh: DeviceMesh, model_parts: list[nn.Module],
+    def __init__(self, plan: Plan, adapter: ModelAdapter, mesh: Meshes, model_parts: list[nn.Module],
                  stage_ids: list[int], device: torch.device, mixed_precision: torch.dtype | None) -> None:
         self.plan = plan
         self.adapter = adapter
@@ -109,7 +112,9 @@ class ParallelModel:
         # fully_shard casts through its MixedPrecisionPolicy; every other layout (one replica, DDP) autocasts
         self.autocast = None if any(isinstance(p, FSDPModule) for p in model_parts) else mixed_precision
         self.tied = TiedGradients(model_parts, adapter.tied, mesh)
-        self.replicated = ReplicatedGradients(model_parts, mesh["dp"])
+        self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
+                           ReplicatedGradients(model_parts, "expert_params", mesh["edp_cp"], data_mesh(mesh).size())]
+        self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())
         self.schedule = None
         if plan.pp > 1:
             self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, adapter.loss)
@@ -167,10 +172,13 @@ class ParallelModel:
         if tuple(tokens.shape) != expected or tuple(targets.shape) != expected:
             raise ValueError(f"tokens/targets must be {list(expected)} (this dp rank's rows), got "
                              f"{list(tokens.shape)} and {list(targets.shape)}")
+        if self.plan.cp > 1:  # this context rank's tokens of every sequence (plait/execute/context.py)
+            tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         with self._compute_context():
             local = self._pipeline_step(tokens, targets) if self.schedule else self._accumulate(tokens, targets)
-        self.replicated.sync()
+        for replicated in self.replicated:
+            replicated.sync()
         self.tied.sync()
         return self._global_mean(local)
 
@@ -180,6 +188,7 @@ class ParallelModel:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         model = self.model_parts[0]
         keep = not self.plan.dp_mode.reshard_after_forward
+        set_aux_scale(model, 1.0 / count)  # the balance loss weighs like the loss, divided by the micro-batches
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
             with gradient_sync(self.model_parts, enabled=index == count - 1, keep_gathered=keep):
                 loss = self.adapter.loss(model(tok), tgt) / count
@@ -197,13 +206,15 @@ class ParallelModel:
         return torch.stack([_scalar(loss.detach()).double() for loss in losses]).mean()
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        """Only the last pipeline rank holds the loss; tensor ranks hold equal copies."""
+        """Only the last pipeline rank holds the loss; tensor ranks hold equal copies; data and context ranks each
+        the mean over as many tokens."""
         value = local.detach().double().reshape(1).clone()
         if self.plan.pp > 1:
             dist.all_reduce(value, group=self.mesh["pp"].get_group())
-        if self.plan.dp > 1:
-            dist.all_reduce(value, group=self.mesh["dp"].get_group())
-        return value.item() / self.plan.dp
+        shared = data_mesh(self.mesh)
+        if shared.size() > 1:
+            dist.all_reduce(value, group=shared.get_group())
+        return value.item() / shared.size()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most max_norm; returns the norm before.
@@ -344,13 +355,17 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed)
 
 
-def shard_stage(part: nn.Module, plan: Plan, mesh: DeviceMesh, pp_rank: int, mixed: torch.dtype | None) -> nn.Module:
+def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None) -> nn.Module:
     """Steps 4-6 of the order above, on one meta Stage (also what `plait check --dry-run` builds)."""
+    if plan.cp > 1:
+        apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)
     if plan.tp > 1:
         apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    if plan.model.num_experts:
+        apply_experts(part, mesh, sequence_parallel=plan.sequence_parallel)
     apply_ac(part, plan.recompute[pp_rank])
     policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
-    return apply_fully_shard(part, mesh["dp"], plan.dp_mode, policy)
+    return apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, policy)
 
 
 def _materialize(part: nn.Module, adapter: ModelAdapter, plan: Plan, seed: int, device: torch.device,

@@ -24,7 +24,8 @@ def forget_groups() -> None:
 
 
 def _end_group(mesh: DeviceMesh) -> object:
-    """This rank's {pipeline rank 0, pipeline rank pp-1} group; every rank creates all of them (collective)."""
+    """This rank's {pipeline rank 0, pipeline rank pp-1} group; every rank creates all of them (collective).
+    `mesh` is the root mesh, "pp" its first axis."""
     shape = tuple(mesh.size(i) for i in range(mesh.ndim))
     key = shape
     if key not in _GROUPS:
@@ -40,9 +41,10 @@ def _end_group(mesh: DeviceMesh) -> object:
 
 
 class TiedGradients:
-    def __init__(self, parts: list[nn.Module], tied: dict[str, str], mesh: DeviceMesh) -> None:
+    def __init__(self, parts: list[nn.Module], tied: dict[str, str], meshes) -> None:
         from plait.execute.state import plain_named_parameters
 
+        mesh = meshes.root
         assert mesh.mesh_dim_names[0] == AXES[0] == "pp"
         names = {name: param for part in parts for name, param in plain_named_parameters(part)}
         shared = set(tied) | set(tied.values())
@@ -51,7 +53,7 @@ class TiedGradients:
                       and not (name in tied and tied[name] in names))
         self.params = [param for _, param in ends]
         self.aliases = {id(param) for name, param in names.items() if name in tied and tied[name] not in names}
-        self.group = _end_group(mesh) if mesh["pp"].size() > 1 and tied else None
+        self.group = _end_group(mesh) if meshes["pp"].size() > 1 and tied else None
 
     def sync(self) -> None:
         """Sum the tied weight's gradients over its two copies (call after backward, before clipping)."""
@@ -67,20 +69,25 @@ class TiedGradients:
 
 
 class ReplicatedGradients:
-    """Gradients of parameters kept whole on every data-parallel rank outside fully_shard (data.unshardable):
-    averaged over the dp group after backward, as fully_shard's reduce-scatter averages the others'."""
+    """Gradients of parameters kept outside fully_shard, averaged by plait after backward as fully_shard's
+    reduce-scatter averages the others': `attribute` names them on each stage. Summed over `group_mesh` and
+    divided by `divisor` -- the data-parallel ranks for parameters fully_shard cannot shard (data.unshardable);
+    for experts, their copies on the expert-data ranks, divided by all data-parallel ranks, since each copy
+    already holds the tokens of its whole expert-parallel group (plait/execute/expert.py)."""
 
-    def __init__(self, parts: list[nn.Module], dp_mesh: DeviceMesh) -> None:
+    def __init__(self, parts: list[nn.Module], attribute: str, group_mesh: DeviceMesh, divisor: int) -> None:
+        from plait.execute.state import clean_name
+
         self.params = [p for part in parts for name, p in sorted(part.named_parameters())
-                       if name in getattr(part, "dp_replicated", ())]
-        self.group = dp_mesh.get_group() if self.params and dp_mesh.size() > 1 else None
-        self.size = dp_mesh.size()
+                       if clean_name(name) in getattr(getattr(part, "module", part), attribute, ())]
+        self.group = group_mesh.get_group() if self.params and group_mesh.size() > 1 else None
+        self.divisor = divisor if self.params else 1
 
     def sync(self) -> None:
-        if self.group is None:
-            return
         for param in self.params:
             if param.grad is not None:
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=self.group)
-                grad.div_(self.size)
+                if self.group is not None:
+                    dist.all_reduce(grad, group=self.group)
+                if self.divisor != 1:
+                    grad.div_(self.divisor)

@@ -150,6 +150,17 @@ class ModelAdapter:
     def tp_plan(self) -> TensorPlan:
         raise NotImplementedError
 
+    def moe_modules(self, block: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(path in the block, module) of each mixture-of-experts layer of plait's kind (plait.models.moe)."""
+        from plait.models.moe import MoE
+
+        return [(name, module) for name, module in block.named_modules() if isinstance(module, MoE)]
+
+    def set_attention(self, block: nn.Module, core: nn.Module) -> None:
+        """Make `block` compute softmax(q·kᵀ·scale)·v with `core(q, k, v, scale=None)` ([b, heads, s, d] in and
+        out): context parallelism's attention, which sees the other ranks' keys and values."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap its attention (no context parallelism)")
+
     def selective(self, block: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> int:
         """Selective recompute: wrap (or mark) what of `block` is recomputed; returns how many units."""
         raise NotImplementedError

@@ -59,12 +59,15 @@ def _register_attention() -> None:
 
     def plait_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
         core = getattr(module, "plait_attention", None)
-        if core is not None:  # context parallelism: plait's core exchanges keys and values
-            return core(module, query, key, value, attention_mask, **kwargs)
+        if core is None:
+            fn, args = functools.partial(sdpa_attention_forward, **kwargs), (module, query, key, value, attention_mask)
+        else:  # context parallelism: plait's core exchanges keys and values ([b, heads, s, d]; HF wants [b, s, h, d])
+            def fn(q, k, v):
+                return core(q, k, v, scale=kwargs.get("scaling")).transpose(1, 2).contiguous(), None
+            args = (query, key, value)
         if getattr(module, "plait_recompute", False):
-            fn = functools.partial(sdpa_attention_forward, **kwargs)
-            return checkpoint(fn, module, query, key, value, attention_mask, use_reentrant=False)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     AttentionInterface.register(ATTENTION, plait_sdpa)
 
@@ -177,14 +180,19 @@ class HFAdapter(ModelAdapter):
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names
 
+    def _attentions(self, block: nn.Module) -> list[nn.Module]:
+        return [sub for sub in block.modules() if hasattr(sub, "is_causal") and hasattr(sub, "config")]
+
+    def set_attention(self, block: nn.Module, core: nn.Module) -> None:
+        for attention in self._attentions(block):
+            attention.plait_attention = core
+
     def selective(self, block: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> int:
         """The attention core (transformers' SDPA call), through plait's registered attention function."""
-        marked = 0
-        for sub in block.modules():
-            if hasattr(sub, "is_causal") and hasattr(sub, "config"):
-                sub.plait_recompute = True
-                marked += 1
-        return marked
+        attentions = self._attentions(block)
+        for attention in attentions:
+            attention.plait_recompute = True
+        return len(attentions)
 
     def is_norm(self, name: str) -> bool:
         return name.rsplit(".", 2)[-2].endswith(("norm", "layernorm")) if "." in name else False

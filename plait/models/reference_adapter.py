@@ -56,13 +56,16 @@ class ReferenceAdapter(ModelAdapter):
         }
         if self.spec.qk_norm:
             block.update({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"})
-        if self.spec.num_experts:
-            block.update({"feed_forward": "experts", "feed_forward.router": "replicate"})
+        if self.spec.num_experts:  # the experts themselves are split by plait/execute/expert.py
+            block["feed_forward.router"] = "replicate"
             for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
                 block.pop(name)
         root = {"tok_embeddings": "embedding", "pos_embeddings": "position_embedding", "norm": "final_norm",
                 "output": "output"}
         return TensorPlan(block=block, root=root)
+
+    def set_attention(self, block: nn.Module, core: nn.Module) -> None:
+        block.attention.core = core
 
     def selective(self, block: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> int:
         """The attention core, softmax(q·kᵀ)·v (Korthikanti et al. 2022, section 4.2)."""

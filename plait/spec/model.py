@@ -107,6 +107,8 @@ class ModelSpec:
     """Experts each token is routed to (top-k)."""
     moe_ffn_hidden_size: int | None = None
     """Inner width of one expert; None means ffn_hidden_size."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (plait.models.moe)."""
     blocks: tuple[BlockCost, ...] = ()
     """Per-block measured costs (num_layers entries) of a module measured on meta; () means every block is
     the transformer layer the shape describes."""
@@ -191,24 +193,26 @@ class ModelSpec:
         bias = {"all": q + 2 * kv + h, "qkv": q + 2 * kv, "none": 0}[self.bias]
         return weights + bias + (2 * self.head_dim if self.qk_norm else 0)
 
-    def _mlp_params(self, ffn: int) -> int:
+    def _mlp_params(self, ffn: int, bias: bool | None = None) -> int:
         h = self.hidden_size
+        bias = self.has_bias if bias is None else bias
         if self.gated_mlp:
-            return 3 * h * ffn + (2 * ffn + h if self.has_bias else 0)
-        return 2 * h * ffn + (ffn + h if self.has_bias else 0)
+            return 3 * h * ffn + (2 * ffn + h if bias else 0)
+        return 2 * h * ffn + (ffn + h if bias else 0)
 
     @property
     def mlp_params(self) -> int:
         """The dense MLP, or every expert and the router of a mixture-of-experts layer."""
-        if self.num_experts:
-            return self.num_experts * self._mlp_params(self.moe_ffn_hidden_size) + self.hidden_size * self.num_experts
+        if self.num_experts:  # experts without biases, and the router
+            expert = self._mlp_params(self.moe_ffn_hidden_size, bias=False)
+            return self.num_experts * expert + self.hidden_size * self.num_experts
         return self._mlp_params(self.ffn_hidden_size)
 
     @property
     def active_mlp_params(self) -> int:
         """MLP parameters one token passes through (experts_per_token experts and the router)."""
         if self.num_experts:
-            return (self.experts_per_token * self._mlp_params(self.moe_ffn_hidden_size)
+            return (self.experts_per_token * self._mlp_params(self.moe_ffn_hidden_size, bias=False)
                     + self.hidden_size * self.num_experts)
         return self.mlp_params
 

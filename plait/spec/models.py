@@ -47,4 +47,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # Local runs on CPU: byte-level vocabulary
     "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=256, tied=False),
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 256, 256, 256, 10000.0),
+    # 4 experts of width 128, each token to 2 of them
+    "tiny-moe": _llama("tiny-moe", 4, 128, 4, 2, 256, 256, 256, 10000.0).replace(
+        num_experts=4, experts_per_token=2, moe_ffn_hidden_size=128),
 }

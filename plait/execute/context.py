@@ -1,0 +1,118 @@
+"""Context parallelism: each rank of a "cp" group holds a slice of every sequence, and attention sees the others'.
+
+Load balance under a causal mask (Liu et al., Ring Attention; Megatron's and torchtitan's layout): the sequence is
+cut into 2·cp chunks and rank r holds chunks r and 2·cp - 1 - r, so every rank has as many early tokens (little
+to attend to) as late ones. Each rank's tokens keep their global positions (rotary tables, learned positions,
+the causal mask), and its loss is the mean over its tokens: the data-parallel reduction over the flattened
+(dp, cp) ranks then averages the gradients exactly as one process would over the whole sequence.
+
+Two ways to see the other ranks' keys and values, chosen by the cost model (plait.cost), both proven equal to
+one process:
+
+* "all_gather": all-gather K and V along the sequence (autograd: the backward reduce-scatters their gradients)
+  and attend with a causal mask on global positions. Ring attention's arithmetic without its pipelining of the
+  gather behind compute (Llama 3's choice; on CPU processes sharing cores there is no engine to overlap with).
+  Traffic per layer: the K and V of the whole sequence, (cp - 1)/cp of it per rank.
+* "all_to_all": DeepSpeed-Ulysses. Four all-to-alls (q, k, v, and the output back) swap the sequence split for a
+  head split: each rank then attends over the whole sequence for heads/cp of the heads. Traffic per layer: q, k,
+  v and the output of the local tokens, (cp - 1)/cp of it; needs the local heads divisible by cp.
+
+torch's own `context_parallel` (ring attention through SDPA) has no CPU kernel for causal attention in torch 2.13,
+so plait's attention exchanges keys and values itself on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+KINDS = ("all_gather", "all_to_all")
+
+
+def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of the tokens context rank `rank` holds: chunks r and 2·cp - 1 - r of 2·cp."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal softmax(q·kᵀ·scale)·v over [batch, heads, local seq, head_dim] slices whose global positions are
+    `positions` on this rank; the other ranks of `cp_mesh` hold the rest of each sequence."""
+
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, kind: str = "all_gather") -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"context-parallel kind {kind!r} is not one of {', '.join(KINDS)}")
+        self.kind, self.mesh = kind, cp_mesh
+        cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.positions = cp_positions(seq_len, cp, rank)
+        gathered = torch.cat([cp_positions(seq_len, cp, r) for r in range(cp)])  # rank order, as all-gathered
+        self.gathered_positions = gathered
+        self.to_global = torch.argsort(gathered)  # rank order -> sequence order
+        self.to_ranks = torch.argsort(self.to_global)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        if self.kind == "all_gather":
+            return self._all_gather(q, k, v, scale)
+        return self._all_to_all(q, k, v, scale)
+
+    def _all_gather(self, q, k, v, scale):
+        k_all, v_all = _repeat_kv(q, self._gather(k)), _repeat_kv(q, self._gather(v))  # [b, heads, s, d]
+        device = q.device
+        visible = self.positions.to(device)[:, None] >= self.gathered_positions.to(device)[None, :]  # causal
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible, scale=scale)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, kv, s_local, d] -> [b, kv, s, d], the ranks' slices side by side (rank order)."""
+        gathered = all_gather_single_autograd(t.permute(2, 0, 1, 3).contiguous(), 0, self.mesh)  # [s, b, kv, d]
+        return gathered.permute(1, 2, 0, 3)
+
+    def _all_to_all(self, q, k, v, scale):
+        cp = self.mesh.size()
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+        if q.shape[1] % cp:
+            raise ValueError(f"all-to-all context parallelism needs the local heads ({q.shape[1]}) divisible by "
+                             f"cp={cp}; use the all-gather kind")
+        q, k, v = (self._heads_for_sequence(t) for t in (q, k, v))  # [b, heads/cp, s, d], sequence order
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self._sequence_for_heads(out)
+
+    def _heads_for_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        b, heads, s_local, d = t.shape
+        cp = self.mesh.size()
+        parts = t.reshape(b, cp, heads // cp, s_local, d).transpose(0, 1).contiguous()  # [cp, b, h/cp, s_l, d]
+        received = all_to_all_single_autograd(parts.flatten(0, 1), None, None, self.mesh)
+        received = received.reshape(cp, b, heads // cp, s_local, d).permute(1, 2, 0, 3, 4)  # source rank major
+        whole = received.reshape(b, heads // cp, cp * s_local, d)
+        return whole.index_select(2, self.to_global.to(t.device))
+
+    def _sequence_for_heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, heads_part, s, d = t.shape
+        cp = self.mesh.size()
+        ranked = t.index_select(2, self.to_ranks.to(t.device)).reshape(b, heads_part, cp, s // cp, d)
+        parts = ranked.permute(2, 0, 1, 3, 4).contiguous()  # [cp (destination), b, h/cp, s_l, d]
+        received = all_to_all_single_autograd(parts.flatten(0, 1), None, None, self.mesh)
+        received = received.reshape(cp, b, heads_part, s // cp, d).transpose(0, 1)  # [b, cp (head group), ...]
+        return received.reshape(b, cp * heads_part, s // cp, d)
+
+
+def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves heads(q) / heads(kv) query heads."""
+    if kv.shape[1] == q.shape[1]:
+        return kv
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+
+
+def apply_cp(stage: nn.Module, cp_mesh: DeviceMesh, seq_len: int, kind: str) -> None:
+    """Every block of a Stage attends through ContextParallelAttention; the stage runs at its global positions."""
+    core = ContextParallelAttention(cp_mesh, seq_len, kind)
+    stage.ctx.positions = core.positions.clone()
+    for block in stage.stage_blocks().values():
+        stage.adapter.set_attention(block, core)
