@@ -182,6 +182,14 @@ def schedule_problems(schedule: str, pp: int, num_micro_batches: int, interleave
     if schedule == "interleaved" and (m % pp or interleave < 2):
         return [Violation("interleaved-needs", f"schedule interleaved needs num_micro_batches % pp == 0 and "
                           f"interleave >= 2, got num_micro_batches={m}, pp={pp}, interleave={interleave}")]
+    if schedule in ("zbv", "dualpipev"):
+        if interleave != 2:
+            return [Violation("v-schedule-needs-two-chunks", f"schedule {schedule} holds exactly two stages per "
+                              f"rank (a V); set interleave=2, got {interleave}")]
+        if schedule == "dualpipev" and m < 2 * pp:
+            return [Violation("dualpipev-needs-micro-batches", f"schedule dualpipev needs num_micro_batches >= "
+                              f"2 x pp = {2 * pp}, got {m}")]
+        return []
     if schedule != "interleaved" and interleave > 1:
         return [Violation("interleave-needs-interleaved", f"interleave={interleave} needs schedule "
                           f"'interleaved', not {schedule!r}")]

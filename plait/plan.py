@@ -30,9 +30,12 @@ from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec._dict import from_dict, to_dict
 
 Recompute = Literal["none", "selective", "full"]
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+"""Zero-bubble schedules on a V: pipeline rank r holds virtual stages r and 2·pp - 1 - r (Qi et al. 2024, ZB-V;
+DeepSeek's DualPipeV), so the first and last stage share rank 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +103,7 @@ class Plan:
             object.__setattr__(self, "data_parallel", mode.carrier)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if self.interleave > 1 and self.schedule != "interleaved":
+        if self.interleave > 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
             raise ValueError(f"interleave={self.interleave} needs schedule='interleaved', not {self.schedule!r}")
         recompute = self.recompute or ("none",) * self.pp
         if isinstance(recompute, str):
@@ -172,8 +175,16 @@ class Plan:
         return range(start, start + self.layers_per_stage[stage])
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
-        """Virtual stages held by pipeline rank `pp_rank`, in chunk order."""
+        """Virtual stages held by pipeline rank `pp_rank`, in chunk order (a loop, or a V for ZB-V / DualPipeV)."""
+        if self.schedule in V_SCHEDULES and self.pp > 1:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return [pp_rank + chunk * self.pp for chunk in range(self.interleave)]
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that holds virtual stage `stage`."""
+        if self.schedule in V_SCHEDULES and self.pp > 1:
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
 
     def describe(self) -> str:
         """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3'."""

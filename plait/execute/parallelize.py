@@ -111,7 +111,7 @@ class ParallelModel:
         self.mixed_precision = mixed_precision
         # fully_shard casts through its MixedPrecisionPolicy; every other layout (one replica, DDP) autocasts
         self.autocast = None if any(isinstance(p, FSDPModule) for p in model_parts) else mixed_precision
-        self.tied = TiedGradients(model_parts, adapter.tied, mesh)
+        self.tied = TiedGradients(model_parts, adapter.tied, mesh, plan)
         self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
                            ReplicatedGradients(model_parts, "expert_params", mesh["edp_cp"], data_mesh(mesh).size())]
         self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())

@@ -18,8 +18,10 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 
 from plait.models import ModelAdapter, Stage, build_stage
@@ -29,6 +31,11 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
+    # zero bubble: backward split into input and weight gradients, on a V (Plan.stages_of_rank). fully_shard
+    # must not reshard after forward under them (silently wrong gradients otherwise): plait never does under a
+    # pipeline (plait.legality.data_parallel_mode).
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 
 

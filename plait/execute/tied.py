@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from plait.axes import AXES
 
 _GROUPS: dict[tuple, object] = {}
 
@@ -23,16 +22,16 @@ def forget_groups() -> None:
     _GROUPS.clear()
 
 
-def _end_group(mesh: DeviceMesh) -> object:
-    """This rank's {pipeline rank 0, pipeline rank pp-1} group; every rank creates all of them (collective).
+def _end_group(mesh: DeviceMesh, first: int, last: int) -> object:
+    """This rank's {pipeline rank `first`, pipeline rank `last`} group; every rank creates all of them (collective).
     `mesh` is the root mesh, "pp" its first axis."""
     shape = tuple(mesh.size(i) for i in range(mesh.ndim))
-    key = shape
+    key = (shape, first, last)
     if key not in _GROUPS:
         ranks = mesh.mesh.reshape(shape[0], -1)  # [pp, dp·cp·tp] global ranks
         mine = None
         for column in range(ranks.shape[1]):
-            members = [int(ranks[0, column]), int(ranks[-1, column])]
+            members = [int(ranks[first, column]), int(ranks[last, column])]
             group = dist.new_group(members)
             if dist.get_rank() in members:
                 mine = group
@@ -41,22 +40,30 @@ def _end_group(mesh: DeviceMesh) -> object:
 
 
 class TiedGradients:
-    def __init__(self, parts: list[nn.Module], tied: dict[str, str], meshes) -> None:
+    """Keep the two copies of a tied weight in step (see the module docstring)."""
+
+    def __init__(self, parts: list[nn.Module], tied: dict[str, str], meshes, plan) -> None:
         from plait.execute.state import plain_named_parameters
 
-        mesh = meshes.root
-        assert mesh.mesh_dim_names[0] == AXES[0] == "pp"
         names = {name: param for part in parts for name, param in plain_named_parameters(part)}
-        shared = set(tied) | set(tied.values())
-        # in the canonical name's order, the same on both ends of each group
-        ends = sorted((tied.get(name, name), param) for name, param in names.items() if name in shared
-                      and not (name in tied and tied[name] in names))
-        self.params = [param for _, param in ends]
-        self.aliases = {id(param) for name, param in names.items() if name in tied and tied[name] not in names}
-        self.group = _end_group(mesh) if meshes["pp"].size() > 1 and tied else None
+        # both copies on this rank but in two stage modules (a V schedule puts stage 0 and the last on rank 0)
+        self.local_pairs = [(names[a], names[c]) for a, c in tied.items()
+                            if a in names and c in names and names[a] is not names[c]]
+        # one copy here, the other on another pipeline rank; in the canonical name's order on both ends
+        partner = {**tied, **{canonical: alias for alias, canonical in tied.items()}}
+        remote = sorted((tied.get(n, n), p) for n, p in names.items() if n in partner and partner[n] not in names)
+        self.params = [param for _, param in remote]
+        self.aliases = {id(names[a]) for a, c in tied.items() if a in names and (c not in names or names[c] is not names[a])}
+        first, last = plan.rank_of_stage(0), plan.rank_of_stage(plan.num_stages - 1)
+        self.group = _end_group(meshes.root, first, last) if tied and first != last else None
 
     def sync(self) -> None:
         """Sum the tied weight's gradients over its two copies (call after backward, before clipping)."""
+        for alias, canonical in self.local_pairs:
+            if alias.grad is not None and canonical.grad is not None:
+                total = alias.grad + canonical.grad
+                alias.grad.copy_(total)
+                canonical.grad.copy_(total)
         if self.group is None:
             return
         for param in self.params:
