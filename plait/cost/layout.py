@@ -77,6 +77,19 @@ class Layout:
     def num_stages(self) -> int:
         return self.pp * self.interleave
 
+    def stages_of(self, rank: int) -> list[int]:
+        """Virtual stages on pipeline rank `rank` (a loop, or a V for the zero-bubble V schedules)."""
+        from plait.cost.schedule import stage_rank
+
+        return [k for k in range(self.num_stages) if stage_rank(self.schedule, self.pp, k) == rank]
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank of the last virtual stage (pp - 1, or 0 on a V)."""
+        from plait.cost.schedule import stage_rank
+
+        return stage_rank(self.schedule, self.pp, self.num_stages - 1)
+
     @classmethod
     def make(cls, **fields) -> "Layout":
         """Layout(...) with the degrees given as keywords (dp=2, tp=8, ...)."""

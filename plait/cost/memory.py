@@ -23,6 +23,7 @@ import numpy as np
 
 from plait.cost.compute import activation_bytes
 from plait.cost.layout import Layout, Setting
+from plait.cost.schedule import V_SCHEDULES, rank_actions
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
@@ -75,7 +76,23 @@ def in_flight(layout: Layout, rank: int) -> float:
         # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forward chunks before the first backward, then one more.
         chunks = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
         return chunks / v
+    if layout.schedule in V_SCHEDULES:
+        return live_peak(layout.schedule, p, m, v, rank) / v
     return float(min(m, p - rank))
+
+
+@lru_cache(maxsize=1024)
+def live_peak(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
+    """Most (stage, micro-batch) activations rank `rank` holds at once in the schedule's own order: a forward keeps
+    them, the backward (its weight-gradient half, where the backward is split) frees them."""
+    live = peak = 0
+    for kind, _, _ in rank_actions(schedule, pp, m, v)[rank]:
+        if kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif kind in ("B", "W"):
+            live -= 1
+    return peak
 
 
 @dataclass(frozen=True)
@@ -104,10 +121,10 @@ def held_zero(layout: Layout) -> int:
 def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankMemory:
     """Memory coefficients of pipeline rank `rank` running recompute `mode` on all its layers."""
     model, train, tp, b = setting.model, setting.train, layout.tp, layout.micro_batch
-    first, last = rank == 0, rank == layout.pp - 1
+    first, last = rank == 0, rank == layout.last_rank
     dtype, s = setting.dtype_bytes, setting.seq_len
     ends = (first_stage_params(model, tp) if first else 0.0) + (
-        last_stage_params(model, tp, shares_embedding_rank=first) if last else 0.0)
+        last_stage_params(model, tp, shares_embedding_rank=first and layout.pp == 1) if last else 0.0)
     fixed = model_state_bytes(ends, layout.dp, held_zero(layout), train)
     per_layer = model_state_bytes(layer_params(model, tp), layout.dp, held_zero(layout), train)
     flight = in_flight(layout, rank)
@@ -156,12 +173,12 @@ def memory_table_parts(setting: Setting, layout: Layout, modes: tuple[str, ...]
     acts = flight[:, None] * act[None, :]
     ends = np.zeros(pp)
     ends[0] += first_stage_params(model, tp)
-    ends[-1] += last_stage_params(model, tp, shares_embedding_rank=pp == 1)
+    ends[layout.last_rank] += last_stage_params(model, tp, shares_embedding_rank=pp == 1)
     ends_bytes = np.array([sum(model_state_bytes(e, layout.dp, held_zero(layout), train).values()) for e in ends])
     sbh = b * setting.seq_len * model.hidden_size * setting.dtype_bytes
     extra = np.zeros(pp)
     extra[0] += flight[0] * 1.5 * sbh / (tp if layout.sp else 1)
-    extra[-1] += 4.0 * b * setting.seq_len * model.vocab_size / tp
+    extra[layout.last_rank] += 4.0 * b * setting.seq_len * model.vocab_size / tp
     common = _buffers(setting, layout) + RESERVE_FRACTION * setting.cluster.memory_bytes
     fixed = (ends_bytes + extra + common)[:, None] + (act_none - act)[None, :]
     return fixed, np.full(pp, states), acts

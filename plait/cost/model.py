@@ -33,7 +33,7 @@ from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, lay
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
-from plait.cost.schedule import makespan
+from plait.cost.schedule import V_SCHEDULES, makespan
 from plait.plan import Plan, Prediction
 
 
@@ -97,8 +97,8 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> f
     total = layers * layer_params(model, tp)
     if rank == 0:
         total += first_stage_params(model, tp)
-    if rank == layout.pp - 1:
-        total += last_stage_params(model, tp, shares_embedding_rank=rank == 0)
+    if rank == layout.last_rank:
+        total += last_stage_params(model, tp, shares_embedding_rank=rank == 0 and layout.pp == 1)
     return total
 
 
@@ -201,7 +201,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     loads = block_loads(setting.model, setting.seq_len, layers)
     st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
                      setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
-    work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
+    owned = [layout.stages_of(r) for r in range(pp)]
+    work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)
     if pp == 1:
@@ -215,18 +216,21 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     idle = pipe - min(transfers, max(pipe - work[bottleneck], 0.0))
     tail, opt, seen = [], [], {}
     for r in range(pp):
-        n = sum(layers[r::pp])
-        key = (n, r == 0, r == pp - 1, sum(st.fwd[r::pp]), sum(st.bwd[r::pp]), sum(x[1] for x in loads[r::pp]))
+        mine = owned[r]
+        n = sum(layers[k] for k in mine)
+        first, last = 0 in mine, layout.num_stages - 1 in mine
+        key = (n, first, last, sum(st.fwd[k] for k in mine), sum(st.bwd[k] for k in mine),
+               sum(loads[k][1] for k in mine))
         if key not in seen:  # ranks with the same share cost the same: most of them
-            params = rank_params(setting, layout, r, sum(load[1] for load in loads[r::pp]))
+            params = rank_params(setting, layout, r, key[5])
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
                          optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
-                         + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1)
+                         + dtensor_step_overhead(setting, layout, n, first, last)
                          + setting.cluster.efficiency.step_overhead_s)
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
-    on = range(bottleneck, len(layers), pp)
+    on = owned[bottleneck]
     lent = lent_cores_factor(setting.cluster, layout, st, pipe, c)
     parts = {
         "compute": lent * m * sum(st.compute[k] for k in on),
@@ -267,7 +271,11 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
     over v (both exact for uniform stages without transfers), plus the fill/drain transfers."""
     pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
     s = [f + b for f, b in zip(st.fwd, st.bwd)]
-    if layout.schedule == "interleaved":
+    if layout.schedule in V_SCHEDULES:
+        # zero bubble on a V: the pipeline fills with one chunk's forward per rank (uniform stages, F = I = W)
+        per_rank = [sum(s[k] for k in layout.stages_of(r)) for r in range(pp)]
+        idle = m * max(per_rank) + (pp - 1) * sum(st.fwd) / len(st.fwd)
+    elif layout.schedule == "interleaved":
         per_rank = [sum(s[r::pp]) for r in range(pp)]
         idle = m * max(per_rank) + (sum(per_rank) - max(per_rank)) / v
     else:
@@ -282,7 +290,7 @@ def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recom
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
         mem = rank_memory(setting, layout, r, recompute[r])
-        mine = loads[r::layout.pp]
+        mine = [loads[k] for k in layout.stages_of(r)]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     totals = tuple(sum(p.values()) for p in per_rank)
     peak = max(range(layout.pp), key=lambda r: totals[r])

@@ -1,8 +1,10 @@
 """Pipeline schedules as data, and an event simulator that times them.
 
 A schedule is, per pipeline rank, the ordered list of its actions ``(kind, stage, micro_batch)``
-with kind "F" or "B" (PyTorch's pipelining writes the same as "2F0"). Virtual stage k lives on
-rank k % p. The simulator runs every rank's list in order: an action starts when its rank is
+with kind "F" (forward), "B" (full backward), or, where the backward is split (zero-bubble schedules,
+Qi et al. 2024), "I" (gradient of the input, which the previous stage waits for) and "W" (gradient of the
+weights, which nobody waits for); PyTorch's pipelining writes the same as "2F0". Virtual stage k lives on
+rank k % p, or on a V for ZB-V and DualPipeV (rank r holds stages r and 2p - 1 - r; `stage_rank`). The simulator runs every rank's list in order: an action starts when its rank is
 free and its input has arrived (the previous stage's forward, or the next stage's backward,
 plus the point-to-point time). It is exact for any stage times; the closed forms
 (bubble (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v·m+p-1) interleaved) hold for uniform stages
@@ -21,12 +23,28 @@ from functools import lru_cache
 from typing import Sequence
 
 Action = tuple[str, int, int]
-"""("F" | "B", virtual stage, micro-batch)."""
+"""("F" | "B" | "I" | "W", virtual stage, micro-batch)."""
+
+WEIGHT_GRAD_SHARE = 0.5
+"""Share of a stage's backward that is the weights' gradient (W) rather than the input's (I): a linear layer's two
+backward GEMMs cost the same (2·tokens·params FLOPs each); the zero-bubble paper plans with T_F = T_B = T_W."""
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank of virtual stage `stage` (plait.plan.Plan.rank_of_stage, in the planner's room)."""
+    if schedule in V_SCHEDULES and pp > 1:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 @lru_cache(maxsize=256)
 def rank_actions(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, its actions in execution order."""
+    if schedule == "zbv":
+        return tuple(tuple(_zbv(r, pp, num_micro_batches)) for r in range(pp))
+    if schedule == "dualpipev":
+        return tuple(tuple(_dualpipev(r, pp, num_micro_batches)) for r in range(pp))
     if schedule == "gpipe":
         m = num_micro_batches
         return tuple(tuple([("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]) for r in range(pp))
@@ -63,6 +81,98 @@ def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return actions
 
 
+def _zbv(rank: int, pp: int, m: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6), as torch.distributed.pipelining runs
+    it: warm up chunk 0 with 2(p - r) - 1 forwards, interleave chunk 1's forwards, then each step runs a
+    forward, an input- and a weight-gradient on each chunk; cool down with the deferred weight gradients.
+    Micro-batches beyond m (the schedule needs 2p - 1 to fill) are left out."""
+    n = max(2 * pp - 1, m)
+    first, second = rank, 2 * pp - 1 - rank
+    count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    out: list[Action] = []
+
+    def add(kind: str, chunk: int) -> None:
+        stage = first if chunk == 0 else second
+        key = ("F" if kind == "F" else "B") + str(chunk)
+        out.append((kind, stage, count[key]))
+        if kind != "I":
+            count[key] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(pp - rank):
+        add("F", 1), add("I", 1), add("W", 1)
+    while count["F1"] < count["F0"] or count["F0"] < n:
+        if count["F0"] < n:
+            add("F", 0)
+        add("I", 0), add("W", 0), add("F", 1), add("I", 1), add("W", 1)
+    # cool-down: input gradients first, the weight gradients they leave behind after
+    pending = {0: count["B0"], 1: count["B1"]}
+    for _ in range(rank):
+        out.append(("I", first, count["B0"])), out.append(("I", second, count["B1"]))
+        count["B0"] += 1
+        count["B1"] += 1
+    for _ in range(pp - rank):
+        out.append(("I", first, count["B0"]))
+        count["B0"] += 1
+        out.append(("W", first, pending[0]))
+        pending[0] += 1
+    out += [("W", second, i) for i in range(pending[1], count["B1"])]
+    out += [("W", first, i) for i in range(pending[0], count["B0"])]
+    return [a for a in out if a[2] < m]
+
+
+def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in a V, as torch.distributed.pipelining runs it; needs m >= 2p): two
+    chunks per rank, a forward of one chunk beside a full backward of the other in the steady state (an
+    overlapped F+B runs its F then its B here), input/weight gradients split only near the end."""
+    first, second = rank, 2 * pp - 1 - rank
+    counters: dict[tuple[int, str], int] = {}
+    pending: list[tuple[int, int]] = []
+    out: list[Action] = []
+
+    def add(stage: int, kind: str) -> None:
+        key = (stage, "I" if kind in ("I", "B") else kind)
+        mb = counters.get(key, 0)
+        out.append((kind, stage, mb))
+        counters[key] = mb + 1
+        if kind == "I":
+            pending.append((stage, mb))
+
+    def weight() -> None:
+        if pending:
+            stage, mb = pending.pop(0)
+            out.append(("W", stage, mb))
+
+    for _ in range((pp - rank - 1) * 2):
+        add(first, "F")
+    for _ in range(rank + 1):
+        add(first, "F"), add(second, "F")
+    for _ in range(pp - rank - 1):
+        add(second, "I"), weight(), add(second, "F")
+    for i in range(m - 2 * pp + rank + 1):
+        add(first, "F"), add(second, "B")  # overlapped forward + full backward (the first a plain pair)
+        add(second, "F"), add(first, "B")
+    for _ in range(pp - rank - 1):
+        add(second, "B"), add(second, "F"), add(first, "B")
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        add(second, "I" if split else "B")
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        add(first, "I" if split else "B")
+    for _ in range(pp - rank - 1):
+        weight(), add(first, "I" if split else "B")
+    for _ in range(rank + 1):
+        weight()
+    return out
+
+
 @dataclass(frozen=True)
 class Timeline:
     makespan: float
@@ -76,6 +186,16 @@ class Timeline:
         return 1.0 - max(self.busy) / self.makespan if self.makespan > 0 else 0.0
 
 
+def _duration(kind: str, k: int, fwd: Sequence[float], bwd: Sequence[float]) -> float:
+    if kind == "F":
+        return fwd[k]
+    if kind == "I":
+        return bwd[k] * (1.0 - WEIGHT_GRAD_SHARE)
+    if kind == "W":
+        return bwd[k] * WEIGHT_GRAD_SHARE
+    return bwd[k]
+
+
 def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
              p2p: float = 0.0, keep_events: bool = False) -> Timeline:
     """Run the schedule on stage times `fwd[k]`, `bwd[k]` (per micro-batch, len = pp·v)."""
@@ -83,6 +203,7 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
     v = stages // pp
     m = num_micro_batches
     queues = rank_actions(schedule, pp, m, v)
+    ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
     done_f = [[-1.0] * m for _ in range(stages)]
     done_b = [[-1.0] * m for _ in range(stages)]
     free = [0.0] * pp
@@ -95,12 +216,13 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
             queue, i = queues[r], pos[r]
             while i < len(queue):
                 kind, k, mb = queue[i]
-                ready = _input_time(kind, k, mb, done_f, done_b, p2p)
+                ready = _input_time(kind, k, mb, done_f, done_b, p2p, ranks)
                 if ready is None:
                     break
-                duration = (fwd if kind == "F" else bwd)[k]
+                duration = _duration(kind, k, fwd, bwd)
                 end = max(free[r], ready) + duration
-                (done_f if kind == "F" else done_b)[k][mb] = end
+                if kind != "W":  # a weight gradient produces nothing another stage waits for
+                    (done_f if kind == "F" else done_b)[k][mb] = end
                 if keep_events:
                     events.append((r, kind, k, mb, end - duration, end))
                 free[r] = end
@@ -110,26 +232,31 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
             pos[r] = i
         if not progressed:
             raise ValueError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, stages={stages}")
-    return Timeline(makespan=max(free), busy=_busy(fwd, bwd, pp, m), events=tuple(events))
+    return Timeline(makespan=max(free), busy=_busy(fwd, bwd, pp, m, ranks), events=tuple(events))
 
 
 def _input_time(kind: str, k: int, mb: int, done_f: list[list[float]], done_b: list[list[float]],
-                p2p: float) -> float | None:
+                p2p: float, ranks: Sequence[int]) -> float | None:
     """When the input of action (kind, virtual stage k, micro-batch mb) is on its rank: the previous stage's
-    forward, the last stage's own forward, or the next stage's backward, plus the transfer between ranks;
-    None while it has not been produced (done times are -1 until then)."""
+    forward, the last stage's own forward, or the next stage's backward (input gradient), plus the transfer
+    where the two stages are on different ranks; a weight gradient waits for its own input gradient. None while
+    it has not been produced (done times are -1 until then)."""
+    if kind == "W":
+        return done_b[k][mb] if done_b[k][mb] >= 0 else None
     if kind == "F":
         if k == 0:
             return 0.0
-        return done_f[k - 1][mb] + p2p if done_f[k - 1][mb] >= 0 else None
+        hop = p2p if ranks[k - 1] != ranks[k] else 0.0
+        return done_f[k - 1][mb] + hop if done_f[k - 1][mb] >= 0 else None
     if k == len(done_f) - 1:
         return done_f[k][mb] if done_f[k][mb] >= 0 else None
-    return done_b[k + 1][mb] + p2p if done_b[k + 1][mb] >= 0 else None
+    hop = p2p if ranks[k + 1] != ranks[k] else 0.0
+    return done_b[k + 1][mb] + hop if done_b[k + 1][mb] >= 0 else None
 
 
-def _busy(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int) -> tuple[float, ...]:
-    """Compute time of each rank: m micro-batches through its virtual stages k = r, r + pp, ..."""
-    return tuple(m * sum(f + b for f, b in zip(fwd[r::pp], bwd[r::pp])) for r in range(pp))
+def _busy(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int, ranks: Sequence[int]) -> tuple[float, ...]:
+    """Compute time of each rank: m micro-batches through its virtual stages."""
+    return tuple(m * sum(f + b for f, b, owner in zip(fwd, bwd, ranks) if owner == r) for r in range(pp))
 
 
 def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
@@ -146,6 +273,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
         return simulate(fwd, bwd, pp, num_micro_batches, schedule, p2p)
     stages, m = len(fwd), num_micro_batches
     queues = rank_actions(schedule, pp, m, stages // pp)
+    ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
     done = {"F": [[-1.0] * m for _ in range(stages)], "B": [[-1.0] * m for _ in range(stages)]}
     pos, left = [0] * pp, [0.0] * pp  # next action per rank; work left of the one it runs (all-busy seconds)
     running = [False] * pp
@@ -154,7 +282,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
     def ready_at(r: int) -> float | None:
         """When rank r's next action may start (None: its input is not produced yet)."""
         kind, k, mb = queues[r][pos[r]]
-        return _input_time(kind, k, mb, done["F"], done["B"], p2p)
+        return _input_time(kind, k, mb, done["F"], done["B"], p2p, ranks)
 
     remaining = sum(len(q) for q in queues)
     while remaining:
@@ -163,7 +291,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
                 t = ready_at(r)
                 if t is not None and t <= now + 1e-15:
                     kind, k, _ = queues[r][pos[r]]
-                    running[r], left[r] = True, (fwd if kind == "F" else bwd)[k]
+                    running[r], left[r] = True, _duration(kind, k, fwd, bwd)
         busy = [r for r in range(pp) if running[r]]
         arrivals = [t for r in range(pp) if not running[r] and pos[r] < len(queues[r])
                     for t in [ready_at(r)] if t is not None and t > now]
@@ -176,10 +304,11 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
             left[r] -= step * speed
             if left[r] <= 1e-12 * (1.0 + now):
                 kind, k, mb = queues[r][pos[r]]
-                done[kind][k][mb] = now
+                if kind != "W":
+                    done["F" if kind == "F" else "B"][k][mb] = now
                 running[r], pos[r] = False, pos[r] + 1
                 remaining -= 1
-    return Timeline(makespan=now, busy=_busy(fwd, bwd, pp, m))
+    return Timeline(makespan=now, busy=_busy(fwd, bwd, pp, m, ranks))
 
 
 def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
@@ -206,7 +335,8 @@ def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
         return span(m) if k * pp > m else times[-1]
     # A floor on the period for uneven interleaved stages: no rank runs faster than its own work (o times
     # faster at most on shared cores), and the node's cores do everyone's.
-    work = max(sum(f + b for f, b in zip(fwd[r::pp], bwd[r::pp])) for r in range(pp))
+    ranks = [stage_rank(schedule, pp, k) for k in range(len(fwd))]
+    work = max(sum(f + b for f, b, owner in zip(fwd, bwd, ranks) if owner == r) for r in range(pp))
     period = max(times[-1] - times[-2], pp * work / max(1.0, oversubscription), sum(fwd) + sum(bwd))
     return times[-1] + (m - k * pp) / pp * period
 

@@ -31,6 +31,7 @@ from plait.cost.memory import memory_table_parts
 from plait.cost.model import predict_layout, step_time
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import RECOMPUTE_MODES, Plan
+from plait.cost.schedule import stage_rank
 from plait.search.partition import min_max_split, min_max_split_weighted
 from plait import legality
 from plait.axes import ALL_AXES, Degrees
@@ -240,7 +241,7 @@ class _Search:
                 return None
             allowed = np.zeros_like(allowed)
             allowed[np.arange(pp), choice] = True
-        ranks = np.arange(stages) % pp
+        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
         big = np.where(allowed[ranks], 0.0, np.inf)  # a mode not allowed on a rank never fits
         weights = block_weights(s.model, s.seq_len)
         if weights is None:
@@ -255,8 +256,9 @@ class _Search:
             return None
         chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
         loads = block_loads(s.model, s.seq_len, split.layers)
-        peak = float(max(fixed_mem[r, i] + sum(x[1] for x in loads[r::pp]) * layer_states[r]
-                         + sum(x[2] for x in loads[r::pp]) * layer_act[r, i] for r, i in enumerate(chosen)))
+        owned = [layout.stages_of(r) for r in range(pp)]
+        peak = float(max(fixed_mem[r, i] + sum(loads[k][1] for k in owned[r]) * layer_states[r]
+                         + sum(loads[k][2] for k in owned[r]) * layer_act[r, i] for r, i in enumerate(chosen)))
         return split.layers, tuple(all_modes[i] for i in chosen), peak
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:

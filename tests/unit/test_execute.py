@@ -96,7 +96,7 @@ def test_mesh_puts_tp_innermost_and_pp_outermost(fake_world, rank):
     fake_world(rank, 64)
     degrees = Degrees(pp=4, dp=4, tp=4)
     mesh = build_mesh(degrees, "cpu")
-    assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
+    assert mesh.root.mesh_dim_names == ("pp", "edp", "ep", "cp", "tp")
     coords = degrees.coordinates(rank)
     assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == \
         (rank // 16, rank // 4 % 4, rank % 4) == (coords["pp"], coords["dp"], coords["tp"])
