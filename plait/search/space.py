@@ -202,3 +202,46 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
         if legality.schedule_problems(schedule, pp, m, v) or legality.stage_problems(num_layers, pp, v):
             continue
         yield schedule, v
+
+
+@dataclass(frozen=True)
+class Space:
+    """The joint space a solver searches: the degree choices the pins and legality allow, and every layout of
+    each (sequence parallel x micro-batch x ZeRO x schedule)."""
+
+    pins: Pins
+    degrees: list[Degrees]
+    global_batch: int
+    num_layers: int
+
+    def families(self, d: Degrees) -> Iterator[tuple[tuple, list["Any"]]]:
+        """Layouts of these degrees grouped by everything but the micro-batch size: (key, layouts by growing b)."""
+        groups: dict[tuple, list] = {}
+        for layout in self.layouts(d):
+            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave)
+            groups.setdefault(key, []).append(layout)
+        yield from groups.items()
+
+    def layouts(self, d: Degrees) -> Iterator["Any"]:
+        """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule, smaller b first."""
+        from plait.cost.layout import Layout
+
+        pins = self.pins
+        # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
+        # all-reduces and keeps less activation memory, so the cost model never prefers it off.
+        sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
+        # Under a pipeline plait runs ZeRO-3 as ZeRO-2 (parameters kept gathered through the schedule), so
+        # it is listed only when pinned.
+        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2] + ([3] if d.pp == 1 else []) if d.dp > 1 else [0])
+        per_replica = self.global_batch // d.dp
+        for sp in sps:
+            for b in divisors(per_replica):
+                if pins.micro_batch is not None and b != pins.micro_batch:
+                    continue
+                m = per_replica // b
+                for zero in zeros:
+                    for schedule, v in schedule_choices(pins, d.pp, m, self.num_layers):
+                        yield Layout(d, sp and d.tp > 1, zero, b, m, schedule, v)
+
+    def all_layouts(self) -> list["Any"]:
+        return [layout for d in self.degrees for layout in self.layouts(d)]

@@ -1,0 +1,182 @@
+"""Pricing a layout, shared by every solver: the joint space's candidates priced by the cost model, with
+the exact stage split (plait.search.partition), the best-so-far shortlist, the closest miss when nothing fits,
+and the Plan a candidate becomes. Solvers (plait.search.solvers) differ only in which layouts they ask for.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from plait.cost.compute import EndsCost, LayerCost, block_loads, block_weights, ends_cost, layer_cost
+from plait.cost.layout import Layout, Setting
+from plait.cost.memory import memory_table_parts
+from plait.cost.model import predict_layout, step_time
+from plait.cost.schedule import stage_rank
+from plait.plan import RECOMPUTE_MODES, Plan
+from plait.search.partition import min_max_split, min_max_split_weighted
+from plait.search.space import Pins
+
+EXACT_SHORTLIST = 2
+"""With `top` K, the best 2K candidates by the closed-form estimate are priced exactly before ranking."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    estimate: float
+    layout: Layout
+    layers: tuple[int, ...]
+    recompute: tuple[str, ...]
+
+
+class Pricer:
+    """One search's pricing state: cached per-(tp, sp, b) costs, the feasible candidates priced so far, the
+    shortlist's estimates, the closest miss."""
+
+    def __init__(self, setting: Setting, pins: Pins, shortlist: int | None) -> None:
+        self.setting, self.pins, self.shortlist = setting, pins, shortlist
+        self.evaluated = self.pruned = 0
+        self.best: list[float] = []  # max-heap (negated) of the shortlist's estimates
+        self.candidates: list[Candidate] = []
+        self.points: list[tuple[float, float]] = []
+        self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
+        self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
+
+    def _layer_cost(self, tp: int, sp: bool, b: int) -> tuple[LayerCost, EndsCost]:
+        s = self.setting
+        return (layer_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes),
+                ends_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes))
+
+    def modes(self, pp: int) -> list[tuple[str, ...]]:
+        """Recompute choices: per-stage free choice among these mode lists (one list per rank)."""
+        r = self.pins.recompute
+        if r is None:
+            return [RECOMPUTE_MODES] * pp
+        if isinstance(r, str):
+            return [(r,)] * pp
+        return [(m,) for m in (r * pp if len(r) == 1 else r)]
+
+    def lower_bound(self, layout: Layout) -> float:
+        """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
+        without recompute (the closed-form estimate is never below this; with shared cores, see
+        plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work)."""
+        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+        work = (self.setting.model.num_layers * (lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd)
+                + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
+        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        spread = m * work / pp
+        # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
+        return max(spread, (spread + (work - work / pp) / v) / self.setting.cluster.oversubscription)
+
+    def cutoff(self) -> float:
+        """The estimate a layout must beat to enter the shortlist (inf until it is full)."""
+        if self.shortlist is None or len(self.best) < self.shortlist:
+            return math.inf
+        return -self.best[0]
+
+    def evaluate(self, layout: Layout) -> float | None:
+        """Split, price and keep one layout; its estimated step time, or None when nothing fits."""
+        self.evaluated += 1
+        split = self.split(layout)
+        if split is None:
+            return None
+        layers, recompute, peak = split
+        est = step_time(self.setting, layout, layers, recompute, exact=False)
+        self.candidates.append(Candidate(est.total, layout, layers, recompute))
+        if self.shortlist is not None:
+            heapq.heappush(self.best, -est.total)
+            if len(self.best) > self.shortlist:
+                heapq.heappop(self.best)
+        self.points.append((est.total, peak))
+        return est.total
+
+    def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
+        """(layers per virtual stage, recompute per rank, peak memory) of the best split, or None."""
+        s, pp, v = self.setting, layout.pp, layout.interleave
+        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+        rank_modes = self.modes(pp)
+        all_modes = tuple(RECOMPUTE_MODES)
+        fixed_mem, layer_states, layer_act = memory_table_parts(s, layout, all_modes)
+        layer_mem = layer_states[:, None] + layer_act
+        per_layer = np.array([lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in all_modes])
+        cap = s.cluster.memory_bytes
+        stages = layout.num_stages
+        fixed_time = np.zeros(stages)
+        fixed_time[0] += ends.embed_fwd + ends.embed_bwd + ends.embed_tp
+        fixed_time[-1] += ends.head_fwd + ends.head_bwd + ends.head_tp
+        allowed = np.array([[m in rank_modes[r] for m in all_modes] for r in range(pp)])
+        if v > 1:
+            choice = self._interleaved_modes(layout, fixed_mem, layer_mem, allowed, cap)
+            if choice is None:
+                return None
+            allowed = np.zeros_like(allowed)
+            allowed[np.arange(pp), choice] = True
+        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
+        big = np.where(allowed[ranks], 0.0, np.inf)  # a mode not allowed on a rank never fits
+        weights = block_weights(s.model, s.seq_len)
+        if weights is None:
+            split = min_max_split(s.model.num_layers, fixed_time, np.tile(per_layer, (stages, 1)),
+                                  fixed_mem[ranks] / v + big, layer_mem[ranks], np.full(stages, cap / v))
+        else:  # blocks that differ: each stage's range of blocks, weighed
+            split = min_max_split_weighted(weights.time, weights.params, weights.activations, fixed_time,
+                                           np.tile(per_layer, (stages, 1)), fixed_mem[ranks] / v + big,
+                                           layer_states[ranks], layer_act[ranks], np.full(stages, cap / v))
+        if split is None:
+            self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
+            return None
+        chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
+        loads = block_loads(s.model, s.seq_len, split.layers)
+        owned = [layout.stages_of(r) for r in range(pp)]
+        peak = float(max(fixed_mem[r, i] + sum(loads[k][1] for k in owned[r]) * layer_states[r]
+                         + sum(loads[k][2] for k in owned[r]) * layer_act[r, i] for r, i in enumerate(chosen)))
+        return split.layers, tuple(all_modes[i] for i in chosen), peak
+
+    def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
+        """Interleaved ranks run one mode over all their chunks: the cheapest that fits an even share."""
+        share = math.ceil(self.setting.model.num_layers / layout.pp)
+        fits = (fixed_mem + share * layer_mem <= cap) & allowed
+        if not fits.any(axis=1).all():
+            self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
+            return None
+        return np.argmax(fits, axis=1)  # modes are ordered none < selective < full
+
+    def _note_miss(self, layout, fixed_mem, layer_mem, allowed, cap) -> None:
+        """Remember by how much the most frugal allowed version of this layout misses memory."""
+        share = math.ceil(self.setting.model.num_layers / layout.pp)
+        need = np.where(allowed, fixed_mem + share * layer_mem, np.inf).min(axis=1)
+        excess = float(need.max() - cap)
+        if self.miss is None or excess < self.miss[0]:
+            frugal = tuple(RECOMPUTE_MODES[int(np.where(allowed[r])[0][-1])] for r in range(layout.pp))
+            self.miss = (excess, layout, (), frugal)
+
+    def closest_miss(self) -> Plan | None:
+        if self.miss is None:
+            return None
+        _, layout, _, recompute = self.miss
+        return self.to_plan(layout, (), recompute)
+
+    def to_plan(self, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]) -> Plan:
+        s = self.setting
+        plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
+                    recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
+                    schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
+                    model=s.model, train=s.train, cluster=s.cluster)
+        pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+        return plan.replace(predicted=pred)
+
+    def finish(self, top: int | None) -> list[Plan]:
+        ranked = sorted(self.candidates, key=lambda c: c.estimate)  # stable: enumeration order breaks ties
+        if top is not None:
+            ranked = ranked[: EXACT_SHORTLIST * top]
+        plans = [self.to_plan(c.layout, c.layers, c.recompute) for c in ranked]
+        cap = self.setting.cluster.memory_bytes
+        plans = [p for p in plans if p.predicted.peak_memory_bytes <= cap * (1 + 1e-9)]
+        # Ties in time (e.g. micro-batch sizes the model prices alike) go to the plan with less memory.
+        plans.sort(key=lambda p: (round(p.predicted.step_time_s, 9), p.predicted.peak_memory_bytes))
+        return plans[:top] if top is not None else plans
+
+

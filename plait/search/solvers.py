@@ -1,0 +1,97 @@
+"""Solvers: how the joint space is searched. Every solver asks the same Pricer (plait.search.pricing) to price
+the layouts it chooses; they differ only in which, and in what order.
+
+* "exact": every layout, best-first by a lower bound on its step time, stopping once no bound can beat the
+  shortlist; a layout whose smaller micro-batch missed memory is skipped for larger ones. Finds the cost
+  model's optimum.
+* "dichotomy": the improved multi-dimensional dichotomy of CSIMD (Euro-Par 2024): per family of layouts
+  (everything fixed but the micro-batch), the micro-batch division by bisection over the sign of the step
+  time's slope (per-micro-batch time is non-linear in its size: small ones waste GEMM efficiency and host
+  time, large ones widen the bubble), each candidate's stage division by bisection over the bottleneck
+  (the exact split already is one). Prices O(log B) micro-batch sizes per family instead of all B.
+* "learned": plait.search.learned (a network trained offline against the cost model proposes; the Pricer
+  decides).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from plait.search.pricing import Pricer
+from plait.search.space import Space
+
+
+class Solver(Protocol):
+    name: str
+
+    def solve(self, space: Space, pricer: Pricer) -> None:
+        """Ask `pricer` to evaluate the layouts this solver picks; the pricer keeps the candidates."""
+
+
+class ExactSolver:
+    name = "exact"
+
+    def solve(self, space: Space, pricer: Pricer) -> None:
+        layouts = space.all_layouts()
+        if pricer.shortlist is not None:
+            bounds = [pricer.lower_bound(layout) for layout in layouts]
+            order = sorted(range(len(layouts)), key=bounds.__getitem__)
+            layouts, bounds = [layouts[i] for i in order], [bounds[i] for i in order]
+        too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
+        for i, layout in enumerate(layouts):
+            if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
+                pricer.pruned += len(layouts) - i
+                return
+            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave)
+            if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1):
+                pricer.pruned += 1  # activations grow with b: a larger micro-batch cannot fit either
+                continue
+            if pricer.evaluate(layout) is None:
+                too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
+
+
+class DichotomySolver:
+    name = "dichotomy"
+
+    def solve(self, space: Space, pricer: Pricer) -> None:
+        families = [family for d in space.degrees for _, family in space.families(d)]
+        bounds = [min(pricer.lower_bound(layout) for layout in family) for family in families]
+        order = sorted(range(len(families)), key=bounds.__getitem__)
+        for position, i in enumerate(order):  # best-first by the family's lower bound, like exact
+            if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
+                pricer.pruned += sum(len(families[j]) for j in order[position:])
+                return
+            self._bisect(families[i], pricer)
+
+    @staticmethod
+    def _bisect(family: list, pricer: Pricer) -> None:
+        """The micro-batch size of least estimated step time among `family` (growing b), by bisection on the
+        slope between neighbours; an infeasible size counts as infinitely slow (memory only grows with b)."""
+        cache: dict[int, float] = {}
+
+        def cost(i: int) -> float:
+            if i not in cache:
+                result = pricer.evaluate(family[i])
+                cache[i] = float("inf") if result is None else result
+            return cache[i]
+
+        lo, hi = 0, len(family) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(mid) <= cost(mid + 1):
+                hi = mid
+            else:
+                lo = mid + 1
+        cost(lo)
+        pricer.pruned += len(family) - len(cache)
+
+
+def get_solver(name: str) -> Solver:
+    if name == "learned":
+        from plait.search.learned import LearnedSolver
+
+        return LearnedSolver()
+    return {"exact": ExactSolver, "dichotomy": DichotomySolver}[name]()
+
+
+SOLVER_NAMES = ("exact", "dichotomy", "learned")
