@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "demo": "plan for this machine and train a small GPT on a shipped text",
     "profile": "measure this machine's devices and links and write a cluster file",
     "tune": "run the top plans, compare predicted and measured step time, correct the cost model",
+    "solver": "train the learned solver offline against the cost model",
 }
 
 

@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
+    how = parser.add_argument_group("search")
+    how.add_argument("--solver", choices=("exact", "dichotomy", "learned"), default="exact",
+                     help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
+                          "the micro-batch size, CSIMD), learned (a network trained offline proposes; default: exact)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -83,7 +87,7 @@ def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argpar
         model, cluster, train, num_devices=num_devices, top=args.top,
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
         micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
-        sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp,
+        sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp, solver=args.solver,
     )
 
 

@@ -72,6 +72,12 @@ class Pricer:
         # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
         return max(spread, (spread + (work - work / pp) / v) / self.setting.cluster.oversubscription)
 
+    def even_memory(self, layout: Layout) -> tuple[float, float]:
+        """Peak bytes of the fullest rank with the layers spread evenly: (fully recomputed, nothing recomputed)."""
+        fixed, states, acts = memory_table_parts(self.setting, layout, RECOMPUTE_MODES)
+        per_rank = fixed + self.setting.model.num_layers / layout.pp * (states[:, None] + acts)  # [pp, mode]
+        return float(per_rank[:, -1].max()), float(per_rank[:, 0].max())
+
     def cutoff(self) -> float:
         """The estimate a layout must beat to enter the shortlist (inf until it is full)."""
         if self.shortlist is None or len(self.best) < self.shortlist:
