@@ -68,6 +68,9 @@ class CheckSettings:
     """The dtype of both runs ("float64" makes the verdict decisive; "float32" is what training runs)."""
     verify_load: bool = False
     """Also load a changed full state dict and read it back (tests load_full_state_dict under the plan)."""
+    weights: str | None = None
+    """A Hugging Face checkpoint directory both sides start from (the parallel side reads its shards; the
+    reference loads it with from_pretrained); None: the seed's initial weights."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +156,7 @@ def run_parallel(plan: Plan, settings: CheckSettings, initial_state: dict[str, t
                  ) -> ParallelRun:
     """On every rank: parallelize, train K steps; returns what rank 0 compares."""
     model = parallelize(plan, seed=settings.seed, precision="fp32", dtype=DTYPES[settings.dtype],
-                        initial_state=initial_state)
+                        initial_state=initial_state, weights=settings.weights)
     optimizer = model.make_optimizer(lr=settings.lr, weight_decay=settings.weight_decay)
     losses, norms, first_grads = [], [], {}
     for step in range(settings.steps):
@@ -193,7 +196,7 @@ def compare(plan: Plan, settings: CheckSettings, run: ParallelRun,
     """Run the single-process reference and measure how far the parallel run is from it."""
     ref = single_process_reference(plan, None, settings.steps, settings.seed, settings.lr, max_norm=settings.max_norm,
                                    weight_decay=settings.weight_decay, dtype=DTYPES[settings.dtype],
-                                   initial_state=initial_state)
+                                   initial_state=initial_state, weights=settings.weights)
     missing = ref.params.keys() - run.params.keys()
     if missing:
         raise RuntimeError(f"the parallel model lacks parameters {sorted(missing)[:3]}")

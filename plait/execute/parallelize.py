@@ -323,9 +323,10 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 
 def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None = None,
                 timeout_s: float = 120.0, precision: str | None = None, dtype: torch.dtype | None = None,
-                initial_state: dict[str, torch.Tensor] | None = None) -> ParallelModel:
+                initial_state: dict[str, torch.Tensor] | None = None, weights: str | None = None) -> ParallelModel:
     """Build this rank's share of `plan.model`, parallelized as `plan` says, starting from the
-    single-process initial weights for `seed` (or `initial_state`, full tensors).
+    single-process initial weights for `seed` (or `initial_state`, full tensors, or the Hugging Face checkpoint
+    in the directory `weights`, each rank reading only its own shards: plait/execute/hf_checkpoint.py).
 
     Needs torch.distributed initialized (plait.launch.init_distributed; done here with `timeout_s`
     when running under torchrun and not yet done) with world size == plan.num_devices. Refuses with
@@ -349,7 +350,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
         stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
     parts = [shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]
     for part in parts:
-        _materialize(part, adapter, plan, seed, device, initial_state)
+        _materialize(part, adapter, plan, seed, device, initial_state, weights)
     parts = [apply_ddp_if(part, mesh["dp"], plan.dp_mode) for part in parts]
     return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed)
 
@@ -368,12 +369,17 @@ def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: 
 
 
 def _materialize(part: nn.Module, adapter: ModelAdapter, plan: Plan, seed: int, device: torch.device,
-                 initial_state: dict[str, torch.Tensor] | None) -> None:
+                 initial_state: dict[str, torch.Tensor] | None, weights: str | None = None) -> None:
     part.to_empty(device=device)
     part.retie()
     adapter.reset_buffers(part)
     names = [name for name, _ in plain_named_parameters(part, remove_duplicate=False)]
     if not names:
+        return
+    if weights is not None:
+        from plait.execute.hf_checkpoint import load_hf_weights
+
+        load_hf_weights([part], adapter.tied, weights)
         return
     if initial_state is None:
         canonical = sorted({adapter.canonical(n) for n in names})

@@ -31,13 +31,20 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
                              lr: float = 1e-3, *, max_norm: float | None = None, weight_decay: float = 0.0,
                              betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                              dtype: torch.dtype = torch.float32,
-                             initial_state: dict[str, torch.Tensor] | None = None) -> ReferenceRun:
+                             initial_state: dict[str, torch.Tensor] | None = None,
+                             weights: str | None = None) -> ReferenceRun:
     """Train `plan.model` for `steps` AdamW steps on one process over the plan's global batches. `batches`
     defaults to the random batches of `batch_for_step(plan, seed, step)`; with `max_norm`, gradients are
     clipped (their norms before clipping are recorded)."""
     batches = batches or (lambda step: batch_for_step(plan, seed, step))
     adapter = adapter_for(plan.model)
-    model = build_model(plan.model, device="cpu", seed=None if initial_state is not None else seed)
+    if weights is not None:  # the author's own loader: what `from_pretrained` gives a user
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(weights, config=adapter.hf_config(), dtype=torch.float32)
+        initial_state = None
+    else:
+        model = build_model(plan.model, device="cpu", seed=None if initial_state is not None else seed)
     if initial_state is not None:
         model.load_state_dict(initial_state, strict=False)
         adapter.reset_buffers(model)
