@@ -204,6 +204,30 @@ def carrier_problems(degrees: Degrees, zero: int, carrier: str) -> list[Violatio
     return []
 
 
+def group_problems(plan: "Plan") -> list[Violation]:
+    """On a mixed cluster every pipeline rank names its device group, and each group's devices are all used by the
+    pipeline ranks on it (dp x cp x tp of them each)."""
+    cluster, groups = plan.cluster, plan.stage_groups
+    if not cluster.mixed:
+        if groups:
+            return [Violation("groups-need-mixed-cluster", f"stage_groups={list(groups)} given, but cluster "
+                              f"{cluster.name!r} has no device groups; drop stage_groups")]
+        return []
+    names = [g.name for g in cluster.groups]
+    if len(groups) != plan.pp or any(g not in names for g in groups):
+        return [Violation("stage-groups", f"stage_groups={list(groups)} must name one of {names} for each of the "
+                          f"pp={plan.pp} pipeline ranks")]
+    block = plan.dp * plan.cp * plan.tp
+    out = []
+    for g in cluster.groups:
+        used = groups.count(g.name) * block
+        if used != g.num_devices:
+            out.append(Violation("groups-fully-used", f"group {g.name!r} has {g.num_devices} devices but the plan "
+                                 f"puts {groups.count(g.name)} pipeline rank(s) of dp x cp x tp = {block} there "
+                                 f"({used}); each group's devices must be used by whole pipeline ranks"))
+    return out
+
+
 def world_problems(degrees: Degrees, world_size: int) -> list[Violation]:
     if degrees.world_size == world_size:
         return []
@@ -230,6 +254,7 @@ def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation
     out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
     out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)
     out += carrier_problems(d, plan.zero, plan.data_parallel)
+    out += group_problems(plan)
     return out
 
 

@@ -84,6 +84,9 @@ class Plan:
     """Model chunks per pipeline rank (v); > 1 only with the interleaved schedule."""
     layers_per_stage: tuple[int, ...] = ()
     """Transformer layers of each virtual stage in model order (pp·interleave entries); () means even."""
+    stage_groups: tuple[str, ...] = ()
+    """On a mixed cluster (ClusterSpec.groups): the device group of each pipeline rank (pp entries); its
+    data-, context- and tensor-parallel ranks all live in that group. () on a uniform cluster."""
     model: ModelSpec
     train: TrainSpec
     cluster: ClusterSpec
@@ -195,6 +198,8 @@ class Plan:
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.interleave})" if self.interleave > 1 else ""))
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        if self.stage_groups:
+            parts.append("groups=" + "|".join(self.stage_groups))
         modes = sorted(set(self.recompute))
         parts.append("recompute=" + (modes[0] if len(modes) == 1 else ",".join(self.recompute)))
         if self.num_stages > 1:

@@ -30,6 +30,12 @@ class Setting:
     def seq_len(self) -> int:
         return self.train.seq_len
 
+    def at(self, layout: "Layout", rank: int) -> "Setting":
+        """The setting pipeline rank `rank` is priced in: its device group's hardware on a mixed cluster."""
+        if not layout.stage_groups:
+            return self
+        return Setting(self.model, self.cluster.view(layout.stage_groups[rank]), self.train)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -42,6 +48,8 @@ class Layout:
     interleave: int
     data_parallel: str | None = None
     """As Plan.data_parallel; None: the rule's choice."""
+    stage_groups: tuple[str, ...] = ()
+    """As Plan.stage_groups: each pipeline rank's device group on a mixed cluster."""
 
     def __post_init__(self) -> None:
         if self.data_parallel is None or self.degrees.dp * self.degrees.cp == 1:
@@ -101,4 +109,4 @@ class Layout:
         schedule = plan.schedule if plan.pp > 1 else "1f1b"
         return cls(degrees=plan.degrees, sp=plan.sequence_parallel and plan.tp > 1, zero=plan.zero,
                    micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches, schedule=schedule,
-                   interleave=plan.interleave, data_parallel=plan.data_parallel)
+                   interleave=plan.interleave, data_parallel=plan.data_parallel, stage_groups=plan.stage_groups)

@@ -48,14 +48,18 @@ class StageTimes:
     tp_comm: tuple[float, ...]
 
 
-def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[float, ...], modes: tuple[str, ...],
-                stage_host: float = 0.0) -> StageTimes:
+def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost], layers: tuple[float, ...],
+                modes: tuple[str, ...], stage_host: float | list[float] = 0.0) -> StageTimes:
     """`layers[k]` layers (or mean-block time loads: plait.cost.compute.block_loads) on virtual stage k,
     recomputed with `modes[k]`; each stage's forward and backward of a micro-batch also pay `stage_host` seconds
-    (Efficiency.pipeline_overhead_s, under a pipeline)."""
+    (Efficiency.pipeline_overhead_s, under a pipeline). `lc`, `ends` and `stage_host` may be one per stage (the
+    stages of a mixed cluster run on different device groups)."""
     last = len(layers) - 1
+    per = lambda x: x if isinstance(x, list) else [x] * len(layers)  # noqa: E731
+    lcs, endss, hosts = per(lc), per(ends), per(stage_host)
     fwd, bwd, compute, recompute, tp = [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
+        lc, ends, stage_host = lcs[k], endss[k], hosts[k]
         c = n * (lc.fwd + lc.bwd) + 2 * stage_host
         t = n * (lc.tp_fwd + lc.tp_bwd)
         f = n * (lc.fwd + lc.tp_fwd) + stage_host
@@ -76,7 +80,7 @@ def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[float, ...], modes:
     return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp))
 
 
-def p2p_time(setting: Setting, layout: Layout) -> float:
+def p2p_time(setting: Setting, layout: Layout, cross_group: bool = False) -> float:
     """One stage-to-stage transfer of a micro-batch's activations (or their gradient).
 
     Megatron's scatter/gather: each tensor rank sends 1/t of b·s·h over the network, then the
@@ -87,6 +91,9 @@ def p2p_time(setting: Setting, layout: Layout) -> float:
     group = comm.Group(layout.pp, layout.tp * layout.dp)
     crosses = comm.spans_nodes(group, setting.cluster.devices_per_node)
     t = comm.p2p(nbytes / layout.tp, crosses, setting.cluster)
+    if cross_group and setting.cluster.between_groups is not None:  # a boundary between device groups
+        link = setting.cluster.between_groups
+        t = max(t, link.latency_s + nbytes / layout.tp / link.bandwidth)
     if layout.tp > 1 and not layout.sp:
         t += comm.all_gather(nbytes, comm.Group(layout.tp, 1), setting.cluster)
     return t
@@ -189,22 +196,22 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
               exact: bool = True) -> StepTime:
     """Step time of the layout with `layers` per virtual stage and `recompute` per pipeline rank.
 
-    exact=False replaces the schedule simulation by its closed form (the search's estimate)."""
+    exact=False replaces the schedule simulation by its closed form (the search's estimate). On a mixed
+    cluster every pipeline rank is priced on its own device group's hardware (Setting.at)."""
     pp, m = layout.pp, layout.num_micro_batches
-    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
-                    setting.dtype_bytes)
-    if on_fully_shard(layout):
-        lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
-    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
-                     setting.dtype_bytes)
-    modes = tuple(recompute[k % pp] for k in range(len(layers)))
-    loads = block_loads(setting.model, setting.seq_len, layers)
-    st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
-                     setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
     owned = [layout.stages_of(r) for r in range(pp)]
+    rank_of = {k: r for r in range(pp) for k in owned[r]}
+    at = [setting.at(layout, r) for r in range(pp)]
+    costs = [rank_costs(at[r], layout) for r in range(pp)]
+    modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
+    loads = block_loads(setting.model, setting.seq_len, layers)
+    st = stage_times([costs[rank_of[k]][0] for k in range(len(layers))],
+                     [costs[rank_of[k]][1] for k in range(len(layers))], tuple(load[0] for load in loads), modes,
+                     [costs[rank_of[k]][2] for k in range(len(layers))])
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
-    c = p2p_time(setting, layout)
+    c = max(p2p_time(at[r], layout, cross_group=bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1)
+            for r in range(pp))
     if pp == 1:
         pipe, transfers = work[0], 0.0
     elif exact:
@@ -220,13 +227,14 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         n = sum(layers[k] for k in mine)
         first, last = 0 in mine, layout.num_stages - 1 in mine
         key = (n, first, last, sum(st.fwd[k] for k in mine), sum(st.bwd[k] for k in mine),
-               sum(loads[k][1] for k in mine))
+               sum(loads[k][1] for k in mine), at[r].cluster.name)
         if key not in seen:  # ranks with the same share cost the same: most of them
-            params = rank_params(setting, layout, r, key[5])
-            seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
-                         optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
-                         + dtensor_step_overhead(setting, layout, n, first, last)
-                         + setting.cluster.efficiency.step_overhead_s)
+            s_r = at[r]
+            params = rank_params(s_r, layout, r, key[5])
+            seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1),
+                         optimizer_time(s_r.cluster, params / (layout.dp if layout.zero >= 1 else 1))
+                         + dtensor_step_overhead(s_r, layout, n, first, last)
+                         + s_r.cluster.efficiency.step_overhead_s)
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
@@ -243,6 +251,17 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     }
     total = sum(parts.values())
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
+
+
+def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
+    """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
+    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                    setting.dtype_bytes)
+    if on_fully_shard(layout):
+        lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
+    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                     setting.dtype_bytes)
+    return lc, ends, setting.cluster.efficiency.pipeline_overhead_s if layout.pp > 1 else 0.0
 
 
 def lent_cores_factor(cluster, layout: Layout, st: StageTimes, pipe: float, p2p: float) -> float:
@@ -289,12 +308,24 @@ def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recom
     per_rank = []
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
-        mem = rank_memory(setting, layout, r, recompute[r])
+        mem = rank_memory(setting.at(layout, r), layout, r, recompute[r])
         mine = [loads[k] for k in layout.stages_of(r)]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     totals = tuple(sum(p.values()) for p in per_rank)
     peak = max(range(layout.pp), key=lambda r: totals[r])
     return totals, per_rank[peak]
+
+
+def mean_peak(cluster) -> float:
+    """Peak FLOP/s per device, averaged over a mixed cluster's devices (what MFU divides by)."""
+    if not cluster.groups:
+        return cluster.peak_flops
+    return sum(g.num_devices * g.peak_flops for g in cluster.groups) / cluster.num_devices
+
+
+def rank_capacities(setting: Setting, layout: Layout) -> list[float]:
+    """Memory of one device of each pipeline rank (its group's, on a mixed cluster)."""
+    return [setting.at(layout, r).cluster.memory_bytes for r in range(layout.pp)]
 
 
 def predict(plan: Plan) -> Prediction:
@@ -307,7 +338,7 @@ def predict_layout(setting: Setting, layout: Layout, layers: tuple[int, ...], re
                    exact: bool = True) -> Prediction:
     step = step_time(setting, layout, layers, recompute, exact)
     totals, parts = peak_memory(setting, layout, layers, recompute)
-    devices = layout.dp * layout.tp * layout.pp
+    devices = layout.degrees.world_size
     train = setting.train
     tflops = model_flops_per_step(setting.model, train.global_batch, train.seq_len) / step.total / devices / 1e12
     return Prediction(
@@ -318,6 +349,6 @@ def predict_layout(setting: Setting, layout: Layout, layers: tuple[int, ...], re
         memory_per_stage=totals,
         tokens_per_s=train.tokens_per_step / step.total,
         model_tflops_per_device=tflops,
-        mfu=tflops * 1e12 / setting.cluster.peak_flops,
+        mfu=tflops * 1e12 / mean_peak(setting.cluster),
         bubble_fraction=step.bubble_fraction,
     )

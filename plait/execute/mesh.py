@@ -37,9 +37,27 @@ def _flat(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     return root[dims[0]] if len(dims) == 1 else root[dims]._flatten(name)
 
 
-def _build(degrees: Degrees, device_type: str) -> Meshes:
+def rank_order(plan) -> list[int]:
+    """On a mixed cluster, the global rank at each mesh position: pipeline rank r takes the next dp x cp x tp ranks
+    of its device group (Plan.stage_groups; groups hold consecutive ranks in the cluster's order). [] on a
+    uniform cluster (the mesh is the ranks in order)."""
+    if not plan.stage_groups:
+        return []
+    block = plan.dp * plan.cp * plan.tp
+    offsets, used, order = plan.cluster.group_offsets(), {}, []
+    for group in plan.stage_groups:
+        start = offsets[group] + used.get(group, 0) * block
+        order += list(range(start, start + block))
+        used[group] = used.get(group, 0) + 1
+    return order
+
+
+def _build(degrees: Degrees, device_type: str, order: tuple[int, ...] = ()) -> Meshes:
     shape = (degrees.pp, degrees.dp // degrees.ep, degrees.ep, degrees.cp, degrees.tp)
-    root = init_device_mesh(device_type, shape, mesh_dim_names=ROOT_AXES)
+    if order:  # ranks placed as the plan's device groups say
+        root = DeviceMesh(device_type, torch.tensor(order).reshape(shape), mesh_dim_names=ROOT_AXES)
+    else:
+        root = init_device_mesh(device_type, shape, mesh_dim_names=ROOT_AXES)
     named = {axis: root[axis] for axis in ROOT_AXES}
     named["dp"] = _flat(root, ("edp", "ep"), "dp")
     named["dp_cp"] = named["dp"] if degrees.cp == 1 else _flat(root, ("edp", "ep", "cp"), "dp_cp")
@@ -48,10 +66,10 @@ def _build(degrees: Degrees, device_type: str) -> Meshes:
     return Meshes(root, named)
 
 
-_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, Meshes]] = {}
+_MESHES: dict[tuple, tuple[object, Meshes]] = {}
 
 
-def build_mesh(degrees: Degrees, device_type: str) -> Meshes:
+def build_mesh(degrees: Degrees, device_type: str, order: list[int] | tuple[int, ...] = ()) -> Meshes:
     """The meshes of `degrees` over the whole world (which must have degrees.world_size ranks).
 
     One set per shape and process group, reused by every plan of that shape in this process: each new mesh
@@ -59,11 +77,11 @@ def build_mesh(degrees: Degrees, device_type: str) -> Meshes:
     `plait tune` builds hundreds of plans in one process, whose steps slowed by half after 80 plans on 4 CPU
     ranks before the meshes were shared."""
     legality.check_world(degrees, dist.get_world_size())
-    key = (device_type, (degrees.pp, degrees.dp, degrees.ep, degrees.cp, degrees.tp))
+    key = (device_type, (degrees.pp, degrees.dp, degrees.ep, degrees.cp, degrees.tp), tuple(order))
     world = dist.group.WORLD
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not world:
-        cached = _MESHES[key] = (world, _build(degrees, device_type))
+        cached = _MESHES[key] = (world, _build(degrees, device_type, tuple(order)))
     return cached[1]
 
 

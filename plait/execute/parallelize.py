@@ -41,7 +41,8 @@ from plait.errors import ConfigError
 from plait.execute.data import apply_ddp_if, apply_fully_shard, build_optimizer, gradient_sync
 from plait.execute.context import apply_cp, cp_positions
 from plait.execute.expert import apply_experts
-from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of
+from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, rank_order
+from plait.execute.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
 from plait.execute.state import gather_full_state_dict, load_full_state_dict, plain_named_parameters
@@ -344,13 +345,14 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
         plan = plan.replace(train=dataclasses.replace(plan.train, precision=precision))
     mixed = _mixed_precision(plan, device)
     adapter = adapter_for(plan.model)
-    mesh = build_mesh(plan.degrees, device_type_of(device))
+    mesh = build_mesh(plan.degrees, device_type_of(device), rank_order(plan))
     pp_rank = mesh["pp"].get_local_rank()
     with default_dtype(dtype):
         stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
     parts = [shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]
     for part in parts:
         _materialize(part, adapter, plan, seed, device, initial_state, weights)
+    apply_throttle([b for part in parts for b in part.stage_blocks().values()], planned_throttle(dist.get_rank(), plan, pp_rank))
     parts = [apply_ddp_if(part, mesh["dp"], plan.dp_mode) for part in parts]
     return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed)
 

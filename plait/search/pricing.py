@@ -15,7 +15,7 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, block_loads, block_weights, ends_cost, layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import memory_table_parts
-from plait.cost.model import predict_layout, step_time
+from plait.cost.model import predict_layout, rank_capacities, step_time
 from plait.cost.schedule import stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
@@ -46,10 +46,11 @@ class Pricer:
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
 
-    def _layer_cost(self, tp: int, sp: bool, b: int) -> tuple[LayerCost, EndsCost]:
+    def _layer_cost(self, tp: int, sp: bool, b: int, group: str | None = None) -> tuple[LayerCost, EndsCost]:
         s = self.setting
-        return (layer_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes),
-                ends_cost(s.model, s.cluster, s.seq_len, b, tp, sp, s.dtype_bytes))
+        cluster = s.cluster.view(group) if group is not None else s.cluster
+        return (layer_cost(s.model, cluster, s.seq_len, b, tp, sp, s.dtype_bytes),
+                ends_cost(s.model, cluster, s.seq_len, b, tp, sp, s.dtype_bytes))
 
     def modes(self, pp: int) -> list[tuple[str, ...]]:
         """Recompute choices: per-stage free choice among these mode lists (one list per rank)."""
@@ -64,7 +65,9 @@ class Pricer:
         """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
         without recompute (the closed-form estimate is never below this; with shared cores, see
         plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work)."""
-        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+        groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
+        lc, ends = min((self.layer_cost(layout.tp, layout.sp, layout.micro_batch, g) for g in groups),
+                       key=lambda costs: costs[0].fwd + costs[0].bwd)
         work = (self.setting.model.num_layers * (lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd)
                 + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
         pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
@@ -100,20 +103,38 @@ class Pricer:
         self.points.append((est.total, peak))
         return est.total
 
+    def rank_tables(self, layout: Layout):
+        """Per pipeline rank, on its device group's hardware: (time of a layer per mode [pp, M], fixed memory
+        [pp, M], a layer's model states [pp], a layer's activations [pp, M], capacity [pp], ends [pp])."""
+        s, pp = self.setting, layout.pp
+        modes = tuple(RECOMPUTE_MODES)
+        groups = layout.stage_groups or (None,) * pp
+        tables: dict = {}
+        rows = []
+        for r in range(pp):
+            if groups[r] not in tables:
+                at = s.at(layout, r)
+                lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch, groups[r])
+                tables[groups[r]] = (lc, ends, memory_table_parts(at, layout, modes), at.cluster.memory_bytes)
+            lc, ends, (fixed, states, acts), cap = tables[groups[r]]
+            time = [lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in modes]
+            rows.append((time, fixed[r], states[r], acts[r], cap, ends))
+        return (np.array([x[0] for x in rows]), np.array([x[1] for x in rows]), np.array([x[2] for x in rows]),
+                np.array([x[3] for x in rows]), np.array([x[4] for x in rows]), [x[5] for x in rows])
+
     def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
         """(layers per virtual stage, recompute per rank, peak memory) of the best split, or None."""
         s, pp, v = self.setting, layout.pp, layout.interleave
-        lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch)
         rank_modes = self.modes(pp)
         all_modes = tuple(RECOMPUTE_MODES)
-        fixed_mem, layer_states, layer_act = memory_table_parts(s, layout, all_modes)
+        per_layer, fixed_mem, layer_states, layer_act, cap, ends_of = self.rank_tables(layout)
         layer_mem = layer_states[:, None] + layer_act
-        per_layer = np.array([lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in all_modes])
-        cap = s.cluster.memory_bytes
         stages = layout.num_stages
+        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
+        first, last = ends_of[ranks[0]], ends_of[ranks[-1]]
         fixed_time = np.zeros(stages)
-        fixed_time[0] += ends.embed_fwd + ends.embed_bwd + ends.embed_tp
-        fixed_time[-1] += ends.head_fwd + ends.head_bwd + ends.head_tp
+        fixed_time[0] += first.embed_fwd + first.embed_bwd + first.embed_tp
+        fixed_time[-1] += last.head_fwd + last.head_bwd + last.head_tp
         allowed = np.array([[m in rank_modes[r] for m in all_modes] for r in range(pp)])
         if v > 1:
             choice = self._interleaved_modes(layout, fixed_mem, layer_mem, allowed, cap)
@@ -121,16 +142,15 @@ class Pricer:
                 return None
             allowed = np.zeros_like(allowed)
             allowed[np.arange(pp), choice] = True
-        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
         big = np.where(allowed[ranks], 0.0, np.inf)  # a mode not allowed on a rank never fits
         weights = block_weights(s.model, s.seq_len)
         if weights is None:
-            split = min_max_split(s.model.num_layers, fixed_time, np.tile(per_layer, (stages, 1)),
-                                  fixed_mem[ranks] / v + big, layer_mem[ranks], np.full(stages, cap / v))
+            split = min_max_split(s.model.num_layers, fixed_time, per_layer[ranks],
+                                  fixed_mem[ranks] / v + big, layer_mem[ranks], cap[ranks] / v)
         else:  # blocks that differ: each stage's range of blocks, weighed
             split = min_max_split_weighted(weights.time, weights.params, weights.activations, fixed_time,
-                                           np.tile(per_layer, (stages, 1)), fixed_mem[ranks] / v + big,
-                                           layer_states[ranks], layer_act[ranks], np.full(stages, cap / v))
+                                           per_layer[ranks], fixed_mem[ranks] / v + big,
+                                           layer_states[ranks], layer_act[ranks], cap[ranks] / v)
         if split is None:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
@@ -144,7 +164,7 @@ class Pricer:
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
         """Interleaved ranks run one mode over all their chunks: the cheapest that fits an even share."""
         share = math.ceil(self.setting.model.num_layers / layout.pp)
-        fits = (fixed_mem + share * layer_mem <= cap) & allowed
+        fits = (fixed_mem + share * layer_mem <= np.asarray(cap).reshape(-1, 1)) & allowed
         if not fits.any(axis=1).all():
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
@@ -154,7 +174,7 @@ class Pricer:
         """Remember by how much the most frugal allowed version of this layout misses memory."""
         share = math.ceil(self.setting.model.num_layers / layout.pp)
         need = np.where(allowed, fixed_mem + share * layer_mem, np.inf).min(axis=1)
-        excess = float(need.max() - cap)
+        excess = float((need - np.asarray(cap)).max())
         if self.miss is None or excess < self.miss[0]:
             frugal = tuple(RECOMPUTE_MODES[int(np.where(allowed[r])[0][-1])] for r in range(layout.pp))
             self.miss = (excess, layout, (), frugal)
@@ -170,7 +190,7 @@ class Pricer:
         plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
                     recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
                     schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
-                    model=s.model, train=s.train, cluster=s.cluster)
+                    stage_groups=layout.stage_groups, model=s.model, train=s.train, cluster=s.cluster)
         pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
         return plan.replace(predicted=pred)
 
@@ -179,8 +199,8 @@ class Pricer:
         if top is not None:
             ranked = ranked[: EXACT_SHORTLIST * top]
         plans = [self.to_plan(c.layout, c.layers, c.recompute) for c in ranked]
-        cap = self.setting.cluster.memory_bytes
-        plans = [p for p in plans if p.predicted.peak_memory_bytes <= cap * (1 + 1e-9)]
+        plans = [p for p in plans if all(used <= cap * (1 + 1e-9) for used, cap in
+                                         zip(p.predicted.memory_per_stage, rank_capacities(self.setting, Layout.of(p))))]
         # Ties in time (e.g. micro-batch sizes the model prices alike) go to the plan with less memory.
         plans.sort(key=lambda p: (round(p.predicted.step_time_s, 9), p.predicted.peak_memory_bytes))
         return plans[:top] if top is not None else plans

@@ -85,7 +85,8 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     degrees = degree_choices(pins, model, cluster, train, n)
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
-    get_solver(solver).solve(Space(pins, degrees, train.global_batch, model.num_layers), pricer)
+    groups = tuple((g.name, g.num_devices) for g in cluster.groups) if cluster.mixed else ()
+    get_solver(solver).solve(Space(pins, degrees, train.global_batch, model.num_layers, groups), pricer)
     if pricer.evaluated == 0 and pricer.pruned == 0:
         raise ConfigError(_no_schedule_message(pins, degrees, train))
     plans = pricer.finish(top)

@@ -8,6 +8,8 @@ ZeRO with one replica) is accepted.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -175,6 +177,8 @@ def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: Tr
                 continue
             if isinstance(pins.recompute, tuple) and len(pins.recompute) not in (1, pp):
                 continue
+            if cluster.mixed and any(g.num_devices % (dp * tp) for g in cluster.groups):
+                continue  # every pipeline rank's dp x tp devices must sit in one device group
             out.append(Degrees(dp=dp, tp=tp, pp=pp))
     return out
 
@@ -207,23 +211,54 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
 @dataclass(frozen=True)
 class Space:
     """The joint space a solver searches: the degree choices the pins and legality allow, and every layout of
-    each (sequence parallel x micro-batch x ZeRO x schedule)."""
+    each (sequence parallel x micro-batch x ZeRO x schedule, and on a mixed cluster x the device group of each
+    pipeline rank)."""
 
     pins: Pins
     degrees: list[Degrees]
     global_batch: int
     num_layers: int
+    groups: tuple[tuple[str, int], ...] = ()
+    """A mixed cluster's (group name, devices) in rank order; () for a uniform cluster."""
+
+    def group_counts(self, d: Degrees) -> dict[str, int]:
+        """Pipeline ranks each device group holds for these degrees (its devices over dp x cp x tp)."""
+        block = d.dp * d.cp * d.tp
+        return {name: devices // block for name, devices in self.groups}
+
+    def orderings(self, d: Degrees) -> list[tuple[str, ...]]:
+        """Every distinct assignment of device groups to the pipeline ranks (a multiset permutation); [()] on a
+        uniform cluster. Their number grows as pp! / Π c_g!: what the learned solver avoids enumerating."""
+        if not self.groups:
+            return [()]
+        return list(_multiset_permutations(self.group_counts(d)))
+
+    def count_orderings(self, d: Degrees) -> int:
+        if not self.groups:
+            return 1
+        counts = self.group_counts(d)
+        total = math.factorial(sum(counts.values()))
+        for c in counts.values():
+            total //= math.factorial(c)
+        return total
 
     def families(self, d: Degrees) -> Iterator[tuple[tuple, list["Any"]]]:
         """Layouts of these degrees grouped by everything but the micro-batch size: (key, layouts by growing b)."""
         groups: dict[tuple, list] = {}
         for layout in self.layouts(d):
-            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave)
+            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups)
             groups.setdefault(key, []).append(layout)
         yield from groups.items()
 
-    def layouts(self, d: Degrees) -> Iterator["Any"]:
-        """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule, smaller b first."""
+    def layouts(self, d: Degrees, orderings: list[tuple[str, ...]] | None = None) -> Iterator["Any"]:
+        """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule (x the device-group
+        `orderings`, default all of them), smaller b first."""
+        for base in self.base_layouts(d):
+            for ordering in (self.orderings(d) if orderings is None else orderings):
+                yield dataclasses.replace(base, stage_groups=ordering) if ordering else base
+
+    def base_layouts(self, d: Degrees) -> Iterator["Any"]:
+        """The layouts of these degrees before device groups are assigned."""
         from plait.cost.layout import Layout
 
         pins = self.pins
@@ -245,3 +280,25 @@ class Space:
 
     def all_layouts(self) -> list["Any"]:
         return [layout for d in self.degrees for layout in self.layouts(d)]
+
+
+def _multiset_permutations(counts: dict[str, int]) -> Iterator[tuple[str, ...]]:
+    """Each distinct sequence holding `counts[g]` copies of every g, in lexicographic order of the groups."""
+    names = list(counts)
+    total = sum(counts.values())
+    left = dict(counts)
+    prefix: list[str] = []
+
+    def walk() -> Iterator[tuple[str, ...]]:
+        if len(prefix) == total:
+            yield tuple(prefix)
+            return
+        for name in names:
+            if left[name]:
+                left[name] -= 1
+                prefix.append(name)
+                yield from walk()
+                prefix.pop()
+                left[name] += 1
+
+    yield from walk()

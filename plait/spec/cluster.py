@@ -123,6 +123,34 @@ class Efficiency:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """Like devices of a mixed cluster (a few A100 nodes beside H100 nodes, or slower stragglers): their own
+    hardware figures and the links among them. A plan puts every pipeline rank on one group
+    (Plan.stage_groups)."""
+
+    name: str
+    num_devices: int
+    devices_per_node: int = 8
+    memory_bytes: float
+    peak_flops: float
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    intra_node: LinkSpec
+    inter_node: LinkSpec | None = None
+    """Between this group's nodes; None: the cluster's inter_node."""
+    slowdown: float = 1.0
+    """Emulation only (a CPU machine standing in for a mixed cluster): the executor throttles this group's ranks to
+    this many times their compute time (plait/execute/throttle.py). 1 on real hardware."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) or self.num_devices <= 0:
+            raise ValueError(f"group {self.name!r}: num_devices={self.num_devices!r} must be a positive integer")
+        if not (self.memory_bytes > 0 and self.peak_flops > 0):
+            raise ValueError(f"group {self.name!r}: memory_bytes and peak_flops must be > 0")
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"group {self.name!r}: slowdown={self.slowdown!r} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     name: str = "custom"
     num_devices: int = 8
@@ -145,8 +173,21 @@ class ClusterSpec:
     above 1: CPU processes sharing cores. `peak_flops` is then the rate each rank gets while all of them
     compute (what `plait profile` measures), and a rank computing while others wait runs up to this many
     times faster: a pipeline's idle stages lend their cores to the busy ones. 1 on GPUs."""
+    groups: tuple[DeviceGroup, ...] = ()
+    """A mixed cluster's device groups, in rank order (group 0 holds the first ranks); () for a uniform cluster,
+    which the fields above describe. With groups, num_devices is their sum and the fields above are the first
+    group's."""
+    between_groups: LinkSpec | None = None
+    """Links between devices of different groups; None: inter_node."""
 
     def __post_init__(self) -> None:
+        if self.groups:
+            names = [g.name for g in self.groups]
+            if len(set(names)) != len(names):
+                raise ValueError(f"device group names {names} must differ")
+            total = sum(g.num_devices for g in self.groups)
+            if self.num_devices != total:
+                raise ValueError(f"num_devices={self.num_devices} must equal the groups' {total} devices")
         if not (self.oversubscription >= 1.0):
             raise ValueError(f"oversubscription={self.oversubscription!r} must be >= 1 (1: no core is shared)")
         for name in ("num_devices", "devices_per_node"):
@@ -161,7 +202,37 @@ class ClusterSpec:
     def num_nodes(self) -> int:
         return -(-self.num_devices // self.devices_per_node)
 
+    @property
+    def mixed(self) -> bool:
+        return len(self.groups) > 1
+
+    def group(self, name: str) -> DeviceGroup:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise ValueError(f"cluster {self.name!r} has no device group {name!r}; groups: "
+                         f"{', '.join(g.name for g in self.groups) or 'none'}")
+
+    def view(self, name: str) -> "ClusterSpec":
+        """The uniform cluster of one device group (what the cost model prices a pipeline rank on)."""
+        g = self.group(name)
+        return dataclasses.replace(self, name=f"{self.name}/{g.name}", num_devices=g.num_devices,
+                                   devices_per_node=g.devices_per_node, memory_bytes=g.memory_bytes,
+                                   peak_flops=g.peak_flops, efficiency=g.efficiency, intra_node=g.intra_node,
+                                   inter_node=g.inter_node or self.inter_node, groups=(), between_groups=None)
+
+    def group_offsets(self) -> dict[str, int]:
+        """First global rank of each group (groups hold consecutive ranks, in order)."""
+        out, start = {}, 0
+        for g in self.groups:
+            out[g.name] = start
+            start += g.num_devices
+        return out
+
     def with_devices(self, num_devices: int) -> "ClusterSpec":
+        if self.groups and num_devices != self.num_devices:
+            raise ValueError(f"a mixed cluster is planned whole: {self.num_devices} devices "
+                             f"({', '.join(f'{g.name} {g.num_devices}' for g in self.groups)}), not {num_devices}")
         return dataclasses.replace(self, num_devices=num_devices)
 
     def replace(self, **changes: Any) -> "ClusterSpec":

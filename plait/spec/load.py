@@ -341,17 +341,27 @@ _LINK_UNITS: dict[str, Callable[[Any, str], float]] = {
 }
 
 
-def _normalize_cluster_units(data: dict[str, Any], where: str) -> dict[str, Any]:
+def _normalize_cluster_units(data: dict[str, Any], where: str, prefix: str = "cluster") -> dict[str, Any]:
     out = dict(data)
     for key, parse in _CLUSTER_UNITS.items():
         if key in out and isinstance(out[key], str):
-            out[key] = parse(out[key], f"{where}: cluster.{key}")
-    for level in ("intra_node", "inter_node"):
+            out[key] = parse(out[key], f"{where}: {prefix}.{key}")
+    for level in ("intra_node", "inter_node", "between_groups"):
         link = out.get(level)
         if isinstance(link, Mapping):
             link = dict(link)
             for key, parse in _LINK_UNITS.items():
                 if key in link and isinstance(link[key], str):
-                    link[key] = parse(link[key], f"{where}: cluster.{level}.{key}")
+                    link[key] = parse(link[key], f"{where}: {prefix}.{level}.{key}")
             out[level] = link
+    groups = out.get("groups")
+    if isinstance(groups, list) and groups and all(isinstance(g, Mapping) for g in groups):
+        out["groups"] = [_normalize_cluster_units(g, where, f"{prefix}.groups[{i}]") for i, g in enumerate(groups)]
+        # a mixed cluster's own hardware fields are its first group's, its device count their sum
+        first = out["groups"][0]
+        for key in ("memory_bytes", "peak_flops", "intra_node", "devices_per_node", "efficiency"):
+            if key in first:
+                out.setdefault(key, first[key])
+        out.setdefault("inter_node", first.get("inter_node", first.get("intra_node")))
+        out.setdefault("num_devices", sum(int(g.get("num_devices", 0)) for g in out["groups"]))
     return out
