@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
     how = parser.add_argument_group("search")
-    how.add_argument("--solver", choices=("exact", "dichotomy", "learned"), default="exact",
+    how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="exact",
                      help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
                           "the micro-batch size, CSIMD), learned (a network trained offline proposes; default: exact)")
 

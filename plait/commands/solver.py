@@ -4,9 +4,10 @@
     plait solver train --seed 1 --problems 120 --out my-solver.npz
     plait plan ... --solver learned                      # uses the shipped weights (plait/data/solver.npz)
 
-Training generates search problems (decoder shapes, device counts, batches, hardware presets), prices every
-candidate with the cost model, and trains the candidate scorer with a contrastive loss over the policy's own
-samples (plait/search/training.py). No cluster is in the loop, and nothing is downloaded.
+Training generates search problems (decoder shapes, device counts, batches, hardware presets, mixed clusters of
+public parts and stragglers), prices candidates with the cost model, and trains two small policies with a
+contrastive loss over their own samples (plait/search/training.py): the layout scorer and the device-group
+policy of mixed clusters. No cluster is in the loop, and nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def main(args: argparse.Namespace) -> int:
 
     from plait.commands import writable_output
     from plait.search.learned import WEIGHTS_FILE
-    from plait.search.training import train
+    from plait.search.training import train, train_groups
 
     target = args.out or Path(str(importlib.resources.files("plait") / "data" / WEIGHTS_FILE))
     out = writable_output(str(target), WEIGHTS_FILE)
     weights = train(seed=args.seed, problems=args.problems, epochs=args.epochs)
+    weights.update(train_groups(seed=args.seed, problems=max(20, args.problems // 2), epochs=args.epochs))
     tmp = out.with_suffix(".tmp.npz")
     np.savez(tmp, **weights)
     tmp.replace(out)

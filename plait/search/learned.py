@@ -94,22 +94,36 @@ def score_layouts(pricer: Pricer, layouts: list[Layout], weights: dict[str, np.n
 
 
 class LearnedSolver:
-    """Price only the `proposals` layouts the network scores highest (more where none of them fits)."""
+    """Price only the `proposals` layouts the network scores highest (more where none of them fits); on a mixed
+    cluster, each with the device-group orderings the group policy proposes (plait.search.groups)."""
 
     name = "learned"
 
-    def __init__(self, proposals: int = 12, weights: dict[str, np.ndarray] | None = None) -> None:
-        self.proposals, self.weights = proposals, weights
+    def __init__(self, proposals: int = 24, orderings: int = 4, weights: dict[str, np.ndarray] | None = None) -> None:
+        self.proposals, self.orderings, self.weights = proposals, orderings, weights
 
     def solve(self, space: Space, pricer: Pricer) -> None:
-        layouts = space.all_layouts()
-        if len(layouts) <= self.proposals:
-            for layout in layouts:
-                pricer.evaluate(layout)
+        bases = [(d, layout) for d in space.degrees for layout in space.base_layouts(d)]
+        if not bases:
             return
-        order = np.argsort(-score_layouts(pricer, layouts, self.weights), kind="stable")
+        order = np.argsort(-score_layouts(pricer, [b[1] for b in bases], self.weights), kind="stable")
         for start in range(0, len(order), self.proposals):
-            found = [pricer.evaluate(layouts[i]) for i in order[start:start + self.proposals]]
-            if any(result is not None for result in found):
-                pricer.pruned += len(order) - start - self.proposals
+            found = [self._price(space, pricer, *bases[i]) for i in order[start:start + self.proposals]]
+            if any(found):
+                pricer.pruned += max(0, len(order) - start - self.proposals)
                 return
+
+    def _price(self, space: Space, pricer: Pricer, d, base: Layout) -> bool:
+        """Price one layout (on a mixed cluster: with each proposed placement of its pipeline ranks)."""
+        import dataclasses
+
+        if not space.groups:
+            return pricer.evaluate(base) is not None
+        if space.count_orderings(d) <= self.orderings + 1:
+            orderings = space.orderings(d)
+        else:
+            from plait.search.groups import propose
+
+            orderings = propose(pricer, base, space.group_counts(d), self.orderings, weights=self.weights)
+        results = [pricer.evaluate(dataclasses.replace(base, stage_groups=o) if o else base) for o in orderings]
+        return any(r is not None for r in results)

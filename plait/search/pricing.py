@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,6 +24,10 @@ from plait.search.space import Pins
 
 EXACT_SHORTLIST = 2
 """With `top` K, the best 2K candidates by the closed-form estimate are priced exactly before ranking."""
+
+
+class OutOfTime(Exception):
+    """The search's time limit passed (Pricer.deadline): the solver stops where it is."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Pricer:
         self.points: list[tuple[float, float]] = []
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
+        self.deadline: float | None = None
+        """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
 
     def _layer_cost(self, tp: int, sp: bool, b: int, group: str | None = None) -> tuple[LayerCost, EndsCost]:
         s = self.setting
@@ -89,6 +96,8 @@ class Pricer:
 
     def evaluate(self, layout: Layout) -> float | None:
         """Split, price and keep one layout; its estimated step time, or None when nothing fits."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OutOfTime()
         self.evaluated += 1
         split = self.split(layout)
         if split is None:

@@ -24,8 +24,8 @@ from plait.axes import ALL_AXES, Degrees
 from plait.cost.layout import Setting
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import Plan
-from plait.search.pricing import EXACT_SHORTLIST, Pricer
-from plait.search.solvers import SOLVER_NAMES, get_solver
+from plait.search.pricing import EXACT_SHORTLIST, OutOfTime, Pricer
+from plait.search.solvers import SOLVER_NAMES, choose_solver, get_solver
 from plait.search.space import Pins, Space, check_pins, degree_choices, divisors
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.load import load_cluster, load_model
@@ -48,6 +48,8 @@ class SearchResult:
     or a smaller micro-batch of the same layout already missed memory, or the solver passed them over."""
     solver: str = "exact"
     """Which solver chose the candidates (plait.search.solvers)."""
+    complete: bool = True
+    """False when the search stopped at its time limit (the plans are the best found by then)."""
 
 
 def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins) -> list[Plan]:
@@ -57,13 +59,14 @@ def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins
 
 def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: TrainSpec, *,
                     num_devices: int | None = None, top: int | None = None, explain_infeasible: bool = True,
-                    solver: str = "exact", **pins) -> SearchResult:
+                    solver: str = "exact", time_limit_s: float | None = None, **pins) -> SearchResult:
     """Search the joint space for `model` on `num_devices` devices of `cluster` (default: all of it).
 
     Pins (plait.search.space.PIN_NAMES): any axis degree (dp, tp, pp, cp, ep), zero, recompute (one mode
     or one per pipeline rank), micro_batch, schedule, interleave, sequence_parallel, allow_cross_node_tp.
     Any pin that is not None is fixed. `top` K keeps the K best plans (None: every feasible plan). `solver`
-    chooses how the space is searched (plait.search.solvers: exact, dichotomy, learned).
+    chooses how the space is searched (plait.search.solvers: exact, dichotomy, learned, or auto: exact where
+    the space is small, learned beyond); `time_limit_s` stops the solver there (the result says so).
     Raises ConfigError for pins no plan can honour, NoFeasiblePlan when nothing fits in memory."""
     if solver not in SOLVER_NAMES:
         raise ConfigError(f"solver={solver!r} is not one of {', '.join(SOLVER_NAMES)}")
@@ -86,7 +89,16 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
     groups = tuple((g.name, g.num_devices) for g in cluster.groups) if cluster.mixed else ()
-    get_solver(solver).solve(Space(pins, degrees, train.global_batch, model.num_layers, groups), pricer)
+    space = Space(pins, degrees, train.global_batch, model.num_layers, groups)
+    solver = choose_solver(space) if solver == "auto" else solver
+    if time_limit_s is not None:
+        pricer.deadline = start + time_limit_s
+    complete = True
+    try:
+        get_solver(solver).solve(space, pricer)
+    except OutOfTime:
+        complete = False
+    pricer.deadline = None
     if pricer.evaluated == 0 and pricer.pruned == 0:
         raise ConfigError(_no_schedule_message(pins, degrees, train))
     plans = pricer.finish(top)
@@ -95,8 +107,8 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
         worst = pricer.closest_miss()
         if explain_infeasible:
             raise NoFeasiblePlan(_infeasible_message(setting, pins, worst, n))
-        return SearchResult([], pricer.evaluated, elapsed, worst, [], pricer.pruned, solver)
-    return SearchResult(plans, pricer.evaluated, elapsed, None, pricer.points, pricer.pruned, solver)
+        return SearchResult([], pricer.evaluated, elapsed, worst, [], pricer.pruned, solver, complete)
+    return SearchResult(plans, pricer.evaluated, elapsed, None, pricer.points, pricer.pruned, solver, complete)
 
 
 def _no_layout_message(model: ModelSpec, train: TrainSpec, n: int) -> str:

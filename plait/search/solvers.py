@@ -94,4 +94,13 @@ def get_solver(name: str) -> Solver:
     return {"exact": ExactSolver, "dichotomy": DichotomySolver}[name]()
 
 
-SOLVER_NAMES = ("exact", "dichotomy", "learned")
+SOLVER_NAMES = ("exact", "dichotomy", "learned", "auto")
+
+EXACT_UP_TO = 20_000
+"""`auto` runs exact search where the space holds at most this many candidates (layouts x placements of the
+pipeline ranks on a mixed cluster), the learned solver beyond (benchmarks/solvers.py measures both)."""
+
+
+def choose_solver(space: Space) -> str:
+    size = sum(sum(1 for _ in space.base_layouts(d)) * space.count_orderings(d) for d in space.degrees)
+    return "exact" if size <= EXACT_UP_TO else "learned"

@@ -198,3 +198,162 @@ def train(seed: int = 0, problems: int = 60, epochs: int = 40, samples: int = 16
                 f"{key[1]:.2%}, 90th percentile {key[0]:.2%}")
     log(f"kept the weights of validation gap 90th percentile {best_key[0]:.2%}, median {best_key[1]:.2%}")
     return best
+
+
+# ---- the device-group policy (mixed clusters) ----------------------------------------------------
+def mixed_cluster(rng: random.Random, family: str):
+    """Two (training) or two to three (held-out) device groups of public parts, or a part beside its stragglers
+    (the same part at 40-70% speed), in whole nodes of 8."""
+    from plait.spec.cluster import ClusterSpec, DeviceGroup
+
+    parts = ["h100-80g", "a100-80g", "a100-40g"]
+    count = 2 if family == "train" else rng.choice([2, 3])
+    chosen = rng.sample(parts, count) if rng.random() < 0.7 else [rng.choice(parts)] * count
+    groups = []
+    for i, name in enumerate(chosen):
+        preset = CLUSTER_PRESETS[name]
+        slow = 1.0 if i == 0 or chosen[i] != chosen[0] else rng.uniform(0.4, 0.7)
+        nodes = rng.choice([1, 2, 4] if family == "train" else [2, 4, 8])
+        groups.append(DeviceGroup(name=f"{name}-{i}", num_devices=8 * nodes, devices_per_node=8,
+                                  memory_bytes=preset.memory_bytes, peak_flops=preset.peak_flops * slow,
+                                  efficiency=preset.efficiency, intra_node=preset.intra_node,
+                                  inter_node=preset.inter_node))
+    first = groups[0]
+    return ClusterSpec(name="mixed", num_devices=sum(g.num_devices for g in groups), devices_per_node=8,
+                       memory_bytes=first.memory_bytes, peak_flops=first.peak_flops, efficiency=first.efficiency,
+                       intra_node=first.intra_node, inter_node=first.inter_node, groups=tuple(groups),
+                       between_groups=first.inter_node)
+
+
+@dataclass
+class GroupProblem:
+    """One layout of a mixed cluster whose pipeline ranks are to be placed; rewards priced on demand, cached."""
+
+    pricer: Pricer
+    layout: object
+    counts: dict[str, int]
+    cache: dict
+
+    def time(self, ordering: tuple[str, ...]) -> float:
+        import dataclasses
+
+        if ordering not in self.cache:
+            result = self.pricer.evaluate(dataclasses.replace(self.layout, stage_groups=ordering))
+            self.cache[ordering] = math.inf if result is None else result
+        return self.cache[ordering]
+
+
+def group_problems(seed: int, count: int, family: str = "train", per_cluster: int = 2) -> list[GroupProblem]:
+    """Layouts with pipelines over mixed clusters: for each generated cluster and model, the `per_cluster` layouts of
+    least lower bound among those with more than one way to place their pipeline ranks."""
+    rng = random.Random(seed)
+    out: list[GroupProblem] = []
+    while len(out) < count:
+        model, _, train, _ = random_problem(rng, family)
+        cluster = mixed_cluster(rng, family)
+        pins = Pins()
+        degrees = [d for d in degree_choices(pins, model, cluster, train, cluster.num_devices) if d.pp > 1]
+        if not degrees:
+            continue
+        groups = tuple((g.name, g.num_devices) for g in cluster.groups)
+        space = Space(pins, degrees, train.global_batch, model.num_layers, groups)
+        pricer = Pricer(Setting(model, cluster, train), pins, None)
+        # the placements worth learning: pipelines long enough that their orderings are many
+        bases = [(pricer.lower_bound(layout), i, layout, d) for i, d in enumerate(degrees)
+                 for layout in space.base_layouts(d) if 20 <= space.count_orderings(d) <= 5000]
+        for _, _, layout, d in sorted(bases, key=lambda b: b[:2])[:per_cluster]:
+            out.append(GroupProblem(pricer, layout, space.group_counts(d), {}))
+    return out[:count]
+
+
+def sequence_step(net: Network, problem: GroupProblem, mean, std, rng: np.random.Generator, samples: int) -> float:
+    """Sample `samples` orderings from the policy; InfoNCE over their log-probabilities, the fastest the positive."""
+    from plait.search.groups import GroupContext, walk
+
+    context = GroupContext(problem.pricer, problem.layout, problem.counts)
+
+    def sample(x: np.ndarray) -> int:
+        s, _ = net.scores((x - mean) / std)
+        p = np.exp(s - s.max())
+        p = 0.9 * p / p.sum() + 0.1 / len(p)
+        return int(rng.choice(len(p), p=p / p.sum()))
+
+    walks = [walk(context, sample) for _ in range(samples)]
+    rewards = np.array([-problem.time(ordering) for ordering, _ in walks])
+    if not np.isfinite(rewards).any() or len(set(rewards.tolist())) == 1:
+        return 0.0
+    rows = np.concatenate([x for _, steps in walks for x, _ in steps])
+    scores, cache = net.scores((rows - mean) / std)
+    # per walk, its log-probability: Σ over steps of score(chosen) - logsumexp(scores of that step)
+    logp, spans, start = [], [], 0
+    for _, steps in walks:
+        total, walk_spans = 0.0, []
+        for x, chosen in steps:
+            s = scores[start:start + len(x)]
+            soft = np.exp(s - s.max())
+            soft /= soft.sum()
+            total += math.log(soft[chosen] + 1e-12)
+            walk_spans.append((start, len(x), chosen, soft))
+            start += len(x)
+        logp.append(total)
+        spans.append(walk_spans)
+    logp = np.array(logp)
+    positive = int(np.argmax(np.where(np.isfinite(rewards), rewards, -np.inf)))
+    weight = np.exp(logp - logp.max())
+    weight /= weight.sum()
+    loss = -math.log(weight[positive] + 1e-12)
+    d_logp = weight.copy()
+    d_logp[positive] -= 1.0
+    d_scores = np.zeros_like(scores)
+    for i, walk_spans in enumerate(spans):
+        for begin, size, chosen, soft in walk_spans:
+            grad = -soft * d_logp[i]
+            grad[chosen] += d_logp[i]
+            d_scores[begin:begin + size] += grad
+    net.adam(net.gradients(cache, d_scores), lr=3e-3)
+    return loss
+
+
+def ordering_gap(weights: dict[str, np.ndarray], problems: list[GroupProblem], samples: int = 4) -> np.ndarray:
+    """Per problem: the best of the policy's proposals against the best of every ordering (enumerated)."""
+    from plait.search.groups import propose
+    from plait.search.space import _multiset_permutations
+
+    gaps = []
+    for p in problems:
+        best = min(p.time(o) for o in _multiset_permutations(p.counts))
+        got = min(p.time(o) for o in propose(p.pricer, p.layout, p.counts, samples, weights=weights))
+        gaps.append(got / best - 1.0 if math.isfinite(best) else 0.0)
+    return np.array(gaps)
+
+
+def train_groups(seed: int = 0, problems: int = 40, epochs: int = 30, samples: int = 12, log=print
+                 ) -> dict[str, np.ndarray]:
+    """Train the device-group policy (group_* arrays); keeps the epoch with the least validation gap."""
+    from plait.search.groups import GROUP_FEATURES, GroupContext
+
+    data = group_problems(seed, problems, "train")
+    validation = group_problems(seed + 1, max(8, problems // 4), "train")
+    rows = []
+    for p in data:
+        context = GroupContext(p.pricer, p.layout, p.counts)
+        rows.append(context.features(0, dict(p.counts), None)[1])
+    stacked = np.concatenate(rows)
+    mean, std = stacked.mean(0), stacked.std(0) + 1e-6
+    mean[-1], std[-1] = 0.0, 1.0
+    net = Network(len(GROUP_FEATURES), seed)
+    rng = np.random.default_rng(seed)
+    best, best_key = None, (math.inf, math.inf)
+    for epoch in range(epochs):
+        losses = [sequence_step(net, data[i], mean, std, rng, samples) for i in rng.permutation(len(data))]
+        weights = {f"group_{k}": v.copy() for k, v in net.params.items()}
+        weights.update(group_mean=mean, group_std=std)
+        gaps = ordering_gap(weights, validation)
+        key = (float(np.quantile(gaps, 0.9)), float(np.median(gaps)))
+        if key < best_key:
+            best, best_key = weights, key
+        if epoch % 10 == 0 or epoch == epochs - 1:
+            log(f"groups epoch {epoch + 1}/{epochs}: contrastive loss {np.mean(losses):.3f}, validation gap median "
+                f"{key[1]:.2%}, 90th percentile {key[0]:.2%}")
+    log(f"kept the group policy of validation gap 90th percentile {best_key[0]:.2%}, median {best_key[1]:.2%}")
+    return best
