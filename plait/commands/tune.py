@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, Interrupted, PlaitError
 from plait.commands import positive_int
-from plait.commands import writable_output
+from plait.outputs import output_file
 
 DEFAULT_CLUSTER = "local-cpu"
 LAUNCH_SECONDS = 120.0
@@ -59,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: must be 0 or more")
-    out = writable_output(args.out, "cluster.tuned.yaml")
-    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out = output_file(args.out, "--out", "cluster.tuned.yaml")
+    plot = output_file(args.plot, "--plot", "tune.png") if args.plot else output_file(out.with_suffix(".png"), "--plot")
     if in_torchrun():
         return _torchrun_main(args, out, plot)
     nproc = args.nproc or _cluster_file_devices(args.cluster) or 2
@@ -150,7 +150,10 @@ def _time_on_local_ranks(plans: list[Any], args: argparse.Namespace, nproc: int)
         timeout = _timeout(args, len(plans))
         argv = [str(plans_file), str(results_file), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch", str(_round_robin(plans[0].cluster)), "--timeout", str(timeout)]
-        code = run_local(nproc, argv, timeout_s=timeout, module="plait.profile.tune")
+        try:
+            code = run_local(nproc, argv, timeout_s=timeout, module="plait.profile.tune")
+        except KeyboardInterrupt:
+            raise Interrupted("nothing was written") from None
         if code != 0 or not results_file.exists():
             raise PlaitError(f"timing the plans on {nproc} ranks failed (exit code {code}); nothing was written")
         return read_results(results_file)

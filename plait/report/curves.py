@@ -63,14 +63,18 @@ def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path, *, title: st
 
 
 def _series(records: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> tuple[list[float], list[float]]:
-    steps, values = [], []
+    """(steps, values) in step order. A step logged twice (a file from a resumed run of an older plait, which
+    kept the interrupted run's lines) keeps its last value, so the line never runs back in time."""
+    by_step: dict[float, float] = {}
     for i, record in enumerate(records):
         value = next((record[k] for k in keys if isinstance(record.get(k), (int, float))), None)
-        if value is None or not math.isfinite(value):
+        step = record.get("step", i)
+        if value is None or not math.isfinite(value) or not isinstance(step, (int, float)):
             continue
-        steps.append(record.get("step", i))
-        values.append(float(value))
-    return steps, values
+        by_step.pop(step, None)
+        by_step[step] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
 
 
 def _centered_mean(values: Sequence[float], half_window: int) -> list[float]:

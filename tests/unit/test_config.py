@@ -17,7 +17,7 @@ def _write(tmp_path, text: str):
 def test_empty_file_gives_the_documented_defaults(tmp_path):
     config = load_config(_write(tmp_path, ""))
     assert config == Config()
-    assert config.model.preset == "tiny-gpt" and config.plan.file == "auto"
+    assert config.model.source == "tiny-gpt" and config.plan.file == "auto"
 
 
 def test_sections_are_read_into_typed_fields(tmp_path):

@@ -136,7 +136,7 @@ def test_cli_refuses_bad_arguments_before_launching(tmp_path, capsys):
     assert cli_main(["profile", "--nproc", "1", "--out", str(tmp_path / "c.yaml")]) == 2
     assert "--nproc 1" in capsys.readouterr().err
     assert cli_main(["profile", "--nproc", "2", "--out", str(tmp_path)]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    assert "is a folder" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
