@@ -207,11 +207,19 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """A Plan from its JSON form. By hand, "model" and "cluster" may name a preset (or a spec file) instead of
+        spelling out every field: {"model": "tiny-gpt", "cluster": "local-cpu", ...}."""
         if isinstance(data, dict) and "degrees" not in data and any(a in data for a in ALL_AXES):
             # plan files of plait <= 0.1 held the degrees as top-level keys
             data = dict(data)
             data["degrees"] = {a: data.pop(a) for a in ALL_AXES if a in data}
-        return from_dict(cls, data, "plan")
+        named_cluster = isinstance(data, dict) and isinstance(data.get("cluster"), str)
+        if isinstance(data, dict) and (named_cluster or isinstance(data.get("model"), str)):
+            data = _named_specs(data)
+        plan = from_dict(cls, data, "plan")
+        if named_cluster:  # a preset's device count is its own; this plan runs on its degrees' world
+            plan = plan.replace(cluster=plan.cluster.with_devices(plan.num_devices))
+        return plan
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -234,6 +242,17 @@ class Plan:
                 raise ConfigError("plan file holds no plans (the search found none that fit)")
             data = data["plans"][0]
         return cls.from_dict(data)
+
+
+def _named_specs(data: dict[str, Any]) -> dict[str, Any]:
+    from plait.spec.load import load_cluster, load_model
+
+    data = dict(data)
+    if isinstance(data.get("model"), str):
+        data["model"] = load_model(data["model"])
+    if isinstance(data.get("cluster"), str):
+        data["cluster"] = load_cluster(data["cluster"])
+    return data
 
 
 def _is_file(path: Path) -> bool:

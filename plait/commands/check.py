@@ -104,13 +104,12 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
 def _dry_run(args: argparse.Namespace) -> int:
     plan = _load(args, size_limit=False)  # before torch is imported: a malformed plan is refused at once
-    from rich.console import Console
-
     from plait.execute.dryrun import dry_run
+    from plait.report.console import output_console
     from plait.report.tables import dry_run_table
 
     reports = dry_run(plan)
-    console = Console(width=max(Console().width, 100))
+    console = output_console()
     console.print(dry_run_table(plan, reports))
     console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks "
                   f"(legality rules and the executor's construction of {len(reports)} pipeline rank(s) on meta)")
@@ -173,11 +172,12 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _report(plan, result: dict, args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
+    from plait.report.console import output_console
+
     tol = _tolerance(args)
-    console = Console()
+    console = output_console()
     table = Table(title=f"plait check: {result['plan']}  ({plan.num_devices} ranks vs 1 process, {args.dtype}, "
                         f"seed {args.seed}, lr {args.lr:g})")
     for column in ("step", "loss (parallel)", "loss (1 process)", "relative diff"):
