@@ -61,8 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from plait.outputs import output_dir, output_file
     from plait.spec.load import load_cluster, load_model, load_train
 
+    if args.json:
+        output_file(args.json, "--json", "plans.json")
+    if args.report:
+        output_dir(args.report, "--report")
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
@@ -130,7 +135,7 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
              f"batch {result_batch(plans)}: top {min(top, len(plans))} plans")
     console.print(plans_table(plans[:top], title=title, width=console.width))
     if any(plan.num_stages > 1 for plan in plans[:top]):
-        console.print(LAYERS_LEGEND, highlight=False, style="dim")
+        console.print(LAYERS_LEGEND, highlight=False, markup=False, style="dim")
     if len(plans) >= 2:
         from plait.search import explain
 
