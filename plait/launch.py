@@ -207,6 +207,9 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     notes = tempfile.mkdtemp(prefix="plait-failures-")
     os.environ[FAILURE_DIR_ENV] = notes
     previous_alarm = signal.getsignal(signal.SIGALRM)
+    # torch's agent installs its own SIGINT/SIGTERM/... handlers and leaves them behind: put ours back after,
+    # or a Ctrl-C during what the command does next would raise its SignalException instead of KeyboardInterrupt.
+    stops = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     timer = _start_deadline(timeout_s)
     quiet = _quiet_elastic_logs()
     try:
@@ -228,6 +231,9 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
         if timer is not None:
             timer.cancel()
             signal.signal(signal.SIGALRM, previous_alarm)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in stops.items():
+                signal.signal(sig, handler)
         for name, value in saved_env.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -227,21 +227,28 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "Plan":
         """Read a plan from JSON text, a plan file, or a `plait plan --json` file (its best plan)."""
-        text = str(text_or_path)
+        text, where = str(text_or_path), "plan"
         if not text.lstrip().startswith("{"):
             path = Path(text)
             if not _is_file(path):
                 raise ConfigError(f"plan file {str(path)!r} does not exist; write one with `plait plan --json FILE`")
-            text = path.read_text()
+            from plait.inputs import read_text
+
+            text, where = read_text(path, "plan file"), f"plan file {str(path)!r}"
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"plan is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+            raise ConfigError(f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
         if isinstance(data, dict) and "plans" in data:
-            if not data["plans"]:
-                raise ConfigError("plan file holds no plans (the search found none that fit)")
+            if not isinstance(data["plans"], list) or not data["plans"]:
+                raise ConfigError(f"{where} holds no plans (the search found none that fit)")
             data = data["plans"][0]
-        return cls.from_dict(data)
+        if where == "plan":
+            return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:  # name the file: the user may have several
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def _named_specs(data: dict[str, Any]) -> dict[str, Any]:

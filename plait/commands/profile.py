@@ -43,13 +43,13 @@ def main(args: argparse.Namespace) -> int:
         args.samples = str(output_file(args.samples, "--samples", "samples.json"))
     if _in_torchrun():
         return _worker(args, out)
-    nproc = args.nproc if args.nproc is not None else _default_nproc()
-    if nproc < 2:
-        raise ConfigError(f"--nproc {nproc}: links need at least 2 processes; use --nproc 2 or more")
-    argv = ["profile", "--out", str(out), "--timeout", str(args.timeout)]
-    argv += ["--quick"] * args.quick + (["--name", args.name] if args.name else [])
-    argv += ["--samples", args.samples] if args.samples else []
     try:
+        nproc = args.nproc if args.nproc is not None else _default_nproc()
+        if nproc < 2:
+            raise ConfigError(f"--nproc {nproc}: links need at least 2 processes; use --nproc 2 or more")
+        argv = ["profile", "--out", str(out), "--timeout", str(args.timeout)]
+        argv += ["--quick"] * args.quick + (["--name", args.name] if args.name else [])
+        argv += ["--samples", args.samples] if args.samples else []
         code = _run_local(nproc, argv, args.timeout)
     except KeyboardInterrupt:
         raise Interrupted(f"{out} was not written") from None

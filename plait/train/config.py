@@ -203,8 +203,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file (see examples/*.toml)")
+    from plait.inputs import read_text
+
+    text = read_text(path, "config file", allow_empty=True)  # an empty config is all defaults
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 

@@ -132,7 +132,10 @@ def check_data(config: Config, model: ModelSpec) -> int:
     tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
     where = f"data ({config.data.path or 'shipped text'})"
     check_vocab(tokens, model.vocab_size, where)
-    BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    try:
+        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
+        raise ConfigError(f"{where}: {e}") from None
     return len(tokens)
 
 
