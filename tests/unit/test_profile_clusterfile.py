@@ -93,7 +93,7 @@ def test_malformed_yaml_names_the_line(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("- just\n- a list\n", "expected a mapping"),
-    ("", "expected a mapping"),
+    ("", "is empty"),
 ])
 def test_not_a_mapping(tmp_path, text, match):
     path = tmp_path / "c.yaml"
