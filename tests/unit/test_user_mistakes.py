@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,3 +353,22 @@ def test_a_lost_peer_is_one_essential_line():
                          "by peer [127.0.0.1]:7090. This is typically caused by a remote worker crashing.")
     line = essential_line(error)
     assert line.startswith("RuntimeError: Connection closed by peer") and "\n" not in line and "pair.cc" not in line
+
+
+def test_profile_tables_are_whole_when_not_on_a_terminal(capsys):
+    """Piped (CI, a file, `| less`), rich would assume 80 columns and cut 'intra_no…', 'all_redu…'."""
+    from test_profile_fit import synthetic_measurements
+
+    from plait.profile.calibrate import calibrate
+    from plait.profile.report import print_report
+
+    m = synthetic_measurements()
+    print_report(m, calibrate(m))
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for word in ("intra_node", "all_reduce", "all_gather", "reduce_scatter", "bus GB/s at largest",
+                 "level fit max rel err"):
+        assert word in out, word
+    compute = out.split("compute per rank")[1].split("link fits")[0]
+    shares = [int(share) for share in re.findall(r"\((\d+)%\)", compute)]
+    assert shares and max(shares) <= 100  # no operation runs above the peak
