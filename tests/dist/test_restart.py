@@ -39,6 +39,16 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def clean() -> Iterator[Path]:
+    """One run that was never interrupted, for every test to compare its losses and weights with."""
+    root = Path(tempfile.mkdtemp(prefix="plait-restart-clean-"))
+    done = plait_train(write_config(root, "clean"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def write_config(root: Path, name: str) -> Path:
     from plait.plan import Plan
     from plait.spec import ModelSpec, TrainSpec
@@ -90,20 +100,18 @@ def losses(root: Path, name: str) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}  # a resumed step's last line wins
 
 
-def test_killed_rank_restarts_from_the_checkpoint(workdir: Path) -> None:
+def test_killed_rank_restarts_from_the_checkpoint(workdir: Path, clean: Path) -> None:
     import torch
 
-    clean = plait_train(write_config(workdir, "clean"))
-    assert clean.returncode == 0, clean.stderr[-3000:]
     crashed = plait_train(write_config(workdir, "crashed"), "--max-restarts", "1", fault="kill:rank=1:step=5")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "injecting 'kill' on rank 1 after step 5" in crashed.stderr
     assert "resumed from" in crashed.stderr and "step_000004" in crashed.stderr
-    assert losses(workdir, "crashed") == losses(workdir, "clean")
+    assert losses(workdir, "crashed") == losses(clean, "clean")
     lines = (workdir / "crashed" / "log" / "metrics.jsonl").read_text().splitlines()
     # step 5 was logged, lost with the kill (after the checkpoint of step 4) and redone: logged once
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
-    a = torch.load(workdir / "clean" / "log" / "model.pt")
+    a = torch.load(clean / "clean" / "log" / "model.pt")
     b = torch.load(workdir / "crashed" / "log" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -137,13 +145,11 @@ def test_dead_peer_without_checkpoints_is_one_line_per_rank(workdir: Path) -> No
     assert len(result.stderr.splitlines()) <= 8, result.stderr
 
 
-def test_ctrl_c_during_a_save_loses_nothing(workdir: Path) -> None:
+def test_ctrl_c_during_a_save_loses_nothing(workdir: Path, clean: Path) -> None:
     """Ctrl-C half-way through the save of step 4 (shards written, no manifest): one line, exit 130, the
     checkpoint of step 2 byte for byte as it was, and a resume continues from it to the same losses."""
     from plait.train.checkpoint import latest_complete
 
-    clean = plait_train(write_config(workdir, "clean"))
-    assert clean.returncode == 0, clean.stderr[-3000:]
     config = write_config(workdir, "cut")
     result = plait_train(config, fault="interrupt:rank=0:step=4")
     assert result.returncode == 130, result.stderr[-3000:]
@@ -158,6 +164,6 @@ def test_ctrl_c_during_a_save_loses_nothing(workdir: Path) -> None:
     resumed = plait_train(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step 2)" in resumed.stderr
-    assert losses(workdir, "cut") == losses(workdir, "clean")
+    assert losses(workdir, "cut") == losses(clean, "clean")
     steps = [json.loads(line)["step"] for line in (workdir / "cut" / "log" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
