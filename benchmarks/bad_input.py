@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys

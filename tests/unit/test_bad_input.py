@@ -24,7 +24,7 @@ from plait.errors import PlaitError
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bad_input_world import (  # noqa: E402
-    CKPT, CKPT_DIGEST, CLUSTER, MODEL, RESULTS, ROOT, SETTINGS, base_config, expect_config_error, expect_loader_error,
+    CKPT, CKPT_DIGEST, CLUSTER, MODEL, ROOT, SETTINGS, base_config, expect_config_error, expect_loader_error,
     plan_dict, record, to_toml, tree_digest, write_report,
 )
 
