@@ -7,8 +7,8 @@ import argparse
 import importlib
 import sys
 
-from plait.errors import PlaitError
-from plait.launch import note_failure
+from plait.errors import Interrupted, PlaitError
+from plait.launch import is_local_worker, note_failure, quiet_worker_interrupts
 
 COMMANDS: dict[str, str] = {
     "plan": "rank parallel plans for a model on a cluster (cost model + search)",
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_worker_interrupts()  # a rank of `run_local`: its launcher owns Ctrl-C
     args = build_parser().parse_args(argv)
     try:
         return int(args._module.main(args) or 0)
@@ -44,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         note_failure(e)  # under run_local, tells the launcher this rank failed first
         print(f"plait {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print(f"plait {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        if not is_local_worker():  # the launcher prints the one line
+            detail = f"; {e}" if isinstance(e, Interrupted) and str(e) else ""
+            print(f"plait {args.command}: interrupted{detail}", file=sys.stderr)
         return 130
 
 

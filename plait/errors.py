@@ -13,3 +13,7 @@ class ConfigError(PlaitError, ValueError):
 
 class NoFeasiblePlan(PlaitError):
     """No plan fits: the message says by how much the best candidate misses and what would fit."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what a command wants to add to the CLI's one line (e.g. where the last checkpoint is)."""

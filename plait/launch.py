@@ -6,6 +6,16 @@ calls `init_distributed()`; otherwise it re-launches itself with `run_local(N, a
 same code. Every wait is bounded: the process group has a timeout (a dead or hung peer
 becomes an error), and when a rank exits with an error the launcher stops the others at
 once and names the rank.
+
+The one place a rank's failure becomes plait's summary is `_report_failure`: it names the rank
+that caused it (the one that died, raised first, or -- from the progress each rank notes -- hung),
+then the ranks that only lost it. A rank that failed because of a peer prints one line of its own
+error, not a traceback (PLAIT_TRACEBACK=1 shows them all).
+
+Ctrl-C has one handler: the launcher's. The terminal sends SIGINT to the launcher and every rank;
+each rank of `run_local` exits at once and silently (exit 130; checkpoints are atomic, so the last
+complete one stays usable and an unfinished save is never read), and the launcher raises
+KeyboardInterrupt, which the CLI prints as one line with exit code 130.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -34,6 +45,12 @@ tell the rank that failed first from the ones that only lost it as a peer."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "remote process exited", "communicator was aborted")
 """What gloo and NCCL say in a rank whose peer died: such a rank failed because of another one."""
+
+TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+"""What a rank says when a collective waited past the process group's timeout: a peer never came."""
+
+TRACEBACK_ENV = "PLAIT_TRACEBACK"
+"""Set to 1 to print every rank's full traceback, also of errors caused by a lost peer."""
 
 
 def in_torchrun() -> bool:
@@ -60,6 +77,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                            "use run_local() to start ranks")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    quiet_worker_interrupts()  # also for ranks not started through plait's CLI (plait.profile.tune)
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -84,18 +102,55 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return dist.get_rank(), dist.get_world_size()
 
 
+def is_local_worker() -> bool:
+    """True in a rank started by run_local (its launcher reads the notes and owns Ctrl-C)."""
+    return bool(os.environ.get(FAILURE_DIR_ENV)) and "RANK" in os.environ
+
+
+def quiet_worker_interrupts() -> None:
+    """In a rank of run_local, SIGINT ends the process at once with code 130 and no output: the launcher
+    got the same Ctrl-C and prints the one line. Exiting at once (not raising KeyboardInterrupt) also works
+    where an exception would be caught and wrapped (torch.distributed.checkpoint does) or printed per rank."""
+    if is_local_worker() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
+
 def note_failure(error: BaseException) -> None:
     """Leave this rank's failure note for run_local's launcher (a no-op outside run_local)."""
-    folder = os.environ.get(FAILURE_DIR_ENV)
-    if not folder or "RANK" not in os.environ:
+    _write_note("json", {"time_ns": time.time_ns(), "error": essential_line(error)})
+
+
+def note_progress(label: str, count: int) -> None:
+    """Leave this rank's progress (e.g. "step 5", 5) for run_local's launcher: when a collective times out,
+    the rank that is behind the others is the one that hung (a no-op outside run_local)."""
+    _write_note("progress", {"time_ns": time.time_ns(), "label": label, "count": count})
+
+
+def _write_note(kind: str, note: dict) -> None:
+    if not is_local_worker():
         return
-    lines = str(error).strip().splitlines()
-    note = {"time_ns": time.time_ns(), "error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}
+    path = os.path.join(os.environ[FAILURE_DIR_ENV], f"rank{os.environ['RANK']}.{kind}")
     try:
-        with open(os.path.join(folder, f"rank{os.environ['RANK']}.json"), "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(note, f)
+        os.replace(path + ".tmp", path)  # the launcher never reads half a note
     except OSError:
-        pass  # the note only improves the report; never hide the error itself
+        pass  # a note only improves the report; never hide the error itself
+
+
+def essential_line(error: BaseException) -> str:
+    """'Type: message' in one line: the line naming a lost peer or a timeout when there is one (torch wraps
+    them in long messages), else the message's last line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    telling = [line for line in lines if any(sign in line for sign in PEER_LOST + TIMED_OUT)]
+    line = (telling or lines or [""])[-1 if not telling else 0]
+    line = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)  # gloo's "[/__w/.../pair.cc:553] " source position
+    return f"{type(error).__name__}: {line[:300]}"
+
+
+def caused_by_a_peer(error: BaseException) -> bool:
+    text = str(error)
+    return any(sign in text for sign in PEER_LOST + TIMED_OUT)
 
 
 def _record_uncaught_failures() -> None:
@@ -105,6 +160,10 @@ def _record_uncaught_failures() -> None:
 
     def hook(kind, error, traceback):
         note_failure(error)
+        if is_local_worker() and caused_by_a_peer(error) and os.environ.get(TRACEBACK_ENV) != "1":
+            # The cause is another rank, which the launcher names; this rank's traceback would only bury it.
+            print(f"plait: rank {os.environ['RANK']}: {essential_line(error)}", file=sys.stderr, flush=True)
+            return
         previous(kind, error, traceback)
 
     hook._plait = True
@@ -130,6 +189,7 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     """Run `python -m <module> <argv>` (`python <argv>` when module is None) on `nproc` local ranks (torch's elastic launcher, standalone
     rendezvous, OMP threads = cores // nproc) and return the exit code: 0, or 1 when a rank failed
     (the failing rank is named on stderr and the others are stopped), or 124 after `timeout_s`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -147,7 +207,11 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     notes = tempfile.mkdtemp(prefix="plait-failures-")
     os.environ[FAILURE_DIR_ENV] = notes
     previous_alarm = signal.getsignal(signal.SIGALRM)
+    # torch's agent installs its own SIGINT/SIGTERM/... handlers and leaves them behind: put ours back after,
+    # or a Ctrl-C during what the command does next would raise its SignalException instead of KeyboardInterrupt.
+    stops = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     timer = _start_deadline(timeout_s)
+    quiet = _quiet_elastic_logs()
     try:
         args = ("-m", module, *argv) if module else tuple(argv)
         elastic_launch(config, entrypoint=sys.executable)(*args)
@@ -158,11 +222,18 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
     except _Deadline:
         print(f"plait: ranks did not finish within {timeout_s:g} s; stopped them", file=sys.stderr)
         return 124
+    except SignalException as stop:
+        # The agent has stopped the ranks; Ctrl-C (or a kill of the launcher) ends the command here.
+        raise KeyboardInterrupt(f"signal {stop.sigval.name}") from None
     finally:
+        quiet.restore()
         shutil.rmtree(notes, ignore_errors=True)
         if timer is not None:
             timer.cancel()
             signal.signal(signal.SIGALRM, previous_alarm)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in stops.items():
+                signal.signal(sig, handler)
         for name, value in saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -172,6 +243,32 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
 
 class _Deadline(Exception):
     pass
+
+
+class _QuietLogs:
+    """torch's elastic agent logs each stop and exit code ("Sending process 123 closing signal SIGTERM",
+    "failed (exitcode: 1) local_rank: 0"): what `_report_failure` says in plait's words. Kept to errors
+    the agent itself hits; restored afterwards."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.levels = {}
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logger = logging.getLogger(name)
+                self.levels[name] = logger.level
+                logger.setLevel(logging.CRITICAL)
+
+    def restore(self) -> None:
+        import logging
+
+        for name, level in self.levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _quiet_elastic_logs() -> _QuietLogs:
+    return _QuietLogs()
 
 
 def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
@@ -192,36 +289,78 @@ def _start_deadline(timeout_s: float | None) -> threading.Timer | None:
 
 
 def _read_notes(folder: str) -> dict[int, dict]:
-    notes = {}
+    """rank -> its failure note ({"time_ns", "error"}), with its last progress note under "progress" if any."""
+    notes: dict[int, dict] = {}
     for name in os.listdir(folder):
+        stem, _, kind = name.partition(".")
+        if kind not in ("json", "progress") or not stem.startswith("rank"):
+            continue
         try:
             with open(os.path.join(folder, name)) as f:
-                notes[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
+                note = json.load(f)
+            rank = int(stem.removeprefix("rank"))
         except (OSError, ValueError):
             continue
+        entry = notes.setdefault(rank, {})
+        if kind == "json":
+            entry.update(note)
+        else:
+            entry["progress"] = note
     return notes
 
 
 def _report_failure(failure, notes: dict[int, dict]) -> None:
     """Name the rank(s) that caused the failure, then the ranks that only lost them as a peer.
 
-    Ranks the launcher itself stopped (SIGTERM) are left out. A rank that died without a note
-    (killed by a signal, or exited with a code) comes first: its peers fail after it. Among ranks
-    with notes, the earliest is a cause, and so is any later one whose error is not a lost peer."""
+    Ranks the launcher itself stopped (SIGTERM) are left out, unless they hung: when the failed ranks
+    timed out waiting in a collective, a stopped rank whose progress note is behind theirs is the one
+    that never came, and is named as hung. A rank that died without a note (killed by a signal, or
+    exited with a code) comes first: its peers fail after it. Among ranks with notes, the earliest is
+    a cause, and so is any later one whose error is not a lost peer."""
+    errors = {rank: note["error"] for rank, note in notes.items() if "error" in note}
+    hung = _hung_ranks(failure, notes, errors)
+    if hung:
+        _report_hang(hung, notes, failure, errors)
+        return
     failed = {rank: info for rank, info in failure.failures.items() if info.signal_name() != "SIGTERM"}
     failed = failed or dict(failure.failures)
-    silent = sorted(rank for rank in failed if rank not in notes)
-    noted = sorted((rank for rank in failed if rank in notes), key=lambda rank: notes[rank]["time_ns"])
+    silent = sorted(rank for rank in failed if rank not in errors)
+    noted = sorted((rank for rank in failed if rank in errors), key=lambda rank: notes[rank]["time_ns"])
     causes = silent or noted[:1]
     causes += [rank for rank in noted if rank not in causes
-               and not any(sign in notes[rank]["error"] for sign in PEER_LOST)]
+               and not any(sign in errors[rank] for sign in PEER_LOST)]
     for rank in causes:
         info = failed[rank]
         reason = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {info.signal_name()}"
-        error = f": {notes[rank]['error']}" if rank in notes else ""
+        error = f": {errors[rank]}" if rank in errors else ""
         print(f"plait: rank {rank} failed ({reason}){error}", file=sys.stderr)
     followers = [rank for rank in sorted(failed) if rank not in causes]
     if followers:
         print(f"plait: rank{'s' if len(followers) > 1 else ''} {', '.join(map(str, followers))} "
               "lost a peer and stopped", file=sys.stderr)
+    print("plait: the other ranks were stopped", file=sys.stderr)
+
+
+def _hung_ranks(failure, notes: dict[int, dict], errors: dict[int, str]) -> list[int]:
+    """Ranks the launcher stopped that are behind the ranks whose collective timed out (see _report_failure)."""
+    timed_out = [rank for rank, error in errors.items() if any(sign in error for sign in TIMED_OUT)]
+    progress = {rank: note["progress"]["count"] for rank, note in notes.items() if "progress" in note}
+    if not timed_out or not all(rank in progress for rank in timed_out):
+        return []
+    waiting_at = min(progress[rank] for rank in timed_out)
+    stopped = {rank for rank, info in failure.failures.items() if info.signal_name() == "SIGTERM"}
+    alive = set(progress) - set(failure.failures)
+    return sorted(rank for rank in stopped | alive if rank not in errors and progress.get(rank, -1) < waiting_at)
+
+
+def _report_hang(hung: list[int], notes: dict[int, dict], failure, errors: dict[int, str]) -> None:
+    for rank in hung:
+        last = notes.get(rank, {}).get("progress", {}).get("label")
+        where = f"last began {last}" if last else "never reported progress"
+        print(f"plait: rank {rank} hung ({where}); its peers timed out waiting for it", file=sys.stderr)
+    waiting = sorted(rank for rank in errors if rank not in hung)
+    if waiting:
+        first = min(waiting, key=lambda rank: notes[rank]["time_ns"])
+        print(f"plait: rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} timed out waiting "
+              f"({errors[first]})", file=sys.stderr)
     print("plait: the other ranks were stopped", file=sys.stderr)

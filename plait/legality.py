@@ -171,11 +171,20 @@ SCHEDULE_NEEDS = {
 }
 
 
+def interleave_problems(pp: int, interleave: int) -> list[Violation]:
+    """Interleaving splits each pipeline rank's layers into chunks: without a pipeline there is nothing to
+    interleave, and a pin that asks for it must not be dropped in silence."""
+    if interleave > 1 and pp == 1:
+        return [Violation("interleave-needs-pp", f"interleave={interleave} needs pipeline parallelism (pp >= 2), "
+                          f"but pp=1; pin a pp of 2 or more, or drop the interleave")]
+    return []
+
+
 def schedule_problems(schedule: str, pp: int, num_micro_batches: int, interleave: int) -> list[Violation]:
     """What torch.distributed.pipelining's schedules need (PyTorch raises mid-run otherwise)."""
     m = num_micro_batches
     if pp == 1:
-        return []
+        return interleave_problems(pp, interleave)
     if schedule == "1f1b" and m < pp:
         return [Violation("1f1b-needs-micro-batches", f"schedule 1f1b needs num_micro_batches >= pp, got "
                           f"{m} < {pp}; use gpipe or more micro-batches")]

@@ -225,11 +225,19 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """A Plan from its JSON form. By hand, "model" and "cluster" may name a preset (or a spec file) instead of
+        spelling out every field: {"model": "tiny-gpt", "cluster": "local-cpu", ...}."""
         if isinstance(data, dict) and "degrees" not in data and any(a in data for a in ALL_AXES):
             # plan files of plait <= 0.1 held the degrees as top-level keys
             data = dict(data)
             data["degrees"] = {a: data.pop(a) for a in ALL_AXES if a in data}
-        return from_dict(cls, data, "plan")
+        named_cluster = isinstance(data, dict) and isinstance(data.get("cluster"), str)
+        if isinstance(data, dict) and (named_cluster or isinstance(data.get("model"), str)):
+            data = _named_specs(data)
+        plan = from_dict(cls, data, "plan")
+        if named_cluster:  # a preset's device count is its own; this plan runs on its degrees' world
+            plan = plan.replace(cluster=plan.cluster.with_devices(plan.num_devices))
+        return plan
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -237,21 +245,39 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "Plan":
         """Read a plan from JSON text, a plan file, or a `plait plan --json` file (its best plan)."""
-        text = str(text_or_path)
+        text, where = str(text_or_path), "plan"
         if not text.lstrip().startswith("{"):
             path = Path(text)
             if not _is_file(path):
                 raise ConfigError(f"plan file {str(path)!r} does not exist; write one with `plait plan --json FILE`")
-            text = path.read_text()
+            from plait.inputs import read_text
+
+            text, where = read_text(path, "plan file"), f"plan file {str(path)!r}"
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"plan is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+            raise ConfigError(f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
         if isinstance(data, dict) and "plans" in data:
-            if not data["plans"]:
-                raise ConfigError("plan file holds no plans (the search found none that fit)")
+            if not isinstance(data["plans"], list) or not data["plans"]:
+                raise ConfigError(f"{where} holds no plans (the search found none that fit)")
             data = data["plans"][0]
-        return cls.from_dict(data)
+        if where == "plan":
+            return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:  # name the file: the user may have several
+            raise ConfigError(f"{where}: {e}") from None
+
+
+def _named_specs(data: dict[str, Any]) -> dict[str, Any]:
+    from plait.spec.load import load_cluster, load_model
+
+    data = dict(data)
+    if isinstance(data.get("model"), str):
+        data["model"] = load_model(data["model"])
+    if isinstance(data.get("cluster"), str):
+        data["cluster"] = load_cluster(data["cluster"])
+    return data
 
 
 def _is_file(path: Path) -> bool:

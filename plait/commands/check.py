@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from plait.errors import ConfigError, PlaitError
+from plait.outputs import write_text
 
 MAX_CHECK_PARAMS = 200_000_000
 """Largest model check will run: every rank (and the reference) holds full float64 copies on this machine."""
@@ -66,6 +67,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be at least 1")
+    if args.json_out:
+        from plait.outputs import output_file
+
+        output_file(args.json_out, "--json", "check.json")
     if args.dry_run:
         return _dry_run(args)
     if in_torchrun():
@@ -98,19 +103,18 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
 
 def _dry_run(args: argparse.Namespace) -> int:
+    plan = _load(args, size_limit=False)  # before torch is imported: a malformed plan is refused at once
     from plait.execute.dryrun import dry_run
+    from plait.report.console import output_console
     from plait.report.tables import dry_run_table
 
-    plan = _load(args, size_limit=False)
     reports = dry_run(plan)
-    from rich.console import Console
-
-    console = Console(width=max(Console().width, 100))
+    console = output_console()
     console.print(dry_run_table(plan, reports))
     console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks "
                   f"(legality rules and the executor's construction of {len(reports)} pipeline rank(s) on meta)")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"plan": plan.describe(), "builds": True, "ranks": [
+        write_text(args.json_out, json.dumps({"plan": plan.describe(), "builds": True, "ranks": [
             {"pp_rank": r.pp_rank, "rank": r.rank, "stages": r.stages, "blocks": r.blocks, "params": r.params,
              "local_bytes": r.local_bytes, "full_bytes": r.full_bytes, "collectives": r.collectives}
             for r in reports]}, indent=2))
@@ -168,11 +172,12 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _report(plan, result: dict, args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
+    from plait.report.console import output_console
+
     tol = _tolerance(args)
-    console = Console()
+    console = output_console()
     table = Table(title=f"plait check: {result['plan']}  ({plan.num_devices} ranks vs 1 process, {args.dtype}, "
                         f"seed {args.seed}, lr {args.lr:g})")
     for column in ("step", "loss (parallel)", "loss (1 process)", "relative diff"):
@@ -191,5 +196,5 @@ def _report(plan, result: dict, args: argparse.Namespace) -> int:
     verdict = "[green]EQUAL[/green]" if not failures else "[red]DIFFERENT[/red]: " + "; ".join(failures)
     console.print(verdict)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({**result, "passed": not failures}, indent=2))
+        write_text(args.json_out, json.dumps({**result, "passed": not failures}, indent=2))
     return 0 if not failures else 1

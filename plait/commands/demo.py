@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 DEMO_PROMPT = "ROMEO:\n"
@@ -41,13 +40,14 @@ def demo_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from plait.commands.train import launch
+    from plait.outputs import output_dir
+    from plait.report.console import output_console
     from plait.train.config import dump_toml, load_config
 
-    # Piped output (CI logs, tests) gets a wide table instead of rich's 80-column default.
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    output_dir(args.log_dir, "--log-dir")
+
+    console = output_console()
     config = load_config(None, demo_overrides(args))
     _show_plans(console, config, args.nproc)
     config_path = Path(args.log_dir) / "demo.toml"
@@ -72,7 +72,7 @@ def _show_plans(console, config, nproc: int) -> None:
     console.print(f"[bold]plait demo[/]: planning {model.name} ({model.num_params / 1e6:.2f}M parameters) "
                   f"for {nproc} local CPU processes, batch {config.train.global_batch} x {config.train.seq_len} "
                   f"tokens", highlight=False)
-    console.print(plans_table(plans[:5], title=f"top plans of {len(plans)} feasible"))
+    console.print(plans_table(plans[:5], title=f"top plans of {len(plans)} feasible", width=console.width))
     console.print(f"chosen: [bold]{plans[0].describe()}[/]", highlight=False)
 
 

@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--devices", type=positive_int, metavar="N", help="devices to plan for (default: the cluster's)")
     what.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     what.add_argument("--seq-len", type=positive_int, required=True, metavar="S", help="tokens per sequence")
-    what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
-                      help="16-bit keeps fp32 master weights and Adam states (default: bf16)")
+    what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                      help="16-bit keeps fp32 master weights and Adam states (default: bf16 on GPUs, fp32 on CPU "
+                           "clusters, which is what plait runs there)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
@@ -64,11 +65,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from plait.outputs import output_dir, output_file
     from plait.spec.load import load_cluster, load_model, load_train
 
+    if args.json:
+        output_file(args.json, "--json", "plans.json")
+    if args.report:
+        output_dir(args.report, "--report")
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
-    train = load_train(global_batch=args.global_batch, seq_len=args.seq_len, precision=args.precision)
+    train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
+                       precision=args.precision or default_precision(cluster))
+    if args.precision and args.precision != default_precision(cluster) and cluster.device_type == "cpu":
+        print(f"plait plan: warning: --precision {args.precision} on a CPU cluster prices {args.precision}, but "
+              "plait runs fp32 on CPU", file=sys.stderr)
     num_devices = args.devices or cluster.num_devices
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
@@ -78,6 +88,11 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         _write_report(args.report, result)
     return 0
+
+
+def default_precision(cluster: Any) -> str:
+    """What plait's executor computes in on this cluster: fp32 on CPU (no fast 16-bit GEMMs there), else bf16."""
+    return "fp32" if cluster.device_type == "cpu" else "bf16"
 
 
 def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argparse.Namespace) -> Any:
@@ -114,22 +129,17 @@ def _with_progress(work: Callable[[], Any], message: str) -> Any:
     return box["result"]
 
 
-def _console():
-    from rich.console import Console
-
-    # Piped output (tests, `| less`) gets a wide console so the table is never folded.
-    probe = Console()
-    return probe if probe.is_terminal else Console(width=200)
-
-
 def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
-    from plait.report.tables import human_count, plans_table, search_stats_line
+    from plait.report.console import output_console
+    from plait.report.tables import LAYERS_LEGEND, human_count, plans_table, search_stats_line
 
-    console = _console()
+    console = output_console()
     plans = list(result.plans)
     title = (f"{model.name} ({human_count(model.num_params)} params) on {num_devices:,} × {cluster.name}, "
              f"batch {result_batch(plans)}: top {min(top, len(plans))} plans")
-    console.print(plans_table(plans[:top], title=title))
+    console.print(plans_table(plans[:top], title=title, width=console.width))
+    if any(plan.num_stages > 1 for plan in plans[:top]):
+        console.print(LAYERS_LEGEND, highlight=False, markup=False, style="dim")
     if len(plans) >= 2:
         from plait.search import explain
 

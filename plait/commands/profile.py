@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError, PlaitError
-from plait.commands import writable_output
+from plait.errors import ConfigError, Interrupted, PlaitError
+from plait.outputs import output_file
 
 if TYPE_CHECKING:  # torch-free at import: the runner module imports torch
     from plait.profile.runner import ProfileOptions
@@ -38,16 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = writable_output(args.out, "cluster.yaml")
+    out = output_file(args.out, "--out", "cluster.yaml")
+    if args.samples:
+        args.samples = str(output_file(args.samples, "--samples", "samples.json"))
     if _in_torchrun():
         return _worker(args, out)
-    nproc = args.nproc if args.nproc is not None else _default_nproc()
-    if nproc < 2:
-        raise ConfigError(f"--nproc {nproc}: links need at least 2 processes; use --nproc 2 or more")
-    argv = ["profile", "--out", str(out), "--timeout", str(args.timeout)]
-    argv += ["--quick"] * args.quick + (["--name", args.name] if args.name else [])
-    argv += ["--samples", str(Path(args.samples).resolve())] if args.samples else []
-    code = _run_local(nproc, argv, args.timeout)
+    try:
+        nproc = args.nproc if args.nproc is not None else _default_nproc()
+        if nproc < 2:
+            raise ConfigError(f"--nproc {nproc}: links need at least 2 processes; use --nproc 2 or more")
+        argv = ["profile", "--out", str(out), "--timeout", str(args.timeout)]
+        argv += ["--quick"] * args.quick + (["--name", args.name] if args.name else [])
+        argv += ["--samples", args.samples] if args.samples else []
+        code = _run_local(nproc, argv, args.timeout)
+    except KeyboardInterrupt:
+        raise Interrupted(f"{out} was not written") from None
     if code != 0:
         raise PlaitError(f"profile failed on {nproc} processes (exit code {code}); {out} was not written")
     return 0
@@ -103,6 +108,7 @@ def profile_and_write(options: "ProfileOptions", out: Path, *, name: str = "", s
     print_report(measurements, calibration)
     path = write_cluster_file(out, calibration.cluster, describe(measurements, calibration))
     if samples:
+        Path(samples).parent.mkdir(parents=True, exist_ok=True)
         Path(samples).write_text(measurements_json(measurements))
     print(f"wrote {path}  (use: plait plan --cluster {path} ...)")
     return path

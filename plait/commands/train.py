@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from plait.errors import Interrupted
+
 # Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
 FLAG_KEYS: dict[str, str] = {
     "steps": "train.steps",
@@ -42,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, help="stop after this much wall time (train.max_seconds)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in checkpoint.dir (checkpoint.resume); "
-                             "with another --nproc than the plan's, re-plan and reshard")
+                             "with another --nproc than the plan's, re-plan and reshard. Stops (exit 2) when "
+                             "there is no usable checkpoint")
+    parser.add_argument("--start-over", action="store_true",
+                        help="--resume, but start from step 0 when checkpoint.dir holds no usable checkpoint "
+                             "(checkpoint.start_over); unreadable checkpoints are kept, renamed step_N.unreadable")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart all local ranks up to K times when one dies; they resume from the "
                              "newest checkpoint (torchrun's --max-restarts)")
@@ -57,8 +63,10 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append(f"{key}={_toml_value(value)}")
-    if getattr(args, "resume", False):
+    if getattr(args, "resume", False) or getattr(args, "start_over", False):
         items.append("checkpoint.resume=true")
+    if getattr(args, "start_over", False):
+        items.append("checkpoint.start_over=true")
     return items
 
 
@@ -87,14 +95,17 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from rich.console import Console
 
     from plait.launch import run_local
-    from plait.train.resolve import check_data, resolve_model, write_plan
-
     from plait.train.checkpoint import check_launch, plan_for_launch
+    from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
+    from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
-    plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
-    check_launch(config, plan)
+    check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
+    plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
+    check_devices(plan)
+    check_launch(config, plan)
+    check_fault(plan.num_devices, config.train.steps)
     check_data(config, resolve_model(config.model))
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
@@ -103,12 +114,27 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]
-    code = run_local(plan.num_devices, argv, timeout_s=timeout_s, max_restarts=max_restarts)
+    try:
+        code = run_local(plan.num_devices, argv, timeout_s=timeout_s, max_restarts=max_restarts)
+    except KeyboardInterrupt:
+        raise Interrupted(_where_to_resume(config)) from None
     if code == 0:
         _print_outputs(console, Path(config.log.dir))
     else:
         console.print(f"[red]plait train: the run failed (exit code {code}); see the rank output above", highlight=False)
     return code
+
+
+def _where_to_resume(config) -> str:
+    """What Ctrl-C left: the newest complete checkpoint (an unfinished save is never read)."""
+    if config.checkpoint.dir is None:
+        return "no checkpoints (checkpoint.dir is unset)"
+    from plait.train.checkpoint import complete_dirs
+
+    saved = complete_dirs(Path(config.checkpoint.dir))
+    if not saved:
+        return f"no complete checkpoint in {config.checkpoint.dir} yet"
+    return f"the last complete checkpoint is {saved[-1][1]} (continue with --resume)"
 
 
 def _print_outputs(console, log_dir: Path) -> None:

@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, Interrupted, PlaitError
 from plait.commands import positive_int
-from plait.commands import writable_output
+from plait.outputs import output_file
 
 DEFAULT_CLUSTER = "local-cpu"
 LAUNCH_SECONDS = 120.0
@@ -59,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: must be 0 or more")
-    out = writable_output(args.out, "cluster.tuned.yaml")
-    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out = output_file(args.out, "--out", "cluster.tuned.yaml")
+    plot = output_file(args.plot, "--plot", "tune.png") if args.plot else output_file(out.with_suffix(".png"), "--plot")
     if in_torchrun():
         return _torchrun_main(args, out, plot)
     nproc = args.nproc or _cluster_file_devices(args.cluster) or 2
@@ -150,7 +150,10 @@ def _time_on_local_ranks(plans: list[Any], args: argparse.Namespace, nproc: int)
         timeout = _timeout(args, len(plans))
         argv = [str(plans_file), str(results_file), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch", str(_round_robin(plans[0].cluster)), "--timeout", str(timeout)]
-        code = run_local(nproc, argv, timeout_s=timeout, module="plait.profile.tune")
+        try:
+            code = run_local(nproc, argv, timeout_s=timeout, module="plait.profile.tune")
+        except KeyboardInterrupt:
+            raise Interrupted("nothing was written") from None
         if code != 0 or not results_file.exists():
             raise PlaitError(f"timing the plans on {nproc} ranks failed (exit code {code}); nothing was written")
         return read_results(results_file)
@@ -192,6 +195,13 @@ def report_and_write(plans: list[Any], results: list[Any], cluster: Any, out: Pa
     tuned = fit.cluster.replace(name=_tuned_name(cluster.name))
     _print_table(timed, cluster, tuned)
     _print_fit(fit, cluster, tuned)
+    if fit.explains_nothing:
+        raise PlaitError(
+            f"the fit predicts these {len(timed)} plan(s) no better than {cluster.name} already does (median error "
+            f"{statistics.median(fit.errors_before):.1%} -> {statistics.median(fit.errors_after):.1%}): the timings "
+            f"are noise to the cost model, so {out} was not written; time more steps (--steps "
+            f"{max(10, 2 * len(timed[0][1].step_times_s))}) and more plans (--top {max(6, 2 * len(timed))}), on an "
+            f"otherwise idle machine")
     path = write_cluster_file(out, tuned, file_comments(timed, cluster, fit))
     print(f"wrote {path}  (use: plait plan --cluster {path} ...)")
     print(f"wrote {_plot(timed, cluster, fit, plot)}")
@@ -209,10 +219,11 @@ def _predicted(plan: Any, cluster: Any) -> Any:
 
 
 def _print_table(timed: list[tuple[Any, Any]], cluster: Any, tuned: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=200)
+    from plait.report.console import output_console
+
+    console = output_console()
     best = min(range(len(timed)), key=lambda i: timed[i][1].median_s)
     memory = any(r.peak_memory_bytes is not None for _, r in timed)
     table = Table(title=f"predicted vs measured step time ({cluster.name} -> {tuned.name})", title_justify="left")
@@ -244,6 +255,8 @@ def _print_fit(fit: Any, cluster: Any, tuned: Any) -> None:
           f"{max(fit.errors_after):.1%}; in-sample, {len(fit.errors_after)} plans)")
     for line in factor_lines(fit, cluster, tuned):
         print("  " + line)
+    for note in fit.notes:
+        print(f"tune: note: {note}", file=sys.stderr)
 
 
 def factor_lines(fit: Any, cluster: Any, tuned: Any) -> list[str]:
@@ -258,8 +271,10 @@ def factor_lines(fit: Any, cluster: Any, tuned: Any) -> list[str]:
 def _field_change(term: str, cluster: Any, tuned: Any) -> str:
     old, new = cluster.efficiency, tuned.efficiency
     if term == "compute":
-        return (f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} "
-                f"(GEMM time x{old.matmul / new.matmul:.3g})")
+        ratio = (cluster.peak_flops * old.matmul) / (tuned.peak_flops * new.matmul)
+        peak = (f", peak_flops {cluster.peak_flops / 1e9:.4g} -> {tuned.peak_flops / 1e9:.4g} GFLOP/s"
+                if tuned.peak_flops != cluster.peak_flops else "")
+        return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g}{peak} (GEMM time x{ratio:.3g})"
     from plait.profile.calibrate import HOST_TERMS
 
     if term in HOST_TERMS:
@@ -280,16 +295,21 @@ def file_comments(timed: list[tuple[Any, Any]], cluster: Any, fit: Any) -> list[
              f"median step-time error {statistics.median(fit.errors_before):.1%} before, "
              f"{statistics.median(fit.errors_after):.1%} after (in-sample)."]
     lines += factor_lines(fit, cluster, fit.cluster)
+    lines += [f"note: {note}" for note in fit.notes]
     lines += [f"measured {r.median_s:.4f} s: {p.describe()}" for p, r in timed]
     return lines
 
 
 def _plot(timed: list[tuple[Any, Any]], cluster: Any, fit: Any, path: Path) -> Path:
+    """Measured against the tuned cluster's predictions (what the written file will predict), the untuned
+    ones as hollow marks: the title's two errors name the two kinds of point."""
     from plait.report import plot_predicted_vs_measured
 
-    rows = [(f"#{i + 1}", _predicted(p, cluster).step_time_s, r.median_s) for i, (p, r) in enumerate(timed)]
+    rows = [(f"#{i + 1}", _predicted(p, fit.cluster).step_time_s, r.median_s) for i, (p, r) in enumerate(timed)]
+    before = [_predicted(p, cluster).step_time_s for p, _ in timed]
     best = min(range(len(timed)), key=lambda i: timed[i][1].median_s)
-    title = (f"{cluster.name}: {len(rows)} plans, median error {statistics.median(fit.errors_before):.0%} "
-             f"(after tuning {statistics.median(fit.errors_after):.0%})")
+    title = (f"{len(rows)} plans: tuned ({_tuned_name(cluster.name)}) median error "
+             f"{statistics.median(fit.errors_after):.0%}; untuned ({cluster.name}, hollow) "
+             f"{statistics.median(fit.errors_before):.0%}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return plot_predicted_vs_measured(rows, path, title=title, best_label=f"#{best + 1}")
+    return plot_predicted_vs_measured(rows, path, title=title, best_label=f"#{best + 1}", before=before)

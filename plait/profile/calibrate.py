@@ -82,12 +82,19 @@ class Calibration:
     (gloo's all-gather, for one, runs well below its all-reduce)."""
     host: "TermFit | None" = None
     """The host-time fit on the probe plans (None where the profile timed none)."""
+    notes: tuple[str, ...] = ()
+    """Fits that explain little or hit a physical limit, each with what to do (printed and written as comments)."""
+
+
+MIN_LINK_R2 = 0.5
+"""A link fit explaining less than this share of its timings' spread is flagged: at R² <= 0 the line explains
+nothing (noise on a busy machine, or too few message sizes), and its latency and bandwidth are guesses."""
 
 
 def calibrate(m: Measurements, name: str = "") -> Calibration:
     gemms = [s for s in m.compute if s.name in GEMM_NAMES]
     blocks = [s for s in m.compute if s.name == "block"]
-    peak, matmul = _peak_and_matmul(gemms, m.datasheet_peak_flops)
+    peak, matmul = _peak_and_matmul(gemms, m.datasheet_peak_flops, fastest=max((s.flops_per_s for s in m.compute), default=0.0))
     overhead = fit_overhead(blocks, peak, matmul) if blocks else 0.0
     links = {level: fit_link(samples) for level, samples in m.comm.items() if samples}
     if "intra_node" not in links:
@@ -112,7 +119,24 @@ def calibrate(m: Measurements, name: str = "") -> Calibration:
     host = fit_host_terms(m.host_steps, cluster) if m.host_steps else None
     if host is not None:
         cluster = host.cluster
-    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective, host=host)
+    notes = _link_notes(links, m) + _matmul_notes(matmul, m) + (list(host.notes) if host is not None else [])
+    return Calibration(cluster=cluster, matmul=matmul, links=links, per_collective=per_collective, host=host,
+                       notes=tuple(notes))
+
+
+def _link_notes(links: dict[str, LinkFit], m: Measurements) -> list[str]:
+    advice = "rerun without --quick, on an otherwise idle machine" if len(m.comm) else "rerun"
+    return [f"{level}: the latency-bandwidth line explains {'nothing' if fit.r2 <= 0 else 'little'} of these "
+            f"timings (R² {fit.r2:.2f}, median residual {fit.median_rel_residual:.0%}): its latency and bandwidth "
+            f"are rough; {advice}" for level, fit in links.items() if fit.r2 < MIN_LINK_R2]
+
+
+def _matmul_notes(matmul: MatmulFit, m: Measurements) -> list[str]:
+    if not m.datasheet_peak_flops or matmul.matmul < 1.0:
+        return []
+    return [f"GEMMs measured at or above the datasheet peak of {m.device_name} ({m.datasheet_peak_flops / 1e12:.4g} "
+            f"TFLOP/s): efficiency.matmul is held at 1; the timing is wrong, or the datasheet figure is for "
+            f"another dtype than {m.dtype}"]
 
 
 def fit_host_terms(samples: tuple[HostSample, ...], cluster: ClusterSpec) -> "TermFit":
@@ -135,12 +159,18 @@ def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[s
     return fits
 
 
-def _peak_and_matmul(gemms: list[ComputeSample], datasheet_peak: float | None) -> tuple[float, MatmulFit]:
+def _peak_and_matmul(gemms: list[ComputeSample], datasheet_peak: float | None, fastest: float = 0.0
+                     ) -> tuple[float, MatmulFit]:
+    """The peak and the size curve as fractions of it, never above 1: a datasheet peak caps the fitted
+    fraction; without one (CPU) the peak is the fitted large-GEMM rate, or the fastest operation measured if
+    that was faster (a rate above "peak" would print as more than 100% of it)."""
     if datasheet_peak:
-        return datasheet_peak, fit_matmul_efficiency(gemms, datasheet_peak)
+        fit = fit_matmul_efficiency(gemms, datasheet_peak)
+        return datasheet_peak, dataclasses.replace(fit, matmul=min(1.0, fit.matmul))
     absolute = fit_matmul_efficiency(gemms, 1.0)  # fraction of 1 FLOP/s = the rate itself
-    peak = float(f"{absolute.matmul:.4g}")
-    return peak, MatmulFit(matmul=1.0, half_dim=absolute.half_dim, max_rel_residual=absolute.max_rel_residual)
+    peak = float(f"{max(absolute.matmul, fastest):.4g}")
+    return peak, MatmulFit(matmul=min(1.0, round(absolute.matmul / peak, 4)), half_dim=absolute.half_dim,
+                           max_rel_residual=absolute.max_rel_residual)
 
 
 def _link(fit: LinkFit, own: dict[str, LinkFit]) -> LinkSpec:
@@ -182,6 +212,7 @@ def describe(m: Measurements, cal: Calibration) -> list[str]:
         lines.append("  inter_node: one node, nothing crosses nodes: set equal to intra_node")
     if cal.host is not None:
         lines.append(host_line(cal.host, len(m.host_steps)))
+    lines += [f"note: {note}" for note in cal.notes]
     return lines
 
 
@@ -289,6 +320,12 @@ FACTOR_BOUNDS = (0.02, 50.0)
 a term that was 0 may grow to ZERO_BOUND times its reference."""
 ZERO_BOUND = 1000.0
 
+# Physics, on top of those bounds: every time and latency stays >= 0 and every bandwidth > 0 (the terms are
+# times, bounded below by 0 or by a positive fraction of their value), and efficiency.matmul stays <= 1: a
+# fraction of peak. Where the peak is a datasheet's (GPUs), GEMMs cannot beat it: the compute term is bounded
+# there. A CPU's peak_flops is the GEMM rate plait measured (plait profile) or a preset's guess: steps faster
+# than it allows raise peak_flops instead (`_within_physics`), the same GEMM time with efficiency.matmul = 1.
+
 
 @dataclass(frozen=True, kw_only=True)
 class Observation:
@@ -313,6 +350,14 @@ class TermFit:
     """Relative error |predicted - measured| / measured per observation, with the cluster given."""
     errors_after: tuple[float, ...]
     rounds: int
+    notes: tuple[str, ...] = ()
+    """What a person should know about the fit: a term held at a bound, a peak raised, too few plans."""
+
+    @property
+    def explains_nothing(self) -> bool:
+        """The corrected cluster predicts the measured steps no better than the one given (root mean square of
+        the relative errors): the timings are noise to the cost model, and the fit must not be used."""
+        return _rms(self.errors_after) >= _rms(self.errors_before)
 
     @property
     def factors(self) -> dict[str, float]:
@@ -396,6 +441,9 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
     refs = np.array([reference(cluster, t) for t in terms])
     original = np.array([term_value(cluster, t) for t in terms]) / refs
     low, high = _bounds(original)
+    if "compute" in terms and cluster.device_type != "cpu":  # efficiency.matmul <= 1 of a datasheet peak
+        k = terms.index("compute")
+        low[k] = max(low[k], 1.0 / refs[k])
     current, fitted, rounds = cluster, (), 0
     for rounds in range(1, max_rounds + 1):
         shares = np.array([[s[t] for t in terms] for s in (term_shares(o.plan, current, terms) for o in usable)])
@@ -416,10 +464,53 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
         if np.abs(x - x_now[active]).max() < tolerance:
             break
     current = _tidy(current, cluster)
-    return TermFit(cluster=current, before={t: term_value(cluster, t) for t in terms},
-                   after={t: term_value(current, t) for t in terms}, fitted=fitted,
-                   errors_before=_relative_errors(usable, cluster), errors_after=_relative_errors(usable, current),
-                   rounds=rounds)
+    after = {t: term_value(current, t) for t in terms}
+    notes = _bound_notes(terms, fitted, after, refs, low, high, cluster) + _too_few(fitted, usable)
+    final, raised = _within_physics(current)
+    return TermFit(cluster=final, before={t: term_value(cluster, t) for t in terms}, after=after, fitted=fitted,
+                   errors_before=_relative_errors(usable, cluster), errors_after=_relative_errors(usable, final),
+                   rounds=rounds, notes=tuple(raised + notes))
+
+
+def _within_physics(cluster: ClusterSpec) -> tuple[ClusterSpec, list[str]]:
+    """efficiency.matmul above 1 on a CPU becomes a higher peak_flops (the same GEMM time): a fraction of
+    peak above 1 would show as MFU above 100%."""
+    eff = cluster.efficiency
+    if eff.matmul <= 1.0:
+        return cluster, []
+    peak = _sig(cluster.peak_flops * eff.matmul)
+    note = (f"compute: the steps ran faster than peak_flops allows; on a CPU the peak is a measured (or preset) GEMM "
+            f"rate, so peak_flops {cluster.peak_flops / 1e9:.4g} -> {peak / 1e9:.4g} GFLOP/s and efficiency.matmul "
+            f"stays 1")
+    return cluster.replace(peak_flops=peak, efficiency=dataclasses.replace(eff, matmul=1.0)), [note]
+
+
+def _bound_notes(terms: tuple[str, ...], fitted: tuple[str, ...], after: dict[str, float], refs: np.ndarray,
+                 low: np.ndarray, high: np.ndarray, cluster: ClusterSpec) -> list[str]:
+    notes = []
+    for k, term in enumerate(terms):
+        if term not in fitted:
+            continue
+        x = after[term] / refs[k]
+        if term == "compute" and cluster.device_type != "cpu" and x <= low[k] * (1 + 1e-3) and low[k] * refs[k] >= 1:
+            notes.append("compute: held at efficiency.matmul = 1 (the datasheet peak): the steps ran faster than "
+                         "the cost model allows even at peak; the missing time is in another term, or peak_flops "
+                         "is for another dtype")
+        elif x >= high[k] * (1 - 1e-3) or (low[k] > 0 and x <= low[k] * (1 + 1e-3)):
+            notes.append(f"{term}: held at the limit of one fit (x{FACTOR_BOUNDS[0]:g} to x{FACTOR_BOUNDS[1]:g}): a "
+                         f"change this large means the time belongs to another term; time more plans (--top)")
+    return notes
+
+
+def _too_few(fitted: tuple[str, ...], usable: list["Observation"]) -> list[str]:
+    if len(usable) >= len(fitted):
+        return []
+    return [f"{len(fitted)} terms from {len(usable)} timed plan(s): the prior decides what the plans cannot tell "
+            f"apart; time at least {len(fitted)} plans (--top {len(fitted)}) for a fit of every term"]
+
+
+def _rms(values: tuple[float, ...]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
 
 
 def _bounds(original: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -59,7 +59,9 @@ def read_cluster_file(path: str | os.PathLike, *, require_all_fields: bool = Tru
     source = Path(path)
     if not source.is_file():
         raise ConfigError(f"cluster file {str(source)!r} does not exist; write one with `plait profile --out {source}`")
-    return parse_cluster_text(source.read_text(encoding="utf-8"), str(source), require_all_fields=require_all_fields)
+    from plait.inputs import read_text
+
+    return parse_cluster_text(read_text(source, "cluster file"), str(source), require_all_fields=require_all_fields)
 
 
 def parse_cluster_text(text: str, source: str, *, require_all_fields: bool = True) -> ClusterSpec:

@@ -10,10 +10,11 @@ from plait.cost import predict
 from plait.plan import Plan
 from plait.profile.calibrate import Calibration, Measurements, host_time_text
 from plait.profile.fit import evaluate_link, ring_terms
+from plait.report.console import output_console
 
 
 def print_report(m: Measurements, cal: Calibration, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     console.print(compute_table(m, cal))
     console.print(links_table(cal))
     for level, samples in m.comm.items():
@@ -24,6 +25,8 @@ def print_report(m: Measurements, cal: Calibration, console: Console | None = No
     console.print(f"memory per device {c.memory_bytes / 2**30:.2f} GiB; peak {c.peak_flops / 1e9:.1f} GFLOP/s; "
                   f"efficiency matmul={c.efficiency.matmul:g} half_dim={c.efficiency.matmul_half_dim:g} "
                   f"overhead={c.efficiency.overhead:g}; measured in {m.seconds:.0f} s")
+    for note in cal.notes:
+        console.print(f"[yellow]profile: note:[/] {note}", highlight=False)
 
 
 def compute_table(m: Measurements, cal: Calibration) -> Table:

@@ -63,14 +63,18 @@ def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path, *, title: st
 
 
 def _series(records: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> tuple[list[float], list[float]]:
-    steps, values = [], []
+    """(steps, values) in step order. A step logged twice (a file from a resumed run of an older plait, which
+    kept the interrupted run's lines) keeps its last value, so the line never runs back in time."""
+    by_step: dict[float, float] = {}
     for i, record in enumerate(records):
         value = next((record[k] for k in keys if isinstance(record.get(k), (int, float))), None)
-        if value is None or not math.isfinite(value):
+        step = record.get("step", i)
+        if value is None or not math.isfinite(value) or not isinstance(step, (int, float)):
             continue
-        steps.append(record.get("step", i))
-        values.append(float(value))
-    return steps, values
+        by_step.pop(step, None)
+        by_step[step] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
 
 
 def _centered_mean(values: Sequence[float], half_window: int) -> list[float]:
@@ -110,22 +114,31 @@ def as_predicted_measured(row: Any) -> PredictedMeasured:
 
 
 def plot_predicted_vs_measured(rows: Sequence[Any], out_png: str | Path, *, quantity: str = "step time (s)",
-                               title: str = "", best_label: str | None = None) -> Path:
+                               title: str = "", best_label: str | None = None,
+                               before: Sequence[float] | None = None) -> Path:
     """Scatter of measured against predicted with the y = x line and a ±15% band; points labelled.
 
-    The title carries the median and worst relative error |predicted - measured| / measured.
+    The title carries the median and worst relative error |predicted - measured| / measured. `before`
+    (one predicted value per row, e.g. of an untuned model) adds them as hollow marks joined to the points.
     """
     points = [as_predicted_measured(r) for r in rows]
     if not points:
         raise ConfigError("no rows to plot: give at least one (label, predicted, measured) row")
     fig = _figure(6, 5.5)
     ax = fig.add_subplot()
-    low, high = _bounds(points)
+    earlier = [PredictedMeasured(label=p.label, predicted=b, measured=p.measured) for p, b in zip(points, before or ())]
+    low, high = _bounds(points + earlier)
+    for old, new in zip(earlier, points):
+        ax.plot([old.predicted, new.predicted], [old.measured, new.measured], color="grey", linewidth=0.8, zorder=2)
+    if earlier:
+        ax.scatter([p.predicted for p in earlier], [p.measured for p in earlier], s=30, facecolors="none",
+                   edgecolors="#4C72B0", zorder=3, label="before tuning")
     line = [low, high]
     ax.plot(line, line, color="black", linewidth=1, label="predicted = measured")
     ax.fill_between(line, [x * 0.85 for x in line], [x * 1.15 for x in line], color="grey", alpha=0.15,
                     label="±15%")
-    ax.scatter([p.predicted for p in points], [p.measured for p in points], s=30, color="#4C72B0", zorder=3)
+    ax.scatter([p.predicted for p in points], [p.measured for p in points], s=30, color="#4C72B0", zorder=3,
+               label="after tuning" if earlier else None)
     for p in points:
         _annotate(ax, p, highlight=best_label is not None and p.label == best_label)
     ax.set_xlim(low, high)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from rich import box
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from plait.plan import Plan
@@ -30,8 +32,21 @@ def run_length(values: Sequence[object], sep: str = "|") -> str:
 
 
 def layers_cell(plan: Plan) -> str:
-    """Layers per virtual stage in model order, run-length compressed."""
-    return run_length(plan.layers_per_stage)
+    """Layers per virtual stage in model order: '[3]' is a stage of 3 layers, '[4]×12' twelve such stages in a
+    row: [3]×15 [4]×12 [3]. (The bare '3×15' read as well as fifteen stages of 3 as three of 15.)"""
+    runs: list[list[int]] = []
+    for layers in plan.layers_per_stage:
+        if runs and runs[-1][0] == layers:
+            runs[-1][1] += 1
+        else:
+            runs.append([layers, 1])
+    cells = []
+    for layers, count in runs:
+        cells.extend([f"[{layers}]"] * count if count <= 2 else [f"[{layers}]×{count}"])
+    return " ".join(cells)
+
+
+LAYERS_LEGEND = "layers/stage: [n] is a pipeline stage of n layers, [n]×k is k such stages in a row"
 
 
 def recompute_cell(plan: Plan) -> str:
@@ -67,22 +82,49 @@ def seconds_cell(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-def plans_table(plans: Sequence[Plan], title: str | None = None) -> Table:
-    """The ranked plans: degrees, choices, and what the cost model predicts for each."""
-    table = Table(title=title, header_style="bold", title_justify="left")
-    for name, justify in _COLUMNS:
+def plans_table(plans: Sequence[Plan], title: str | None = None, width: int | None = None) -> RenderableType:
+    """The ranked plans: degrees, choices, and what the cost model predicts for each.
+
+    One table when it fits `width` columns (None: any width). Narrower, it folds into two tables -- the
+    choices, then the predictions, both keyed by '#' -- in a compact frame, so that no cell is ever cut
+    ('19.…') or left blank."""
+    table = _table(plans, title, range(len(_COLUMNS)))
+    if width is None or _width(table) <= width:
+        return table
+    split = len(_PLAN_COLUMNS)
+    choices = _table(plans, title, range(split), compact=True)
+    predictions = _table(plans, "predicted (the cost model)", [0, *range(split, len(_COLUMNS))], compact=True)
+    return Group(choices, predictions)
+
+
+def _table(plans: Sequence[Plan], title: str | None, columns: Sequence[int], compact: bool = False) -> Table:
+    table = Table(title=title, header_style="bold", title_justify="left",
+                  **({"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True} if compact else {}))
+    for index in columns:
+        name, justify = _COLUMNS[index]
         table.add_column(name, justify=justify, no_wrap=True)
     for rank, plan in enumerate(plans, start=1):
-        table.add_row(*plan_row(rank, plan), style="bold green" if rank == 1 else None)
+        cells = plan_row(rank, plan)
+        table.add_row(*(cells[i] for i in columns), style="bold green" if rank == 1 else None)
     return table
 
 
-_COLUMNS: tuple[tuple[str, str], ...] = (
+def _width(renderable: RenderableType) -> int:
+    """Columns `renderable` takes when nothing is folded."""
+    console = Console(width=10_000)
+    return console.measure(renderable).maximum
+
+
+_PLAN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("#", "right"), ("dp×tp×pp", "left"), ("SP", "center"), ("ZeRO", "center"), ("recompute", "left"),
-    ("mb×n", "left"), ("schedule", "left"), ("layers/stage", "left"), ("step", "right"),
-    ("tokens/s", "right"), ("TFLOP/s/dev", "right"), ("MFU", "right"), ("bubble", "right"),
+    ("mb×n", "left"), ("schedule", "left"), ("layers/stage", "left"),
+)
+_PREDICTION_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step", "right"), ("tokens/s", "right"), ("TFLOP/s/dev", "right"), ("MFU", "right"), ("bubble", "right"),
     ("peak GiB", "right"),
 )
+_COLUMNS = _PLAN_COLUMNS + _PREDICTION_COLUMNS
+COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
 
 
 def plan_row(rank: int, plan: Plan) -> list[str]:

@@ -143,9 +143,12 @@ def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainS
                           f"{n} devices; the product of the pinned degrees must divide {n} (equal it when all three are pinned)")
     if isinstance(pins.recompute, tuple) and pins.pp is not None and len(pins.recompute) not in (1, pins.pp):
         raise ConfigError(f"recompute={list(pins.recompute)} must hold one mode or pp={pins.pp} modes (one per rank)")
+    if pins.interleave is not None and pins.pp is not None:
+        problems = legality.interleave_problems(pins.pp, pins.interleave)
+        if problems:
+            raise legality.IllegalPlan(problems)
     if pins.interleave is not None and pins.interleave > 1 and pins.schedule not in (None, "interleaved"):
-        if pins.pp != 1:
-            raise ConfigError(f"interleave={pins.interleave} needs schedule='interleaved', not {pins.schedule!r}")
+        raise ConfigError(f"interleave={pins.interleave} needs schedule='interleaved', not {pins.schedule!r}")
     if pins.micro_batch is not None:
         dps = [d for d in divisors(n) if batch % d == 0 and (pins.dp is None or d == pins.dp)]
         if not any((batch // d) % pins.micro_batch == 0 for d in dps):
@@ -188,7 +191,8 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     no effect (the pin, or 1f1b, is kept)."""
     m = num_micro_batches
     if pp == 1:
-        yield (pins.schedule or "1f1b"), 1
+        if not legality.interleave_problems(pp, pins.interleave or 1):  # a pinned interleave needs a pipeline
+            yield (pins.schedule or "1f1b"), 1
         return
     # GPipe has 1F1B's bubble and holds all m micro-batches instead of at most p: unpinned, it is tried only
     # where 1F1B cannot run (m < pp).

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from plait.errors import ConfigError
+from plait.inputs import read_text
 from plait.spec.cluster import ClusterSpec
 from plait.spec.clusters import CLUSTER_PRESETS
 from plait.spec.model import ModelSpec
@@ -113,7 +114,7 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", w
 def read_mapping(path: str | Path) -> dict[str, Any]:
     """Parse a YAML or JSON file into a dict; syntax errors name the file, line and column."""
     path = Path(path)
-    text = path.read_text()
+    text = read_text(path, "file")
     if path.suffix == ".json":
         data = _parse_json(text, path)
     else:

@@ -20,7 +20,10 @@ complete checkpoints are kept.
 
 On resume every candidate is verified against its manifest, newest first; a corrupt or
 incomplete one (missing or truncated file, bad checksum, unreadable manifest) is named in a
-warning and the previous complete one is used instead.
+warning and the previous complete one is used instead. A checkpoint that could not be read is
+never overwritten or deleted: before the run goes on past it, it is renamed ``step_N.unreadable``.
+A resume that finds no usable checkpoint at all stops (exit 2, nothing changed) unless
+``checkpoint.start_over`` asks to start from step 0.
 
 The module top imports no torch: the launcher uses the store functions (`latest_complete`,
 `check_fresh_dir`) before any rank starts.
@@ -46,6 +49,8 @@ META = "meta.json"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+UNREADABLE = ".unreadable"
+"""Suffix of a checkpoint a resume could not read, kept for the user (plait reads and deletes none of them)."""
 _CHUNK = 1 << 20
 
 
@@ -152,6 +157,22 @@ class Found:
         fallback = f"falling back to {self.path.name}" if self.path else "no complete checkpoint is left"
         return [f"checkpoint {p} is not usable: {why}; {fallback}" for p, why in self.refused]
 
+    def nothing_usable(self, root: str | Path) -> str:
+        """Why a resume cannot start here, in one line, with what to do."""
+        unfinished = sorted(p.name for p in Path(root).glob("step_*.tmp")) if Path(root).is_dir() else []
+        if self.refused:
+            names = ", ".join(p.name for p, _ in self.refused)
+            held = f"holds {len(self.refused)} checkpoint(s), none usable ({names}; see the warnings above)"
+        elif unfinished:
+            held = f"holds only unfinished saves ({', '.join(unfinished)}), nothing complete"
+        elif Path(root).is_dir():
+            held = "holds no checkpoint"
+        else:
+            held = "does not exist"
+        return (f"cannot resume: checkpoint.dir {str(root)!r} {held}; nothing was changed. Point checkpoint.dir "
+                f"at the right folder, or pass --start-over (checkpoint.start_over=true) to start from step 0 "
+                f"(unreadable checkpoints are kept, renamed *{UNREADABLE})")
+
 
 def latest_complete(root: str | Path) -> Found:
     """The newest checkpoint under `root` that verifies, newest first; the refused ones with reasons."""
@@ -205,7 +226,9 @@ def check_launch(config: Any, plan: Any = None) -> Found | None:
     for message in found.warnings():
         warn(message)
     if found.path is None:
-        warn(f"no complete checkpoint in {config.checkpoint.dir}; starting from step 0")
+        if not config.checkpoint.start_over:
+            raise ConfigError(found.nothing_usable(config.checkpoint.dir))
+        warn(f"no usable checkpoint in {config.checkpoint.dir}; starting over from step 0 (checkpoint.start_over)")
         return found
     meta = read_meta(found.path)
     if plan is not None:
@@ -220,13 +243,24 @@ def check_launch(config: Any, plan: Any = None) -> Found | None:
 
 def publish(tmp: Path, final: Path) -> None:
     """Make a finished temporary checkpoint visible under its final name (the commit point)."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # re-saving a step after falling back past it: move the old one aside first
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
+    if final.exists():  # a resume sets unreadable ones aside first; never overwrite one in any case
+        set_aside(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint plait could not read to `<name>.unreadable` (`.unreadable.2`, ... if taken): kept
+    for the user, and out of the way of the step the run will save again."""
+    target = path.with_name(path.name + UNREADABLE)
+    number = 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}{UNREADABLE}.{number}")
+    path.rename(target)
+    _fsync_dir(path.parent)
+    warn(f"kept the unreadable checkpoint {path.name} as {target.name} (plait will not read or delete it)")
+    return target
 
 
 def prune(root: Path, keep: int) -> list[Path]:
@@ -239,10 +273,9 @@ def prune(root: Path, keep: int) -> list[Path]:
 
 
 def remove_stale_tmp(root: Path) -> None:
-    """Leftovers of saves that crashed: never read, removed before the next save."""
+    """Leftovers of saves that were cut short (a crash, Ctrl-C): never complete, never read, removed before the
+    next save."""
     for path in root.glob("step_*.tmp"):
-        shutil.rmtree(path, ignore_errors=True)
-    for path in root.glob("step_*.old"):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -281,16 +314,23 @@ class Checkpointer:
     def resume(self, state: Any) -> None:
         import torch.distributed as dist
 
+        from plait.launch import is_local_worker
+
         if not self.wants_resume():
             check_fresh_dir(self.root)
             return
         found = _broadcast_choice(self.root)
+        if found.path is None and self.config.checkpoint.resume and not self.config.checkpoint.start_over:
+            raise ConfigError(found.nothing_usable(self.root))  # every rank: the same choice, the same error
         if dist.get_rank() == 0:
-            for message in found.warnings():
-                warn(message)
+            if not (is_local_worker() and restart_count() == 0):  # else the launcher has said so already
+                for message in found.warnings():
+                    warn(message)
+            for path, _ in found.refused:  # the run will save these steps again: keep what it could not read
+                set_aside(path)
         if found.path is None:
             if dist.get_rank() == 0:
-                warn(f"no complete checkpoint in {self.root}; starting from step 0")
+                warn(f"no usable checkpoint in {self.root}; starting from step 0")
             return
         load_checkpoint(found.path, state)
         self.last_saved = state.step
@@ -300,12 +340,8 @@ class Checkpointer:
     def after_step(self, state: Any, final: bool) -> None:
         due = final or (self.every > 0 and state.step % self.every == 0)
         if due and state.step != self.last_saved:
-            save_checkpoint(self.root, state, keep=self.keep)
+            save_checkpoint(self.root, state, keep=self.keep, fault=self.fault)
             self.last_saved = state.step
-        if self.fault is not None:
-            import torch.distributed as dist
-
-            maybe_inject(dist.get_rank(), state.step, self.fault)
 
 
 def _broadcast_choice(root: Path) -> Found:
@@ -376,13 +412,19 @@ def _load_plain_state(model: Any, optimizer: Any, plain: dict[str, Any], to_layo
 
 
 # ---- save ---------------------------------------------------------------------------------
-def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0) -> Path:
-    """Save `state` (plait.train.hooks.TrainState) as ``root/step_NNNNNN`` atomically (collective)."""
+def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0, fault: Any = None) -> Path:
+    """Save `state` (plait.train.hooks.TrainState) as ``root/step_NNNNNN`` atomically (collective).
+
+    `fault` (plait.train.fault) may interrupt the save half-way, after the shards are written and before
+    the manifest: the moment a Ctrl-C would cost the most."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from plait.launch import note_progress
+
     root = Path(root)
     rank = dist.get_rank()
+    note_progress(f"the checkpoint save of step {state.step}", state.step + 0.5)
     tmp, final = tmp_dir(root, state.step), step_dir(root, state.step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -392,6 +434,7 @@ def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0) -> Path:
     plain, _ = _plain_state(state.model, state.optimizer)
     dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     _save_rng(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+    maybe_inject(rank, state.step, fault, during_save=True)
     dist.barrier()  # every rank's files are written and fsynced
     if rank == 0:
         _write_synced(tmp / META, json.dumps(_meta(state), indent=1) + "\n")

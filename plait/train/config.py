@@ -1,11 +1,12 @@
 """The `plait train` config: a TOML file read into nested frozen dataclasses.
 
-    [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json)
+    [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json),
+                                                  # or module = "pkg.mod:factory" (one of the three)
     [data]       source = "shipped"               # or "text" / "tokens" with path (and dtype)
     [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
     [train]      steps = 200, global_batch = 16, seq_len = 128, seed = 0
     [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"
-    [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3
+    [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false
     [log]        dir = "runs/x", every = 10
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
@@ -29,10 +30,15 @@ from plait.spec import TrainSpec
 from plait.spec._dict import from_dict, to_dict
 
 
+DEFAULT_PRESET = "tiny-gpt"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    preset: str | None = "tiny-gpt"
-    """A name from plait.spec.models.MODEL_PRESETS (ignored when `file` or `module` is set)."""
+    """Exactly one of `preset`, `file` and `module` names the model (none: the tiny-gpt preset)."""
+
+    preset: str | None = None
+    """A name from plait.spec.models.MODEL_PRESETS; None: tiny-gpt when neither `file` nor `module` is set."""
     file: str | None = None
     """A plait model file (JSON/YAML of ModelSpec fields), or a Hugging Face model directory / config.json (the
     executor then runs the transformers class itself)."""
@@ -44,6 +50,18 @@ class ModelConfig:
     tp_plan: dict[str, str] = field(default_factory=dict)
     """Tensor parallelism of a `module` model, HF-style: "blocks.*.attn.q" = "colwise", "tokens" = "embedding", ...
     (styles: plait.models.adapter.STYLES). Without it such a model runs with tp = 1."""
+
+    def __post_init__(self) -> None:
+        named = [key for key in ("preset", "file", "module") if getattr(self, key)]
+        if len(named) > 1:
+            # Which one would win is a guess the user should not have to make: refuse both.
+            raise ValueError(f"{' and '.join(f'{k}={getattr(self, k)!r}' for k in named)} are both set; keep one "
+                             f"(preset: a named model, file: a model file or Hugging Face model, module: your factory)")
+
+    @property
+    def source(self) -> str:
+        """The preset name when the model is a preset (tiny-gpt when nothing is set)."""
+        return self.preset or DEFAULT_PRESET
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +150,16 @@ class CheckpointConfig:
     keep: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in `dir`."""
+    """Continue from the newest complete checkpoint in `dir`; stop (exit 2) when there is none, unless start_over."""
+    start_over: bool = False
+    """With resume: when `dir` holds no usable checkpoint, start from step 0 instead of stopping. Checkpoints that
+    could not be read are never overwritten: they are kept, renamed step_N.unreadable."""
+
+    def __post_init__(self) -> None:
+        if self.start_over and not self.resume:
+            raise ValueError("start_over=true applies when resuming: set resume=true too (--resume --start-over)")
+        if self.every < 0 or self.keep < 0:
+            raise ValueError(f"every={self.every} and keep={self.keep} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,8 +203,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file (see examples/*.toml)")
+    from plait.inputs import read_text
+
+    text = read_text(path, "config file", allow_empty=True)  # an empty config is all defaults
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 

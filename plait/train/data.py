@@ -74,7 +74,13 @@ def _existing(path: str) -> Path:
 
 def _read_text(file: Path) -> np.ndarray:
     # Bytes, not str: the byte tokenizer maps any file, even one that is not valid UTF-8.
-    return np.frombuffer(file.read_bytes(), dtype=np.uint8)
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data file {str(file)!r} cannot be read ({e.strerror})") from None
+    if not data:
+        raise ConfigError(f"data file {str(file)!r} is empty; set data.path to a text file with something in it")
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def token_dtype(file: Path, dtype: TokenDtype) -> str:
@@ -105,6 +111,8 @@ def _read_token_file(file: Path, dtype: TokenDtype) -> np.ndarray:
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data") -> None:
     """Refuse token ids the model's embedding cannot look up (a wrong dtype shows up here too)."""
+    if len(tokens) == 0:
+        raise ConfigError(f"{where}: no tokens; give a data file with something in it")
     largest = int(tokens.max())
     if largest >= vocab_size:
         raise ConfigError(

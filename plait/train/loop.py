@@ -17,12 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.launch import note_progress
 from plait.plan import Plan
 from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, check_vocab, load_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
-from plait.train.resolve import resolve_plan, write_plan
+from plait.train.fault import maybe_inject, planned_fault
+from plait.train.resolve import check_outputs, resolve_plan, write_plan
 
 DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
 """Collective timeout: a dead or hung peer becomes an error after this long (the env var shortens it in tests)."""
@@ -56,6 +58,7 @@ def run(config: Config) -> RunResult:
     """Train as one rank of the plan's world (the process group is started here if needed)."""
     from plait.launch import init_distributed
 
+    check_outputs(config)  # under a bare torchrun no launcher has checked them
     plan = resolve_plan(config)  # every rank resolves the same plan (the launcher passes a plan file)
     init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
     try:
@@ -85,7 +88,7 @@ def _train(config: Config, plan: Plan) -> RunResult:
     hooks = make_checkpoint_hooks(config)
     hooks.resume(state)
     log_dir = Path(config.log.dir)
-    metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, append=state.step > 0)
+    metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
     losses = _steps(state, hooks, metrics, device)
     metrics.close()
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
@@ -116,16 +119,19 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
     throughput = _throughput(state.plan)
     losses: list[float] = []
     start = time.perf_counter()
-    is_rank0 = dist.get_rank() == 0
-    with ProgressDisplay(total, enabled=is_rank0 and config.log.progress, every=config.log.every,
+    rank = dist.get_rank()
+    fault = planned_fault()  # PLAIT_FAULT (plait.train.fault): fires with or without checkpoints
+    with ProgressDisplay(total, enabled=rank == 0 and config.log.progress, every=config.log.every,
                          max_seconds=config.train.max_seconds) as progress:
         while state.step < total:
+            note_progress(f"step {state.step + 1}", state.step + 1)  # names the rank that hangs, if one does
             m = _one_step(state, throughput, device, elapsed_s=time.perf_counter() - start)
             losses.append(m.loss)
             metrics.write(m)
             progress.update(m)
             final = state.step == total or _out_of_time(config.train.max_seconds, start)
             hooks.after_step(state, final=final)
+            maybe_inject(rank, state.step, fault)
             if final:
                 break
     return losses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -64,14 +65,20 @@ class Throughput:
 
 
 class MetricsLog:
-    """Appends StepMetrics as JSON lines (rank 0 only; other ranks pass `enabled=False`)."""
+    """Appends StepMetrics as JSON lines (rank 0 only; other ranks pass `enabled=False`).
 
-    def __init__(self, path: Path, enabled: bool, append: bool = False) -> None:
+    A run resumed at step k (`resumed_at=k`) continues the file after dropping what the interrupted run
+    logged past its last checkpoint (steps > k, and a line cut short by a kill): those steps are trained
+    again, and each step must appear once, in order, for the loss plot and for anyone reading the file."""
+
+    def __init__(self, path: Path, enabled: bool, resumed_at: int = 0) -> None:
         self.path = path
         self._file: IO[str] | None = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a" if append else "w")
+            if resumed_at > 0:
+                keep_steps_up_to(path, resumed_at)
+            self._file = path.open("a" if resumed_at > 0 else "w")
 
     def write(self, metrics: StepMetrics) -> None:
         if self._file is not None:
@@ -81,6 +88,28 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def keep_steps_up_to(path: Path, step: int) -> int:
+    """Rewrite metrics.jsonl (atomically) with only its whole lines of steps <= `step`; returns how many it dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+            whole = line.endswith("\n") and isinstance(record, dict) and int(record.get("step", 0)) <= step
+        except (ValueError, TypeError):
+            whole = False
+        if whole:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(kept))
+        os.replace(temporary, path)
+    return dropped
 
 
 class ProgressDisplay:

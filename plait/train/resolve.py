@@ -31,10 +31,7 @@ def resolve_model(config: ModelConfig) -> ModelSpec:
                           "files and Hugging Face models itself")
     if config.file:
         return load_model(config.file if "/" in config.file else f"./{config.file}")
-    if not config.preset:
-        raise ConfigError("[model] needs preset (e.g. 'tiny-gpt'), file (a model file or Hugging Face model) or "
-                          "module (package.module:factory)")
-    return load_model(config.preset)
+    return load_model(config.source)
 
 
 def import_path(folder: str) -> None:
@@ -135,8 +132,36 @@ def check_data(config: Config, model: ModelSpec) -> int:
     tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
     where = f"data ({config.data.path or 'shipped text'})"
     check_vocab(tokens, model.vocab_size, where)
-    BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    try:
+        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
+        raise ConfigError(f"{where}: {e}") from None
     return len(tokens)
+
+
+def check_outputs(config: Config) -> None:
+    """Refuse a log.dir or checkpoint.dir that cannot be written (plait.outputs), before any work."""
+    from plait.outputs import output_dir
+
+    output_dir(config.log.dir, "log.dir")
+    if config.checkpoint.dir is not None:
+        output_dir(config.checkpoint.dir, "checkpoint.dir")
+
+
+def check_devices(plan: Plan) -> None:
+    """Refuse to start a GPU plan as local processes on a machine without that many GPUs: it would run
+    on CPU (or fail in NCCL) as N processes the plan never meant to share one machine."""
+    if plan.cluster.device_type != "cuda":
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < plan.num_devices:
+        raise ConfigError(
+            f"the plan is for {plan.num_devices} GPUs ({plan.cluster.name}) but this machine has {have}; local "
+            f"processes cannot run it. Plan for this machine (plan.file = \"auto\" with plan.cluster = \"local-cpu\", "
+            f"or `plait plan --cluster local-cpu --devices N --json FILE`), or start it with torchrun on the GPU nodes"
+        )
 
 
 def write_plan(plan: Plan, log_dir: str | Path) -> Path:

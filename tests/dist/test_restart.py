@@ -5,7 +5,11 @@
   final weights equal those of a run that was never interrupted.
 * The same kill without restarts: the job fails with an error naming the dead rank, within a
   bound (the subprocess timeout), instead of hanging.
-* A hung rank: the others' next collective times out (PLAIT_DIST_TIMEOUT_S) and the job fails.
+* A hung rank: the others' next collective times out (PLAIT_DIST_TIMEOUT_S), the job fails, and the
+  rank that hung is the one named.
+* A dead peer: one line per rank, no traceback.
+* Ctrl-C half-way through a save: exit 130, one line, the previous checkpoint intact, and a resume
+  from it reproduces the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ STEPS = 8
 @pytest.fixture()
 def workdir() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="plait-restart-"))  # outside pytest's pruned basetemp
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def clean() -> Iterator[Path]:
+    """One run that was never interrupted, for every test to compare its losses and weights with."""
+    root = Path(tempfile.mkdtemp(prefix="plait-restart-clean-"))
+    done = plait_train(write_config(root, "clean"))
+    assert done.returncode == 0, done.stderr[-3000:]
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -86,19 +100,18 @@ def losses(root: Path, name: str) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}  # a resumed step's last line wins
 
 
-def test_killed_rank_restarts_from_the_checkpoint(workdir: Path) -> None:
+def test_killed_rank_restarts_from_the_checkpoint(workdir: Path, clean: Path) -> None:
     import torch
 
-    clean = plait_train(write_config(workdir, "clean"))
-    assert clean.returncode == 0, clean.stderr[-3000:]
     crashed = plait_train(write_config(workdir, "crashed"), "--max-restarts", "1", fault="kill:rank=1:step=5")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "injecting 'kill' on rank 1 after step 5" in crashed.stderr
     assert "resumed from" in crashed.stderr and "step_000004" in crashed.stderr
-    assert losses(workdir, "crashed") == losses(workdir, "clean")
+    assert losses(workdir, "crashed") == losses(clean, "clean")
     lines = (workdir / "crashed" / "log" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 was redone
-    a = torch.load(workdir / "clean" / "log" / "model.pt")
+    # step 5 was logged, lost with the kill (after the checkpoint of step 4) and redone: logged once
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
+    a = torch.load(clean / "clean" / "log" / "model.pt")
     b = torch.load(workdir / "crashed" / "log" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -117,4 +130,40 @@ def test_hung_rank_times_out(workdir: Path) -> None:
     result = plait_train(write_config(workdir, "hung"), fault="hang:rank=1:step=1", timeout=300, dist_timeout=10)
     assert result.returncode != 0
     assert "injecting 'hang' on rank 1 after step 1" in result.stderr
-    assert "rank 0 failed" in result.stderr
+    assert "plait: rank 1 hung (last began step 1)" in result.stderr  # the rank that hung, not the one that waited
+    assert "rank 0 failed" not in result.stderr and "rank 0 timed out waiting" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_dead_peer_without_checkpoints_is_one_line_per_rank(workdir: Path) -> None:
+    """PLAIT_FAULT fires without a checkpoint dir too; the peer that lost the dead rank says so in one line."""
+    result = plait_train(write_config(workdir, "bare"), "--set", "checkpoint.dir=none", fault="kill:rank=1:step=2")
+    assert result.returncode == 1
+    assert "injecting 'kill' on rank 1 after step 2" in result.stderr
+    assert "plait: rank 1 failed (signal SIGKILL)" in result.stderr
+    assert "Traceback" not in result.stderr and "closing signal" not in result.stderr
+    assert len(result.stderr.splitlines()) <= 8, result.stderr
+
+
+def test_ctrl_c_during_a_save_loses_nothing(workdir: Path, clean: Path) -> None:
+    """Ctrl-C half-way through the save of step 4 (shards written, no manifest): one line, exit 130, the
+    checkpoint of step 2 byte for byte as it was, and a resume continues from it to the same losses."""
+    from plait.train.checkpoint import latest_complete
+
+    config = write_config(workdir, "cut")
+    result = plait_train(config, fault="interrupt:rank=0:step=4")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("plait train: interrupted; the last complete "
+                                                            "checkpoint is ")
+    ckpt = workdir / "cut" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002", "step_000004.tmp"]
+    found = latest_complete(ckpt)  # every file of step 2 matches the SHA-256 its manifest recorded at the save
+    assert found.step == 2 and not found.refused
+
+    resumed = plait_train(config, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step 2)" in resumed.stderr
+    assert losses(workdir, "cut") == losses(clean, "clean")
+    steps = [json.loads(line)["step"] for line in (workdir / "cut" / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))

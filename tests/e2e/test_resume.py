@@ -1,5 +1,6 @@
-"""`plait train --resume` end to end: broken newer checkpoints are named and skipped, the run
-continues exactly from the newest complete one, and a different --nproc re-plans and reshards."""
+"""`plait train --resume` end to end: broken newer checkpoints are named, skipped and kept aside, the run
+continues exactly from the newest complete one, a set with nothing usable stops the resume unchanged
+(unless --start-over), and a different --nproc re-plans and reshards."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def test_resume_skips_broken_checkpoints(root: Path, first_run: dict) -> None:
     shard = sorted((ckpt / "step_000006").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
     (ckpt / "step_000004" / "MANIFEST.json").unlink()  # incomplete
+    broken = {name: contents(ckpt / name) for name in ("step_000004", "step_000006")}
     result = plait("train", str(root / "run.toml"), "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step_000006 is not usable" in result.stderr and "truncated" in result.stderr
@@ -98,6 +100,42 @@ def test_resume_skips_broken_checkpoints(root: Path, first_run: dict) -> None:
     assert "resumed from" in result.stderr and "step 2" in result.stderr
     resumed = losses(root, "run")
     assert resumed == first_run  # steps 3..6 again, bit for bit (as rounded in metrics.jsonl)
+    # what could not be read was not overwritten by the new saves of steps 4 and 6: kept aside, byte for byte
+    for name, files in broken.items():
+        assert contents(ckpt / f"{name}.unreadable") == files
+    assert "kept the unreadable checkpoint step_000006 as step_000006.unreadable" in result.stderr
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_with_every_checkpoint_corrupt_stops_and_changes_nothing(root: Path) -> None:
+    config = write_config(root, "spoilt")
+    done = plait("train", str(config), "--nproc", "2", "--steps", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = root / "spoilt" / "ckpt"
+    for step in ("step_000002", "step_000004"):
+        shard = sorted((ckpt / step).glob("*.distcp"))[0]
+        shard.write_bytes(b"x" + shard.read_bytes()[1:])  # one flipped byte: the checksum differs
+    before = contents(ckpt)
+
+    refused = plait("train", str(config), "--resume")
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("plait train: error: cannot resume") and str(ckpt) in last and "--start-over" in last
+    assert "Traceback" not in refused.stderr
+    assert contents(ckpt) == before  # nothing renamed, nothing overwritten
+
+    over = plait("train", str(config), "--start-over", "--steps", "4")
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert "starting from step 0" in over.stderr
+    after = contents(ckpt)
+    for name, data in before.items():  # every byte of the unreadable set is still there, under .unreadable
+        step, _, rest = name.partition("/")
+        assert after[f"{step}.unreadable/{rest}"] == data
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.endswith(".unreadable")) == [
+        "step_000002", "step_000004"]
 
 
 def test_resume_on_another_world_size_replans(root: Path, first_run: dict) -> None:

@@ -4,175 +4,44 @@ hypothesis and fed to the real entry points -- the loaders and `plait train` in-
 Every case must end in a clear one-line error (PlaitError; through the CLI: exit code 2, one
 line on stderr, no traceback), and a checkpoint directory the config points at (resume=true)
 must be byte for byte what it was. Inputs that turn out valid are not counted (the launcher
-is replaced by a stub, so nothing trains). Counts per entry point are written to
-$PLAIT_BAD_INPUT_REPORT when set (benchmarks/bad_input.py prints them).
+is replaced by a stub, so nothing trains). The world and the judging live in
+tests/bad_input_world.py; benchmarks/bad_input.py prints the counts per kind.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
 import json
 import os
-import shutil
-import tempfile
-from collections import Counter
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from plait.errors import PlaitError
 
-COUNTS: Counter = Counter()
-SETTINGS = settings(max_examples=int(os.environ.get("PLAIT_BAD_INPUT_EXAMPLES", "30")), deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-ROOT = Path(tempfile.mkdtemp(prefix="plait-bad-input-"))
-
-MODEL = {"name": "bad-input-gpt", "arch": "gpt", "num_layers": 2, "hidden_size": 32, "num_heads": 4,
-         "vocab_size": 128, "max_seq_len": 32}
-CLUSTER = {"name": "two-cpus", "num_devices": 2, "devices_per_node": 2, "memory_bytes": "4GiB",
-           "peak_flops": "50 GFLOPS", "device_type": "cpu", "backend": "gloo",
-           "intra_node": {"latency_s": "20us", "bandwidth": "1 GB/s"},
-           "inter_node": {"latency_s": "50us", "bandwidth": "0.5 GB/s"}}
-
-
-# ---- the world a config points at ------------------------------------------------------------
-def _plan_dict() -> dict[str, Any]:
-    from plait.plan import Plan
-    from plait.spec import ModelSpec, TrainSpec
-    from plait.spec.clusters import CLUSTER_PRESETS
-
-    plan = Plan.of(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
-                train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
-    return json.loads(plan.to_json())
-
-
-def _meta() -> dict[str, Any]:
-    return {"step": 2, "tokens": 128, "world_size": 2, "plan": _plan_dict(),
-            "loader": {"epoch": 0, "step_in_epoch": 2, "seed": 0, "global_batch": 4, "seq_len": 16}}
-
-
-def _fake_checkpoint(root: Path) -> Path:
-    from plait.train.checkpoint import publish, step_dir, tmp_dir, write_manifest
-
-    tmp = tmp_dir(root, 2)
-    (tmp / "rng").mkdir(parents=True)
-    for name, data in {".metadata": b"m" * 64, "__0_0.distcp": b"a" * 999, "__1_0.distcp": b"b" * 999,
-                       "rng/rank_00000.pt": b"r" * 9, "meta.json": json.dumps(_meta()).encode()}.items():
-        (tmp / name).write_bytes(data)
-    write_manifest(tmp, 2)
-    publish(tmp, step_dir(root, 2))
-    return root
-
-
-def tree_digest(root: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-CKPT = _fake_checkpoint(ROOT / "ckpt")
-CKPT_DIGEST = tree_digest(CKPT)
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from bad_input_world import (  # noqa: E402
+    CKPT, CKPT_DIGEST, CLUSTER, MODEL, ROOT, SETTINGS, base_config, expect_config_error, expect_loader_error,
+    plan_dict, record, to_toml, tree_digest, write_report,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _inside_root() -> Iterator[None]:
-    """Mutated configs that happen to be valid name relative log dirs: keep them inside ROOT."""
+    """Mutated configs that happen to be valid name relative log dirs: keep them inside ROOT; report at the end."""
     previous = os.getcwd()
     os.chdir(ROOT)
     yield
     os.chdir(previous)
-(ROOT / "model.json").write_text(json.dumps(MODEL))
-(ROOT / "cluster.json").write_text(json.dumps(CLUSTER))
-(ROOT / "plan.json").write_text(json.dumps(_plan_dict()))
-(ROOT / "text.txt").write_text("To be, or not to be, that is the question. " * 40)
-
-
-def base_config() -> dict[str, Any]:
-    return {
-        "model": {"file": str(ROOT / "model.json")},
-        "data": {"source": "text", "path": str(ROOT / "text.txt")},
-        "train": {"steps": 4, "global_batch": 4, "seq_len": 16},
-        "plan": {"file": str(ROOT / "plan.json")},
-        "checkpoint": {"dir": str(CKPT), "every": 2, "keep": 2, "resume": True},
-        "log": {"dir": str(ROOT / "log"), "progress": False},
-    }
-
-
-def to_toml(config: dict[str, Any]) -> str:
-    def value(v: Any) -> str:
-        return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
-
-    return "\n".join(f"[{section}]\n" + "\n".join(f"{k} = {value(v)}" for k, v in table.items())
-                     for section, table in config.items()) + "\n"
-
-
-# ---- running an entry point ------------------------------------------------------------------
-class Launched(Exception):
-    """The input was valid: the launcher was reached (and stubbed out)."""
-
-
-def _stub_run_local(*args: Any, **kwargs: Any) -> int:
-    raise Launched()
-
-
-def run_cli(argv: list[str]) -> tuple[int, str]:
-    """`plait <argv>` in this process: (exit code, stderr); raises Launched for valid input."""
-    import plait.launch
-    from plait.cli import main
-
-    saved, plait.launch.run_local = plait.launch.run_local, _stub_run_local
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(argv)
-    finally:
-        plait.launch.run_local = saved
-    return code, err.getvalue()
+    write_report()
+    assert tree_digest(CKPT) == CKPT_DIGEST
 
 
 def expect_cli_error(kind: str, config_text: str) -> None:
-    path = ROOT / "case.toml"
-    path.write_text(config_text)
-    try:
-        code, err = run_cli(["train", str(path)])
-    except Launched:
-        assume(False)  # a valid config: not a bad-input case
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("plait: warning:")]
-    assert code == 2, f"exit {code} for {config_text!r}: {err}"
-    assert len(lines) == 1 and lines[0].startswith("plait train: error: "), err
-    assert "Traceback" not in err
-    assert tree_digest(CKPT) == CKPT_DIGEST, "a bad input changed the checkpoint directory"
-    COUNTS[kind] += 1
-
-
-def expect_loader_error(kind: str, load: Callable[[], Any]) -> None:
-    try:
-        load()
-    except PlaitError as error:
-        message = str(error)
-        assert message and "\n" not in message, f"not a one-line message: {message!r}"
-    else:
-        assume(False)  # valid input
-    assert tree_digest(CKPT) == CKPT_DIGEST
-    COUNTS[kind] += 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report() -> Iterator[None]:
-    yield
-    out = os.environ.get("PLAIT_BAD_INPUT_REPORT")
-    if out:
-        Path(out).write_text(json.dumps(dict(COUNTS), indent=1))
-    assert tree_digest(CKPT) == CKPT_DIGEST
-    shutil.rmtree(ROOT, ignore_errors=True)
+    expect_config_error(kind, config_text)
 
 
 # ---- strategies ------------------------------------------------------------------------------
@@ -239,7 +108,7 @@ def test_referenced_files(data: st.DataObject) -> None:
         target.write_bytes(data.draw(st.binary(max_size=80)))
         config["data"] = {"source": "tokens", "path": str(target), "dtype": "auto"}
     else:
-        original = {"plan": _plan_dict(), "model": MODEL, "cluster": CLUSTER}[kind]
+        original = {"plan": plan_dict(), "model": MODEL, "cluster": CLUSTER}[kind]
         text = json.dumps(mutate(original, data.draw, values)) if data.draw(st.booleans()) else corrupt_text(
             json.dumps(original), data.draw)
         target.write_text(text)
@@ -256,8 +125,8 @@ def test_referenced_files(data: st.DataObject) -> None:
 def test_plan_json(data: st.DataObject) -> None:
     from plait.plan import Plan
 
-    text = json.dumps(mutate(_plan_dict(), data.draw, values)) if data.draw(st.booleans()) else corrupt_text(
-        json.dumps(_plan_dict()), data.draw)
+    text = json.dumps(mutate(plan_dict(), data.draw, values)) if data.draw(st.booleans()) else corrupt_text(
+        json.dumps(plan_dict()), data.draw)
     expect_loader_error("plan JSON (Plan.from_json)", lambda: Plan.from_json(text))
 
 
@@ -308,9 +177,9 @@ def test_resume_from_a_checkpoint_of_another_model() -> None:
     from plait.plan import Plan
     from plait.train.checkpoint import check_compatible
 
-    plan = Plan.from_dict(_plan_dict())
-    saved = _plan_dict()
+    plan = Plan.from_dict(plan_dict())
+    saved = plan_dict()
     meta = {"plan": {**saved, "model": {**saved["model"], "hidden_size": 64}}}
-    with pytest.raises(PlaitError, match="hidden_size=64"):
+    with pytest.raises(PlaitError, match="hidden_size=64") as refused:
         check_compatible(meta, plan, CKPT)
-    COUNTS["checkpoint of another model"] += 1
+    record("checkpoint of another model", 2, "", tree_digest(CKPT) != CKPT_DIGEST, "\n" not in str(refused.value))

@@ -93,7 +93,7 @@ def test_malformed_yaml_names_the_line(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("- just\n- a list\n", "expected a mapping"),
-    ("", "expected a mapping"),
+    ("", "is empty"),
 ])
 def test_not_a_mapping(tmp_path, text, match):
     path = tmp_path / "c.yaml"
@@ -136,7 +136,7 @@ def test_cli_refuses_bad_arguments_before_launching(tmp_path, capsys):
     assert cli_main(["profile", "--nproc", "1", "--out", str(tmp_path / "c.yaml")]) == 2
     assert "--nproc 1" in capsys.readouterr().err
     assert cli_main(["profile", "--nproc", "2", "--out", str(tmp_path)]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    assert "is a folder" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -49,7 +50,10 @@ def test_run_length_compresses_long_runs_only():
 
 def test_cells():
     plan = _plan()
-    assert layers_cell(plan) == "1×4"
+    assert layers_cell(plan) == "[1]×4"
+    assert layers_cell(_plan(layers_per_stage=(0, 2, 1, 1))) == "[0] [2] [1] [1]"
+    assert layers_cell(_plan(model=MODEL_PRESETS["gpt3-175b"], layers_per_stage=(3,) * 15 + (4,) * 6 + (3,) * 9,
+                             pp=2, interleave=15)) == "[3]×15 [4]×6 [3]×9"
     assert recompute_cell(plan) == "full,none"
     assert recompute_cell(plan.replace(recompute=("full", "full"))) == "full"
     assert schedule_cell(plan) == "interleaved v2"
@@ -65,7 +69,7 @@ def test_plans_table_holds_every_column_and_row():
     for header in ("dp×tp×pp", "ZeRO", "recompute", "mb×n", "schedule", "layers/stage", "step", "tokens/s",
                    "TFLOP/s/dev", "MFU", "bubble", "peak GiB"):
         assert header in text
-    assert "2×2×2" in text and "1×4" in text and "250 ms" in text and "31.0%" in text and "12.5%" in text
+    assert "2×2×2" in text and "[1]×4" in text and "250 ms" in text and "31.0%" in text and "12.5%" in text
     assert "1.5" in text and "two plans" in text
 
 
@@ -163,3 +167,39 @@ def test_write_plan_report_with_search_points(tmp_path):
     paths = write_plan_report(plans, tmp_path / "report", points=points)
     assert [p.name for p in paths] == ["timeline.png", "memory.png", "candidates.png"]
     assert all(_is_png(p) for p in paths)
+
+
+@functools.lru_cache(maxsize=None)  # one search per case, for both widths
+def _search_plans(model: str, cluster: str, devices: int, batch: int, seq: int) -> tuple[Plan, ...]:
+    from plait.search import plan as search
+    from plait.spec.load import load_cluster, load_model
+
+    train = TrainSpec(global_batch=batch, seq_len=seq, precision="bf16")
+    return tuple(search(load_model(model), load_cluster(cluster), train, num_devices=devices))[:5]
+
+
+@pytest.mark.parametrize("case", [("gpt3-175b", "a100-80g", 128, 256, 2048),
+                                  ("llama3-70b", "h100-80g", 32, 128, 4096),
+                                  ("tiny-gpt", "local-cpu", 4, 8, 128)])
+@pytest.mark.parametrize("width", [80, 120])
+def test_plans_table_is_whole_at_the_width_of_a_terminal(case, width):
+    """Rendered at 80 (and 120) columns, every header and every cell of every plan is there whole: nothing cut
+    ('19.…'), nothing left blank, no line wider than the terminal."""
+    from plait.report.tables import COLUMN_NAMES, plan_row
+
+    plans = _search_plans(*case)
+    console = Console(width=width, record=True)
+    console.print(plans_table(plans, title="top plans", width=width))
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    lines = text.splitlines()
+    for header in COLUMN_NAMES:
+        assert any(header in line.split() or f" {header} " in f" {line} " for line in lines), header
+    for rank, plan in enumerate(plans, start=1):
+        cells = plan_row(rank, plan)
+        rows = [line for line in lines if line.split()[:1] == [str(rank)]]  # its row in each (folded) table
+        assert rows, f"no row for plan #{rank}"
+        joined = "  ".join(rows)
+        for cell in cells:
+            assert cell in joined, f"cell {cell!r} of plan #{rank} is not whole in:\n{text}"
