@@ -33,14 +33,15 @@ def main(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from plait.commands import writable_output
+    from plait.outputs import output_file
     from plait.search.learned import WEIGHTS_FILE
     from plait.search.training import train, train_groups
 
     target = args.out or Path(str(importlib.resources.files("plait") / "data" / WEIGHTS_FILE))
-    out = writable_output(str(target), WEIGHTS_FILE)
+    out = output_file(target, "--out", WEIGHTS_FILE)
     weights = train(seed=args.seed, problems=args.problems, epochs=args.epochs)
     weights.update(train_groups(seed=args.seed, problems=max(20, args.problems // 2), epochs=args.epochs))
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.npz")
     np.savez(tmp, **weights)
     tmp.replace(out)
