@@ -32,22 +32,25 @@ class ExactSolver:
     name = "exact"
 
     def solve(self, space: Space, pricer: Pricer) -> None:
-        layouts = space.all_layouts()
+        # layouts before device groups are placed; each one's placements are priced in turn (a mixed cluster's
+        # bound does not depend on them: it assumes the fastest group everywhere)
+        bases = [(d, layout) for d in space.degrees for layout in space.base_layouts(d)]
+        bounds = [pricer.lower_bound(layout) for _, layout in bases]
         if pricer.shortlist is not None:
-            bounds = [pricer.lower_bound(layout) for layout in layouts]
-            order = sorted(range(len(layouts)), key=bounds.__getitem__)
-            layouts, bounds = [layouts[i] for i in order], [bounds[i] for i in order]
+            order = sorted(range(len(bases)), key=bounds.__getitem__)
+            bases, bounds = [bases[i] for i in order], [bounds[i] for i in order]
         too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
-        for i, layout in enumerate(layouts):
+        for i, (d, base) in enumerate(bases):
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
-                pricer.pruned += len(layouts) - i
+                pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
                 return
-            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave)
-            if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1):
-                pricer.pruned += 1  # activations grow with b: a larger micro-batch cannot fit either
-                continue
-            if pricer.evaluate(layout) is None:
-                too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
+            for layout in space.layouts(d, [()] if not space.groups else None, base=base):
+                key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups)
+                if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1):
+                    pricer.pruned += 1  # activations grow with b: a larger micro-batch cannot fit either
+                    continue
+                if pricer.evaluate(layout) is None:
+                    too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
 
 
 class DichotomySolver:

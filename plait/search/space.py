@@ -254,12 +254,18 @@ class Space:
             groups.setdefault(key, []).append(layout)
         yield from groups.items()
 
-    def layouts(self, d: Degrees, orderings: list[tuple[str, ...]] | None = None) -> Iterator["Any"]:
+    def layouts(self, d: Degrees, orderings: list[tuple[str, ...]] | None = None, base=None) -> Iterator["Any"]:
         """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule (x the device-group
-        `orderings`, default all of them), smaller b first."""
-        for base in self.base_layouts(d):
-            for ordering in (self.orderings(d) if orderings is None else orderings):
-                yield dataclasses.replace(base, stage_groups=ordering) if ordering else base
+        `orderings`, default all of them, generated lazily), smaller b first; only `base`'s when given."""
+        for one in (self.base_layouts(d) if base is None else [base]):
+            for ordering in (self.iter_orderings(d) if orderings is None else orderings):
+                yield dataclasses.replace(one, stage_groups=ordering) if ordering else one
+
+    def iter_orderings(self, d: Degrees) -> Iterator[tuple[str, ...]]:
+        if not self.groups:
+            yield ()
+            return
+        yield from _multiset_permutations(self.group_counts(d))
 
     def base_layouts(self, d: Degrees) -> Iterator["Any"]:
         """The layouts of these degrees before device groups are assigned."""
