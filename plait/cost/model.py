@@ -17,10 +17,10 @@ have no spare engine, so there all of it counts.
 
 Where CPU ranks share cores (ClusterSpec.oversubscription > 1), a pipeline's idle stages lend
 theirs to the busy ones (`lent_cores_factor`); where parameters are DTensors, the step pays host
-time per parameter tensor (Efficiency.dtensor_param_overhead_s), and fully_shard's hooks host time per
-layer pass (Efficiency.fsdp_layer_overhead_s); a pipeline's schedule, per stage and micro-batch pass
-(Efficiency.pipeline_overhead_s). Every step pays a fixed host time
-(Efficiency.step_overhead_s), counted with the optimizer.
+time per parameter tensor (HostOverheads.dtensor_param_overhead_s), and fully_shard's hooks host time per
+layer pass (HostOverheads.fsdp_layer_overhead_s); a pipeline's schedule, per stage and micro-batch pass
+(HostOverheads.pipeline_overhead_s). Every step pays a fixed host time
+(HostOverheads.step_overhead_s), counted with the optimizer.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from plait.cost import comm
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
+from plait.cost.memory import first_stage_params, last_stage_params, layer_params, rank_memory
 from plait.cost.schedule import makespan
 from plait.plan import Plan, Prediction
 
@@ -52,7 +52,7 @@ def stage_times(lc: LayerCost, ends: EndsCost, layers: tuple[float, ...], modes:
                 stage_host: float = 0.0) -> StageTimes:
     """`layers[k]` layers (or mean-block time loads: plait.cost.compute.block_loads) on virtual stage k,
     recomputed with `modes[k]`; each stage's forward and backward of a micro-batch also pay `stage_host` seconds
-    (Efficiency.pipeline_overhead_s, under a pipeline)."""
+    (HostOverheads.pipeline_overhead_s, under a pipeline)."""
     last = len(layers) - 1
     fwd, bwd, compute, recompute, tp = [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
@@ -102,6 +102,9 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> f
     return total
 
 
+BUCKET_BYTES = 25 * 2**20
+"""DDP's gradient bucket (PyTorch's default bucket_cap_mb = 25): the last one's all-reduce is exposed."""
+
 OVERLAP_SLOWDOWN = 0.2
 """Communication hidden under compute still slows that compute (NCCL kernels take SMs and memory bandwidth):
 each hidden second costs this much. A modeling assumption (not fitted); it is what keeps, e.g., ZeRO-3 over
@@ -123,18 +126,18 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
 
 
 def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
-    """Host time of a step spent on the rank's parameters as DTensors (Efficiency.dtensor_param_overhead_s),
-    where they are: under tensor parallelism (plus Efficiency.tp_param_overhead_s), or data parallelism on
+    """Host time of a step spent on the rank's parameters as DTensors (HostOverheads.dtensor_param_overhead_s),
+    where they are: under tensor parallelism (plus HostOverheads.tp_param_overhead_s), or data parallelism on
     fully_shard."""
     if layout.tp == 1 and not on_fully_shard(layout):
         return 0.0
-    eff = setting.cluster.efficiency
-    per_tensor = eff.dtensor_param_overhead_s + (eff.tp_param_overhead_s if layout.tp > 1 else 0.0)
+    host = setting.cluster.host
+    per_tensor = host.dtensor_param_overhead_s + (host.tp_param_overhead_s if layout.tp > 1 else 0.0)
     return per_tensor * param_tensors(setting.model, layers, first, last)
 
 
 def with_fsdp_hooks(lc: LayerCost, seconds: float) -> LayerCost:
-    """`lc` with fully_shard's host time per layer pass (Efficiency.fsdp_layer_overhead_s): forward 1x,
+    """`lc` with fully_shard's host time per layer pass (HostOverheads.fsdp_layer_overhead_s): forward 1x,
     backward 2x, and a recomputed forward runs the forward hooks again."""
     if seconds == 0:
         return lc
@@ -194,13 +197,13 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                     setting.dtype_bytes)
     if on_fully_shard(layout):
-        lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
+        lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)
     modes = tuple(recompute[k % pp] for k in range(len(layers)))
     loads = block_loads(setting.model, setting.seq_len, layers)
     st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
-                     setting.cluster.efficiency.pipeline_overhead_s if pp > 1 else 0.0)
+                     setting.cluster.host.pipeline_overhead_s if pp > 1 else 0.0)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)
@@ -222,7 +225,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
                          optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
                          + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1)
-                         + setting.cluster.efficiency.step_overhead_s)
+                         + setting.cluster.host.step_overhead_s)
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])

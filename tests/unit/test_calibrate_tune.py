@@ -112,7 +112,7 @@ def test_fit_recovers_a_layer_overhead_the_cluster_did_not_have():
     fit = fit_terms(observe(real, noise=0.02, seed=5), CLUSTER)
     assert fit.before["layer_overhead"] == 0.0
     assert fit.after["layer_overhead"] == pytest.approx(4e-4, rel=0.15)
-    assert fit.cluster.efficiency.layer_overhead_s == fit.after["layer_overhead"]
+    assert fit.cluster.host.layer_overhead_s == fit.after["layer_overhead"]
     assert fit.factors["compute"] == pytest.approx(1.3, rel=0.08)
     assert math.isnan(fit.factors["layer_overhead"])
     assert np.median(fit.errors_after) < 0.03

@@ -153,8 +153,8 @@ def test_pruned_search_stays_exact_where_ranks_share_cores():
     """Idle pipeline stages lend their cores (oversubscription 2): the bound must still never exceed a price."""
     from plait.spec.load import load_cluster
 
-    shared = load_cluster("local-cpu").replace(oversubscription=2.0, efficiency=dataclasses.replace(
-        load_cluster("local-cpu").efficiency, layer_overhead_s=2e-3))
+    shared = load_cluster("local-cpu").replace(oversubscription=2.0, host=dataclasses.replace(
+        load_cluster("local-cpu").host, layer_overhead_s=2e-3))
     train = TrainSpec(global_batch=16, seq_len=128, precision="fp32")
     full = plan_with_stats("tiny-gpt", shared, train, num_devices=4)
     top = plan_with_stats("tiny-gpt", shared, train, num_devices=4, top=3)
