@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from plait.cost import comm
+from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
@@ -160,20 +161,24 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     fully_shard gathers each unit's parameters once per step and reduce-scatters its gradients once, after
     the last micro-batch (ZeRO-3 without a pipeline instead re-gathers every unit for each micro-batch's
     forward and backward). Its `units` calls each pay the ring's latency again: negligible on NVLink,
-    milliseconds between busy CPU processes."""
+    milliseconds between busy CPU processes.
+
+    Gradients travel in fp32 on every carrier: DDP's are the fp32 parameters' (16-bit runs autocast), and
+    fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
+    gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
-    nbytes = params * setting.dtype_bytes
+    grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
     m = layout.num_micro_batches
     if layout.dp_mode.carrier == "ddp":
-        full = comm.all_reduce(nbytes, group, cluster)
-        last = comm.all_reduce(min(nbytes, BUCKET_BYTES), group, cluster)
-        sync = comm.all_gather(nbytes, group, cluster) if layout.zero == 1 else 0.0
+        full = comm.all_reduce(grad_bytes, group, cluster)
+        last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
+        sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
         return full + sync, max(full - bwd_mb, last) + sync
     calls = (units - 1) * (layout.dp - 1)
-    gather = comm.all_gather(nbytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
-    scatter = comm.reduce_scatter(nbytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
-    unit_gather = comm.all_gather(nbytes / units, group, cluster)
-    unit_scatter = comm.reduce_scatter(nbytes / units, group, cluster)
+    gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
+    scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
+    unit_gather = comm.all_gather(param_bytes / units, group, cluster)
+    unit_scatter = comm.reduce_scatter(grad_bytes / units, group, cluster)
     scatter_exposed = max(scatter - bwd_mb, unit_scatter)
     if layout.dp_mode.reshard_after_forward:
         exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
