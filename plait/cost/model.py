@@ -106,10 +106,20 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> f
 BUCKET_BYTES = 25 * 2**20
 """DDP's gradient bucket (PyTorch's default bucket_cap_mb = 25): the last one's all-reduce is exposed."""
 
-OVERLAP_SLOWDOWN = 0.2
-"""Communication hidden under compute still slows that compute (NCCL kernels take SMs and memory bandwidth):
-each hidden second costs this much. A modeling assumption (not fitted); it is what keeps, e.g., ZeRO-3 over
-hundreds of replicas from looking free whenever its gathers fit under the compute."""
+NCCL_CHANNEL_SMS = 24
+"""Streaming multiprocessors a large NCCL ring collective holds on an NVSwitch node: one thread block per channel,
+and NCCL opens 16-24 channels there at large messages (an all-gather on H100 runs 24 blocks in Nsight Systems
+profiles of FSDP's prefetch)."""
+DEVICE_SMS = 120
+"""Streaming multiprocessors of the GPUs the presets describe: 108 on A100, 132 on H100 (datasheets)."""
+OVERLAP_SLOWDOWN = round(NCCL_CHANNEL_SMS / DEVICE_SMS, 2)
+"""Communication hidden under compute still slows that compute: while a collective runs, its blocks hold
+NCCL_CHANNEL_SMS of the device's SMs, and the GEMMs it hides under run on the others, NCCL_CHANNEL_SMS /
+DEVICE_SMS = 0.2 slower (0.18 on H100, 0.22 on A100). Derived, not fitted; a GEMM sized to exactly one wave of
+blocks can lose more (a second, mostly idle wave). It is what keeps, e.g., ZeRO-3 over hundreds of replicas from
+looking free whenever its gathers fit under the compute. Checked against torchtitan's Llama 3.1 8B on 8 and 128
+H100s (the same work per GPU, more of it hidden communication at 128): the model's drop is 0.5%, the published
+2.7% -- the rest is the inter-node links, whose bandwidth the presets take from the adapters' line rate."""
 
 
 def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
@@ -186,6 +196,29 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed
 
 
+def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                         ) -> tuple[StageTimes, list[tuple[float, float, float]]]:
+    """The per-micro-batch forward and backward times of every virtual stage the step is priced with (fully_shard's
+    hooks and the schedule's host time included), and the stages' (time, parameter, activation) loads. The
+    report's timeline draws these very times (plait.report.plan_report)."""
+    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                    setting.dtype_bytes)
+    if on_fully_shard(layout):
+        lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
+    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+                     setting.dtype_bytes)
+    modes = tuple(recompute[k % layout.pp] for k in range(len(layers)))
+    loads = block_loads(setting.model, setting.seq_len, layers)
+    st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
+                     setting.cluster.host.pipeline_overhead_s if layout.pp > 1 else 0.0)
+    return st, loads
+
+
+def pipeline_part(parts: dict[str, float]) -> float:
+    """The pipeline's share of a step (its makespan): every part but the data-parallel tail and the optimizer."""
+    return sum(v for k, v in parts.items() if k not in ("dp_comm", "optimizer"))
+
+
 @dataclass(frozen=True)
 class StepTime:
     total: float
@@ -199,16 +232,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
 
     exact=False replaces the schedule simulation by its closed form (the search's estimate)."""
     pp, m = layout.pp, layout.num_micro_batches
-    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
-                    setting.dtype_bytes)
-    if on_fully_shard(layout):
-        lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
-    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
-                     setting.dtype_bytes)
-    modes = tuple(recompute[k % pp] for k in range(len(layers)))
-    loads = block_loads(setting.model, setting.seq_len, layers)
-    st = stage_times(lc, ends, tuple(load[0] for load in loads), modes,
-                     setting.cluster.host.pipeline_overhead_s if pp > 1 else 0.0)
+    st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in range(r, len(layers), pp)) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = p2p_time(setting, layout)
@@ -283,15 +307,22 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
     return idle + _fill_transfers(layout, p2p)
 
 
-def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
-                ) -> tuple[tuple[float, ...], dict[str, float]]:
-    """(memory of each pipeline rank, parts of the peak rank)."""
+def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                          ) -> list[dict[str, float]]:
+    """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these)."""
     per_rank = []
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
         mem = rank_memory(setting, layout, r, recompute[r])
         mine = loads[r::layout.pp]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
+    return per_rank
+
+
+def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                ) -> tuple[tuple[float, ...], dict[str, float]]:
+    """(memory of each pipeline rank, parts of the peak rank)."""
+    per_rank = memory_parts_per_rank(setting, layout, layers, recompute)
     totals = tuple(sum(p.values()) for p in per_rank)
     peak = max(range(layout.pp), key=lambda r: totals[r])
     return totals, per_rank[peak]
