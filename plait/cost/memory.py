@@ -109,15 +109,22 @@ class StateBytes:
     """fully_shard gathers one unit at a time (ZeRO-3): the root and one block are held, not every block."""
 
 
+def optimizer_shards(layout: Layout) -> int:
+    """Ranks the optimizer states are sharded over: every data-parallel rank on fully_shard (its parameters are
+    shards), under ZeroRedundancyOptimizer (ZeRO-1 on DDP); none on DDP or one replica."""
+    mode = layout.dp_mode
+    return layout.dp if mode.carrier == "fully_shard" or (mode.carrier == "ddp" and layout.zero == 1) else 1
+
+
 def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
     mode, d, c = layout.dp_mode, layout.dp, setting.dtype_bytes
     if mode.carrier == "fully_shard":
         gathered = 0.0 if mode.reshard_after_forward else c
-        return StateBytes(params=FP32_BYTES / d + gathered, optimizer=ADAM_STATE_BYTES / d, buckets=0.0,
+        return StateBytes(params=FP32_BYTES / d + gathered, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
+                          buckets=0.0,
                           accumulated_grads=FP32_BYTES, step_grads=FP32_BYTES / d,
                           gathered_units=mode.reshard_after_forward)
-    sharded = d if mode.carrier == "ddp" and layout.zero == 1 else 1
-    return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES / sharded,
+    return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
                       buckets=FP32_BYTES if mode.carrier == "ddp" else 0.0, accumulated_grads=FP32_BYTES,
                       step_grads=FP32_BYTES, gathered_units=False)
 

@@ -33,7 +33,7 @@ from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import first_stage_params, last_stage_params, layer_params, rank_memory
+from plait.cost.memory import first_stage_params, last_stage_params, layer_params, optimizer_shards, rank_memory
 from plait.cost.schedule import makespan
 from plait.plan import Plan, Prediction
 
@@ -252,7 +252,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         if key not in seen:  # ranks with the same share cost the same: most of them
             params = rank_params(setting, layout, r, sum(load[1] for load in loads[r::pp]))
             seen[key] = (dp_exposed(setting, layout, params, key[3], key[4], units=n + 1),
-                         optimizer_time(setting.cluster, params / (layout.dp if layout.zero >= 1 else 1))
+                         optimizer_time(setting.cluster, params / optimizer_shards(layout))
                          + dtensor_step_overhead(setting, layout, n, r == 0, r == pp - 1)
                          + setting.cluster.host.step_overhead_s)
         tail.append(seen[key][0])
