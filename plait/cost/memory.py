@@ -47,7 +47,10 @@ from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
 RESERVE_FRACTION = 0.05
-"""Share of device memory kept back for the caching allocator's fragmentation and the runtime context."""
+"""Share of device memory kept back for the caching allocator's fragmentation and the runtime context: an
+assumption (PyTorch's allocator rounds blocks up and keeps freed segments), neither fitted nor measured here --
+a tensor count (benchmarks/memory_accuracy.py) cannot see it. With it the torchtitan H100 96GB rows come out 10%
+and 6% under their published maximum reserved memory."""
 ADAM_STATE_BYTES = 8
 """AdamW's exp_avg and exp_avg_sq per parameter: fp32, the dtype of the parameters the optimizer steps
 (DDP's fp32 parameters, fully_shard's fp32 shards)."""
@@ -223,7 +226,9 @@ def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankM
              line(flight, accumulated, 0.0 if steady else states.step_grads * head_params, -released, backward),
              line(0.0, states.step_grads, 0.0, 0.0, 0.0)]                                         # the optimizer step
     if m > 1 and not steady:  # the last micro-batch's backward: every micro-batch's gradients, its own activations
-        lines.append(line(1.0, states.accumulated_grads, 0.0, -released, backward))
+        # (GPipe waits on its gradient sends when the step ends: the m - 1 sent before stay held)
+        sent = (m - 1) * _stage_hidden_bytes(setting, layout, dtypes) if layout.pp > 1 and not first else 0.0
+        lines.append(line(1.0, states.accumulated_grads, 0.0, -released, backward + sent))
     if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
         lines.append(Line({**base, "activations": ids + act[mode], "temporaries": backward,
                            "grads": states.step_grads * (head_params - n_layer)},
@@ -236,23 +241,31 @@ def _pipeline_buffers(setting: Setting, layout: Layout, chunks: list[int], fligh
     """torch.distributed.pipelining's buffers on one rank: per virtual stage, a receive buffer per micro-batch for
     its input (all but the first stage) and for its output's gradient (all but the last), and each in-flight
     micro-batch's output until its backward (the logits on the last stage); less the received inputs the first
-    block keeps anyway (the same tensors)."""
+    block keeps anyway (the same tensors). The interleaved schedule's runtime waits on its sends only when the
+    step ends, so every output and every gradient it has sent stays held until then: at its last peak, every
+    micro-batch's output and the gradients of those already done (m - in flight)."""
     if layout.pp == 1:
         return 0.0
     model, tokens, m = setting.model, layout.micro_batch * setting.seq_len, layout.num_micro_batches
-    hidden = tokens * model.hidden_size / (layout.tp if layout.sp else 1) * dtypes.residual
+    hidden = _stage_hidden_bytes(setting, layout, dtypes)
     total, last = 0.0, layout.num_stages - 1
-    per_chunk = flight  # in-flight micro-batches per virtual stage of this rank
+    interleaved = layout.schedule == "interleaved"
     for k in chunks:
         if k > 0:
-            total += m * hidden
+            total += m * hidden + (m - flight if interleaved else 0.0) * hidden  # receive buffers, gradients sent
             if stage_input_is_kept(model, mode, dtypes):
-                total -= per_chunk * hidden
+                total -= flight * hidden
         if k < last:
-            total += m * hidden + per_chunk * hidden
+            total += m * hidden + (m if interleaved else flight) * hidden  # gradient receive buffers, outputs kept
         else:
-            total += per_chunk * tokens * model.vocab_size / layout.tp * dtypes.compute
+            total += flight * tokens * model.vocab_size / layout.tp * dtypes.compute
     return total
+
+
+def _stage_hidden_bytes(setting: Setting, layout: Layout, dtypes: Dtypes) -> float:
+    """One micro-batch's hidden states between pipeline stages (sharded along the sequence under SP)."""
+    tokens = layout.micro_batch * setting.seq_len
+    return tokens * setting.model.hidden_size / (layout.tp if layout.sp else 1) * dtypes.residual
 
 
 def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
