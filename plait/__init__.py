@@ -11,10 +11,10 @@ The planner (plait.spec, plait.cost, plait.search) never imports torch; the exec
 
 from plait.errors import ConfigError, NoFeasiblePlan, PlaitError
 from plait.plan import Plan, Prediction
-from plait.spec import ClusterSpec, Efficiency, LinkSpec, ModelSpec, TrainSpec
+from plait.spec import ClusterSpec, Efficiency, HostOverheads, LinkSpec, ModelSpec, TrainSpec
 
 __all__ = [
-    "ClusterSpec", "ConfigError", "Efficiency", "LinkSpec", "ModelSpec", "NoFeasiblePlan", "Plan",
+    "ClusterSpec", "ConfigError", "Efficiency", "HostOverheads", "LinkSpec", "ModelSpec", "NoFeasiblePlan", "Plan",
     "PlaitError", "Prediction", "TrainSpec", "plan",
 ]
 

@@ -279,7 +279,8 @@ def _field_change(term: str, cluster: Any, tuned: Any) -> str:
 
     if term in HOST_TERMS:
         field = f"{term}_s"
-        return (f"{term}: efficiency.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
+        old, new = cluster.host, tuned.host
+        return (f"{term}: host.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
                 f"{HOST_TERMS[term]}")
     level, _, quantity = term.partition("_")
     attr = {"intra": "intra_node", "inter": "inter_node"}[level]

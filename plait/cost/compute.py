@@ -1,18 +1,25 @@
 """Compute cost of one transformer layer, the embedding and the output layer, per micro-batch per device.
 
 FLOPs count the GEMMs only (as Megatron's and Korthikanti's formulas do): per token a layer's
-weight GEMMs take 2 FLOPs per weight, attention scores and values 4·s·h more. Backward is
-twice forward. The achieved rate of GEMMs of a model of hidden size h is
+weight GEMMs take 2 FLOPs per weight, attention scores and values 4·s·q more (model FLOPs, what MFU
+counts). Backward is twice forward for the weight GEMMs. The attention core runs as the model says
+(ModelSpec.attention):
+
+* "math": q·kᵀ and p·v over the whole s x s square, backward twice forward;
+* "fused" (SDPA's flash / memory-efficient kernels): causal blocks above the diagonal are skipped (half
+  the FLOPs), and the backward reruns q·kᵀ inside the kernel before its four gradient GEMMs: 5 GEMMs of
+  the forward's 2, i.e. 2.5 times the forward (Dao 2023, FlashAttention-2, section 3.1.2).
+
+The achieved rate of GEMMs of a model of hidden size h is
 
     rate(h) = peak · matmul · h / (h + matmul_half_dim)            (Efficiency, fitted)
 
 (h, not h/t: fitting on the Megatron rows, the model's width explains the trend better than
 the per-device slice, and it is the width `plait profile` measures on one device)
-and the rest of a layer's work (norms, softmax, dropout, GeLU, residuals) costs `overhead`
-times its GEMM time; `layer_overhead_s` adds a fixed host time per layer pass (forward 1x,
-backward 2x; 0 on the GPU presets, fitted by `plait tune` for CPU processes). Activation
-bytes follow Korthikanti et al. 2022, Table 2, generalized to grouped-query attention and
-SwiGLU MLPs (see `activation_bytes`).
+and the rest of a layer's work (norms, softmax, GeLU, residuals) costs `overhead` times its GEMM
+time; ClusterSpec.host.layer_overhead_s adds a fixed host time per layer pass (forward 1x, backward
+2x; 0 on the GPU presets, fitted by `plait tune` for CPU processes). What a layer keeps for backward
+is plait.cost.activations'.
 """
 
 from __future__ import annotations
@@ -46,9 +53,9 @@ class LayerCost:
     tp_bwd: float
     """Tensor-parallel collectives of the backward pass."""
     recompute: dict[str, float]
-    """Extra backward time per recompute mode (full: the forward again; selective: the attention core's forward)."""
-    activations: dict[str, float]
-    """Activation bytes kept per recompute mode until the backward pass."""
+    """Extra backward time per recompute mode (full: the forward again; selective: what plait.execute.recompute's
+    policy reruns -- the attention core's forward on the math path, the unsaved GEMMs and the non-GEMM work on the
+    fused path)."""
     gemm_fraction: float
     """Achieved fraction of peak of this layer's GEMMs."""
 
@@ -128,37 +135,27 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> f
     return 3.0 * (model.num_layers * (dense + attn) + head_flops(model, tokens))
 
 
-@lru_cache(maxsize=65536)
-def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
-                     dtype_bytes: int = 2) -> float:
-    """Bytes one layer keeps for backward, per device (Korthikanti et al. 2022, Table 2, generalized).
+ATTENTION_PASSES = {"math": (1.0, 2.0), "fused": (0.5, 1.25)}
+"""(forward, backward) FLOPs the attention core executes, in units of its model FLOPs (4·s·q per token): the
+math path computes the whole square; the fused kernels skip causal blocks above the diagonal (1/2) and their
+backward reruns the scores (2.5 x the forward: FlashAttention-2's five GEMMs against two)."""
 
-    Legend: s seq, b micro-batch, h hidden, kv key/value width, f ffn, a heads, t tensor degree.
-    * not split by tensor parallelism (split by t under sequence parallelism): the two norm inputs 4sbh,
-      the QKV and MLP inputs 2sbh each, two 1-byte dropout masks 2sbh: 10sbh;
-    * split by t: Q 2sbh, K and V 4sb·kv, the attention-output input 2sbh, the MLP inner activations
-      4sbf (GeLU: its input and output) or 6sbf (SwiGLU: gate, up and their product): 24sbh for GPT;
-    * split by t, dropped by selective recompute: softmax output, dropout mask and output 5as²b;
-    * full recompute keeps the layer input only: 2sbh (split by t under sequence parallelism).
-    """
-    s, b, h, a = seq_len, micro_batch, model.hidden_size, model.num_heads
-    sbh = s * b * h
-    scale = dtype_bytes / 2.0
-    split = tp if sp else 1
-    if mode == "full":
-        return scale * 2.0 * sbh / split
-    if model.blocks:
-        # measured on meta in fp32 (the mean block): the part Korthikanti's table splits over tp (24 of 34 sbh)
-        # is split, the rest only under sequence parallelism; fused attention keeps no scores to drop
-        measured = s * b * sum(x.activation_bytes_per_token for x in model.blocks) / len(model.blocks)
-        return dtype_bytes / 4.0 * measured * (10.0 / 34 / split + 24.0 / 34 / tp)
-    inner = (6 if model.gated_mlp else 4) * s * b * model.ffn_hidden_size
-    sbq = s * b * model.q_size
-    sharded = 2 * sbq + 4 * s * b * model.kv_size + 2 * sbq + inner
-    total = 10.0 * sbh / split + sharded / tp
-    if mode == "none":
-        total += 5.0 * a * s * s * b / tp
-    return scale * total
+
+def gemm_dims(model: ModelSpec) -> list[tuple[int, int]]:
+    """(in, out) features of a block's GEMMs in forward order: q, k, v, output, then the MLP's (gate, up, down or
+    up, down) -- the order plait.execute.recompute's selective policy counts them in."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    f = model.ffn_hidden_size
+    mlp = [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
+
+
+def selective_recompute_flops(model: ModelSpec, tokens: int) -> float:
+    """Forward GEMM FLOPs the fused path's selective policy reruns: every second GEMM (the 2nd, 4th, ...), whose
+    outputs it did not keep. A measured block: half its weight GEMMs."""
+    if model.blocks or model.num_experts:
+        return 0.5 * layer_flops(model, tokens, 1)[0]
+    return 2.0 * tokens * sum(i * o for i, o in gemm_dims(model)[1::2])
 
 
 @lru_cache(maxsize=4096)
@@ -167,25 +164,24 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     """Time and activation memory of one layer for one micro-batch on one device of a tensor group of `tp`."""
     tokens = micro_batch * seq_len
     dense, attn = layer_flops(model, tokens, seq_len)
+    attn_fwd, attn_bwd = (attn * factor for factor in ATTENTION_PASSES[model.attention])
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
-    # plus the fixed host time of the pass (Efficiency.layer_overhead_s, and tp_layer_overhead_s for
+    # plus the fixed host time of the pass (ClusterSpec.host.layer_overhead_s, and tp_layer_overhead_s for
     # DTensor's dispatch under tensor parallelism): per micro-batch, not per token
-    host = cluster.efficiency.layer_overhead_s + (cluster.efficiency.tp_layer_overhead_s if tp > 1 else 0.0)
-    fwd = (dense + attn) / tp / rate * rest + host
+    host = cluster.host.layer_overhead_s + (cluster.host.tp_layer_overhead_s if tp > 1 else 0.0)
+    fwd = (dense + attn_fwd) / tp / rate * rest + host
+    bwd = (2.0 * dense + attn_bwd) / tp / rate * rest + 2.0 * host
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
-    modes = ("none", "selective", "full")
-    return LayerCost(
-        fwd=fwd,
-        bwd=2.0 * fwd,
-        tp_fwd=tp_pass,
-        tp_bwd=tp_pass,
-        # Full recompute reruns the layer; selective reruns the attention core (Korthikanti et al. 2022).
-        recompute={"none": 0.0, "selective": attn / tp / rate * rest, "full": fwd + tp_pass},
-        activations={m: activation_bytes(model, micro_batch, seq_len, tp, sp, m, dtype_bytes) for m in modes},
-        gemm_fraction=fraction,
-    )
+    if model.attention == "math":  # Korthikanti et al. 2022: the attention core's forward again
+        selective = attn_fwd / tp / rate * rest
+    else:  # the GEMMs not kept, the non-GEMM work, the all-gathers under SP, and a layer pass of host time
+        gathers = 2 * all_gather(tokens * model.hidden_size * dtype_bytes, Group(tp, 1), cluster) if sp else 0.0
+        selective = (selective_recompute_flops(model, tokens) + cluster.efficiency.overhead * dense) / tp / rate \
+            + host + gathers
+    return LayerCost(fwd=fwd, bwd=bwd, tp_fwd=tp_pass, tp_bwd=tp_pass,
+                     recompute={"none": 0.0, "selective": selective, "full": fwd + tp_pass}, gemm_fraction=fraction)
 
 
 def tp_collectives_per_pass(model: ModelSpec, cluster: ClusterSpec, tokens: int, tp: int, sp: bool,

@@ -24,7 +24,9 @@ class Setting:
 
     @property
     def dtype_bytes(self) -> int:
-        return self.train.param_bytes
+        """Bytes of the compute dtype as the executor runs it: the plan's precision on GPUs; CPU processes run
+        fp32 whatever the plan says (plait.execute.parallelize: 16-bit matmuls are slow there)."""
+        return 4 if self.cluster.device_type == "cpu" else self.train.param_bytes
 
     @property
     def seq_len(self) -> int:

@@ -17,10 +17,10 @@ have no spare engine, so there all of it counts.
 
 Where CPU ranks share cores (ClusterSpec.oversubscription > 1), a pipeline's idle stages lend
 theirs to the busy ones (`lent_cores_factor`); where parameters are DTensors, the step pays host
-time per parameter tensor (Efficiency.dtensor_param_overhead_s), and fully_shard's hooks host time per
-layer pass (Efficiency.fsdp_layer_overhead_s); a pipeline's schedule, per stage and micro-batch pass
-(Efficiency.pipeline_overhead_s). Every step pays a fixed host time
-(Efficiency.step_overhead_s), counted with the optimizer.
+time per parameter tensor (HostOverheads.dtensor_param_overhead_s), and fully_shard's hooks host time per
+layer pass (HostOverheads.fsdp_layer_overhead_s); a pipeline's schedule, per stage and micro-batch pass
+(HostOverheads.pipeline_overhead_s). Every step pays a fixed host time
+(HostOverheads.step_overhead_s), counted with the optimizer.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from plait.cost import comm
+from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
                                 optimizer_time, param_tensors)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import BUCKET_BYTES, first_stage_params, last_stage_params, layer_params, rank_memory
+from plait.cost.memory import first_stage_params, last_stage_params, layer_params, optimizer_shards, rank_memory
 from plait.cost.schedule import V_SCHEDULES, makespan
 from plait.plan import Plan, Prediction
 
@@ -52,7 +53,7 @@ def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost]
                 modes: tuple[str, ...], stage_host: float | list[float] = 0.0) -> StageTimes:
     """`layers[k]` layers (or mean-block time loads: plait.cost.compute.block_loads) on virtual stage k,
     recomputed with `modes[k]`; each stage's forward and backward of a micro-batch also pay `stage_host` seconds
-    (Efficiency.pipeline_overhead_s, under a pipeline). `lc`, `ends` and `stage_host` may be one per stage (the
+    (HostOverheads.pipeline_overhead_s, under a pipeline). `lc`, `ends` and `stage_host` may be one per stage (the
     stages of a mixed cluster run on different device groups)."""
     last = len(layers) - 1
     per = lambda x: x if isinstance(x, list) else [x] * len(layers)  # noqa: E731
@@ -109,10 +110,23 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> f
     return total
 
 
-OVERLAP_SLOWDOWN = 0.2
-"""Communication hidden under compute still slows that compute (NCCL kernels take SMs and memory bandwidth):
-each hidden second costs this much. A modeling assumption (not fitted); it is what keeps, e.g., ZeRO-3 over
-hundreds of replicas from looking free whenever its gathers fit under the compute."""
+BUCKET_BYTES = 25 * 2**20
+"""DDP's gradient bucket (PyTorch's default bucket_cap_mb = 25): the last one's all-reduce is exposed."""
+
+NCCL_CHANNEL_SMS = 24
+"""Streaming multiprocessors a large NCCL ring collective holds on an NVSwitch node: one thread block per channel,
+and NCCL opens 16-24 channels there at large messages (an all-gather on H100 runs 24 blocks in Nsight Systems
+profiles of FSDP's prefetch)."""
+DEVICE_SMS = 120
+"""Streaming multiprocessors of the GPUs the presets describe: 108 on A100, 132 on H100 (datasheets)."""
+OVERLAP_SLOWDOWN = round(NCCL_CHANNEL_SMS / DEVICE_SMS, 2)
+"""Communication hidden under compute still slows that compute: while a collective runs, its blocks hold
+NCCL_CHANNEL_SMS of the device's SMs, and the GEMMs it hides under run on the others, NCCL_CHANNEL_SMS /
+DEVICE_SMS = 0.2 slower (0.18 on H100, 0.22 on A100). Derived, not fitted; a GEMM sized to exactly one wave of
+blocks can lose more (a second, mostly idle wave). It is what keeps, e.g., ZeRO-3 over hundreds of replicas from
+looking free whenever its gathers fit under the compute. Checked against torchtitan's Llama 3.1 8B on 8 and 128
+H100s (the same work per GPU, more of it hidden communication at 128): the model's drop is 0.5%, the published
+2.7% -- the rest is the inter-node links, whose bandwidth the presets take from the adapters' line rate."""
 
 
 def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
@@ -130,18 +144,18 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
 
 
 def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
-    """Host time of a step spent on the rank's parameters as DTensors (Efficiency.dtensor_param_overhead_s),
-    where they are: under tensor parallelism (plus Efficiency.tp_param_overhead_s), or data parallelism on
+    """Host time of a step spent on the rank's parameters as DTensors (HostOverheads.dtensor_param_overhead_s),
+    where they are: under tensor parallelism (plus HostOverheads.tp_param_overhead_s), or data parallelism on
     fully_shard."""
     if layout.tp == 1 and not on_fully_shard(layout):
         return 0.0
-    eff = setting.cluster.efficiency
-    per_tensor = eff.dtensor_param_overhead_s + (eff.tp_param_overhead_s if layout.tp > 1 else 0.0)
+    host = setting.cluster.host
+    per_tensor = host.dtensor_param_overhead_s + (host.tp_param_overhead_s if layout.tp > 1 else 0.0)
     return per_tensor * param_tensors(setting.model, layers, first, last)
 
 
 def with_fsdp_hooks(lc: LayerCost, seconds: float) -> LayerCost:
-    """`lc` with fully_shard's host time per layer pass (Efficiency.fsdp_layer_overhead_s): forward 1x,
+    """`lc` with fully_shard's host time per layer pass (HostOverheads.fsdp_layer_overhead_s): forward 1x,
     backward 2x, and a recomputed forward runs the forward hooks again."""
     if seconds == 0:
         return lc
@@ -164,25 +178,49 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     fully_shard gathers each unit's parameters once per step and reduce-scatters its gradients once, after
     the last micro-batch (ZeRO-3 without a pipeline instead re-gathers every unit for each micro-batch's
     forward and backward). Its `units` calls each pay the ring's latency again: negligible on NVLink,
-    milliseconds between busy CPU processes."""
+    milliseconds between busy CPU processes.
+
+    Gradients travel in fp32 on every carrier: DDP's are the fp32 parameters' (16-bit runs autocast), and
+    fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
+    gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
     cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
-    nbytes = params * setting.dtype_bytes
+    grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
     m = layout.num_micro_batches
     if layout.dp_mode.carrier == "ddp":
-        full = comm.all_reduce(nbytes, group, cluster)
-        last = comm.all_reduce(min(nbytes, BUCKET_BYTES), group, cluster)
-        sync = comm.all_gather(nbytes, group, cluster) if layout.zero == 1 else 0.0
+        full = comm.all_reduce(grad_bytes, group, cluster)
+        last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
+        sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
         return full + sync, max(full - bwd_mb, last) + sync
     calls = (units - 1) * (layout.dp - 1)
-    gather = comm.all_gather(nbytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
-    scatter = comm.reduce_scatter(nbytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
-    unit_gather = comm.all_gather(nbytes / units, group, cluster)
-    unit_scatter = comm.reduce_scatter(nbytes / units, group, cluster)
+    gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
+    scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
+    unit_gather = comm.all_gather(param_bytes / units, group, cluster)
+    unit_scatter = comm.reduce_scatter(grad_bytes / units, group, cluster)
     scatter_exposed = max(scatter - bwd_mb, unit_scatter)
     if layout.dp_mode.reshard_after_forward:
         exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
         return 2 * m * gather + scatter, exposed
     return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed
+
+
+def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                         ) -> tuple[StageTimes, list[tuple[float, float, float]]]:
+    """The per-micro-batch forward and backward times of every virtual stage the step is priced with (fully_shard's
+    hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
+    (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
+    rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
+    costs = {r: rank_costs(setting.at(layout, r), layout) for r in set(rank_of.values())}
+    per_stage = [costs[rank_of[k]] for k in range(len(layers))]
+    modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
+    loads = block_loads(setting.model, setting.seq_len, layers)
+    st = stage_times([c[0] for c in per_stage], [c[1] for c in per_stage], tuple(load[0] for load in loads), modes,
+                     [c[2] for c in per_stage])
+    return st, loads
+
+
+def pipeline_part(parts: dict[str, float]) -> float:
+    """The pipeline's share of a step (its makespan): every part but the data-parallel tail and the optimizer."""
+    return sum(v for k, v in parts.items() if k not in ("dp_comm", "optimizer"))
 
 
 @dataclass(frozen=True)
@@ -200,14 +238,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     cluster every pipeline rank is priced on its own device group's hardware (Setting.at)."""
     pp, m = layout.pp, layout.num_micro_batches
     owned = [layout.stages_of(r) for r in range(pp)]
-    rank_of = {k: r for r in range(pp) for k in owned[r]}
     at = [setting.at(layout, r) for r in range(pp)]
-    costs = [rank_costs(at[r], layout) for r in range(pp)]
-    modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
-    loads = block_loads(setting.model, setting.seq_len, layers)
-    st = stage_times([costs[rank_of[k]][0] for k in range(len(layers))],
-                     [costs[rank_of[k]][1] for k in range(len(layers))], tuple(load[0] for load in loads), modes,
-                     [costs[rank_of[k]][2] for k in range(len(layers))])
+    st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
     c = max(p2p_time(at[r], layout, cross_group=bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1)
@@ -232,9 +264,9 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
             s_r = at[r]
             params = rank_params(s_r, layout, r, key[5])
             seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1),
-                         optimizer_time(s_r.cluster, params / (layout.dp if layout.zero >= 1 else 1))
+                         optimizer_time(s_r.cluster, params / optimizer_shards(layout))
                          + dtensor_step_overhead(s_r, layout, n, first, last)
-                         + s_r.cluster.efficiency.step_overhead_s)
+                         + s_r.cluster.host.step_overhead_s)
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
@@ -258,10 +290,10 @@ def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, f
     lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                     setting.dtype_bytes)
     if on_fully_shard(layout):
-        lc = with_fsdp_hooks(lc, setting.cluster.efficiency.fsdp_layer_overhead_s)
+        lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
                      setting.dtype_bytes)
-    return lc, ends, setting.cluster.efficiency.pipeline_overhead_s if layout.pp > 1 else 0.0
+    return lc, ends, setting.cluster.host.pipeline_overhead_s if layout.pp > 1 else 0.0
 
 
 def lent_cores_factor(cluster, layout: Layout, st: StageTimes, pipe: float, p2p: float) -> float:
@@ -302,15 +334,22 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
     return idle + _fill_transfers(layout, p2p)
 
 
-def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
-                ) -> tuple[tuple[float, ...], dict[str, float]]:
-    """(memory of each pipeline rank, parts of the peak rank)."""
+def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                          ) -> list[dict[str, float]]:
+    """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these)."""
     per_rank = []
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
         mem = rank_memory(setting.at(layout, r), layout, r, recompute[r])
         mine = [loads[k] for k in layout.stages_of(r)]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
+    return per_rank
+
+
+def peak_memory(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                ) -> tuple[tuple[float, ...], dict[str, float]]:
+    """(memory of each pipeline rank, parts of the peak rank)."""
+    per_rank = memory_parts_per_rank(setting, layout, layers, recompute)
     totals = tuple(sum(p.values()) for p in per_rank)
     peak = max(range(layout.pp), key=lambda r: totals[r])
     return totals, per_rank[peak]

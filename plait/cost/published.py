@@ -4,6 +4,7 @@ Used by tests/unit/test_cost_accuracy.py (tolerances) and benchmarks/cost_accura
 (tables and the fit of the Efficiency constants in plait/spec/clusters.py).
 
 Megatron-LM rows (Narayanan et al. 2021, Table 1) are priced as the paper ran them:
+the unfused attention of 2021 (ModelSpec.attention = "math"; so are Korthikanti et al.'s 22B rows),
 interleaved 1F1B with full recompute, no sequence parallelism, plain data parallelism,
 d = n/(t·p), and the unstated choices made as Megatron's scripts make them: micro-batch 1,
 and v = 3 model chunks per device where 3 divides the layers per device (Korthikanti et
@@ -61,7 +62,7 @@ def megatron_chunks(row: MegatronRow) -> int:
 
 def megatron_plan(row: MegatronRow, cluster: ClusterSpec) -> Plan:
     model = ModelSpec(name=f"gpt-{row.params_b}b", arch="gpt", num_layers=row.layers, hidden_size=row.hidden,
-                      num_heads=row.heads, vocab_size=VOCAB, max_seq_len=SEQ_LEN)
+                      num_heads=row.heads, vocab_size=VOCAB, max_seq_len=SEQ_LEN, attention="math")
     dp = row.devices // (row.tp * row.pp)
     v = megatron_chunks(row)
     return Plan.of(dp=dp, tp=row.tp, pp=row.pp, zero=0, recompute=("full",), micro_batch=1,
@@ -97,7 +98,7 @@ LAYER_22B_ROWS = (
     ("selective recompute + sequence parallelism", True, "selective", 7.2, 13.1, 20.3),
 )
 MODEL_22B = ModelSpec(name="gpt-22b", arch="gpt", num_layers=48, hidden_size=6144, num_heads=64, vocab_size=VOCAB,
-                      max_seq_len=SEQ_LEN)
+                      max_seq_len=SEQ_LEN, attention="math")
 
 
 def predicted_layer_ms(cluster: ClusterSpec, sp: bool, mode: str) -> tuple[float, float]:

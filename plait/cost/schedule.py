@@ -260,7 +260,7 @@ def _busy(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int, ranks: Se
 
 
 def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,
-                    p2p: float = 0.0, oversubscription: float = 1.0) -> Timeline:
+                    p2p: float = 0.0, oversubscription: float = 1.0, keep_events: bool = False) -> Timeline:
     """`simulate` where the pipeline's ranks share cores (ClusterSpec.oversubscription o > 1, CPU processes).
 
     Stage times are priced at the rate each rank gets while all of them compute. With k of the pp
@@ -270,13 +270,14 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
     simulation: between events every computing rank advances at that speed; an action starts when
     its rank is free and its input has arrived (plus the point-to-point time, which takes no cores)."""
     if oversubscription <= 1.0:
-        return simulate(fwd, bwd, pp, num_micro_batches, schedule, p2p)
+        return simulate(fwd, bwd, pp, num_micro_batches, schedule, p2p, keep_events)
     stages, m = len(fwd), num_micro_batches
     queues = rank_actions(schedule, pp, m, stages // pp)
     ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
     done = {"F": [[-1.0] * m for _ in range(stages)], "B": [[-1.0] * m for _ in range(stages)]}
     pos, left = [0] * pp, [0.0] * pp  # next action per rank; work left of the one it runs (all-busy seconds)
-    running = [False] * pp
+    running, started = [False] * pp, [0.0] * pp
+    events = []
     now = 0.0
 
     def ready_at(r: int) -> float | None:
@@ -291,7 +292,7 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
                 t = ready_at(r)
                 if t is not None and t <= now + 1e-15:
                     kind, k, _ = queues[r][pos[r]]
-                    running[r], left[r] = True, _duration(kind, k, fwd, bwd)
+                    running[r], left[r], started[r] = True, _duration(kind, k, fwd, bwd), now
         busy = [r for r in range(pp) if running[r]]
         arrivals = [t for r in range(pp) if not running[r] and pos[r] < len(queues[r])
                     for t in [ready_at(r)] if t is not None and t > now]
@@ -306,9 +307,11 @@ def simulate_shared(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_mic
                 kind, k, mb = queues[r][pos[r]]
                 if kind != "W":
                     done["F" if kind == "F" else "B"][k][mb] = now
+                if keep_events:
+                    events.append((r, kind, k, mb, started[r], now))
                 running[r], pos[r] = False, pos[r] + 1
                 remaining -= 1
-    return Timeline(makespan=now, busy=_busy(fwd, bwd, pp, m, ranks))
+    return Timeline(makespan=now, busy=_busy(fwd, bwd, pp, m, ranks), events=tuple(events))
 
 
 def makespan(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batches: int, schedule: str,

@@ -89,6 +89,19 @@ def global_squared_norm(grads: list[torch.Tensor], device: torch.device) -> torc
     return squared
 
 
+def _no_outputs_kwargs() -> dict[str, bool]:
+    """Ask the pipeline schedule not to keep every micro-batch's logits to concatenate them after the step (plait
+    reads the losses only): m logits tensors held on the last stage, b·s·V each (torch >= 2.7 has the flag)."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(PipelineScheduleSingle.step).parameters else {}
+
+
+_NO_OUTPUTS = _no_outputs_kwargs()
+
+
 def _scalar(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -202,7 +215,7 @@ class ParallelModel:
             self.schedule.step(*args)
             return torch.zeros((), device=self.device, dtype=torch.float64)
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=targets, losses=losses)
+        self.schedule.step(*args, target=targets, losses=losses, **_NO_OUTPUTS)
         return torch.stack([_scalar(loss.detach()).double() for loss in losses]).mean()
 
     def _global_mean(self, local: torch.Tensor) -> float:

@@ -11,8 +11,9 @@ What plait changes when it builds a model, and why:
 * dropout off (``*_pdrop``, ``attention_dropout`` = 0): a parallel run then computes exactly what one
   process does, and the cost model has no dropout term;
 * attention runs through ``"plait_sdpa"``, transformers' own SDPA function registered under a name of
-  plait's, so that selective recompute can checkpoint exactly the attention core (and context
-  parallelism can exchange keys and values);
+  plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
+  math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
+  exchange keys and values;
 * after `to_empty`, the non-persistent buffers (rotary ``inv_freq``, Gemma's embedding scale) are
   computed again from the config (they hold garbage otherwise; the loss then differs by ~1e-4).
 """
@@ -55,12 +56,19 @@ def _register_attention() -> None:
     """transformers' SDPA attention under plait's name; checkpointed where a module asks for it."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import checkpoint
+
+    def attend(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "plait_math", False):  # ModelSpec.attention = "math": SDPA's unfused backend
+            with sdpa_kernel(SDPBackend.MATH):
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     def plait_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
         core = getattr(module, "plait_attention", None)
         if core is None:
-            fn, args = functools.partial(sdpa_attention_forward, **kwargs), (module, query, key, value, attention_mask)
+            fn, args = functools.partial(attend, **kwargs), (module, query, key, value, attention_mask)
         else:  # context parallelism: plait's core exchanges keys and values ([b, heads, s, d]; HF wants [b, s, h, d])
             def fn(q, k, v):
                 return core(q, k, v, scale=kwargs.get("scaling")).transpose(1, 2).contiguous(), None
@@ -112,7 +120,15 @@ class HFAdapter(ModelAdapter):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=ATTENTION,
                                                      dtype=torch.get_default_dtype())
+        if self.spec.attention == "math":
+            for sub in self._attention_modules(model):
+                sub.plait_math = True
         return model
+
+    @staticmethod
+    def _attention_modules(root: nn.Module) -> list[nn.Module]:
+        """The modules that call the registered attention function (transformers' attention layers)."""
+        return [sub for sub in root.modules() if hasattr(sub, "is_causal") and hasattr(sub, "config")]
 
     def reset_buffers(self, module: nn.Module) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -180,19 +196,16 @@ class HFAdapter(ModelAdapter):
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names
 
-    def _attentions(self, block: nn.Module) -> list[nn.Module]:
-        return [sub for sub in block.modules() if hasattr(sub, "is_causal") and hasattr(sub, "config")]
-
     def set_attention(self, block: nn.Module, core: nn.Module) -> None:
-        for attention in self._attentions(block):
+        for attention in self._attention_modules(block):
             attention.plait_attention = core
 
     def selective(self, block: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> int:
         """The attention core (transformers' SDPA call), through plait's registered attention function."""
-        attentions = self._attentions(block)
-        for attention in attentions:
-            attention.plait_recompute = True
-        return len(attentions)
+        marked = self._attention_modules(block)
+        for sub in marked:
+            sub.plait_recompute = True
+        return len(marked)
 
     def is_norm(self, name: str) -> bool:
         return name.rsplit(".", 2)[-2].endswith(("norm", "layernorm")) if "." in name else False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plait.spec import ModelSpec
 
@@ -65,14 +66,23 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 class AttentionCore(nn.Module):
     """softmax(q·kᵀ/√d)·v, causal, over [batch, heads, seq, head_dim]: no parameters. A module of its own so
-    that selective recompute can checkpoint exactly this (plait/execute/recompute.py), and context
-    parallelism can swap how it sees the other ranks' keys and values."""
+    that selective recompute can checkpoint exactly this where it is the math path (plait/execute/recompute.py),
+    and context parallelism can swap how it sees the other ranks' keys and values.
+
+    `math` runs SDPA's MATH backend (ModelSpec.attention = "math": the s x s probabilities are kept for
+    backward); otherwise SDPA picks its fused kernel. Grouped-query attention goes to the kernel as it is
+    (enable_gqa), so keys and values are kept at their kv-head width, as transformers' SDPA path does."""
+
+    def __init__(self, math: bool = False) -> None:
+        super().__init__()
+        self.math = math
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, hd]
+        gqa = k.shape[1] != q.shape[1]  # each kv head serves a group of q heads
+        if self.math:
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [b, heads, s, hd]
 
 
 class Attention(nn.Module):
@@ -87,7 +97,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q, h, bias=spec.has_bias)
         self.q_norm = make_norm(spec, spec.head_dim) if spec.qk_norm else None
         self.k_norm = make_norm(spec, spec.head_dim) if spec.qk_norm else None
-        self.core = AttentionCore()
+        self.core = AttentionCore(math=spec.attention == "math")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]

@@ -29,7 +29,7 @@ import numpy as np
 from plait.profile.fit import (
     CommSample, ComputeSample, LinkFit, MatmulFit, fit_link, fit_matmul_efficiency, fit_overhead,
 )
-from plait.spec.cluster import COLLECTIVES, Algorithm, ClusterSpec, Efficiency, LinkSpec
+from plait.spec.cluster import COLLECTIVES, Algorithm, ClusterSpec, Efficiency, HostOverheads, LinkSpec
 
 if TYPE_CHECKING:
     from plait.plan import Plan
@@ -218,13 +218,13 @@ def describe(m: Measurements, cal: Calibration) -> list[str]:
 
 def host_line(fit: "TermFit", plans: int) -> str:
     errors = sorted(fit.errors_after)
-    return (f"host time (fitted on {plans} small plans timed end to end): {host_time_text(fit.cluster.efficiency)}; "
+    return (f"host time (fitted on {plans} small plans timed end to end): {host_time_text(fit.cluster.host)}; "
             f"step error {errors[len(errors) // 2]:.0%} median, {errors[-1]:.0%} worst")
 
 
-def host_time_text(eff: Efficiency) -> str:
+def host_time_text(host: HostOverheads) -> str:
     """Every host-time field, e.g. '0.57 ms per layer pass, 9.48 ms more per layer pass under TP, ...'."""
-    return ", ".join(f"{getattr(eff, f'{term}_s') * 1e3:.3g} ms {paid_for}" for term, paid_for in HOST_TERMS.items())
+    return ", ".join(f"{getattr(host, f'{term}_s') * 1e3:.3g} ms {paid_for}" for term, paid_for in HOST_TERMS.items())
 
 
 def _peak_line(m: Measurements, cal: Calibration) -> str:
@@ -269,7 +269,7 @@ def measurements_from_json(text: str) -> Measurements:
 # The cost model is a function of the ClusterSpec. Each *term* below is one ClusterSpec quantity in
 # which a kind of predicted time is proportional: 1/efficiency.matmul for compute (and the recompute
 # and bubble made of it), a link's latency for the latency share of its collectives, 1/bandwidth for
-# their volume share, efficiency.layer_overhead_s for the fixed host time of every layer pass (and
+# their volume share, host.layer_overhead_s for the fixed host time of every layer pass (and
 # tp_layer_overhead_s for what DTensor adds to it under tensor parallelism; dtensor_param_overhead_s per
 # DTensor parameter and step, step_overhead_s once per step). With
 # x_k term k's value in units of a reference r_k, the predicted step of plan i is, to first order
@@ -291,7 +291,7 @@ HOST_TERMS: dict[str, str] = {
     "pipeline_overhead": "per pipeline stage pass",
     "step_overhead": "per step",
 }
-"""Terms that are an Efficiency field `<term>_s` of host seconds, and what each is paid for."""
+"""Terms that are a HostOverheads field `<term>_s` (ClusterSpec.host) of host seconds, and what each is paid for."""
 TERMS: tuple[str, ...] = ("compute", *HOST_TERMS, "intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth")
 """Terms `fit_terms` corrects, each one ClusterSpec quantity (see `term_value`)."""
 
@@ -370,7 +370,7 @@ def term_value(cluster: ClusterSpec, term: str) -> float:
     if term == "compute":
         return 1.0 / cluster.efficiency.matmul
     if term in HOST_TERMS:
-        return getattr(cluster.efficiency, f"{term}_s")
+        return getattr(cluster.host, f"{term}_s")
     link = getattr(cluster, _link_attr(term))
     return link.latency_s if term.endswith("_latency") else 1.0 / link.bandwidth
 
@@ -381,7 +381,7 @@ def with_term_value(cluster: ClusterSpec, term: str, value: float) -> ClusterSpe
     if term == "compute":
         return cluster.replace(efficiency=dataclasses.replace(eff, matmul=1.0 / value))
     if term in HOST_TERMS:
-        return cluster.replace(efficiency=dataclasses.replace(eff, **{f"{term}_s": value}))
+        return cluster.replace(host=dataclasses.replace(cluster.host, **{f"{term}_s": value}))
     attr = _link_attr(term)
     link = getattr(cluster, attr)  # every collective's line moves with the level's (their ratios are kept)
     if term.endswith("_latency"):
@@ -570,8 +570,8 @@ def _tidy(cluster: ClusterSpec, original: ClusterSpec) -> ClusterSpec:
     equal to its intra-node one when it was so (nothing measured can tell them apart)."""
     eff = cluster.efficiency
     cluster = cluster.replace(
-        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul),
-                                       **{f"{t}_s": _sig(getattr(eff, f"{t}_s")) for t in HOST_TERMS}),
+        efficiency=dataclasses.replace(eff, matmul=_sig(eff.matmul)),
+        host=dataclasses.replace(cluster.host, **{f"{t}_s": _sig(getattr(cluster.host, f"{t}_s")) for t in HOST_TERMS}),
         intra_node=_sig_link(cluster.intra_node), inter_node=_sig_link(cluster.inter_node))
     if cluster.num_nodes == 1 and original.inter_node == original.intra_node:
         cluster = cluster.replace(inter_node=cluster.intra_node)

@@ -74,6 +74,10 @@ def parse_cluster_text(text: str, source: str, *, require_all_fields: bool = Tru
         raise ConfigError(f"cluster file {source}: malformed YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"cluster file {source}: expected a mapping of ClusterSpec fields, got {type(data).__name__}")
+    try:
+        data = ClusterSpec.upgrade_dict(data)  # host-time keys an older plait wrote under `efficiency`
+    except ConfigError as e:
+        raise ConfigError(f"cluster file {source}: {e}") from None
     if require_all_fields:
         missing = missing_fields(ClusterSpec, data)
         if missing:

@@ -4,7 +4,7 @@ Microbenchmarks price FLOPs and bytes; they miss the time the host spends per op
 autograd, DTensor's sharding propagation, a collective's bookkeeping). On GPUs that time hides under
 the kernels; on CPU processes it is a large part of a small model's step, and it is per micro-batch,
 not per token, so it decides how many micro-batches a plan should use. The cost model charges it as
-Efficiency fields (plait/cost/compute.py and model.py): `layer_overhead_s` per layer pass, and more
+HostOverheads fields (ClusterSpec.host; plait/cost/compute.py and model.py): `layer_overhead_s` per layer pass, and more
 under tensor parallelism (`tp_layer_overhead_s`) and fully_shard (`fsdp_layer_overhead_s`);
 `dtensor_param_overhead_s` per parameter tensor and step where parameters are DTensors (TP, or data
 parallelism on fully_shard), and more under TP (`tp_param_overhead_s`); `pipeline_overhead_s` per

@@ -77,7 +77,7 @@ def collectives_table(level: str, samples, cal: Calibration) -> Table:  # noqa: 
 
 def host_table(m: Measurements, cal: Calibration) -> Table:
     """Each probe plan's measured step against the cost model's with the fitted host time."""
-    table = Table(title=f"host time: {host_time_text(cal.cluster.efficiency)} (fitted on these probe plans, "
+    table = Table(title=f"host time: {host_time_text(cal.cluster.host)} (fitted on these probe plans, "
                         f"{m.host_steps[0].plan['train']['seq_len']} tokens per sequence)")
     for column in ("probe plan", "measured", "predicted", "error"):
         table.add_column(column, justify="left" if column == "probe plan" else "right")

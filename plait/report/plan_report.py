@@ -4,8 +4,9 @@
 * memory.png: the best plan's memory per pipeline rank, stacked by part;
 * candidates.png: every feasible candidate, predicted step time against peak memory, best starred.
 
-The numbers come from plait.cost (the same stage times and memory coefficients `predict` uses),
-so the pictures show exactly what the ranking was based on.
+The numbers come from plait.cost (the same stage times, schedule simulation and memory moments `predict`
+uses), so the pictures show exactly what the ranking was based on: the timeline's makespan is the predicted
+step time's pipeline part (tests/unit/test_report.py holds that).
 """
 
 from __future__ import annotations
@@ -42,19 +43,22 @@ def write_plan_report(plans: Sequence[Plan], directory: str | Path,
 
 # ---- timeline -------------------------------------------------------------------------------
 def timeline_events(plan: Plan, max_events_per_rank: int = MAX_EVENTS_PER_RANK) -> tuple[list[TimelineEvent], int]:
-    """Simulated (rank, F/B, micro-batch) boxes of one step of `plan`, and how many micro-batches they cover."""
-    from plait.cost.compute import ends_cost, layer_cost
+    """Simulated (rank, F/B, micro-batch) boxes of one step of `plan`, and how many micro-batches they cover.
+
+    The boxes are the cost model's own stage times (plait.cost.model.pipeline_stage_times: compute, recompute,
+    tensor-parallel collectives, fully_shard's hooks, the schedule's host time) run through its own schedule
+    simulation, cores shared where CPU ranks share them (plait.cost.schedule.simulate_shared): with every
+    micro-batch shown, the drawn makespan is the predicted step time's pipeline part."""
     from plait.cost.layout import Layout, Setting
-    from plait.cost.model import p2p_time, stage_times
-    from plait.cost.schedule import simulate
+    from plait.cost.model import p2p_time, pipeline_stage_times
+    from plait.cost.schedule import simulate_shared
 
     setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
-    args = (plan.model, plan.cluster, plan.train.seq_len, plan.micro_batch, layout.tp, layout.sp,
-            setting.dtype_bytes)
-    modes = tuple(plan.recompute[k % plan.pp] for k in range(plan.num_stages))
-    st = stage_times(layer_cost(*args), ends_cost(*args), plan.layers_per_stage, modes)
+    st, _ = pipeline_stage_times(setting, layout, plan.layers_per_stage, plan.recompute)
     shown = _micro_batches_shown(plan, max_events_per_rank)
-    timeline = simulate(st.fwd, st.bwd, plan.pp, shown, layout.schedule, p2p_time(setting, layout), keep_events=True)
+    over = plan.cluster.oversubscription if plan.pp > 1 else 1.0
+    timeline = simulate_shared(st.fwd, st.bwd, plan.pp, shown, layout.schedule, p2p_time(setting, layout), over,
+                               keep_events=True)
     events = [TimelineEvent(rank=r, kind=kind, micro_batch=mb, chunk=stage // plan.pp, start_s=start, end_s=end)
               for r, kind, stage, mb, start, end in timeline.events]
     return events, shown
@@ -94,11 +98,10 @@ def short_describe(plan: Plan) -> str:
 def memory_by_rank(plan: Plan) -> list[dict[str, float]]:
     """Bytes per part on every pipeline rank of `plan` (the peak rank's parts equal predicted.memory_parts)."""
     from plait.cost.layout import Layout, Setting
-    from plait.cost.memory import rank_memory
+    from plait.cost.model import memory_parts_per_rank
 
     setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
-    return [rank_memory(setting, layout, r, plan.recompute[r]).parts(sum(plan.layers_per_stage[r::plan.pp]))
-            for r in range(plan.pp)]
+    return memory_parts_per_rank(setting, layout, plan.layers_per_stage, plan.recompute)
 
 
 def _memory_png(plan: Plan, path: Path) -> Path:

@@ -18,7 +18,7 @@ TAIL_COLOR = "#B0B0B0"
 # Memory parts get a fixed colour each so two plots of different plans read the same way.
 PART_COLORS = {
     "params": "#4C72B0", "parameters": "#4C72B0", "grads": "#55A868", "gradients": "#55A868",
-    "optimizer": "#C44E52", "activations": "#DD8452", "logits": "#8172B3", "embedding": "#937860",
+    "optimizer": "#C44E52", "activations": "#DD8452", "temporaries": "#8172B3", "embedding": "#937860",
     "buffers": "#DA8BC3", "comm_buffers": "#DA8BC3", "reserve": "#8C8C8C",
 }
 GROUP_COLORS = ("#8DA0CB", "#E78AC3", "#66C2A5", "#FC8D62")

@@ -39,6 +39,8 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     where = where or cls.__name__
     if isinstance(data, cls):
         return data
+    if hasattr(cls, "upgrade_dict"):  # keys an older plait wrote elsewhere (ClusterSpec's host-time fields)
+        data = cls.upgrade_dict(data)
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__} {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}

@@ -2,7 +2,9 @@
 
 Hardware facts (memory, peak FLOP/s, link latency and bandwidth) come from public
 specifications or from `plait profile`; the few `Efficiency` constants are fitted
-(see plait/spec/clusters.py for which published rows each was fitted on).
+(see plait/spec/clusters.py for which published rows each was fitted on). `HostOverheads`
+holds what plait's executor costs the host per layer pass, parameter, stage pass and step:
+properties of the software on a device type, kept apart from the hardware's figures.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from plait.errors import ConfigError
 from plait.spec._dict import from_dict, to_dict
 
 
@@ -72,7 +75,7 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Efficiency:
-    """Achieved fractions of peak: the cost model's fitted constants (at most three per device type).
+    """Achieved fractions of the hardware's peak: the cost model's fitted constants (three per device type).
 
     GEMM rate = peak_flops · matmul · h / (h + matmul_half_dim) for a model of hidden size h; a
     layer's other work costs `overhead` times its GEMM time (plait/cost/compute.py). Presets and
@@ -84,40 +87,11 @@ class Efficiency:
     """Model hidden size at which the achieved fraction is half of `matmul`; 0 = no size effect."""
     overhead: float = 0.0
     """Non-GEMM work (norms, softmax, elementwise, launch), as a fraction of GEMM time."""
-    layer_overhead_s: float = 0.0
-    """Fixed host time of one layer's forward pass over one micro-batch, whatever its size (framework
-    dispatch of its ops, kernel launches), seconds; backward costs twice it. Why micro-batches are not
-    free: on CPU processes dispatch runs on the computing core, so 8 micro-batches of 1 take far longer
-    than 1 of 8. 0 for the GPU presets (launches overlap with large kernels there); fitted by `plait tune`."""
-    tp_layer_overhead_s: float = 0.0
-    """What tensor parallelism adds to that host time per layer pass: DTensor's sharding propagation and
-    redistribution bookkeeping on every op of the layer. 0 for the GPU presets; fitted by `plait tune`."""
-    dtensor_param_overhead_s: float = 0.0
-    """Host time per parameter tensor per step where a rank's parameters are DTensors (tensor parallelism,
-    or data parallelism on fully_shard): DTensor's dispatch of every optimizer op, and fully_shard's copies
-    in and out of its flat buffers. 0 for the GPU presets; fitted by `plait tune`."""
-    tp_param_overhead_s: float = 0.0
-    """What tensor parallelism adds to that per parameter tensor and step: the optimizer's DTensor ops over
-    parameters of mixed placements (sharded by row, by column, replicated). 0 for the GPU presets; measured
-    by `plait profile` on CPU processes."""
-    fsdp_layer_overhead_s: float = 0.0
-    """Host time fully_shard adds to each layer pass (forward 1x, backward 2x) where data parallelism rides on
-    it: its hooks before and after every unit's forward and backward. 0 for the GPU presets; measured by
-    `plait profile` on CPU processes."""
-    pipeline_overhead_s: float = 0.0
-    """Host time of one pipeline stage's forward or backward of one micro-batch beyond its layers': the
-    schedule's bookkeeping, posting its sends and receives and waiting on them. 0 for the GPU presets;
-    measured by `plait profile` on CPU processes."""
-    step_overhead_s: float = 0.0
-    """Fixed host time of a step, whatever the plan: launching the optimizer, zeroing the gradients,
-    averaging the loss over ranks. 0 for the GPU presets; measured by `plait profile` on CPU processes."""
 
     def __post_init__(self) -> None:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
-        for name in ("matmul_half_dim", "overhead", "layer_overhead_s", "tp_layer_overhead_s",
-                     "dtensor_param_overhead_s", "tp_param_overhead_s", "fsdp_layer_overhead_s", "pipeline_overhead_s",
-                     "step_overhead_s"):
+        for name in ("matmul_half_dim", "overhead"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
@@ -151,6 +125,48 @@ class DeviceGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostOverheads:
+    """Host time of plait's executor on a device type, beyond what FLOPs and bytes take: properties of the
+    software (Python, autograd, DTensor's dispatch, fully_shard's hooks, the pipeline schedule), not of the
+    hardware. 0 for the GPU presets, where launches overlap with large kernels; measured by `plait profile`
+    and corrected by `plait tune` on CPU processes, where dispatch runs on the computing core."""
+
+    layer_overhead_s: float = 0.0
+    """Fixed host time of one layer's forward pass over one micro-batch, whatever its size (framework
+    dispatch of its ops, kernel launches), seconds; backward costs twice it. Why micro-batches are not
+    free: on CPU processes dispatch runs on the computing core, so 8 micro-batches of 1 take far longer
+    than 1 of 8."""
+    tp_layer_overhead_s: float = 0.0
+    """What tensor parallelism adds to that host time per layer pass: DTensor's sharding propagation and
+    redistribution bookkeeping on every op of the layer."""
+    dtensor_param_overhead_s: float = 0.0
+    """Host time per parameter tensor per step where a rank's parameters are DTensors (tensor parallelism,
+    or data parallelism on fully_shard): DTensor's dispatch of every optimizer op, and fully_shard's copies
+    in and out of its flat buffers."""
+    tp_param_overhead_s: float = 0.0
+    """What tensor parallelism adds to that per parameter tensor and step: the optimizer's DTensor ops over
+    parameters of mixed placements (sharded by row, by column, replicated)."""
+    fsdp_layer_overhead_s: float = 0.0
+    """Host time fully_shard adds to each layer pass (forward 1x, backward 2x) where data parallelism rides on
+    it: its hooks before and after every unit's forward and backward."""
+    pipeline_overhead_s: float = 0.0
+    """Host time of one pipeline stage's forward or backward of one micro-batch beyond its layers': the
+    schedule's bookkeeping, posting its sends and receives and waiting on them."""
+    step_overhead_s: float = 0.0
+    """Fixed host time of a step, whatever the plan: launching the optimizer, zeroing the gradients,
+    averaging the loss over ranks."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not (getattr(self, f.name) >= 0):
+                raise ValueError(f"host.{f.name}={getattr(self, f.name)!r} must be >= 0 (seconds)")
+
+
+HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HostOverheads))
+"""Keys that cluster files written before HostOverheads held under `efficiency` (read there still)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     name: str = "custom"
     num_devices: int = 8
@@ -162,6 +178,9 @@ class ClusterSpec:
     peak_flops: float
     """Peak dense 16-bit FLOP/s per device (fp32 peak on CPUs)."""
     efficiency: Efficiency = field(default_factory=Efficiency)
+    """Achieved fractions of the hardware's peak (fitted)."""
+    host: HostOverheads = field(default_factory=HostOverheads)
+    """Host time of plait's executor on this device type (software, not hardware)."""
     intra_node: LinkSpec
     """Links between devices of one node (NVLink/NVSwitch; shared memory for CPU processes)."""
     inter_node: LinkSpec
@@ -244,3 +263,22 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ClusterSpec":
         return from_dict(cls, data, "cluster")
+
+    @classmethod
+    def upgrade_dict(cls, data: Any) -> Any:
+        """A cluster mapping of an older plait: the host-time keys it held under `efficiency`
+        (efficiency.layer_overhead_s, ...) move to `host` under the same names."""
+        if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
+            return data
+        old = {k: v for k, v in data["efficiency"].items() if k in HOST_FIELDS}
+        if not old:
+            return data
+        host = data.get("host") if isinstance(data.get("host"), dict) else {}
+        both = sorted(set(old) & set(host))
+        if both:
+            raise ConfigError(f"cluster: {both[0]!r} is given both under efficiency (the old place) and under host; "
+                              f"keep it under host only")
+        upgraded = dict(data)
+        upgraded["efficiency"] = {k: v for k, v in data["efficiency"].items() if k not in HOST_FIELDS}
+        upgraded["host"] = {**host, **old}
+        return upgraded

@@ -8,22 +8,35 @@ step inside a node (NVSwitch), ~10 us across InfiniBand.
 
 Fitted constants (`Efficiency`, three per device type; see plait/cost/compute.py for the formulas):
 
-* ``matmul`` (0.66): fraction of peak reached by large GEMMs,
-* ``matmul_half_dim`` (800): hidden size at which GEMMs reach half of that
+* ``matmul``: fraction of peak reached by large GEMMs,
+* ``matmul_half_dim``: hidden size at which GEMMs reach half of that
   (rate = peak · matmul · h / (h + matmul_half_dim)),
-* ``overhead`` (0.05): a layer's non-GEMM work (norms, softmax, GeLU, dropout, residuals) as a
+* ``overhead``: a layer's non-GEMM work (norms, softmax, GeLU, dropout, residuals) as a
   fraction of its GEMM time.
+
+Published step times barely separate ``matmul`` from ``overhead`` (a layer's time goes with
+(1 + overhead) / matmul): the fits below are minimax choices along that valley, and a pair with the
+same ratio prices whole layers alike.
 
 A100 (both memory sizes: same chip): fitted jointly on all 10 rows of Narayanan et al. 2021,
 Table 1 (TFLOP/s per GPU, priced as plait.cost.published describes) and the 5 rows of one
 22B-model layer's forward/backward time from Korthikanti et al. 2022, minimizing the worst
-error relative to the tolerance (10% and 15%). `python benchmarks/cost_accuracy.py --fit`
-redoes the grid search; the result: worst 6.5% on Megatron rows, 9.8% on the 22B layer rows.
+error relative to the tolerance (10% and 15%): ``matmul`` 0.82, ``matmul_half_dim`` 800,
+``overhead`` 0.30 (2021's unfused softmax and dropout). `python benchmarks/cost_accuracy.py --fit` redoes
+every grid search; the result: worst 6.1% on Megatron rows, 9.5% on the 22B layer rows.
 
-H100: no published rows in reference/published.md to fit on. The constants are the A100's,
-assuming the same software stack reaches the same fraction of a larger peak (989 TFLOP/s).
-That is optimistic for small models (H100 GEMMs need larger shapes to saturate): run
-`plait profile` / `plait tune` on real H100s to replace it.
+H100 SXM (``h100-80g``, 700 W): fitted by the same grid search on the five rows of Megatron-LM's H100
+weak-scaling table (reference/published.md, section 6.1; priced as plait.cost.published_2024 describes):
+``matmul`` 0.76, ``matmul_half_dim`` 1600, ``overhead`` 0.0; worst error 8.7% (tolerance 10%). The larger
+half-width than the A100's is the known need of H100 GEMMs for larger shapes to saturate; no overhead is
+left once Transformer Engine's fused kernels run the non-GEMM work (within the valley above).
+
+H100 96GB HBM2e at a 500 W power limit (``h100-96g-500w``; Meta's Grand Teton, torchtitan's H100 rows in
+section 6.2): not an SXM part at full power, so a preset of its own. The same chip (the SXM datasheet peak,
+989 TFLOP/s, is what torchtitan's MFU is counted against), so ``matmul_half_dim`` and ``overhead`` are the
+SXM's; ``matmul`` (0.47) is fitted on the two rows without torch.compile (Llama 3.1 8B, FSDP over 8 and 128
+GPUs, 5,762 and 5,605 tokens/s per GPU; worst 1.5%): the power limit and HBM2e hold it to about 60% of
+the SXM's GEMM rate. Links: NVLink as on any H100 node, one 400 Gb/s RDMA port per GPU (48 GB/s at 96% of line rate).
 """
 
 from __future__ import annotations
@@ -34,12 +47,18 @@ GB = 1e9
 GiB = 2**30
 
 # Fitted constants, per device type: see the module docstring for the rows they were fitted on.
-A100_EFFICIENCY = Efficiency(matmul=0.66, matmul_half_dim=800.0, overhead=0.05)
-H100_EFFICIENCY = A100_EFFICIENCY  # no published H100 rows: assumed equal (see above)
+A100_EFFICIENCY = Efficiency(matmul=0.82, matmul_half_dim=800.0, overhead=0.30)
+H100_EFFICIENCY = Efficiency(matmul=0.76, matmul_half_dim=1600.0, overhead=0.0)  # Megatron-LM's H100 rows
+H100_500W_EFFICIENCY = Efficiency(matmul=0.47, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
+                                  overhead=H100_EFFICIENCY.overhead)  # torchtitan's H100 96GB rows
 
 _A100_LINKS = dict(
     intra_node=LinkSpec(latency_s=5e-6, bandwidth=230 * GB),
     inter_node=LinkSpec(latency_s=10e-6, bandwidth=24 * GB),
+)
+_H100_LINKS = dict(
+    intra_node=LinkSpec(latency_s=5e-6, bandwidth=370 * GB),
+    inter_node=LinkSpec(latency_s=10e-6, bandwidth=48 * GB),
 )
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
@@ -48,9 +67,9 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "a100-40g": ClusterSpec(name="a100-40g", num_devices=1024, devices_per_node=8, memory_bytes=40 * GiB,
                             peak_flops=312e12, efficiency=A100_EFFICIENCY, **_A100_LINKS),
     "h100-80g": ClusterSpec(name="h100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=989e12, efficiency=H100_EFFICIENCY,
-                            intra_node=LinkSpec(latency_s=5e-6, bandwidth=370 * GB),
-                            inter_node=LinkSpec(latency_s=10e-6, bandwidth=48 * GB)),
+                            peak_flops=989e12, efficiency=H100_EFFICIENCY, **_H100_LINKS),
+    "h100-96g-500w": ClusterSpec(name="h100-96g-500w", num_devices=1024, devices_per_node=8, memory_bytes=96 * GiB,
+                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, **_H100_LINKS),
     # CPU processes on one machine talking through gloo; refine with `plait profile`. Peak: one
     # core's fp32 FMA rate (~2.5 GHz x 2 AVX2 FMA units x 8 lanes x 2 = 80 GFLOP/s, rounded down
     # to 50 for the clocks cloud cores hold); `plait profile --nproc 2` measured ~38 GFLOP/s per rank

@@ -165,6 +165,11 @@ def _spec_from_mapping(cls: type, presets: Mapping[str, Any], data: dict[str, An
                        default_name: str) -> Any:
     """Fields of `cls` from a file, optionally on top of ``preset: NAME`` (nested mappings merged)."""
     data = dict(data)
+    if hasattr(cls, "upgrade_dict"):  # keys an older plait wrote elsewhere, moved before merging on a preset
+        try:
+            data = cls.upgrade_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     base: dict[str, Any] = {"name": default_name}
     try:
         if "preset" in data:
@@ -347,6 +352,10 @@ def _normalize_cluster_units(data: dict[str, Any], where: str, prefix: str = "cl
     for key, parse in _CLUSTER_UNITS.items():
         if key in out and isinstance(out[key], str):
             out[key] = parse(out[key], f"{where}: {prefix}.{key}")
+    host = out.get("host")
+    if isinstance(host, Mapping):  # host time: 0.5ms, 300us, 3e-4
+        out["host"] = {k: parse_seconds(v, f"{where}: {prefix}.host.{k}") if isinstance(v, str) else v
+                       for k, v in host.items()}
     for level in ("intra_node", "inter_node", "between_groups"):
         link = out.get(level)
         if isinstance(link, Mapping):

@@ -7,7 +7,12 @@ is described by its shape (hidden, heads, kv-heads, head_dim, ffn, experts) and 
 * ``norm``: "layernorm" (weight and bias) or "rmsnorm" (weight);
 * ``bias``: which linear layers have biases: "all" (GPT-2), "qkv" (Qwen2), "none" (Llama);
 * ``positions``: "learned" (a table of max_seq_len rows: a hard limit on seq_len) or "rope";
-* ``qk_norm``: a norm over head_dim on queries and keys (Qwen3).
+* ``qk_norm``: a norm over head_dim on queries and keys (Qwen3);
+* ``attention``: how the attention core runs: "fused" (``F.scaled_dot_product_attention``'s flash or
+  memory-efficient kernels: no s x s matrix is kept, the backward reruns the scores inside the kernel,
+  and causal blocks above the diagonal are skipped) or "math" (the unfused softmax(q·kᵀ)·v of 2021's
+  Megatron, which keeps the s x s probabilities for backward). The executor runs what it says (the math
+  path through SDPA's MATH backend), and the cost model prices it (plait.cost.compute).
 
 ``arch`` is a shorthand that fills the features left unset: "gpt" (gelu, layernorm, all biases,
 learned positions) and "llama" (swiglu, rmsnorm, no biases, rope). Blocks may differ (a user's own
@@ -32,6 +37,8 @@ Mlp = Literal["gelu", "swiglu", "geglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 Bias = Literal["all", "qkv", "none"]
 Positions = Literal["learned", "rope"]
+Attention = Literal["fused", "math"]
+ATTENTION_PATHS: tuple[str, ...] = ("fused", "math")
 
 ARCH_FEATURES: dict[str, dict[str, Any]] = {
     "gpt": {"mlp": "gelu", "norm": "layernorm", "bias": "all", "positions": "learned"},
@@ -98,6 +105,9 @@ class ModelSpec:
     positions: Positions | None = None
     qk_norm: bool = False
     """A norm over head_dim applied to queries and keys (Qwen3)."""
+    attention: Attention = "fused"
+    """The attention core's path: "fused" (SDPA's flash / memory-efficient kernels, the default) or "math"
+    (unfused, keeps the s x s probabilities); see the module docstring."""
     sliding_window: int | None = None
     """Attention window of the model's own code (Mistral); plait runs full causal attention, so seq_len must
     stay within it."""
@@ -133,6 +143,8 @@ class ModelSpec:
         for feature in FEATURES:
             if getattr(self, feature) is None:
                 object.__setattr__(self, feature, defaults[feature])
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION_PATHS)}")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:

@@ -24,7 +24,8 @@ HF_DIR_ENV = "PLAIT_TEST_HF_DIR"
 
 
 def tiny_spec(arch: str, num_layers: int = 4) -> ModelSpec:
-    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64; gpt-tied: tied, vocab 67."""
+    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64; gpt-tied: tied, vocab 67
+    (a "-math" suffix on a case's model: the same spec on the unfused attention path)."""
     tied = arch == "gpt-tied"
     arch = "gpt" if tied else arch
     return ModelSpec(name=f"tiny-{arch}-test", arch=arch, num_layers=num_layers, hidden_size=32, num_heads=4,
@@ -37,6 +38,8 @@ FACTORY = "module:tiny_decoder:build"
 
 
 def model_of(case: dict) -> ModelSpec:
+    if case["model"].endswith("-math"):  # the unfused attention path (its selective recompute checkpoints the core)
+        return model_of({**case, "model": case["model"].removesuffix("-math")}).replace(attention="math")
     model = case["model"]
     if model == "factory":
         from tiny_decoder import TP_PLAN
@@ -80,6 +83,8 @@ CASES: list[dict] = [
     _case("pp-interleaved-uneven-empty-end", "gpt", 2, pp=2, schedule="interleaved", interleave=2,
           num_micro_batches=4, layers_per_stage=[2, 1, 1, 0]),
     _case("pp-1f1b-empty-first", "gpt", 2, pp=2, schedule="1f1b", layers_per_stage=[0, 4]),
+    _case("tp-sp-math-selective", "llama-math", 2, tp=2, sequence_parallel=True, recompute=["selective"]),
+    _case("hf-llama-math-selective", "hf:llama-math", 2, dp=2, zero=2, recompute=["selective"]),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
     _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------

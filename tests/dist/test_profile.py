@@ -55,7 +55,7 @@ def test_quick_profile_writes_a_loadable_cluster_file(quick_profile):
     assert "measured:" in header and "intra_node: latency" in header and "R2" in header
     # host time, from the probe plans timed end to end: CPU processes always spend some per layer pass
     assert "host time (fitted on 8 small plans" in header
-    assert cluster.efficiency.layer_overhead_s + cluster.efficiency.tp_layer_overhead_s > 0
+    assert cluster.host.layer_overhead_s + cluster.host.tp_layer_overhead_s > 0
 
 
 def test_quick_profile_prints_fits_and_keeps_raw_samples(quick_profile):

@@ -112,7 +112,7 @@ def test_fit_recovers_a_layer_overhead_the_cluster_did_not_have():
     fit = fit_terms(observe(real, noise=0.02, seed=5), CLUSTER)
     assert fit.before["layer_overhead"] == 0.0
     assert fit.after["layer_overhead"] == pytest.approx(4e-4, rel=0.15)
-    assert fit.cluster.efficiency.layer_overhead_s == fit.after["layer_overhead"]
+    assert fit.cluster.host.layer_overhead_s == fit.after["layer_overhead"]
     assert fit.factors["compute"] == pytest.approx(1.3, rel=0.08)
     assert math.isnan(fit.factors["layer_overhead"])
     assert np.median(fit.errors_after) < 0.03
@@ -174,7 +174,7 @@ def _enumerate_box(a, b, prior, weight, low, high):
     so solve every assignment of (free, at low, at high) per unknown and keep the best feasible one."""
     n = a.shape[1]
     gram, rhs = a.T @ a + np.diag(weight), a.T @ b + weight * prior
-    best, best_cost = None, math.inf
+    best_cost = math.inf
     for pattern in itertools.product((0, 1, 2), repeat=n):
         x = np.where(np.array(pattern) == 1, low, high).astype(float)
         free = [k for k in range(n) if pattern[k] == 0]
@@ -185,7 +185,7 @@ def _enumerate_box(a, b, prior, weight, low, high):
             continue
         cost = float(np.sum((a @ x - b) ** 2) + np.sum(weight * (x - prior) ** 2))
         if cost < best_cost:
-            best, best_cost = x, cost
+            best_cost = cost
     return best_cost
 
 

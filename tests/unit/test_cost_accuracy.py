@@ -1,10 +1,13 @@
-"""The cost model against published runs (reference/published.md): the tolerances issue 2 sets."""
+"""The cost model against published runs (reference/published.md): the tolerances issues 2 and 10 set
+(benchmarks/cost_accuracy.py prints the tables)."""
 
 import pytest
 
 from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_plan,
                                   predicted_layer_ms, predicted_tflops)
 from plait.cost.memory import model_state_bytes
+from plait.cost.published_2024 import (MEGATRON_H100_ROWS, TORCHTITAN_A100_ROWS, TORCHTITAN_H100_ROWS,
+                                       megatron_h100_tflops, torchtitan_prediction)
 from plait.spec import TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
 
@@ -17,13 +20,17 @@ def test_megatron_tflops_within_10_percent(row):
     assert abs(predicted / row.tflops - 1) <= 0.10, f"{row.params_b}B: {predicted:.1f} vs {row.tflops} TFLOP/s"
 
 
-def test_megatron_rows_fit_in_memory():
-    # The paper ran them on 80 GB GPUs: the model should agree that they fit.
-    for row in MEGATRON_ROWS:
-        plan = megatron_plan(row, A100)
-        from plait.cost import predict
+def test_megatron_rows_fit_in_memory_but_for_torch_pipelining_buffers():
+    """The paper ran them on 80 GB GPUs, and as plait's executor would run them they fit too, but for the receive
+    buffers torch.distributed.pipelining keeps for every micro-batch (Megatron keeps one per micro-batch in flight):
+    on the 310B-1T rows (m = 144-512 micro-batches, v = 2-3 chunks) those alone exceed the device."""
+    from plait.cost import predict
 
-        assert predict(plan).peak_memory_bytes <= A100.memory_bytes, row
+    for row in MEGATRON_ROWS:
+        prediction = predict(megatron_plan(row, A100))
+        assert prediction.peak_memory_bytes - prediction.memory_parts["buffers"] <= A100.memory_bytes, row
+        if row.params_b > 300:
+            assert prediction.memory_parts["buffers"] > A100.memory_bytes / 2, row
 
 
 @pytest.mark.parametrize("name,sp,mode,fwd,bwd,combined", LAYER_22B_ROWS, ids=[r[0] for r in LAYER_22B_ROWS])
@@ -40,3 +47,31 @@ def test_zero_figures_exact():
             gb = sum(model_state_bytes(ZERO_PSI, nd, stage, train).values()) / 1e9
             decimals = len(str(published).split(".")[1])
             assert abs(gb - published) <= 0.5 * 10**-decimals + 1e-12, (nd, stage, gb, published)
+
+
+# ---- section 6: H100 and FSDP2 runs -------------------------------------------------------------
+H100 = CLUSTER_PRESETS["h100-80g"]
+H100_500W = CLUSTER_PRESETS["h100-96g-500w"]
+
+
+@pytest.mark.parametrize("row", MEGATRON_H100_ROWS, ids=lambda r: f"{r.params_b:g}B")
+def test_megatron_h100_tflops_within_10_percent(row):
+    predicted = megatron_h100_tflops(row, H100)
+    assert abs(predicted / row.tflops - 1) <= 0.10, f"{row.params_b}B: {predicted:.1f} vs {row.tflops} TFLOP/s"
+
+
+@pytest.mark.parametrize("row", TORCHTITAN_A100_ROWS, ids=lambda r: f"{r.model}-{r.recompute}")
+def test_torchtitan_a100_tokens_within_15_percent(row):
+    predicted, _ = torchtitan_prediction(row, A100)
+    assert abs(predicted / row.tokens_per_s - 1) <= 0.15, f"{row.model}: {predicted:.0f} vs {row.tokens_per_s}"
+
+
+@pytest.mark.parametrize("row", TORCHTITAN_H100_ROWS, ids=lambda r: f"{r.devices}gpus")
+def test_torchtitan_h100_96gb_rows_fit_with_the_published_memory(row):
+    """Llama 3.1 8B, s = 8192, local batch 2, torchtitan's selective recompute, FSDP over 8 and 128 H100 96GB:
+    feasible, peak within 15% of the published maximum reserved memory, and the throughput `matmul` was fitted
+    on within 5%."""
+    predicted, prediction = torchtitan_prediction(row, H100_500W)
+    assert prediction.peak_memory_bytes <= H100_500W.memory_bytes
+    assert abs(prediction.peak_memory_bytes / 2**30 / row.memory_gib - 1) <= 0.15, prediction.peak_memory_bytes
+    assert abs(predicted / row.tokens_per_s - 1) <= 0.05, predicted

@@ -131,8 +131,16 @@ def test_shards_on_meta_at_16_ranks(fake_world, rank):
     name, wq = next((n, t) for n, t in params.items() if n.endswith("attention.wq.weight"))
     assert wq.shape == (64, 64)  # the global shape is kept ...
     assert wq.to_local().shape == (64 // 4 // 2, 64)  # ... each rank holds 1/tp of the rows, split again over dp
-    # full recompute wraps whole blocks; selective only each block's parameter-free attention core
-    assert ("_checkpoint_wrapped_module" in name) == (pp_rank == 0)
-    cores = [m for n, m in part.named_modules() if n.endswith("attention.core")]
+    # full recompute wraps whole blocks, and so does selective on the fused attention path (a per-op policy over
+    # the block: plait.execute.recompute); on the math path selective wraps the attention core alone
+    assert "_checkpoint_wrapped_module" in name
+    wrapped = [m for m in part.layers.values() if isinstance(m, CheckpointWrapper)]
+    assert len(wrapped) == len(p.stage_layers(pp_rank))
+    has_policy = [m.checkpoint_fn.keywords.get("context_fn") is not None for m in wrapped]
+    assert has_policy == [pp_rank == 1] * len(wrapped)
+    math = p.replace(model=SPEC.replace(attention="math"))
+    _, math_parts = split_model(adapter_for(math.model), adapter_for(math.model).build("meta"), math, pp_rank)
+    math_part = shard_stage(math_parts[0], math, mesh, pp_rank, None)
+    cores = [m for n, m in math_part.named_modules() if n.endswith("attention.core")]
     assert len(cores) == len(p.stage_layers(pp_rank))
     assert all(isinstance(m, CheckpointWrapper) for m in cores) == (pp_rank == 1)

@@ -291,3 +291,16 @@ def test_specs_pass_through():
     assert load_model(spec) is spec
     cluster = CLUSTER_PRESETS["local-cpu"]
     assert isinstance(load_cluster(cluster), ClusterSpec)
+
+
+def test_attention_path_is_read_from_a_model_file_and_checked(tmp_path):
+    """ModelSpec.attention: fused by default, "math" where asked; anything else named with the choices."""
+    assert MODEL_PRESETS["llama3-8b"].attention == "fused"
+    path = tmp_path / "m.yaml"
+    path.write_text("preset: llama3-8b\nattention: math\n")
+    assert load_model(str(path)).attention == "math"
+    path.write_text("preset: llama3-8b\nattention: flash\n")
+    with pytest.raises(ConfigError, match="attention: 'flash' is not one of 'fused', 'math'"):
+        load_model(str(path))
+    with pytest.raises(ValueError, match="attention='flash' is not one of fused, math"):
+        ModelSpec(num_layers=2, hidden_size=8, num_heads=2, vocab_size=16, attention="flash")

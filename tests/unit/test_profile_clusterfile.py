@@ -40,6 +40,35 @@ def test_the_planners_loader_accepts_it(tmp_path):
     assert load_cluster(str(written(tmp_path))) == CLUSTER
 
 
+def test_files_of_older_plait_keep_host_time_under_efficiency(tmp_path):
+    """Cluster files written before HostOverheads held the executor's host time under `efficiency`: read there
+    still (same names, moved to `host`), by the profile reader, the planner's loader and a plan's cluster."""
+    import dataclasses
+
+    from plait.spec.cluster import HostOverheads
+    from plait.spec.load import load_cluster
+
+    profiled = CLUSTER.replace(host=HostOverheads(layer_overhead_s=6e-4, tp_layer_overhead_s=9e-3, step_overhead_s=5e-3))
+    old = profiled.to_dict()
+    old["efficiency"].update(old.pop("host"))  # the layout of plait before this change
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    assert read_cluster_file(path) == profiled
+    assert load_cluster(str(path)) == profiled
+    assert ClusterSpec.from_dict(old) == profiled
+    from plait.plan import Plan
+    from plait.spec import TrainSpec
+    from plait.spec.models import MODEL_PRESETS
+
+    plan = Plan.of(dp=4, model=MODEL_PRESETS["tiny-gpt"], train=TrainSpec(global_batch=4, seq_len=16), cluster=profiled)
+    assert Plan.from_dict({**plan.to_dict(), "cluster": old}) == plan  # a plan file of an older plait
+    both = {**old, "host": {"layer_overhead_s": 1e-3}}
+    path.write_text(yaml.safe_dump(both, sort_keys=False))
+    with pytest.raises(ConfigError, match="'layer_overhead_s' is given both under efficiency"):
+        read_cluster_file(path)
+    assert dataclasses.fields(Efficiency)[-1].name == "overhead"  # hardware fractions only
+
+
 def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
     path = written(tmp_path)
     before = path.read_bytes()

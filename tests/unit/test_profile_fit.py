@@ -216,7 +216,7 @@ def test_calibrate_fits_host_time_on_the_probe_plans():
     base = calibrate(synthetic_measurements()).cluster
     host = dict(layer_overhead_s=1.2e-3, tp_layer_overhead_s=8e-3, fsdp_layer_overhead_s=3e-4,
                 dtensor_param_overhead_s=2e-4, tp_param_overhead_s=4e-4, pipeline_overhead_s=6e-4, step_overhead_s=3e-3)
-    truth = base.replace(efficiency=dataclasses.replace(base.efficiency, **host))
+    truth = base.replace(host=dataclasses.replace(base.host, **host))
     probes = probe_plans(4)
     assert {(p.dp, p.tp, p.pp, p.zero, p.num_micro_batches) for p in probes} == {
         (4, 1, 1, 0, 1), (4, 1, 1, 0, 4), (4, 1, 1, 2, 1), (4, 1, 1, 2, 4), (2, 2, 1, 0, 1), (2, 2, 1, 0, 4),
@@ -225,7 +225,7 @@ def test_calibrate_fits_host_time_on_the_probe_plans():
     m = Measurements(**{**synthetic_measurements().__dict__, "host_steps": samples})
     cal = calibrate(m)
     for name, value in host.items():
-        assert getattr(cal.cluster.efficiency, name) == pytest.approx(value, rel=0.02), name
+        assert getattr(cal.cluster.host, name) == pytest.approx(value, rel=0.02), name
     assert max(cal.host.errors_after) < 0.01
     assert "host time (fitted on 8 small plans" in "\n".join(describe(m, cal))
     assert measurements_from_json(measurements_json(m)) == m

@@ -140,6 +140,34 @@ def test_timeline_events_cover_every_forward_and_backward():
         assert {e.chunk for e in mine} == {0, 1}
 
 
+@pytest.mark.parametrize("changes", [
+    dict(),                                                                   # pp2 x v2 interleaved, fully_shard
+    dict(dp=1, num_micro_batches=8, interleave=1, schedule="1f1b", layers_per_stage=(2, 2)),  # 1F1B, no DP
+    dict(pp=1, dp=4, num_micro_batches=2, interleave=1, schedule="1f1b", recompute=("none",),
+         layers_per_stage=()),                                                # gradient accumulation
+    dict(oversubscription=2.0),                                               # CPU ranks sharing cores
+])
+def test_timeline_makespan_is_the_predicted_pipeline_part(changes):
+    """The drawn boxes are the cost model's own: with host time per layer pass, per stage pass and fully_shard's
+    hooks, and cores shared among busy ranks, the last box ends at the predicted step time's pipeline part."""
+    import dataclasses
+
+    from plait.cost.model import pipeline_part
+    from plait.report.plan_report import timeline_events
+
+    cluster = CLUSTER_PRESETS["local-cpu"]
+    cluster = cluster.replace(host=dataclasses.replace(cluster.host, layer_overhead_s=2e-3, pipeline_overhead_s=5e-3,
+                                                       fsdp_layer_overhead_s=1e-3, step_overhead_s=4e-3),
+                              oversubscription=changes.pop("oversubscription", 1.0))
+    plan = _predicted(_plan(predicted=None, cluster=cluster, **changes))
+    events, shown = timeline_events(plan)
+    assert shown == plan.num_micro_batches
+    drawn = max(e.end_s for e in events)
+    assert drawn == pytest.approx(pipeline_part(plan.predicted.step_time_parts), rel=1e-9)
+    assert drawn + plan.predicted.step_time_parts["dp_comm"] + plan.predicted.step_time_parts["optimizer"] == \
+        pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
 def test_long_schedules_are_cut_to_whole_rounds():
     from plait.report.plan_report import timeline_events
 

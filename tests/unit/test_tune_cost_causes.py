@@ -27,8 +27,8 @@ def plan(cluster: ClusterSpec = CPU, **fields) -> Plan:
     return Plan.of(model=MODEL, train=TRAIN, cluster=cluster, **fields)
 
 
-def with_efficiency(**changes) -> ClusterSpec:
-    return CPU.replace(efficiency=dataclasses.replace(CPU.efficiency, **changes))
+def with_host(**changes) -> ClusterSpec:
+    return CPU.replace(host=dataclasses.replace(CPU.host, **changes))
 
 
 def step(p: Plan) -> float:
@@ -38,7 +38,7 @@ def step(p: Plan) -> float:
 @pytest.mark.parametrize("dp,tp,pp,mb,count", [(4, 1, 1, 1, 2), (4, 1, 1, 2, 1), (1, 4, 1, 1, 8), (1, 1, 4, 1, 8)])
 def test_layer_overhead_costs_three_passes_per_layer_and_micro_batch(dp, tp, pp, mb, count):
     base = plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, num_micro_batches=count)
-    slow = base.replace(cluster=with_efficiency(layer_overhead_s=1e-3))
+    slow = base.replace(cluster=with_host(layer_overhead_s=1e-3))
     added = step(slow) - step(base)
     per_rank_passes = 3 * MODEL.num_layers * count  # forward once, backward twice
     if pp == 1:
@@ -48,7 +48,7 @@ def test_layer_overhead_costs_three_passes_per_layer_and_micro_batch(dp, tp, pp,
 
 
 def test_tp_layer_overhead_touches_only_tensor_parallel_plans():
-    cluster = with_efficiency(tp_layer_overhead_s=2e-3)
+    cluster = with_host(tp_layer_overhead_s=2e-3)
     assert step(plan(cluster=cluster)) == step(plan())
     tp = plan(dp=1, tp=4, num_micro_batches=8)
     added = step(tp.replace(cluster=cluster)) - step(tp)
@@ -103,7 +103,7 @@ def test_idle_pipeline_stages_lend_their_cores():
 
 
 def test_dtensor_parameters_cost_host_time_per_tensor():
-    cluster = with_efficiency(dtensor_param_overhead_s=1e-3)
+    cluster = with_host(dtensor_param_overhead_s=1e-3)
     tensors = 16 * MODEL.num_layers + 5  # plait's GPT: 16 per layer; embeddings, final norm, head
     for sharded in (plan(zero=2), plan(zero=3), plan(dp=1, tp=4, num_micro_batches=8)):
         added = step(sharded.replace(cluster=cluster)) - step(sharded)
@@ -113,7 +113,7 @@ def test_dtensor_parameters_cost_host_time_per_tensor():
 
 
 def test_tensor_parallel_parameters_cost_more_per_tensor():
-    cluster = with_efficiency(tp_param_overhead_s=1e-3)
+    cluster = with_host(tp_param_overhead_s=1e-3)
     tensors = 16 * MODEL.num_layers + 5
     tp = plan(dp=1, tp=4, num_micro_batches=8)
     assert step(tp.replace(cluster=cluster)) - step(tp) == pytest.approx(tensors * 1e-3, rel=1e-6)
@@ -127,7 +127,7 @@ def test_tensor_parallel_parameters_cost_more_per_tensor():
     ({"zero": 0}, False), ({"zero": 1}, False), ({"dp": 1, "tp": 4, "num_micro_batches": 8}, False)])
 def test_fsdp_hooks_cost_host_time_per_layer_pass_only_on_fully_shard(fields, sharded):
     base = plan(**fields)
-    added = step(base.replace(cluster=with_efficiency(fsdp_layer_overhead_s=1e-3))) - step(base)
+    added = step(base.replace(cluster=with_host(fsdp_layer_overhead_s=1e-3))) - step(base)
     if not sharded:  # DDP, or no data parallelism: no fully_shard hooks
         assert added == 0
     elif base.pp == 1:
@@ -141,7 +141,7 @@ def test_fsdp_hooks_cost_host_time_per_layer_pass_only_on_fully_shard(fields, sh
                                     {"dp": 1, "pp": 4, "num_micro_batches": 8, "schedule": "1f1b"}])
 def test_step_overhead_is_paid_once_per_step_whatever_the_plan(fields):
     base = plan(**fields)
-    slow = base.replace(cluster=with_efficiency(step_overhead_s=5e-3))
+    slow = base.replace(cluster=with_host(step_overhead_s=5e-3))
     assert step(slow) - step(base) == pytest.approx(5e-3, rel=1e-6)
     assert predict(slow).step_time_parts["optimizer"] - predict(base).step_time_parts["optimizer"] == \
         pytest.approx(5e-3, rel=1e-6)
@@ -149,7 +149,7 @@ def test_step_overhead_is_paid_once_per_step_whatever_the_plan(fields):
 
 @pytest.mark.parametrize("pp,schedule,interleave", [(4, "gpipe", 1), (4, "1f1b", 1), (2, "interleaved", 2)])
 def test_pipeline_overhead_is_paid_per_stage_pass_and_only_under_a_pipeline(pp, schedule, interleave):
-    cluster = with_efficiency(pipeline_overhead_s=2e-3)
+    cluster = with_host(pipeline_overhead_s=2e-3)
     flat = plan()
     assert step(flat.replace(cluster=cluster)) == step(flat)
     added = {}

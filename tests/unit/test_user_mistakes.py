@@ -270,7 +270,7 @@ def test_tune_cannot_write_an_efficiency_above_one_or_a_negative_bandwidth(seed,
         assert link.bandwidth > 0 and link.latency_s >= 0
     from plait.profile.calibrate import HOST_TERMS
 
-    assert all(getattr(tuned.efficiency, f"{term}_s") >= 0 for term in HOST_TERMS)
+    assert all(getattr(tuned.host, f"{term}_s") >= 0 for term in HOST_TERMS)
     for plan in plans:  # and no plan priced on it shows more than 100% of peak
         assert _predicted(plan, tuned).mfu <= 1.0
     capsys.readouterr()

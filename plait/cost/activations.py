@@ -1,0 +1,210 @@
+"""What one transformer block keeps for its backward pass, tensor by tensor, as plait's executor runs it.
+
+Korthikanti et al. 2022 (Table 2) count a 2021 Megatron layer: 34·s·b·h bytes plus the 5·a·s²·b of the
+unfused attention's scores, with dropout masks everywhere. plait's executor differs in ways that change
+the count, so the list below follows its code (plait.models.reference; transformers' Llama and GPT-2
+blocks keep the same tensors) and is checked against the tensors autograd really saves
+(tests/unit/test_activations.py) and against PyTorch's memory tracker on whole plans
+(benchmarks/memory_accuracy.py):
+
+* attention is SDPA's fused kernel by default (ModelSpec.attention = "fused"): it keeps q, k, v, its output
+  and the logsumexp (fp32, one per head and token), no s x s matrix; grouped-query keys and values are kept
+  at their kv-head width (enable_gqa). The "math" path keeps the softmax probabilities (a·s per token),
+  and keys and values repeated to every query head;
+* no dropout (plait trains without it): no masks;
+* the norms: LayerNorm keeps its input and two fp32 statistics; plait's RMSNorm (like transformers') keeps
+  its input upcast to fp32, the normalized tensor and one fp32 statistic; the norm's output is kept by the
+  linear layers it feeds. Under sequence parallelism that output is all-gathered first, and the linear
+  keeps the gathered copy: two whole b·s·h tensors per layer (Megatron keeps the shard and gathers again in
+  backward, which Korthikanti's 34/t assumes);
+* the MLP: GeLU keeps its input and output (2f per token), SwiGLU/GeGLU gate, activation, up and product (4f).
+
+Recompute modes: "full" keeps the block's input; "selective" keeps what plait.execute.recompute's policy
+saves: on the fused path the block input, the outputs of the fused attention kernel and of every second
+GEMM in forward order, and those of the reduce-scatters (all-reduces) that end the attention and the MLP
+under tensor parallelism; on the math path everything but the probabilities (the attention core is
+checkpointed).
+
+Widths are elements per token of one micro-batch; each tensor has a dtype class and a split:
+
+* dtype "compute" (the 16-bit compute dtype, or 4 bytes in fp32 runs), "residual" (the residual stream's:
+  fp32 where 16-bit runs autocast over fp32 parameters, plait's DDP path; the compute dtype under
+  fully_shard's mixed precision), "fp32", "index" (int64 token ids);
+* split "tp" (divided by the tensor degree: heads, the MLP's inner width), "sp" (divided by it under
+  sequence parallelism only), "whole" (never: gathered inputs, row-parallel partial sums), "tp-seq"
+  (the math path's probabilities: `width` per head and position, heads divided by the tensor degree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plait.spec.model import ModelSpec
+
+FP32_BYTES = 4
+INDEX_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of the dtype classes of one plan (see the module docstring)."""
+
+    compute: int
+    residual: int
+
+    def bytes(self, kind: str) -> int:
+        return {"compute": self.compute, "residual": self.residual, "fp32": FP32_BYTES, "index": INDEX_BYTES}[kind]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a block keeps for backward: `width` elements per token."""
+
+    name: str
+    width: float
+    dtype: str
+    split: str
+
+
+def _norm(model: ModelSpec, where: str) -> list[Saved]:
+    """What a norm over the hidden size keeps, and its output kept by the linear layers it feeds."""
+    h = model.hidden_size
+    if model.norm == "layernorm":
+        kept = [Saved(f"{where} input", h, "residual", "sp"), Saved(f"{where} mean, rstd", 2, "fp32", "sp")]
+    else:
+        kept = [Saved(f"{where} input (fp32)", h, "fp32", "sp"), Saved(f"{where} normalized", h, "residual", "sp"),
+                Saved(f"{where} rstd", 1, "fp32", "sp")]
+    return kept + [Saved(f"{where} output (linear input, gathered under SP)", h, "compute", "whole")]
+
+
+def _attention(model: ModelSpec, math: bool) -> list[Saved]:
+    """The attention core's inputs and what the kernel keeps; `math`: SDPA's unfused path."""
+    q, kv, a = model.q_size, model.kv_size, model.num_heads
+    kept = []
+    if model.qk_norm:  # Qwen3: an RMSNorm over head_dim on q and k
+        kept += [Saved("q/k norm input (fp32)", q + kv, "fp32", "tp"), Saved("q/k normalized", q + kv, "compute", "tp"),
+                 Saved("q/k norm rstd", a + model.num_kv_heads, "fp32", "tp")]
+    keys = q if math and kv != q else kv  # the math path repeats grouped keys and values to every query head
+    kept += [Saved("q", q, "compute", "tp"), Saved("k", keys, "compute", "tp"), Saved("v", keys, "compute", "tp"),
+             Saved("attention output", q, "compute", "tp")]
+    if math:
+        kept.append(Saved("softmax probabilities", a, "compute", "tp-seq"))  # a·s per token (see `_width`)
+    else:
+        kept.append(Saved("logsumexp", a, "fp32", "tp"))
+    return kept
+
+
+def _mlp(model: ModelSpec) -> list[Saved]:
+    if model.num_experts:  # each token's experts keep the dense MLP's tensors; the router its logits
+        f = model.experts_per_token * model.moe_ffn_hidden_size
+        inner = 4 if model.gated_mlp else 2
+        return [Saved("expert inner activations", inner * f, "compute", "tp"),
+                Saved("router logits", model.num_experts, "fp32", "sp")]
+    f = model.ffn_hidden_size
+    if model.gated_mlp:
+        return [Saved(name, f, "compute", "tp") for name in ("gate", "activation", "up", "gate x up")]
+    return [Saved("up projection", f, "compute", "tp"), Saved("activation", f, "compute", "tp")]
+
+
+def block_gemms(model: ModelSpec) -> list[Saved]:
+    """The GEMM outputs of one block in forward order (q, k, v, o, up/gate..., down): what the selective policy
+    counts. A row-parallel GEMM's output is its local partial sum, whole."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    f = model.ffn_hidden_size
+    mlp = ([Saved("gate GEMM", f, "compute", "tp"), Saved("up GEMM", f, "compute", "tp")] if model.gated_mlp
+           else [Saved("up GEMM", f, "compute", "tp")])
+    return [Saved("q GEMM", q, "compute", "tp"), Saved("k GEMM", kv, "compute", "tp"),
+            Saved("v GEMM", kv, "compute", "tp"), Saved("out GEMM (partial sum)", h, "compute", "whole"),
+            *mlp, Saved("down GEMM (partial sum)", h, "compute", "whole")]
+
+
+def saved_tensors(model: ModelSpec, mode: str, tp: int = 1, sp: bool = False) -> tuple[Saved, ...]:
+    """Every tensor one block keeps for backward under recompute `mode` (see the module docstring)."""
+    math = model.attention == "math"
+    block_input = Saved("block input", model.hidden_size, "residual", "sp")
+    if mode == "full":
+        return (block_input,)
+    if mode == "selective" and not math:
+        kept = [block_input] + block_gemms(model)[0::2]  # the 1st, 3rd, ... GEMM
+        kept += [s for s in _attention(model, math) if s.name in ("attention output", "logsumexp")]
+        if tp > 1:  # the reduce-scatters (all-reduces without SP) closing the attention and the MLP
+            kept += [Saved("collective output", model.hidden_size, "compute", "sp" if sp else "whole")] * 2
+        return tuple(kept)
+    kept = _norm(model, "attention norm") + _attention(model, math) + _norm(model, "MLP norm") + _mlp(model)
+    if mode == "selective":  # math path: the checkpointed core keeps its inputs, not its probabilities
+        kept = [s for s in kept if s.name != "softmax probabilities"]
+        kv = model.kv_size
+        kept = [Saved(s.name, kv, s.dtype, s.split) if s.name in ("k", "v") else s for s in kept]
+    return tuple(kept)
+
+
+def _width(saved: Saved, seq_len: int, tp: int, sp: bool) -> float:
+    if saved.split == "tp-seq":  # probabilities: a·s per token, heads split by tp
+        return saved.width * seq_len / tp
+    divisor = {"tp": tp, "sp": tp if sp else 1, "whole": 1}[saved.split]
+    return saved.width / divisor
+
+
+@lru_cache(maxsize=65536)
+def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
+                     dtypes: Dtypes) -> float:
+    """Bytes one block keeps for backward, per device, for one micro-batch of `micro_batch` sequences.
+
+    A model measured on meta (ModelSpec.blocks) keeps its measured bytes (the mean block, fp32 on meta),
+    split over tp as a transformer layer's are (the norms' part only under SP); full recompute keeps the
+    block input; selective keeps the share a transformer layer of the same width keeps."""
+    tokens = micro_batch * seq_len
+    if model.blocks and mode != "full":
+        measured = sum(x.activation_bytes_per_token for x in model.blocks) / len(model.blocks)
+        layer = model_like_blocks(model)
+        share = activation_bytes(layer, 1, seq_len, tp, sp, mode, dtypes) / activation_bytes(
+            layer, 1, seq_len, 1, False, "none", Dtypes(FP32_BYTES, FP32_BYTES))
+        return tokens * measured * share
+    return tokens * sum(_width(s, seq_len, tp, sp) * dtypes.bytes(s.dtype) for s in saved_tensors(model, mode, tp, sp))
+
+
+def model_like_blocks(model: ModelSpec) -> ModelSpec:
+    """A transformer layer of the measured model's shape (its blocks' costs dropped): what the split rules of
+    measured blocks follow."""
+    return model.replace(blocks=(), pre_params=None, post_params=None)
+
+
+def stage_input_is_kept(model: ModelSpec, mode: str, dtypes: Dtypes) -> bool:
+    """Whether a block keeps its input tensor itself (rather than a copy): then a pipeline stage's received
+    activation, which torch.distributed.pipelining keeps in a buffer of its own, is that same tensor."""
+    if mode == "full" or (mode == "selective" and model.attention == "fused"):
+        return True
+    return model.norm == "layernorm" or dtypes.residual == FP32_BYTES
+
+
+def head_saved_bytes(model: ModelSpec, tokens: int, tp: int, sp: bool, dtypes: Dtypes) -> float:
+    """What the last stage keeps for backward per micro-batch: the final norm, the output layer's (gathered)
+    input, and the loss's fp32 log-softmax over this rank's vocabulary slice (the logits themselves are freed
+    once upcast)."""
+    per_token = sum(_width(s, 0, tp, sp) * dtypes.bytes(s.dtype) for s in _norm(model, "final norm"))
+    return tokens * (per_token + FP32_BYTES * model.vocab_size / tp)
+
+
+def loss_backward_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
+    """Temporaries at the start of the backward pass: the loss's gradient over the log-softmax and the
+    log-softmax's gradient over the logits, fp32, over this rank's vocabulary slice."""
+    return tokens * 2 * FP32_BYTES * model.vocab_size / tp
+
+
+def layer_backward_bytes(model: ModelSpec, seq_len: int, tokens: int, tp: int, sp: bool, dtypes: Dtypes) -> float:
+    """Temporaries of one block's backward: the gradient flowing in and out along the residual stream, and the
+    gradients of the MLP's inner activations; on the math path also the gradients with respect to the softmax's
+    output and input (two a·s-wide tensors per token)."""
+    h = model.hidden_size / (tp if sp else 1)
+    f = (model.ffn_hidden_size if not model.num_experts else model.experts_per_token * model.moe_ffn_hidden_size)
+    inner = (2 if model.gated_mlp else 1) * f / tp
+    scores = 2 * probabilities_bytes(model, seq_len, tokens, tp, dtypes) / tokens
+    return tokens * (2 * h * dtypes.residual + inner * dtypes.compute + scores)
+
+
+def probabilities_bytes(model: ModelSpec, seq_len: int, tokens: int, tp: int, dtypes: Dtypes) -> float:
+    """The math path's softmax probabilities of one block and micro-batch (0 on the fused path)."""
+    if model.attention != "math":
+        return 0.0
+    return tokens * model.num_heads / tp * seq_len * dtypes.compute

@@ -1,0 +1,63 @@
+"""plait.cost.activations against what autograd really saves in plait's reference block (CPU, fp32, tiny shapes):
+the cost model's list of kept tensors is the executor's, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.cost.activations import Dtypes, activation_bytes
+from plait.models.reference import TransformerBlock, rope_tables
+from plait.spec import ModelSpec
+
+FP32 = Dtypes(compute=4, residual=4)
+SPECS = {
+    "gpt": ModelSpec(arch="gpt", num_layers=1, hidden_size=64, num_heads=8, ffn_hidden_size=96, vocab_size=64),
+    "llama-gqa": ModelSpec(arch="llama", num_layers=1, hidden_size=64, num_heads=8, num_kv_heads=2,
+                           ffn_hidden_size=96, vocab_size=64),
+    "qwen3-like": ModelSpec(arch="llama", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24,
+                            qk_norm=True, bias="qkv", ffn_hidden_size=96, vocab_size=64),
+    "gemma-like": ModelSpec(arch="llama", mlp="geglu", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=1,
+                            ffn_hidden_size=96, vocab_size=64),
+}
+
+
+def saved_bytes(spec: ModelSpec, batch: int, seq: int) -> float:
+    """Bytes of the distinct storages autograd keeps over one block's forward, parameters and the rotary tables
+    (one per pipeline stage, shared by its blocks) left out."""
+    torch.manual_seed(0)
+    block = TransformerBlock(spec)
+    x = torch.randn(batch, seq, spec.hidden_size, requires_grad=True)
+    rope = rope_tables(torch.arange(seq), spec.head_dim, spec.rope_theta) if spec.positions == "rope" else None
+    shared = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    shared |= {t.untyped_storage().data_ptr() for t in rope or ()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in shared:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope) if rope is not None else block(x)
+    return float(sum(kept.values()))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_block_keeps_what_the_cost_model_counts(name, attention):
+    spec = SPECS[name].replace(attention=attention)
+    batch, seq = 2, 48
+    assert saved_bytes(spec, batch, seq) == pytest.approx(activation_bytes(spec, batch, seq, 1, False, "none", FP32))
+
+
+def test_the_math_path_keeps_the_probabilities_and_the_fused_one_does_not():
+    """The fused block keeps bytes linear in s; the math path adds the s x s probabilities (and keys and values
+    repeated to every query head), less the fused kernel's logsumexp."""
+    spec = SPECS["llama-gqa"]
+    a, q, kv = spec.num_heads, spec.q_size, spec.kv_size
+    for seq in (32, 64):
+        fused, math = saved_bytes(spec, 1, seq), saved_bytes(spec.replace(attention="math"), 1, seq)
+        assert math - fused == seq * 4 * (a * seq + 2 * (q - kv) - a)
+    assert saved_bytes(spec, 1, 64) == 2 * saved_bytes(spec, 1, 32)
