@@ -131,7 +131,8 @@ def _with_progress(work: Callable[[], Any], message: str) -> Any:
 
 def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
     from plait.report.console import output_console
-    from plait.report.tables import LAYERS_LEGEND, human_count, plans_table, search_stats_line
+    from plait.report.tables import (GROUPS_LEGEND, LAYERS_LEGEND, human_count, plans_table, search_stats_line,
+                                     stages_table)
 
     console = output_console()
     plans = list(result.plans)
@@ -140,6 +141,9 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
     console.print(plans_table(plans[:top], title=title, width=console.width))
     if any(plan.num_stages > 1 for plan in plans[:top]):
         console.print(LAYERS_LEGEND, highlight=False, markup=False, style="dim")
+    mixed = bool(plans and plans[0].stage_groups)
+    if mixed:
+        console.print(GROUPS_LEGEND, highlight=False, markup=False, style="dim")
     if len(plans) >= 2:
         from plait.search import explain
 
@@ -149,6 +153,13 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print(Text.assemble(("why #1 beats #2: ", "bold"), explain(plans[0], plans[1])))
     if plans and plans[0].predicted is not None:
         console.print(_parts_line(plans[0].predicted), highlight=False)
+    if mixed and plans[0].predicted is not None:
+        from rich.text import Text
+
+        from plait.search.explain import balance_note, stage_rows
+
+        console.print(stages_table(stage_rows(plans[0]), "stages of #1"))
+        console.print(Text.assemble(("why this split: ", "bold"), balance_note(plans[0])))
     feasible = len(getattr(result, "points", ())) or None
     console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible), highlight=False)
 

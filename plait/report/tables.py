@@ -33,20 +33,35 @@ def run_length(values: Sequence[object], sep: str = "|") -> str:
 
 def layers_cell(plan: Plan) -> str:
     """Layers per virtual stage in model order: '[3]' is a stage of 3 layers, '[4]×12' twelve such stages in a
-    row: [3]×15 [4]×12 [3]. (The bare '3×15' read as well as fifteen stages of 3 as three of 15.)"""
-    runs: list[list[int]] = []
-    for layers in plan.layers_per_stage:
-        if runs and runs[-1][0] == layers:
-            runs[-1][1] += 1
+    row: [3]×15 [4]×12 [3]. (The bare '3×15' read as well as fifteen stages of 3 as three of 15.)
+    On a mixed cluster each stage is prefixed by its device group: slow[1] fast[3]."""
+    groups = [plan.stage_groups[plan.rank_of_stage(k)] if plan.stage_groups else ""
+              for k in range(len(plan.layers_per_stage))]
+    runs: list[list] = []
+    for group, layers in zip(groups, plan.layers_per_stage):
+        if runs and runs[-1][:2] == [group, layers]:
+            runs[-1][2] += 1
         else:
-            runs.append([layers, 1])
+            runs.append([group, layers, 1])
     cells = []
-    for layers, count in runs:
-        cells.extend([f"[{layers}]"] * count if count <= 2 else [f"[{layers}]×{count}"])
+    for group, layers, count in runs:
+        cells.extend([f"{group}[{layers}]"] * count if count <= 2 else [f"{group}[{layers}]×{count}"])
     return " ".join(cells)
 
 
 LAYERS_LEGEND = "layers/stage: [n] is a pipeline stage of n layers, [n]×k is k such stages in a row"
+GROUPS_LEGEND = "group[n]: a stage of n layers on that device group"
+
+
+def stages_table(rows: Sequence, title: str) -> Table:
+    """Per pipeline stage (plait.search.explain.stage_rows): rank, device group, layers, time, memory."""
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for name in ("stage", "rank", "group", "layers", "ms / micro-batch", "memory GiB", "of GiB"):
+        table.add_column(name, justify="left" if name == "group" else "right")
+    for row in rows:
+        table.add_row(str(row.stage), str(row.rank), row.group or "-", str(row.layers), f"{row.seconds * 1e3:.3g}",
+                      gib_cell(row.memory_bytes), gib_cell(row.capacity_bytes))
+    return table
 
 
 def recompute_cell(plan: Plan) -> str:
@@ -86,8 +101,8 @@ def plans_table(plans: Sequence[Plan], title: str | None = None, width: int | No
     """The ranked plans: degrees, choices, and what the cost model predicts for each.
 
     One table when it fits `width` columns (None: any width). Narrower, it folds into two tables -- the
-    choices, then the predictions, both keyed by '#' -- in a compact frame, so that no cell is ever cut
-    ('19.…') or left blank."""
+    choices, then the predictions, both keyed by '#' -- in a compact frame, where a long stage list wraps between
+    its stages, so that no cell is ever cut ('19.…') or left blank."""
     table = _table(plans, title, range(len(_COLUMNS)))
     if width is None or _width(table) <= width:
         return table
@@ -102,7 +117,8 @@ def _table(plans: Sequence[Plan], title: str | None, columns: Sequence[int], com
                   **({"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True} if compact else {}))
     for index in columns:
         name, justify = _COLUMNS[index]
-        table.add_column(name, justify=justify, no_wrap=True)
+        # only the stage list may wrap (between stages, at its spaces), and only where the table must fold
+        table.add_column(name, justify=justify, no_wrap=not (compact and name == "layers/stage"))
     for rank, plan in enumerate(plans, start=1):
         cells = plan_row(rank, plan)
         table.add_row(*(cells[i] for i in columns), style="bold green" if rank == 1 else None)

@@ -1,7 +1,12 @@
-"""One line on why the best plan beats the runner-up: the step-time parts that differ most."""
+"""Why a plan: one line on why the best plan beats the runner-up (the step-time parts that differ most), and,
+per pipeline stage, its device group, layers, time and memory (how a mixed cluster's split balances them)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from plait.cost.layout import Layout, Setting
+from plait.cost.model import peak_memory, pipeline_stage_times, predict_layout, rank_capacities
 from plait.plan import Plan
 
 PART_LABELS = {
@@ -61,3 +66,67 @@ def explain(best: Plan, runner_up: Plan | None) -> str:
         if len(costs) > 1:
             head += f" and {len(costs) - 1} smaller cost{'s' if len(costs) > 2 else ''}"
     return f"{head} [{_changes(best, runner_up)}]"
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One virtual pipeline stage of a plan, as the cost model sees it."""
+
+    stage: int
+    rank: int
+    """The pipeline rank that runs it."""
+    group: str
+    """Its device group ("" on a uniform cluster)."""
+    layers: int
+    seconds: float
+    """Forward + backward of one micro-batch."""
+    memory_bytes: float
+    """Peak memory of its pipeline rank's devices."""
+    capacity_bytes: float
+
+
+def stage_rows(plan: Plan) -> list[StageRow]:
+    """Per virtual stage: its rank, device group, layers, time per micro-batch and its rank's memory."""
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    st, _ = pipeline_stage_times(setting, layout, plan.layers_per_stage, plan.recompute)
+    memory, _ = peak_memory(setting, layout, plan.layers_per_stage, plan.recompute)
+    capacity = rank_capacities(setting, layout)
+    rows = []
+    for k, layers in enumerate(plan.layers_per_stage):
+        r = plan.rank_of_stage(k)
+        rows.append(StageRow(stage=k, rank=r, group=plan.stage_groups[r] if plan.stage_groups else "",
+                             layers=layers, seconds=st.fwd[k] + st.bwd[k], memory_bytes=memory[r],
+                             capacity_bytes=capacity[r]))
+    return rows
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
+    """The even split of the layers over the stages (the first stages take the remainder); None if impossible."""
+    if num_stages > num_layers:
+        return None
+    q, rest = divmod(num_layers, num_stages)
+    return tuple(q + (1 if k < rest else 0) for k in range(num_stages))
+
+
+def balance_note(plan: Plan) -> str:
+    """Why a mixed-cluster plan splits its layers as it does: against the even split of the same plan. E.g.
+    'layers by device group slow[1] fast[3]: stage times 52|50 ms per micro-batch; the even split 2|2 would
+    take 0.267 s (+17.6%)'."""
+    rows = stage_rows(plan)
+    times = "|".join(f"{row.seconds * 1e3:.3g}" for row in rows)
+    groups = " ".join(f"{row.group or 'stage'}[{row.layers}]" for row in rows)
+    head = f"layers by device group {groups}: stage times {times} ms per micro-batch"
+    even = even_split(sum(plan.layers_per_stage), plan.num_stages)
+    if even is None or even == plan.layers_per_stage or plan.predicted is None:
+        return head
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    other = predict_layout(setting, layout, even, plan.recompute)
+    capacity = rank_capacities(setting, layout)
+    even_cell = "|".join(map(str, even))
+    over = [r for r, (m, c) in enumerate(zip(other.memory_per_stage, capacity)) if m > c]
+    if over:
+        r = over[0]
+        return (f"{head}; the even split {even_cell} does not fit: pipeline rank {r} would need "
+                f"{other.memory_per_stage[r] / 2**30:.3g} GiB of {capacity[r] / 2**30:.3g}")
+    gain = other.step_time_s / plan.predicted.step_time_s - 1
+    return f"{head}; the even split {even_cell} would take {other.step_time_s:.3g} s ({gain:+.1%})"

@@ -275,9 +275,7 @@ class Space:
         # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
         # all-reduces and keeps less activation memory, so the cost model never prefers it off.
         sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
-        # Under a pipeline plait runs ZeRO-3 as ZeRO-2 (parameters kept gathered through the schedule), so
-        # it is listed only when pinned.
-        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2] + ([3] if d.pp == 1 else []) if d.dp > 1 else [0])
+        zeros = [pins.zero] if pins.zero is not None else distinct_zeros(d)
         per_replica = self.global_batch // d.dp
         for sp in sps:
             for b in divisors(per_replica):
@@ -290,6 +288,20 @@ class Space:
 
     def all_layouts(self) -> list["Any"]:
         return [layout for d in self.degrees for layout in self.layouts(d)]
+
+
+def distinct_zeros(d: Degrees) -> list[int]:
+    """The ZeRO stages that run differently on these degrees (plait.legality.data_parallel_mode), each named by the
+    largest stage of those that run alike: where fully_shard carries ZeRO 0/1 (a pipeline, tensor parallelism) it
+    shards gradients and optimizer states as ZeRO-2 does, so only 2 is listed; under a pipeline ZeRO-3 runs as
+    ZeRO-2 too, so it is listed only when pinned."""
+    runs: dict[tuple[str, bool], int] = {}
+    for zero in (0, 1, 2, 3):
+        if zero == 3 and d.pp > 1:
+            continue
+        mode = legality.data_parallel_mode(d, zero)
+        runs[(mode.carrier, mode.reshard_after_forward)] = zero
+    return sorted(runs.values())
 
 
 def _multiset_permutations(counts: dict[str, int]) -> Iterator[tuple[str, ...]]:
