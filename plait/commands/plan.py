@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from plait.plan import RECOMPUTE_MODES, SCHEDULES
-from plait.commands import positive_int
+from plait.commands import positive_float, positive_int
 
 PROGRESS_AFTER_S = 0.5
 """Show a spinner on stderr only when the search outlasts this, so quick plans print nothing extra."""
@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="exact",
                      help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
                           "the micro-batch size, CSIMD), learned (a network trained offline proposes; default: exact)")
+    how.add_argument("--time-limit", type=positive_float, metavar="S",
+                     help="stop the search after S seconds and show the best plans found so far (said so)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,6 +105,7 @@ def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argpar
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
         micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
         sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp, solver=args.solver,
+        time_limit_s=args.time_limit,
     )
 
 
@@ -161,7 +164,12 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print(stages_table(stage_rows(plans[0]), "stages of #1"))
         console.print(Text.assemble(("why this split: ", "bold"), balance_note(plans[0])))
     feasible = len(getattr(result, "points", ())) or None
-    console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible), highlight=False)
+    console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible) + f" ({result.solver} solver)",
+                  highlight=False)
+    if not result.complete:
+        console.print("stopped at the time limit: these are the best plans among those priced, not necessarily the "
+                      "cost model's optimum (raise --time-limit, or use --solver learned)", style="yellow",
+                      highlight=False)
 
 
 def result_batch(plans: list[Any]) -> str:

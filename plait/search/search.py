@@ -99,6 +99,9 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     except OutOfTime:
         complete = False
     pricer.deadline = None
+    if not complete and not pricer.candidates:
+        raise ConfigError(f"the {solver} solver reached its time limit ({time_limit_s:g} s) before it found a plan "
+                          f"({pricer.evaluated} candidates priced); give it more time, or pin more of the plan")
     if pricer.evaluated == 0 and pricer.pruned == 0:
         raise ConfigError(_no_schedule_message(pins, degrees, train))
     plans = pricer.finish(top)
