@@ -181,19 +181,22 @@ def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
     Both the launcher (which so tokenizes and caches before any rank starts) and every rank call it."""
     data = config.data
     where = f"data ({data.path or 'shipped text'})"
+    hint = "check data.dtype"
     if data.source == "tokens":
         tokens = load_tokens("tokens", data.path, data.dtype)
     else:
         model_dir = Path(model.source.removeprefix("hf:")) if model.source.startswith("hf:") else None
         tokenizer = load_tokenizer(data.tokenizer, model_dir)
-        check_tokenizer(tokenizer, model.vocab_size)
+        hint = f"set data.tokenizer (now {tokenizer.name!r}) to the model's own tokenizer"
+        if not isinstance(tokenizer, ByteTokenizer):  # bytes: a model of 128 ids may train on ASCII text
+            check_tokenizer(tokenizer, model.vocab_size)
         file = shipped_text_path() if data.source == "shipped" else _existing(_path_of(data.source, data.path))
         if isinstance(tokenizer, ByteTokenizer) and data.source != "jsonl":
             tokens = _read_text(file)  # the bytes are the tokens: nothing to cache
         else:
             cache = Path(data.cache_dir) if data.cache_dir else Path(config.log.dir) / "tokens"
             tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key)
-    check_vocab(tokens, model.vocab_size, where)
+    check_vocab(tokens, model.vocab_size, where, hint)
     return tokens
 
 
@@ -277,15 +280,15 @@ def _read_token_file(file: Path, dtype: TokenDtype) -> np.ndarray:
     return np.memmap(file, dtype=kind, mode="r")
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data") -> None:
-    """Refuse token ids the model's embedding cannot look up (a wrong dtype shows up here too)."""
+def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: str = "check data.dtype") -> None:
+    """Refuse token ids the model's embedding cannot look up (a wrong dtype or tokenizer shows up here too)."""
     if len(tokens) == 0:
         raise ConfigError(f"{where}: no tokens; give a data file with something in it")
     largest = int(tokens.max())
     if largest >= vocab_size:
         raise ConfigError(
             f"{where}: token id {largest} does not fit the model's vocabulary of {vocab_size}; "
-            f"use a model with vocab_size > {largest} or check data.dtype"
+            f"use a model with vocab_size > {largest} or {hint}"
         )
 
 
