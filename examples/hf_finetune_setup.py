@@ -38,9 +38,11 @@ def build(root: Path) -> None:
 def check(root: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
     from plait.train.data import shipped_text_path
 
+    logging.disable_progress_bar()
     export = root / "hf"
     tokenizer = AutoTokenizer.from_pretrained(str(export), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).eval()

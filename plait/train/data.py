@@ -178,7 +178,7 @@ def shipped_text_path() -> Path:
 def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
     """The token stream a run trains on, from its [data] section, checked against the model's vocabulary.
 
-    Both the launcher (which so tokenizes and caches before any rank starts) and every rank call it."""
+    The launcher calls it first (so a file is tokenized and cached once, before any rank starts), then every rank."""
     data = config.data
     where = f"data ({data.path or 'shipped text'})"
     hint = "check data.dtype"
