@@ -116,14 +116,16 @@ def launch(root: Path, world: int, items: list[dict]) -> None:
 def runs() -> Iterator[Path]:
     # Not under pytest's basetemp: other sessions on this machine prune old basetemps while the ranks run.
     root = Path(tempfile.mkdtemp(prefix="plait-hf-"))
-    build_checkpoints(root)
-    (root / "out").mkdir()
-    items = [train_item(root, "A"), train_item(root, "C", resume_from=str(root / "A" / "ckpt" / "step_000002"))]
-    items += model_items(root)
-    launch(root, 4, items)
-    launch(root, 8, items)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    try:  # removed after a failed launch too
+        build_checkpoints(root)
+        (root / "out").mkdir()
+        items = [train_item(root, "A"), train_item(root, "C", resume_from=str(root / "A" / "ckpt" / "step_000002"))]
+        items += model_items(root)
+        launch(root, 4, items)
+        launch(root, 8, items)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def batch(vocab: int):
