@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "profile": "measure this machine's devices and links and write a cluster file",
     "tune": "run the top plans, compare predicted and measured step time, correct the cost model",
     "solver": "train the learned solver offline against the cost model",
+    "export": "write a checkpoint of a Hugging Face model as a folder from_pretrained loads",
 }
 
 

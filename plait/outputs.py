@@ -42,6 +42,19 @@ def output_dir(raw: str | os.PathLike, what: str) -> Path:
     return path
 
 
+def filled_dir(raw: str | os.PathLike, what: str, overwrite: bool, consent: str) -> Path:
+    """A folder a command fills with files of its own (`plait export`, checkpoint.export_hf): usable as
+    `output_dir` says, and empty or absent unless the user consents (`consent` says how: '--force')."""
+    path = output_dir(raw, what)
+    if path.is_dir() and not overwrite:
+        entries = sorted(p.name for p in path.iterdir())
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise ConfigError(f"{what} {str(raw)!r} is not empty ({len(entries)} entries: {shown}); pick an empty "
+                              f"or new folder, or {consent} to replace the weights written there")
+    return path
+
+
 def _resolved(raw: str | os.PathLike, what: str) -> Path:
     text = os.fspath(raw)
     if not str(text).strip():

@@ -1,6 +1,8 @@
 """Tiny Hugging Face model directories built locally (nothing is downloaded): for tests, examples and the demo.
 
     write_tiny_config("qwen2", "runs/tiny-qwen2")      # config.json only: plait initializes from a seed
+    write_tiny_checkpoint("llama", "runs/base", seed=0) # config.json and model.safetensors (random weights)
+    train_tokenizer(texts, 320, "runs/base")            # tokenizer.json, tokenizer_config.json (byte-level BPE)
 """
 
 from __future__ import annotations
@@ -41,3 +43,35 @@ def write_tiny_config(family: str, directory: str | Path, **overrides: Any) -> P
 
 
 FAMILIES = (*FAMILY_CONFIGS, "gpt2")
+
+
+def write_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny model of `family` with random weights drawn from `seed`, saved as Hugging Face saves one
+    (config.json, model.safetensors): a checkpoint to fine-tune in tests and examples. Returns the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a bar for one small file is noise
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    model.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, directory: str | Path) -> Path:
+    """A byte-level BPE tokenizer trained here on `texts` (lossless on any text; ids 0 and 1 are <s> and </s>,
+    <s> starts every encoded text), saved as tokenizer.json and tokenizer_config.json. Returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(directory))
+    return Path(directory)

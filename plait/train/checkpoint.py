@@ -537,3 +537,29 @@ def _load_rng(path: Path) -> None:
     np.random.set_state(states["numpy"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ---- Hugging Face weights: in at the start ([model] weights), out at the end ([checkpoint] export_hf) ----------
+def pretrained_dir(config: Any, plan: Any) -> str | None:
+    """The Hugging Face checkpoint folder a run starts from (model.weights = "pretrained"), else None (seeded)."""
+    if config.model.weights != "pretrained":
+        return None
+    return plan.model.source.removeprefix("hf:")
+
+
+def export_at_end(state: Any) -> Path | None:
+    """Write the trained weights as a Hugging Face folder when [checkpoint] export_hf asks (collective), with the
+    tokenizer the data was tokenized with."""
+    import torch.distributed as dist
+
+    from plait.execute.hf_checkpoint import export_hf
+
+    config = state.config
+    if config.checkpoint.export_hf is None:
+        return None
+    tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None
+    out = export_hf(state.model, config.checkpoint.export_hf, state.plan.model.source.removeprefix("hf:"), tokenizer)
+    if dist.get_rank() == 0:
+        print(f"plait: exported the weights of step {state.step} to {out} (Hugging Face layout)", file=sys.stderr,
+              flush=True)
+    return out

@@ -1,12 +1,15 @@
 """The `plait train` config: a TOML file read into nested frozen dataclasses.
 
     [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json),
-                                                  # or module = "pkg.mod:factory" (one of the three)
-    [data]       source = "shipped"               # or "text" / "tokens" with path (and dtype)
+                                                  # or module = "pkg.mod:factory" (one of the three);
+                                                  # weights = "pretrained": start from the HF checkpoint in `file`
+    [data]       source = "shipped"               # or "text" / "jsonl" / "tokens" with path (and dtype);
+                                                  # tokenizer = "byte" or a folder with tokenizer.json
     [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
     [train]      steps = 200, global_batch = 16, seq_len = 128, seed = 0
     [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"
-    [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false
+    [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
+                 export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
     [log]        dir = "runs/x", every = 10
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
@@ -50,6 +53,10 @@ class ModelConfig:
     tp_plan: dict[str, str] = field(default_factory=dict)
     """Tensor parallelism of a `module` model, HF-style: "blocks.*.attn.q" = "colwise", "tokens" = "embedding", ...
     (styles: plait.models.adapter.STYLES). Without it such a model runs with tp = 1."""
+    weights: Literal["seed", "pretrained"] = "seed"
+    """The initial weights: "seed" (drawn from train.seed), or "pretrained": the Hugging Face checkpoint in the
+    folder of `file` (model.safetensors, or shards listed by model.safetensors.index.json), each rank reading
+    only its own slices (plait.execute.hf_checkpoint)."""
 
     def __post_init__(self) -> None:
         named = [key for key in ("preset", "file", "module") if getattr(self, key)]
@@ -57,6 +64,8 @@ class ModelConfig:
             # Which one would win is a guess the user should not have to make: refuse both.
             raise ValueError(f"{' and '.join(f'{k}={getattr(self, k)!r}' for k in named)} are both set; keep one "
                              f"(preset: a named model, file: a model file or Hugging Face model, module: your factory)")
+        if self.weights == "pretrained" and not self.file:
+            raise ValueError("weights=\"pretrained\" loads a Hugging Face checkpoint: set model.file to its folder")
 
     @property
     def source(self) -> str:
@@ -66,12 +75,22 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["shipped", "text", "tokens"] = "shipped"
-    """"shipped": the text in plait/data; "text": a UTF-8 file (byte tokens); "tokens": a uint16/uint32 file."""
+    """Where the tokens come from (plait.train.data): tokenized once, cached, documents packed with EOS between."""
+
+    source: Literal["shipped", "text", "jsonl", "tokens"] = "shipped"
+    """"shipped": the text in plait/data; "text": a UTF-8 file (one document); "jsonl": JSON lines, one document
+    each (`text_key`); "tokens": a pre-tokenized uint16/uint32 file."""
     path: str | None = None
-    """The text or token file for source "text" / "tokens"."""
+    """The file for source "text" / "jsonl" / "tokens"."""
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Element type of a token file; "auto" reads it from the name (train.u16.bin, train.uint32.bin)."""
+    text_key: str = "text"
+    """The key of each JSON line that holds its document."""
+    tokenizer: str | None = None
+    """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
+    downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
+    cache_dir: str | None = None
+    """Where tokenized files are kept, keyed by the file's content and the tokenizer; None: <log.dir>/tokens."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +173,11 @@ class CheckpointConfig:
     start_over: bool = False
     """With resume: when `dir` holds no usable checkpoint, start from step 0 instead of stopping. Checkpoints that
     could not be read are never overwritten: they are kept, renamed step_N.unreadable."""
+    export_hf: str | None = None
+    """At the end of training, write the weights as a Hugging Face folder here (safetensors, config.json, the
+    tokenizer files) that `from_pretrained` loads; a Hugging Face model only. None: no export."""
+    export_overwrite: bool = False
+    """Let export_hf replace the weights in a folder that is not empty (refused otherwise, before training)."""
 
     def __post_init__(self) -> None:
         if self.start_over and not self.resume:

@@ -1,12 +1,22 @@
-"""Training data: a byte-level tokenizer, token sources, and a sharded, resumable batch loader.
+"""Training data: tokenizers, token sources, a token cache, and a sharded, resumable batch loader.
 
 Sources (``[data] source`` in the config):
 
 * ``shipped``: the small public-domain text in ``plait/data/`` (see its README);
-* ``text``: a user's UTF-8 text file, tokenized byte by byte;
+* ``text``: a user's UTF-8 text file, one document;
+* ``jsonl``: JSON lines, one document per line under ``[data] text_key`` (``{"text": "..."}``);
 * ``tokens``: a pre-tokenized file of little-endian ``uint16`` or ``uint32`` ids read as a
   memmap (the dtype from ``[data] dtype``, or from the name: ``train.u16.bin``,
   ``train.uint32.bin``, ...).
+
+Tokenizers (``[data] tokenizer``): ``"byte"``, one token per byte (vocabulary 256, the demo's), or a
+folder holding a Hugging Face ``tokenizer.json``, read with the `tokenizers` library from local files
+only (by default the model folder's, for a Hugging Face model). A text is tokenized as the model's own
+tokenizer would (its post-processor adds a BOS token where it says so), and documents are packed into one
+stream with the tokenizer's EOS token between them. The result is kept in a cache (``[data] cache_dir``,
+default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity,
+so a run tokenizes a file once and a changed file or tokenizer is tokenized again. Raw bytes need no
+cache: the byte tokenizer reads a text file as it is.
 
 The loader cuts the token stream into non-overlapping windows of ``seq_len + 1`` tokens,
 shuffles them once per epoch from ``(seed, epoch)``, and hands out ``global_batch`` windows
@@ -17,28 +27,59 @@ lets a parallel run be compared step for step with a single-process one.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol
 
 import numpy as np
 
 from plait.errors import ConfigError
 
-Source = Literal["shipped", "text", "tokens"]
+if TYPE_CHECKING:
+    from plait.spec import ModelSpec
+    from plait.train.config import Config
+
+Source = Literal["shipped", "text", "jsonl", "tokens"]
 TokenDtype = Literal["auto", "uint16", "uint32"]
 SHIPPED_TEXT = "shakespeare.txt"
 _DTYPE_SUFFIXES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
+CACHE_FORMAT = 1
+"""Bumped when the packing changes, so that older cache entries are not read as this format."""
+_BATCH_DOCUMENTS = 1024
+_CHUNK = 1 << 20
+
+
+class Tokenizer(Protocol):
+    name: str
+    """What the user named: "byte", or the tokenizer's folder."""
+    vocab_size: int
+    eos_id: int | None
+    identity: str
+    """Names the exact tokenization (a digest of the tokenizer's files): part of the cache key."""
+
+    def encode_documents(self, documents: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: Any) -> str: ...
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte: vocabulary 256, nothing to download, lossless on any text."""
+    """One token per UTF-8 byte: vocabulary 256, nothing to download, lossless on any text. Documents are separated
+    by the NUL byte (id 0), which text does not hold."""
 
     vocab_size = 256
+    eos_id = 0
+    identity = "byte"
+    name = "byte"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_documents(self, documents: list[str]) -> list[np.ndarray]:
+        return [self.encode(doc) for doc in documents]
 
     def decode(self, ids: Any) -> str:
         # A sampled sequence may stop inside a multi-byte character: show U+FFFD, do not fail.
@@ -46,23 +87,153 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json from a local folder, run by the `tokenizers` library (the engine of
+    transformers' fast tokenizers, so ids are the ones `AutoTokenizer` gives). The EOS token comes from
+    tokenizer_config.json's `eos_token`, else from config.json's `eos_token_id`."""
+
+    FILE = "tokenizer.json"
+    _IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.folder = Path(folder)
+        self.name = str(self.folder)
+        file = self.folder / self.FILE
+        try:
+            self._tok = RustTokenizer.from_file(str(file))
+        except Exception as e:  # the library raises plain Exceptions for unreadable or malformed files
+            raise ConfigError(f"tokenizer {str(file)!r} cannot be read ({e}); give a folder holding a Hugging Face "
+                              f"tokenizer.json, or data.tokenizer = \"byte\"") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._eos_id()
+        digest = hashlib.sha256()
+        for name in self._IDENTITY_FILES:
+            if (self.folder / name).is_file():
+                digest.update(name.encode() + b"\0" + (self.folder / name).read_bytes())
+        digest.update(f"eos={self.eos_id}".encode())
+        self.identity = "hf-" + digest.hexdigest()
+
+    def _eos_id(self) -> int | None:
+        token = _json_field(self.folder / "tokenizer_config.json", "eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and self._tok.token_to_id(token) is not None:
+            return self._tok.token_to_id(token)
+        eos = _json_field(self.folder / "config.json", "eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos if isinstance(eos, int) else None
+
+    def encode_documents(self, documents: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(documents)]
+
+    def decode(self, ids: Any) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
+def _json_field(path: Path, key: str) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get(key)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def load_tokenizer(name: str | None, model_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer `[data] tokenizer` names: "byte", a folder with tokenizer.json, or None: `model_dir`'s
+    tokenizer.json when there is one (a Hugging Face model's), else bytes."""
+    if name is None:
+        if model_dir is not None and (Path(model_dir) / HFTokenizer.FILE).is_file():
+            return HFTokenizer(model_dir)
+        return ByteTokenizer()
+    if name == "byte":
+        return ByteTokenizer()
+    folder = Path(name).expanduser()
+    if folder.is_file() and folder.name == HFTokenizer.FILE:
+        folder = folder.parent
+    if not (folder / HFTokenizer.FILE).is_file():
+        raise ConfigError(f"data.tokenizer {name!r} is not \"byte\" nor a folder holding {HFTokenizer.FILE}; "
+                          f"give the folder of a Hugging Face tokenizer (or of the model), or \"byte\"")
+    return HFTokenizer(folder)
+
+
+def check_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids the model's embedding cannot look up (a model may have more rows: padding)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.name!r} has a vocabulary of {tokenizer.vocab_size}, "
+            f"the model's is {vocab_size}; set data.tokenizer to the model's own tokenizer (or use a model with "
+            f"vocab_size >= {tokenizer.vocab_size})"
+        )
+
+
 # ---- sources --------------------------------------------------------------------------
 def shipped_text_path() -> Path:
     return Path(str(importlib.resources.files("plait") / "data" / SHIPPED_TEXT))
 
 
+def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
+    """The token stream a run trains on, from its [data] section, checked against the model's vocabulary.
+
+    The launcher calls it first (so a file is tokenized and cached once, before any rank starts), then every rank."""
+    data = config.data
+    where = f"data ({data.path or 'shipped text'})"
+    hint = "check data.dtype"
+    if data.source == "tokens":
+        tokens = load_tokens("tokens", data.path, data.dtype)
+    else:
+        model_dir = Path(model.source.removeprefix("hf:")) if model.source.startswith("hf:") else None
+        tokenizer = load_tokenizer(data.tokenizer, model_dir)
+        hint = f"set data.tokenizer (now {tokenizer.name!r}) to the model's own tokenizer"
+        if not isinstance(tokenizer, ByteTokenizer):  # bytes: a model of 128 ids may train on ASCII text
+            check_tokenizer(tokenizer, model.vocab_size)
+        file = shipped_text_path() if data.source == "shipped" else _existing(_path_of(data.source, data.path))
+        if isinstance(tokenizer, ByteTokenizer) and data.source != "jsonl":
+            tokens = _read_text(file)  # the bytes are the tokens: nothing to cache
+        else:
+            cache = Path(data.cache_dir) if data.cache_dir else Path(config.log.dir) / "tokens"
+            tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key)
+    check_vocab(tokens, model.vocab_size, where, hint)
+    return tokens
+
+
+def rank_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
+    """`training_tokens` on every rank of a run (collective): rank 0 first -- it finds the launcher's cache, or
+    under a bare torchrun fills it for the others -- and its error, if any, stops every rank alike."""
+    import torch.distributed as dist
+
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            tokens = training_tokens(config, model)
+        except ConfigError as e:
+            failure = [str(e)]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise ConfigError(failure[0])
+    return tokens if dist.get_rank() == 0 else training_tokens(config, model)
+
+
 def load_tokens(source: Source, path: str | None = None, dtype: TokenDtype = "auto") -> np.ndarray:
-    """The whole token stream of a data source, as a 1-D integer array (a memmap for token files)."""
+    """The whole token stream of a byte-level source, as a 1-D integer array (a memmap for token files)."""
     if source == "shipped":
         return _read_text(shipped_text_path())
-    if path is None:
-        raise ConfigError(f"data.source={source!r} needs data.path (a {'text' if source == 'text' else 'token'} file)")
-    file = _existing(path)
+    file = _existing(_path_of(source, path))
     if source == "text":
         return _read_text(file)
     if source == "tokens":
         return _read_token_file(file, dtype)
-    raise ConfigError(f"data.source={source!r} is not one of 'shipped', 'text', 'tokens'")
+    raise ConfigError(f"data.source={source!r} is not one of 'shipped', 'text', 'tokens' (bytes)")
+
+
+def _path_of(source: str, path: str | None) -> str:
+    if path is None:
+        kind = {"text": "text", "jsonl": "JSON-lines", "tokens": "token"}.get(source, "data")
+        raise ConfigError(f"data.source={source!r} needs data.path (a {kind} file)")
+    return path
 
 
 def _existing(path: str) -> Path:
@@ -109,16 +280,140 @@ def _read_token_file(file: Path, dtype: TokenDtype) -> np.ndarray:
     return np.memmap(file, dtype=kind, mode="r")
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data") -> None:
-    """Refuse token ids the model's embedding cannot look up (a wrong dtype shows up here too)."""
+def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: str = "check data.dtype") -> None:
+    """Refuse token ids the model's embedding cannot look up (a wrong dtype or tokenizer shows up here too)."""
     if len(tokens) == 0:
         raise ConfigError(f"{where}: no tokens; give a data file with something in it")
     largest = int(tokens.max())
     if largest >= vocab_size:
         raise ConfigError(
             f"{where}: token id {largest} does not fit the model's vocabulary of {vocab_size}; "
-            f"use a model with vocab_size > {largest} or check data.dtype"
+            f"use a model with vocab_size > {largest} or {hint}"
         )
+
+
+# ---- documents, packing and the cache ---------------------------------------------------
+def read_documents(file: Path, source: str, text_key: str = "text") -> Iterator[str]:
+    """The documents of a text file (the whole file) or a JSON-lines file (one per line; blank lines skipped)."""
+    if source != "jsonl":
+        from plait.inputs import read_text
+
+        yield read_text(file, "data file")
+        return
+    with file.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            yield _json_document(raw, number, file, text_key)
+
+
+def _json_document(raw: bytes, number: int, file: Path, text_key: str) -> str:
+    where = f"data file {str(file)!r} line {number}"
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 (byte {e.start} is {raw[e.start]:#04x})") from None
+    except ValueError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e}); each line must be an object like "
+                          f'{{"{text_key}": "..."}}') from None
+    if not isinstance(record, dict) or text_key not in record:
+        keys = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise ConfigError(f"{where} has no key {text_key!r} (it holds {keys or 'nothing'}); set data.text_key to "
+                          f"the key of the text")
+    if not isinstance(record[text_key], str):
+        raise ConfigError(f"{where}: {text_key!r} is a {type(record[text_key]).__name__}, not a string")
+    return record[text_key]
+
+
+def pack_documents(documents: Iterator[str], tokenizer: Tokenizer, *, where: str = "data") -> tuple[np.ndarray, int]:
+    """One token stream of all non-empty `documents`, with the tokenizer's EOS token between two documents; returns
+    it (uint16 when the vocabulary allows, else uint32) and the number of documents."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    pieces: list[np.ndarray] = []
+    count = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal count
+        for ids in tokenizer.encode_documents(batch):
+            if count:
+                if tokenizer.eos_id is None:
+                    raise ConfigError(f"{where}: tokenizer {tokenizer.name!r} has no EOS token to "
+                                      f"put between documents; give it an eos_token in tokenizer_config.json")
+                pieces.append(np.array([tokenizer.eos_id], dtype=dtype))
+            pieces.append(ids.astype(dtype))
+            count += 1
+        batch.clear()
+
+    for doc in documents:
+        if doc:
+            batch.append(doc)
+        if len(batch) >= _BATCH_DOCUMENTS:
+            flush()
+    flush()
+    if not count:
+        raise ConfigError(f"{where} holds no text; give a file with at least one non-empty document")
+    return np.concatenate(pieces), count
+
+
+def file_digest(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(content: str, tokenizer: Tokenizer, source: str, text_key: str) -> str:
+    """What decides the tokens: the file's content, the tokenizer, how documents are read, the packing format."""
+    fields = {"format": CACHE_FORMAT, "content": content, "tokenizer": tokenizer.identity,
+              "documents": f"jsonl:{text_key}" if source == "jsonl" else "text"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str | Path, *,
+                  text_key: str = "text") -> np.ndarray:
+    """The packed tokens of `file`, read from `cache_dir` when this content was tokenized by this tokenizer before,
+    else tokenized and stored there (written to a temporary name, then renamed: ranks that race see either no entry
+    or a whole one). A damaged entry is tokenized again."""
+    cache = Path(cache_dir)
+    if file.stat().st_size == 0:
+        raise ConfigError(f"data file {str(file)!r} is empty; set data.path to a file with something in it")
+    key = cache_key(file_digest(file), tokenizer, source, text_key)
+    entry = cache / f"{_safe_stem(file)}-{key[:20]}.npy"
+    if entry.is_file():
+        try:
+            return np.load(entry, mmap_mode="r")
+        except (OSError, ValueError, EOFError):
+            pass  # damaged (a copy cut short): tokenize again below
+    tokens, count = pack_documents(read_documents(file, source, text_key), tokenizer, where=f"data file {str(file)!r}")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        _write_atomically(entry, lambda f: np.save(f, tokens))
+        info = {"file": str(file.resolve()), "tokenizer": tokenizer.name,
+                "tokenizer_identity": tokenizer.identity, "documents": count, "tokens": int(len(tokens)),
+                "format": CACHE_FORMAT}
+        _write_atomically(entry.with_suffix(".json"), lambda f: f.write(json.dumps(info, indent=1).encode()))
+    except OSError as e:
+        raise ConfigError(f"cannot write the token cache in {str(cache)!r} ({e.strerror or e}); set data.cache_dir "
+                          f"to a writable folder") from None
+    return np.load(entry, mmap_mode="r")
+
+
+def _safe_stem(file: Path) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in file.stem)[:40] or "data"
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ---- loader ---------------------------------------------------------------------------

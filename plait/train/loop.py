@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from plait.launch import note_progress
 from plait.plan import Plan
+from plait.train.checkpoint import export_at_end, pretrained_dir
 from plait.train.config import Config, OptimizerConfig
-from plait.train.data import BatchLoader, check_vocab, load_tokens
+from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.fault import maybe_inject, planned_fault
@@ -81,7 +82,7 @@ def _train(config: Config, plan: Plan) -> RunResult:
     device = _device(plan)
     if rank == 0 and config.plan.file != str(Path(config.log.dir, "plan.json").resolve()):
         write_plan(plan, config.log.dir)  # under a bare torchrun no launcher has written it
-    model = parallelize(plan, seed=config.train.seed, device=device)
+    model = parallelize(plan, seed=config.train.seed, device=device, weights=pretrained_dir(config, plan))
     opt = config.optimizer
     optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
     state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=_loader(config, plan, model))
@@ -91,6 +92,7 @@ def _train(config: Config, plan: Plan) -> RunResult:
     metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
     losses = _steps(state, hooks, metrics, device)
     metrics.close()
+    export_at_end(state)
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
     plot_path = _plot(metrics.path) if rank == 0 and losses else None
     return RunResult(steps=state.step, first_loss=losses[0] if losses else math.nan,
@@ -99,8 +101,7 @@ def _train(config: Config, plan: Plan) -> RunResult:
 
 
 def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
-    tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
-    check_vocab(tokens, plan.model.vocab_size)
+    tokens = rank_tokens(config, plan.model)
     dp_mesh = model.mesh["dp"]
     return BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
                        seed=config.train.seed, dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())

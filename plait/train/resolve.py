@@ -30,8 +30,42 @@ def resolve_model(config: ModelConfig) -> ModelSpec:
         raise ConfigError("model.tp_plan applies to a model.module model; plait derives the plan of presets, model "
                           "files and Hugging Face models itself")
     if config.file:
-        return load_model(config.file if "/" in config.file else f"./{config.file}")
+        spec = load_model(config.file if "/" in config.file else f"./{config.file}")
+        check_pretrained(config, spec)
+        return spec
     return load_model(config.source)
+
+
+# What plait.execute.hf_checkpoint reads (named here too: this module runs in the launcher, without torch).
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_pretrained(config: ModelConfig, spec: ModelSpec) -> None:
+    """model.weights = "pretrained" needs a Hugging Face model folder that holds its weights."""
+    if config.weights != "pretrained":
+        return
+    if not spec.source.startswith("hf:"):
+        raise ConfigError(f"model.weights=\"pretrained\" loads a Hugging Face checkpoint, but model.file "
+                          f"{config.file!r} is a plait model file; give a Hugging Face model folder (config.json "
+                          f"and model.safetensors) or set model.weights=\"seed\"")
+    folder = Path(spec.source.removeprefix("hf:"))
+    if not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
+        raise ConfigError(f"model.weights=\"pretrained\": {str(folder)!r} holds no {' nor '.join(HF_WEIGHT_FILES)}; "
+                          f"put the checkpoint's weights there or set model.weights=\"seed\"")
+
+
+def check_export(config: Config, model: ModelSpec) -> None:
+    """checkpoint.export_hf writes a Hugging Face folder: for a Hugging Face model, into an empty folder unless
+    checkpoint.export_overwrite."""
+    from plait.outputs import filled_dir
+
+    if config.checkpoint.export_hf is None:
+        return
+    if not model.source.startswith("hf:"):
+        raise ConfigError(f"checkpoint.export_hf writes a Hugging Face folder, but the model {model.name!r} is not a "
+                          f"Hugging Face model; set model.file to a Hugging Face model folder or unset export_hf")
+    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite,
+               "set checkpoint.export_overwrite=true")
 
 
 def import_path(folder: str) -> None:
@@ -113,6 +147,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
     legality.check(plan)
+    check_export(config, model)
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:
@@ -127,11 +162,10 @@ def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any
 
 def check_data(config: Config, model: ModelSpec) -> int:
     """Load the data once to refuse a missing or too-short file, or ids beyond the vocabulary; returns its length."""
-    from plait.train.data import BatchLoader, check_vocab, load_tokens
+    from plait.train.data import BatchLoader, training_tokens
 
-    tokens = load_tokens(config.data.source, config.data.path, config.data.dtype)
+    tokens = training_tokens(config, model)  # tokenized (and cached) here, once, before any rank starts
     where = f"data ({config.data.path or 'shipped text'})"
-    check_vocab(tokens, model.vocab_size, where)
     try:
         BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
@@ -146,6 +180,8 @@ def check_outputs(config: Config) -> None:
     output_dir(config.log.dir, "log.dir")
     if config.checkpoint.dir is not None:
         output_dir(config.checkpoint.dir, "checkpoint.dir")
+    if config.data.cache_dir is not None:
+        output_dir(config.data.cache_dir, "data.cache_dir")
 
 
 def check_devices(plan: Plan) -> None:
