@@ -67,9 +67,14 @@ class TiedGradients:
         if self.group is None:
             return
         for param in self.params:
-            if param.grad is not None:
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=self.group)
+            if param.grad is None:
+                continue
+            if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # the vocabulary-parallel embedding's gradient comes back replicated, the output layer's sharded:
+                # pair the two ends' shards (slicing a replicated gradient is local)
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=self.group)
 
     def counts_in_norm(self, param: nn.Parameter) -> bool:
         return id(param) not in self.aliases
