@@ -59,9 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
     how = parser.add_argument_group("search")
-    how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="exact",
+    how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="auto",
                      help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
-                          "the micro-batch size, CSIMD), learned (a network trained offline proposes; default: exact)")
+                          "the micro-batch size, CSIMD), learned (a network trained offline proposes), auto "
+                          "(default: exact, but learned on a mixed cluster whose placements are too many to price)")
     how.add_argument("--time-limit", type=positive_float, metavar="S",
                      help="stop the search after S seconds and show the best plans found so far (said so)")
 

@@ -59,7 +59,7 @@ def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins
 
 def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: TrainSpec, *,
                     num_devices: int | None = None, top: int | None = None, explain_infeasible: bool = True,
-                    solver: str = "exact", time_limit_s: float | None = None, **pins) -> SearchResult:
+                    solver: str = "auto", time_limit_s: float | None = None, **pins) -> SearchResult:
     """Search the joint space for `model` on `num_devices` devices of `cluster` (default: all of it).
 
     Pins (plait.search.space.PIN_NAMES): any axis degree (dp, tp, pp, cp, ep), zero, recompute (one mode

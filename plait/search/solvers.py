@@ -99,11 +99,18 @@ def get_solver(name: str) -> Solver:
 
 SOLVER_NAMES = ("exact", "dichotomy", "learned", "auto")
 
-EXACT_UP_TO = 20_000
-"""`auto` runs exact search where the space holds at most this many candidates (layouts x placements of the
-pipeline ranks on a mixed cluster), the learned solver beyond (benchmarks/solvers.py measures both)."""
+EXACT_UP_TO = 5_000
+"""On a mixed cluster, `auto` runs exact search where the space holds at most this many candidates (layouts x
+placements of the device groups on the pipeline ranks: a few seconds of pricing), the learned solver beyond
+(benchmarks/solvers.py measures both). On a uniform cluster exact search prunes by its bound and stays fast
+(benchmarks/planner_speed.py), so `auto` is exact there."""
+
+
+def space_size(space: Space) -> int:
+    return sum(sum(1 for _ in space.base_layouts(d)) * space.count_orderings(d) for d in space.degrees)
 
 
 def choose_solver(space: Space) -> str:
-    size = sum(sum(1 for _ in space.base_layouts(d)) * space.count_orderings(d) for d in space.degrees)
-    return "exact" if size <= EXACT_UP_TO else "learned"
+    if not space.groups:
+        return "exact"
+    return "exact" if space_size(space) <= EXACT_UP_TO else "learned"

@@ -300,7 +300,10 @@ def distinct_zeros(d: Degrees) -> list[int]:
         if zero == 3 and d.pp > 1:
             continue
         mode = legality.data_parallel_mode(d, zero)
-        runs[(mode.carrier, mode.reshard_after_forward)] = zero
+        if mode.carrier == "none":  # one replica: ZeRO has nothing to shard
+            return [0]
+        # DDP runs ZeRO-1 apart (ZeroRedundancyOptimizer); fully_shard runs 0, 1 and 2 alike
+        runs[(mode.carrier, mode.reshard_after_forward, zero if mode.carrier == "ddp" else None)] = zero
     return sorted(runs.values())
 
 
