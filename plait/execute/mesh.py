@@ -52,6 +52,12 @@ def rank_order(plan) -> list[int]:
     return order
 
 
+def pipeline_position(meshes: Meshes) -> int:
+    """This rank's pipeline rank: its coordinate on "pp". Not meshes["pp"].get_local_rank(): that is the rank's
+    number in the pp process group, which torch numbers in global-rank order whatever the mesh's order."""
+    return meshes.root.get_coordinate()[0]
+
+
 def _build(degrees: Degrees, device_type: str, order: tuple[int, ...] = ()) -> Meshes:
     shape = (degrees.pp, degrees.dp // degrees.ep, degrees.ep, degrees.cp, degrees.tp)
     if order:  # ranks placed as the plan's device groups say

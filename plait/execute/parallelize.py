@@ -41,7 +41,7 @@ from plait.errors import ConfigError
 from plait.execute.data import apply_ddp_if, apply_fully_shard, build_optimizer, gradient_sync
 from plait.execute.context import apply_cp, cp_positions
 from plait.execute.expert import apply_experts
-from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, rank_order
+from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, pipeline_position, rank_order
 from plait.execute.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
@@ -143,7 +143,7 @@ class ParallelModel:
 
     @property
     def pp_rank(self) -> int:
-        return self.mesh["pp"].get_local_rank()
+        return pipeline_position(self.mesh)
 
     @property
     def has_first_stage(self) -> bool:
@@ -359,7 +359,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     mixed = _mixed_precision(plan, device)
     adapter = adapter_for(plan.model)
     mesh = build_mesh(plan.degrees, device_type_of(device), rank_order(plan))
-    pp_rank = mesh["pp"].get_local_rank()
+    pp_rank = pipeline_position(mesh)
     with default_dtype(dtype):
         stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
     parts = [shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]

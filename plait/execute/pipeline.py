@@ -4,6 +4,12 @@ torch.distributed.pipelining's schedules.
 Each virtual stage is a plait.models.stage.Stage: the embedding on the first, the head on the last, and
 its blocks keyed by their global index (so names stay the single-process ones). Virtual stage k lives on
 pipeline rank k % pp (see plait.plan).
+
+On a mixed cluster the pipeline ranks need not follow the global ranks' order (the slow group may hold the
+first stage, its processes the last ranks). torch's process groups always number their members in global-rank
+order, and torch.distributed.pipelining takes a member's number for its pipeline position; `PlacedStage`
+gives it the mesh's position instead and maps positions to global ranks for its sends and receives. Without it
+the stages silently ran on the group-number order: the slow group computed the fast group's layers.
 """
 
 from __future__ import annotations
@@ -47,6 +53,28 @@ def split_model(adapter: ModelAdapter, root: nn.Module, plan: Plan, pp_rank: int
                                 seq_len=plan.train.seq_len) for s in stages]
 
 
+class PlacedStage(PipelineStage):
+    """A PipelineStage at pipeline position `position` of a pp group whose global ranks, position by position,
+    are `position_ranks` (any order; see the module docstring)."""
+
+    def __init__(self, *args, position: int, position_ranks: list[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group_rank = position  # what the schedules read as this stage's pipeline rank
+        self.position_ranks = position_ranks
+
+    def _resolve_peer_global_rank(self, stage_idx: int) -> int:
+        return self.position_ranks[self.stage_index_to_group_rank[stage_idx]]
+
+    def _get_init_p2p_neighbors_ops(self):
+        import torch.distributed as dist
+
+        ops = []
+        for op in super()._get_init_p2p_neighbors_ops():  # peers given as positions: name their global ranks
+            peer = self.position_ranks[op.group_peer]
+            ops.append(dist.P2POp(op.op, op.tensor, peer, self.group))
+        return ops
+
+
 def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_mesh: DeviceMesh,
                    device: torch.device, loss_fn: Callable) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """PipelineStages over the mesh's "pp" group and the plan's schedule.
@@ -54,7 +82,10 @@ def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_
     scale_grads=True: the schedule divides gradients by the number of micro-batches, so with a
     per-micro-batch mean loss the gradient is that of the mean over the whole batch."""
     group = pp_mesh.get_group()
-    stages = [PipelineStage(part, stage_id, plan.num_stages, device, group=group)
+    position_ranks = [int(r) for r in pp_mesh.mesh.tolist()]
+    position = position_ranks.index(torch.distributed.get_rank())
+    stages = [PlacedStage(part, stage_id, plan.num_stages, device, group=group, position=position,
+                          position_ranks=position_ranks)
               for stage_id, part in zip(stage_ids, parts)]
     schedule_class = SCHEDULE_CLASSES[plan.schedule]
     if issubclass(schedule_class, PipelineScheduleSingle):
