@@ -157,13 +157,13 @@ def train_losses(model: ModelSpec, device: str, precision: str, seq: int, micro_
 
 
 def precision_check(device: str, quick: bool, folder: Path) -> list[dict]:
-    seq, micro_batch, steps = (64, 2, 6) if quick or device == "cpu" else (512, 4, 8)
+    seq, micro_batch, steps = (64, 2, 5) if quick or device == "cpu" else (512, 4, 8)
     rows = []
     for model in precision_models(device, quick, folder):
         fp32, _ = train_losses(model, device, "fp32", seq, micro_batch, steps, lr=3e-3)
         bf16, computed = train_losses(model, device, "bf16", seq, micro_batch, steps, lr=3e-3)
         differences = [abs(b - f) / abs(f) for b, f in zip(bf16, fp32)]
-        rows.append({"model": model.name, "source": model.source, "params": model.params, "seq_len": seq,
+        rows.append({"model": model.name, "source": model.source, "params": model.num_params, "seq_len": seq,
                      "micro_batch": micro_batch, "fp32_losses": fp32, "bf16_losses": bf16,
                      "bf16_computed_in": computed, "max_rel_difference": max(differences),
                      "tolerance": BF16_TOLERANCE, "within_tolerance": max(differences) <= BF16_TOLERANCE,
@@ -251,7 +251,7 @@ def grid_plans(device: str, quick: bool) -> list[Plan]:
     """Cheapest first (tokens per micro-batch), each recompute mode in turn: the budget cuts the costly end."""
     model = grid_model(device, quick)
     if quick or device == "cpu":
-        shapes = [(mb, s) for mb in (1, 2) for s in (32, 64)]
+        shapes = [(1, 32), (2, 32)]
     else:
         shapes = [(mb, s) for mb in (1, 2, 4, 8) for s in (1024, 2048, 4096, 8192)]
     shapes.sort(key=lambda shape: (shape[0] * shape[1], shape[1]))
@@ -260,15 +260,17 @@ def grid_plans(device: str, quick: bool) -> list[Plan]:
             for mb, s in shapes for mode in RECOMPUTE_MODES]
 
 
-def measure_plan(plan: Plan, device: str, warmup: int, steps: int) -> dict:
-    """Median step time (forward, backward, AdamW) after warm-up, and the peak memory over every step."""
+def measure_plan(plan: Plan, device: str, warmup: int, steps: int, initial: dict) -> dict:
+    """Median step time (forward, backward, AdamW) after warm-up, and the peak memory over every step.
+    `initial`: the model's initial weights (CPU tensors), drawn once for the whole grid (for 1B parameters that
+    takes longer than the steps)."""
     import torch
 
     from plait.execute.batches import batch_for_step
     from plait.execute.parallelize import parallelize
 
     release(device)
-    runner = parallelize(plan, seed=0, device=device)
+    runner = parallelize(plan, seed=0, device=device, initial_state=initial)
     optimizer = runner.make_optimizer(1e-4)
     tokens, targets = batch_for_step(plan, 0, 0)
     times, losses = [], []
@@ -304,8 +306,11 @@ def grid_row(plan: Plan) -> dict:
 def run_grid(plans: list[Plan], device: str, budget_s: float, warmup: int, steps: int, console: Console) -> list[dict]:
     """Measure each plan that fits while the budget lasts: a point starts only if the slowest so far, doubled
     (the next is at least as large), still ends inside the budget."""
+    from plait.models import initial_state_dict
+
     rows = [grid_row(plan) for plan in plans]
     start, slowest = time.perf_counter(), 0.0
+    initial = initial_state_dict(plans[0].model, seed=0)  # every plan of the grid has the same model
     columns = (TextColumn("[bold]grid[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
     with Progress(*columns, console=console, transient=False) as bar:
@@ -319,7 +324,7 @@ def run_grid(plans: list[Plan], device: str, budget_s: float, warmup: int, steps
             else:
                 began = time.perf_counter()
                 try:
-                    row.update(measure_plan(plan, device, warmup, steps), status="measured")
+                    row.update(measure_plan(plan, device, warmup, steps, initial), status="measured")
                 except Exception as error:  # an out-of-memory point is a finding: record it, go on
                     if "out of memory" not in str(error).lower():
                         raise
@@ -466,9 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds for the whole run; no grid point starts that would end past it "
                              f"(default: {DEFAULT_BUDGET_S['cuda']:g} on CUDA, {DEFAULT_BUDGET_S['cpu']:g} on CPU)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per grid point (default: 2)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per grid point (default: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per grid point (default: 2; 1 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per grid point (default: 5; 2 with --quick)")
     args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
+    args.steps = args.steps if args.steps is not None else 2 if args.quick else 5
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} --steps {args.steps}: both must be at least 1")
     try:
