@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from plait.train.data import BatchLoader, check_vocab, load_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.fault import maybe_inject, planned_fault
-from plait.train.resolve import check_outputs, resolve_plan, write_plan
+from plait.train.resolve import check_outputs, plan_for_world, write_plan
 
 DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
 """Collective timeout: a dead or hung peer becomes an error after this long (the env var shortens it in tests)."""
@@ -56,11 +57,14 @@ def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
 
 def run(config: Config) -> RunResult:
     """Train as one rank of the plan's world (the process group is started here if needed)."""
-    from plait.launch import init_distributed
+    from plait.launch import init_distributed, restart_round
 
     check_outputs(config)  # under a bare torchrun no launcher has checked them
-    plan = resolve_plan(config)  # every rank resolves the same plan (the launcher passes a plan file)
+    world = int(os.environ["WORLD_SIZE"])
+    plan = plan_for_world(config, world)  # every rank resolves the same plan (the launcher passes a plan file)
     init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
+    if config.plan.file == "auto" and dist.get_rank() == 0 and (restart_round() or config.plan.devices not in (None, world)):
+        print(f"plait: this round has {world} ranks: planned {plan.describe()} for them", file=sys.stderr, flush=True)
     try:
         return _train(config, plan)
     finally:
