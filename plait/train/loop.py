@@ -23,6 +23,7 @@ from plait.plan import Plan
 from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, check_vocab, load_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
+from plait.train.measure import RunMeasurements, print_comparison, write_measured
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.fault import maybe_inject, planned_fault
 from plait.train.resolve import check_outputs, plan_for_world, write_plan
@@ -93,8 +94,10 @@ def _train(config: Config, plan: Plan) -> RunResult:
     hooks.resume(state)
     log_dir = Path(config.log.dir)
     metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
-    losses = _steps(state, hooks, metrics, device)
+    measured = RunMeasurements(plan, model)
+    losses = _steps(state, hooks, metrics, measured, device)
     metrics.close()
+    _report_measured(measured.finish(), log_dir)
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
     plot_path = _plot(metrics.path) if rank == 0 and losses else None
     return RunResult(steps=state.step, first_loss=losses[0] if losses else math.nan,
@@ -117,7 +120,8 @@ def _throughput(plan: Plan) -> Throughput:
                       peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
 
 
-def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.device) -> list[float]:
+def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeasurements, device: torch.device
+           ) -> list[float]:
     config = state.config
     total = config.train.steps
     throughput = _throughput(state.plan)
@@ -129,7 +133,7 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
                          max_seconds=config.train.max_seconds) as progress:
         while state.step < total:
             note_progress(f"step {state.step + 1}", state.step + 1)  # names the rank that hangs, if one does
-            m = _one_step(state, throughput, device, elapsed_s=time.perf_counter() - start)
+            m = _one_step(state, throughput, device, measured, elapsed_s=time.perf_counter() - start)
             losses.append(m.loss)
             metrics.write(m)
             progress.update(m)
@@ -141,7 +145,8 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
     return losses
 
 
-def _one_step(state: TrainState, throughput: Throughput, device: torch.device, elapsed_s: float) -> StepMetrics:
+def _one_step(state: TrainState, throughput: Throughput, device: torch.device, measured: RunMeasurements,
+              elapsed_s: float) -> StepMetrics:
     config = state.config
     lr = lr_at(state.step, config.optimizer, config.train.steps)
     for group in state.optimizer.param_groups:
@@ -149,16 +154,28 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, e
     tokens, targets = state.loader.next_batch()
     began = time.perf_counter()
     state.optimizer.zero_grad(set_to_none=True)
+    forward = time.perf_counter()
     loss = state.model.train_step(tokens.to(device), targets.to(device))
+    trained = time.perf_counter()
     grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
     state.optimizer.step()
-    step_time = time.perf_counter() - began
+    ended = time.perf_counter()
+    step_time = ended - began
     state.step += 1
+    measured.add(state.step, step_time, trained - forward, ended - trained)
     state.tokens += throughput.tokens_per_step
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,
                        tokens_per_s=throughput.tokens_per_s(step_time), mfu=throughput.mfu(step_time),
                        tokens=state.tokens, elapsed_s=elapsed_s + step_time)
+
+
+def _report_measured(segments: list, log_dir: Path) -> None:
+    """Rank 0 writes every rank's timings (LOG_DIR/measured.json) and prints predicted against measured by part."""
+    if dist.get_rank() != 0 or not segments:
+        return
+    write_measured(log_dir, segments)
+    print_comparison(segments)
 
 
 def _out_of_time(max_seconds: float, start: float) -> bool:
