@@ -286,7 +286,7 @@ def _predicted(plan: Any, cluster: Any) -> Any:
 
 
 def _label(observation: Any) -> str:
-    part = "" if observation.part == "step" else f"  [{observation.part}]"
+    part = "" if observation.part == "step" else f"  ({observation.part} part)"
     return observation.plan.describe() + part
 
 

@@ -23,6 +23,7 @@ from plait.plan import Plan
 from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, check_vocab, load_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
+from plait.train.adapt import Adaptation, switch_plan
 from plait.train.measure import RunMeasurements, print_comparison, write_measured
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.fault import maybe_inject, planned_fault
@@ -80,22 +81,21 @@ def _device(plan: Plan) -> torch.device:
 
 
 def _train(config: Config, plan: Plan) -> RunResult:
-    from plait.execute import parallelize
-
     rank = dist.get_rank()
     device = _device(plan)
     if rank == 0 and config.plan.file != str(Path(config.log.dir, "plan.json").resolve()):
         write_plan(plan, config.log.dir)  # under a bare torchrun no launcher has written it
-    model = parallelize(plan, seed=config.train.seed, device=device)
-    opt = config.optimizer
-    optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
-    state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=_loader(config, plan, model))
+    began = time.perf_counter()
+    model, optimizer, loader = _build(config, plan, device)
+    build_s = time.perf_counter() - began
+    state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=loader)
     hooks = make_checkpoint_hooks(config)
     hooks.resume(state)
     log_dir = Path(config.log.dir)
     metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
     measured = RunMeasurements(plan, model)
-    losses = _steps(state, hooks, metrics, measured, device)
+    adaptation = Adaptation(config, plan, log_dir, build_s, rank) if config.plan.adapt else None
+    losses = _steps(state, hooks, metrics, measured, device, adaptation)
     metrics.close()
     _report_measured(measured.finish(), log_dir)
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
@@ -103,6 +103,16 @@ def _train(config: Config, plan: Plan) -> RunResult:
     return RunResult(steps=state.step, first_loss=losses[0] if losses else math.nan,
                      last_loss=losses[-1] if losses else math.nan, metrics_path=metrics.path,
                      plot_path=plot_path, model_path=model_path)
+
+
+def _build(config: Config, plan: Plan, device: torch.device) -> tuple[Any, Any, BatchLoader]:
+    """This rank's share of the model under `plan`, its optimizer and its data loader (at the data's start)."""
+    from plait.execute import parallelize
+
+    model = parallelize(plan, seed=config.train.seed, device=device)
+    opt = config.optimizer
+    optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
+    return model, optimizer, _loader(config, plan, model)
 
 
 def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
@@ -120,8 +130,8 @@ def _throughput(plan: Plan) -> Throughput:
                       peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
 
 
-def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeasurements, device: torch.device
-           ) -> list[float]:
+def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeasurements, device: torch.device,
+           adaptation: Adaptation | None = None) -> list[float]:
     config = state.config
     total = config.train.steps
     throughput = _throughput(state.plan)
@@ -142,6 +152,10 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeas
             maybe_inject(rank, state.step, fault)
             if final:
                 break
+            new_plan = adaptation.check(state.step, total, measured) if adaptation is not None else None
+            if new_plan is not None:  # [plan] adapt: a faster plan for the measured speeds (plait/train/adapt.py)
+                switch_plan(state, new_plan, lambda plan: _build(config, plan, device), hooks)
+                measured.start(new_plan, state.model)
     return losses
 
 
