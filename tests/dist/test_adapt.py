@@ -58,7 +58,7 @@ dir = "{root / name}"
 progress = false
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1", "PLAIT_ADAPT_SWITCH_S": "0",
-           "COLUMNS": "200"}
+           "PLAIT_DIST_TIMEOUT_S": "60", "COLUMNS": "200"}
     env.pop("PLAIT_THROTTLE", None)
     if throttle:
         env["PLAIT_THROTTLE"] = throttle
@@ -119,7 +119,8 @@ def test_adapt_switches_away_from_a_slow_rank_exactly(root: Path, plain: subproc
     switches = [d for d in decisions if d["action"] == "switch"]
     assert switches, result.stderr[-3000:]
     assert "rank 3 computes" in switches[0]["reason"]
-    assert switches[0]["figures"]["speeds"][3] > 2 and switches[0]["figures"]["speeds"][:3] == [1.0, 1.0, 1.0]
+    speeds = switches[0]["figures"]["speeds"]  # the others share 2 cores with 3 ranks: their speeds are noisy
+    assert speeds[3] > 2 and speeds[3] > 2 * max(speeds[:3]), speeds
     assert "plait: adapt at step" in result.stderr and "switched to" in result.stderr
     first = json.loads((root / "plain" / "plan.json").read_text())
     last = json.loads((root / "adapted" / "plan.json").read_text())
