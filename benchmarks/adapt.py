@@ -11,7 +11,7 @@ Target: adapted within 10% of the best static plan, both timed in the same candi
 own steps are shown too), and the adapted run's losses equal to the even run's, step by step (the switch is
 exact, like a resume). Each run is repeated --rounds times in one go; the table gives medians.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/adapt.py [--factor 3] [--steps 60] [--rounds 2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/adapt.py [--factor 3] [--steps 60] [--rounds 2] [--switch-cost S]
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="times each run is repeated (default: 2)")
     parser.add_argument("--cluster", default="local-cpu", help="what the plans are made for (a preset or a file "
                                                                 "from `plait profile --nproc 4`)")
+    parser.add_argument("--switch-cost", type=float, default=None, metavar="S",
+                        help="seconds a switch is taken to cost (PLAIT_ADAPT_SWITCH_S; default: plait's estimate "
+                             "from the run's first build, which on a busy host can exceed what a short run saves)")
     parser.add_argument("--json", help="also write the figures to this file")
     return parser.parse_args(argv)
 
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["PLAIT_THROTTLE"] = f"rank={SLOW_RANK}:factor={args.factor:g}"
     os.environ.setdefault("PLAIT_OMP_THREADS", "1")
+    if args.switch_cost is not None:
+        os.environ["PLAIT_ADAPT_SWITCH_S"] = f"{args.switch_cost:g}"
     root = Path(tempfile.mkdtemp(prefix="plait-adapt-bench-"))
     runs = {"even": [], "adapted": []}
     timed: dict[str, list[float]] = {}
