@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.plan import Plan
-from plait.profile.calibrate import Observation, fit_terms, kendall_tau, predicted_step, regret, relative_error
+from plait.profile.terms import Observation, fit_terms, kendall_tau, predicted_step, regret, relative_error
 from plait.profile.clusterfile import validate_cluster_for_world
 from plait.profile.tune import Measured, layouts_first, read_results, write_plans
 from plait.spec import ClusterSpec, TrainSpec

@@ -82,24 +82,109 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(seconds=timeout_s)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # After a restart the workers join the agent's store again, which still holds the dead
-        # round's rendezvous keys: gloo then reads the old peers' addresses and fails ("connection
-        # refused") or waits on them (seen in about half of the restarts here). A key prefix per
-        # attempt keeps the rounds apart.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=False, timeout=timeout)
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"plait/attempt_{restart}", store),
-                                rank=rank, world_size=world, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store, round_ = _round_store(timeout)
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
+        round_ = _local_restart_count()
+    global _RESTART_ROUND
+    _RESTART_ROUND = _agreed_round(round_, "cuda" if backend == "nccl" else "cpu")
     _record_uncaught_failures()
     # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
     # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return dist.get_rank(), dist.get_world_size()
+
+
+ROUND_KEY = "plait/round"
+"""Key of the agent's store under which each round's rank 0 says where its beacon listens (see _round_store)."""
+
+_RESTART_ROUND: int | None = None
+_BEACON: object | None = None  # rank 0's beacon store: lives as long as the process
+
+
+def restart_round() -> int:
+    """How many times this job's workers were started before this round (0 in the first), the same on every
+    rank of every machine once init_distributed has run (before: this agent's own count)."""
+    return _local_restart_count() if _RESTART_ROUND is None else _RESTART_ROUND
+
+
+def _local_restart_count() -> int:
+    """torchrun's TORCHELASTIC_RESTART_COUNT: this agent's own failed rounds. An agent whose workers were stopped
+    because another machine's failed restarts them without counting, so two agents can disagree."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _round_store(timeout: timedelta):  # -> (torch.distributed.Store, round)
+    """A store namespace of this round alone, agreed by every rank, and the round's number.
+
+    Under torchrun's c10d rendezvous every round of workers joins the same store, hosted by an agent, which still
+    holds the keys of the rounds before: gloo then reads the dead peers' addresses and fails ("connectFullMesh
+    failed ... Connection refused") or waits for them (pytorch/pytorch#135712, #167288). A prefix per round keeps
+    them apart, but TORCHELASTIC_RESTART_COUNT cannot name it: each agent counts only its own failures, so after
+    a restart two machines disagree. So rank 0 of each round opens a beacon (a store of its own), counts the round
+    in the agent's store and writes there where the beacon is and a fresh name. The other ranks read that entry
+    and accept it once its beacon answers with the same name: every process of an earlier round is dead before
+    the next one starts (the agents stop their workers before they meet again), so an earlier round's beacon
+    no longer answers."""
+    import uuid
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    if rank == 0:
+        global _BEACON
+        name, round_ = uuid.uuid4().hex, int(shared.add(f"{ROUND_KEY}/count", 1)) - 1
+        _BEACON = dist.TCPStore(_host_name(), 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        _BEACON.set("name", name)
+        shared.set(ROUND_KEY, json.dumps({"host": _host_name(), "port": _BEACON.port, "name": name,
+                                          "round": round_}))
+    else:
+        name, round_ = _current_round(shared, timeout)
+    return dist.PrefixStore(f"plait/round_{name}", shared), round_
+
+
+def _host_name() -> str:
+    """This machine's name as torch's rendezvous gives it to other machines by default."""
+    import socket
+
+    return socket.getfqdn()
+
+
+def _current_round(shared, timeout: timedelta) -> tuple[str, int]:  # noqa: ANN001 (a torch Store)
+    """(name, round) of the round rank 0 opened, waiting out an earlier round's entry (see _round_store)."""
+    import socket
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        entry = json.loads(shared.get(ROUND_KEY))  # waits until a first round has written it
+        try:  # a plain connect first: a dead beacon refuses at once (a store client would retry and log)
+            socket.create_connection((entry["host"], entry["port"]), timeout=2).close()
+            beacon = dist.TCPStore(entry["host"], entry["port"], is_master=False, timeout=timedelta(seconds=5))
+            if beacon.get("name").decode() == entry["name"]:
+                return entry["name"], int(entry["round"])
+        except (OSError, RuntimeError):
+            pass  # an earlier round's beacon (its rank 0 is gone), or a port taken again since
+        time.sleep(0.1)
+    raise TimeoutError(f"rank 0 of this round did not open it within {timeout.total_seconds():g} s "
+                       f"(no live beacon under {ROUND_KEY!r} in the agent's store)")
+
+
+def _agreed_round(mine: int, device: str) -> int:
+    """The largest round any rank knows of: the store's count, or an agent's own restarts where the agent that held
+    the store (and its count) is gone."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([max(mine, _local_restart_count())], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def is_local_worker() -> bool:

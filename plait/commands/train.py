@@ -9,7 +9,9 @@ Outside torchrun, plait checks the config, the data and the plan here (bad input
 before any rank starts), writes the plan next to the metrics, and starts one process per
 device of the plan (--nproc, default: the plan's device count; for "auto", [plan] devices
 or 2). Under torchrun it is one of the workers. Writes LOG_DIR/metrics.jsonl (step, loss,
-lr, tokens/s, MFU, step time) and LOG_DIR/loss.png.
+lr, tokens/s, MFU, step time), LOG_DIR/loss.png, and LOG_DIR/measured.json: what every rank spent per step
+by part, which the run ends by comparing with the plan's prediction (and `plait tune --from-run LOG_DIR`
+fits from). With --adapt it re-plans from those timings as it goes (LOG_DIR/adapt.jsonl logs each decision).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-over", action="store_true",
                         help="--resume, but start from step 0 when checkpoint.dir holds no usable checkpoint "
                              "(checkpoint.start_over); unreadable checkpoints are kept, renamed step_N.unreadable")
+    parser.add_argument("--adapt", action="store_true",
+                        help="re-plan from the run's own timings (a straggler rank, a step far off its prediction) and "
+                             "switch to a faster plan where that pays for the switch (plan.adapt); off by default")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart all local ranks up to K times when one dies; they resume from the "
                              "newest checkpoint (torchrun's --max-restarts)")
@@ -67,6 +72,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         items.append("checkpoint.resume=true")
     if getattr(args, "start_over", False):
         items.append("checkpoint.start_over=true")
+    if getattr(args, "adapt", False):
+        items.append("plan.adapt=true")
     return items
 
 

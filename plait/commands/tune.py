@@ -1,22 +1,27 @@
-"""Run the planner's top plans on this machine, compare predicted and measured step time, and
-correct the cost model's terms from what was measured: GEMM efficiency, host time per layer pass
-(and what DTensor adds to it under tensor parallelism), link latency and bandwidth.
+"""Run plans on this machine (or read what a training run measured), compare predicted and measured time, and
+correct the cost model's constants the timings identify: GEMM efficiency, host time per layer pass, parameter,
+stage pass and step, link latency and bandwidth.
 
 examples:
   plait profile --nproc 2 --out cluster.yaml
   plait tune --model tiny-gpt --cluster cluster.yaml --top 4 --out cluster.tuned.yaml --plot tune.png
+  plait tune --from-run runs/tiny-gpt --out cluster.tuned.yaml      # no timing runs: what `plait train` measured
   plait plan --model tiny-gpt --cluster cluster.tuned.yaml --global-batch 8 --seq-len 128
 
-All candidates run in one launch of N local ranks (or under torchrun: `torchrun --nproc-per-node N -m
-plait tune ...`), each for --warmup untimed and --steps timed steps; a step's time is the slowest
-rank's, a plan's the median over its steps. The corrected cluster file is written atomically.
+The plans timed are the planner's best and then those that tell the constants apart best (different layouts,
+micro-batch counts). All run in one launch of N local ranks (or under torchrun: `torchrun --nproc-per-node N -m
+plait tune ...`), each for --warmup untimed and --steps timed steps; a step's time is the slowest rank's, a
+plan's the median over its steps. A constant is fitted only where it predicts each timing from the others better
+(never more constants than timings less one); the report gives that held-out error beside the in-sample one, and
+whether the tuned model ranks the measured best plan first. A fit that does not improve the held-out error is
+refused (exit 2, nothing written), with what to measure more of. The corrected cluster file is written
+atomically.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,14 +37,18 @@ LAUNCH_SECONDS = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="M", help="model preset (e.g. tiny-gpt) or model file")
+    parser.add_argument("--model", default=None, metavar="M",
+                        help="model preset (e.g. tiny-gpt) or model file (required unless --from-run)")
+    parser.add_argument("--from-run", action="append", default=[], metavar="LOG_DIR",
+                        help="fit from what `plait train` measured (LOG_DIR/measured.json; repeatable, one per run) "
+                             "instead of timing plans")
     parser.add_argument("--cluster", default=None, metavar="C",
                         help=f"cluster file from `plait profile` (or a preset; default: {DEFAULT_CLUSTER})")
     parser.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                         help="local ranks (default: the cluster file's num_devices, else 2)")
     parser.add_argument("--top", type=positive_int, default=3, metavar="K",
-                        help="plans to run: the best of each (dp, tp, pp) layout first, then of each micro-batch "
-                             "count, then the next best (default: 3)")
+                        help="plans to run: the planner's best, then those that tell the constants apart best "
+                             "(default: 3)")
     parser.add_argument("--global-batch", type=positive_int, default=8, metavar="B",
                         help="sequences per step (default: 8)")
     parser.add_argument("--seq-len", type=positive_int, default=128, metavar="S",
@@ -61,6 +70,11 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--warmup {args.warmup}: must be 0 or more")
     out = output_file(args.out, "--out", "cluster.tuned.yaml")
     plot = output_file(args.plot, "--plot", "tune.png") if args.plot else output_file(out.with_suffix(".png"), "--plot")
+    if args.from_run:
+        return from_run(args.from_run, args.cluster, out, plot)
+    if not args.model:
+        raise ConfigError("--model is required: the model whose plans to time (e.g. --model tiny-gpt), or give "
+                          "--from-run LOG_DIR to fit from what a training run measured")
     if in_torchrun():
         return _torchrun_main(args, out, plot)
     nproc = args.nproc or _cluster_file_devices(args.cluster) or 2
@@ -106,12 +120,15 @@ def train_spec(args: argparse.Namespace, cluster: Any) -> Any:
     return load_train(global_batch=args.global_batch, seq_len=args.seq_len, precision=precision)
 
 
+CANDIDATES_PER_PLAN = 4
+"""Plans considered per plan timed: the top --top x this of the planner's ranking (one per layout first)."""
+
+
 def candidate_plans(args: argparse.Namespace, cluster: Any, nproc: int) -> list[Any]:
-    """--top plans for this model on `nproc` devices of `cluster`: the planner's ranking, but the best
-    plan of each (dp, tp, pp) layout first. Plans that differ only in ZeRO stage or micro-batching
-    exercise the same terms, so the top K alone often tell compute from nothing else; one per layout
-    lets the fit separate compute, latency and bandwidth, and shows whether the planner's layout
-    really wins here."""
+    """--top plans for this model on `nproc` devices of `cluster`: the planner's best, then, among the next best
+    (one per (dp, tp, pp) layout first), those whose steps the constants move most differently
+    (plait.profile.terms.informative_plans). Plans that differ only in ZeRO stage or micro-batching move the
+    same constants alike, so the top K alone often tell compute from nothing else."""
     from plait.errors import NoFeasiblePlan
     from plait.search import plan as search_plans
     from plait.spec.load import load_model
@@ -121,9 +138,10 @@ def candidate_plans(args: argparse.Namespace, cluster: Any, nproc: int) -> list[
     if not plans:
         raise NoFeasiblePlan(f"no plan of {model.name} fits {nproc} x {cluster.name}; try a smaller --global-batch "
                              "or --seq-len")
+    from plait.profile.terms import informative_plans
     from plait.profile.tune import layouts_first
 
-    return layouts_first(plans)[:args.top]
+    return informative_plans(layouts_first(plans)[:CANDIDATES_PER_PLAN * args.top], cluster, args.top)
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -182,8 +200,8 @@ def _torchrun_main(args: argparse.Namespace, out: Path, plot: Path) -> int:
 # ---- report, fit, write -------------------------------------------------------------------------
 
 def report_and_write(plans: list[Any], results: list[Any], cluster: Any, out: Path, plot: Path) -> int:
-    from plait.profile.calibrate import Observation, fit_terms
-    from plait.profile.clusterfile import write_cluster_file
+    """Fit the timed plans' steps (plait tune), report and write; refuse a fit that does not generalise."""
+    from plait.profile.terms import Observation
 
     timed = [(p, r) for p, r in zip(plans, results) if r.median_s is not None]
     for plan, result in zip(plans, results):
@@ -191,20 +209,69 @@ def report_and_write(plans: list[Any], results: list[Any], cluster: Any, out: Pa
             print(f"tune: not timed: {plan.describe()}: {result.error}", file=sys.stderr)
     if not timed:
         raise PlaitError("no plan could be timed; nothing was written")
-    fit = fit_terms([Observation(plan=p, measured_s=r.median_s) for p, r in timed], cluster)
+    observations = [Observation(plan=p, measured_s=r.median_s) for p, r in timed]
+    steps = len(timed[0][1].step_times_s)
+    advice = (f"time more steps (--steps {max(10, 2 * steps)}) and more plans (--top {max(6, 2 * len(timed))}), on "
+              f"an otherwise idle machine")
+    memory = {id(p): r.peak_memory_bytes for p, r in timed}
+    return fit_and_write(observations, cluster, out, plot, advice, f"the measured steps of {len(timed)} plan(s)",
+                         memory)
+
+
+def from_run(log_dirs: list[str], cluster_name: str | None, out: Path, plot: Path) -> int:
+    """`plait tune --from-run LOG_DIR ...`: the parts each run measured (plait/train/measure.py), two halves of
+    its steps each, as timings of its plan."""
+    from plait.plan import Plan
+    from plait.train.measure import read_measured
+
+    segments = [(d, s) for d in log_dirs for s in read_measured(d)]
+    uniform = [(d, s) for d, s in segments if not Plan.from_dict(s.plan).stage_groups]
+    for d, s in segments:
+        if Plan.from_dict(s.plan).stage_groups:
+            print(f"tune: left out a plan of {d} on a mixed cluster (its groups' constants are not this cluster's): "
+                  f"{Plan.from_dict(s.plan).describe()}", file=sys.stderr)
+    if not uniform:
+        raise ConfigError(f"{', '.join(log_dirs)}: no plan measured on a uniform cluster; nothing to fit")
+    first = Plan.from_dict(uniform[0][1].plan)
+    cluster = resolve_cluster(cluster_name, first.num_devices) if cluster_name else first.cluster
+    observations = run_observations([s for _, s in uniform], cluster)
+    if not observations:
+        raise ConfigError(f"{', '.join(log_dirs)}: the runs measured no step past their warm-up; train longer")
+    advice = ("train longer (more steps measured per run), or give runs of other plans (--from-run once per "
+              "run), on an otherwise idle machine")
+    return fit_and_write(observations, cluster, out, plot, advice,
+                         f"what {len(log_dirs)} run(s) of `plait train` measured ({len(uniform)} plan(s))")
+
+
+def run_observations(segments: list[Any], cluster: Any) -> list[Any]:
+    """Per segment (a plan a run trained with) and half of its measured steps: compute, waiting and optimizer."""
+    from plait.plan import Plan
+    from plait.profile.terms import Observation
+
+    observations = []
+    for segment in segments:
+        plan = Plan.from_dict(segment.plan).replace(cluster=cluster, predicted=None)
+        for parts in segment.measured_chunks(2):
+            observations += [Observation(plan=plan, measured_s=getattr(parts, part), part=part)
+                             for part in ("compute", "waiting", "optimizer") if getattr(parts, part) > 0]
+    return observations
+
+
+def fit_and_write(observations: list[Any], cluster: Any, out: Path, plot: Path, advice: str, source: str,
+                  memory: dict[int, float | None] | None = None) -> int:
+    from plait.profile.clusterfile import write_cluster_file
+    from plait.profile.terms import fit_terms, refusal
+
+    fit = fit_terms(observations, cluster)
     tuned = fit.cluster.replace(name=_tuned_name(cluster.name))
-    _print_table(timed, cluster, tuned)
+    _print_table(observations, fit, cluster, tuned, memory or {})
     _print_fit(fit, cluster, tuned)
-    if fit.explains_nothing:
-        raise PlaitError(
-            f"the fit predicts these {len(timed)} plan(s) no better than {cluster.name} already does (median error "
-            f"{statistics.median(fit.errors_before):.1%} -> {statistics.median(fit.errors_after):.1%}): the timings "
-            f"are noise to the cost model, so {out} was not written; time more steps (--steps "
-            f"{max(10, 2 * len(timed[0][1].step_times_s))}) and more plans (--top {max(6, 2 * len(timed))}), on an "
-            f"otherwise idle machine")
-    path = write_cluster_file(out, tuned, file_comments(timed, cluster, fit))
+    reason = refusal(fit)
+    if reason:
+        raise PlaitError(f"{reason}; {out} was not written. {advice[0].upper() + advice[1:]}")
+    path = write_cluster_file(out, tuned, file_comments(observations, cluster, fit, source))
     print(f"wrote {path}  (use: plait plan --cluster {path} ...)")
-    print(f"wrote {_plot(timed, cluster, fit, plot)}")
+    print(f"wrote {_plot(observations, cluster, fit, plot)}")
     return 0
 
 
@@ -218,28 +285,35 @@ def _predicted(plan: Any, cluster: Any) -> Any:
     return predict(plan.replace(cluster=cluster, predicted=None))
 
 
-def _print_table(timed: list[tuple[Any, Any]], cluster: Any, tuned: Any) -> None:
+def _label(observation: Any) -> str:
+    part = "" if observation.part == "step" else f"  ({observation.part} part)"
+    return observation.plan.describe() + part
+
+
+def _print_table(observations: list[Any], fit: Any, cluster: Any, tuned: Any, memory: dict[int, float | None]) -> None:
     from rich.table import Table
 
+    from plait.profile.terms import predicted_time
     from plait.report.console import output_console
 
     console = output_console()
-    best = min(range(len(timed)), key=lambda i: timed[i][1].median_s)
-    memory = any(r.peak_memory_bytes is not None for _, r in timed)
-    table = Table(title=f"predicted vs measured step time ({cluster.name} -> {tuned.name})", title_justify="left")
-    for name in ("#", "plan", "predicted s", "measured s", "error", "tuned s", "tuned error"):
+    steps = [i for i, o in enumerate(observations) if o.part == "step"]
+    best = min(steps, key=lambda i: observations[i].measured_s) if len(steps) > 1 else None
+    shown_memory = any(memory.get(id(o.plan)) is not None for o in observations)
+    table = Table(title=f"predicted vs measured ({cluster.name} -> {tuned.name})", title_justify="left")
+    for name in ("#", "plan", "predicted s", "measured s", "error", "tuned s", "tuned error", "held-out error"):
         table.add_column(name, justify="left" if name == "plan" else "right")
-    if memory:
+    if shown_memory:
         table.add_column("pred. memory", justify="right")
         table.add_column("meas. memory", justify="right")
-    for i, (plan, result) in enumerate(timed):
-        before, after = _predicted(plan, cluster), _predicted(plan, tuned)
-        row = [str(i + 1), plan.describe() + ("  [bold green]<- measured best[/]" if i == best else ""),
-               f"{before.step_time_s:.3f}", f"{result.median_s:.3f}", _signed(before.step_time_s, result.median_s),
-               f"{after.step_time_s:.3f}", _signed(after.step_time_s, result.median_s)]
-        if memory:
-            measured = result.peak_memory_bytes
-            row += [f"{before.peak_memory_bytes / 2**30:.2f} GiB",
+    for i, o in enumerate(observations):
+        before, after = predicted_time(o.plan, cluster, o.part), predicted_time(o.plan, tuned, o.part)
+        row = [str(i + 1), _label(o) + ("  [bold green]<- measured best[/]" if i == best else ""),
+               f"{before:.3f}", f"{o.measured_s:.3f}", _signed(before, o.measured_s), f"{after:.3f}",
+               _signed(after, o.measured_s), f"{fit.held_out[i]:.0%}" if fit.held_out else "-"]
+        if shown_memory:
+            measured = memory.get(id(o.plan))
+            row += [f"{_predicted(o.plan, cluster).peak_memory_bytes / 2**30:.2f} GiB",
                     "-" if measured is None else f"{measured / 2**30:.2f} GiB"]
         table.add_row(*row)
     console.print(table)
@@ -249,10 +323,27 @@ def _signed(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.0%}"
 
 
+def summary_lines(fit: Any) -> list[str]:
+    """Errors before and after (in-sample and held out), and whether the measured best plan ranks first."""
+    from plait.profile.terms import rms
+
+    n = len(fit.errors_before)
+    held = f", held out {rms(fit.held_out):.1%} (each timing predicted by the fit of the others)" if fit.held_out else ""
+    lines = [f"RMS error of {n} timing(s): {rms(fit.errors_before):.1%} before tuning; after: in-sample "
+             f"{rms(fit.errors_after):.1%}{held}"]
+    if fit.best_first_after is not None:
+        lines.append(f"ranks the measured best plan first: {_yes(fit.best_first_before)} before tuning, "
+                     f"{_yes(fit.best_first_after)} after")
+    return lines
+
+
+def _yes(flag: bool | None) -> str:
+    return "yes" if flag else "no"
+
+
 def _print_fit(fit: Any, cluster: Any, tuned: Any) -> None:
-    before, after = statistics.median(fit.errors_before), statistics.median(fit.errors_after)
-    print(f"median error {before:.1%} -> {after:.1%} after tuning (worst {max(fit.errors_before):.1%} -> "
-          f"{max(fit.errors_after):.1%}; in-sample, {len(fit.errors_after)} plans)")
+    for line in summary_lines(fit):
+        print(line)
     for line in factor_lines(fit, cluster, tuned):
         print("  " + line)
     for note in fit.notes:
@@ -260,57 +351,60 @@ def _print_fit(fit: Any, cluster: Any, tuned: Any) -> None:
 
 
 def factor_lines(fit: Any, cluster: Any, tuned: Any) -> list[str]:
-    """One line per fitted term: the ClusterSpec field it changed, and by how much."""
-    lines = [_field_change(term, cluster, tuned) for term in fit.fitted]
-    unchanged = [term for term in fit.before if term not in fit.fitted]
-    if unchanged:
-        lines.append(f"unchanged: {', '.join(unchanged)} (no timed plan spends 1% of its step on them)")
+    """One line per fitted term: the ClusterSpec field it changed, by how much, and its standard error."""
+    lines = [_field_change(term, cluster, tuned, fit.uncertainty.get(term)) for term in fit.fitted]
+    if fit.left:
+        lines.append(f"left at their values: {', '.join(fit.left)} (the timings move them, but fitting them predicts "
+                     f"none of the timings from the others better: time plans that differ in what they pay for)")
+    unused = [term for term in fit.before if term not in fit.fitted and term not in fit.left]
+    if unused:
+        lines.append(f"unchanged: {', '.join(unused)} (no timing moves them by 1%)")
     return lines
 
 
-def _field_change(term: str, cluster: Any, tuned: Any) -> str:
+def _field_change(term: str, cluster: Any, tuned: Any, error: float | None) -> str:
+    from plait.profile.terms import HOST_TERMS, term_value
+
+    spread = ""
+    if error is not None and term_value(tuned, term) > 0:
+        spread = f" (± {error / term_value(tuned, term):.0%})"
     old, new = cluster.efficiency, tuned.efficiency
     if term == "compute":
         ratio = (cluster.peak_flops * old.matmul) / (tuned.peak_flops * new.matmul)
-        peak = (f", peak_flops {cluster.peak_flops / 1e9:.4g} -> {tuned.peak_flops / 1e9:.4g} GFLOP/s"
-                if tuned.peak_flops != cluster.peak_flops else "")
-        return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g}{peak} (GEMM time x{ratio:.3g})"
-    from plait.profile.calibrate import HOST_TERMS
-
+        return f"compute: efficiency.matmul {old.matmul:.4g} -> {new.matmul:.4g} (GEMM time x{ratio:.3g}){spread}"
     if term in HOST_TERMS:
         field = f"{term}_s"
         old, new = cluster.host, tuned.host
         return (f"{term}: host.{field} {getattr(old, field) * 1e6:.0f} -> {getattr(new, field) * 1e6:.0f} us "
-                f"{HOST_TERMS[term]}")
+                f"{HOST_TERMS[term]}{spread}")
     level, _, quantity = term.partition("_")
     attr = {"intra": "intra_node", "inter": "inter_node"}[level]
     before, after = getattr(cluster, attr), getattr(tuned, attr)
     if quantity == "latency":
-        return f"{term}: {attr}.latency_s {before.latency_s * 1e6:.1f} -> {after.latency_s * 1e6:.1f} us"
-    return f"{term}: {attr}.bandwidth {before.bandwidth / 1e9:.3f} -> {after.bandwidth / 1e9:.3f} GB/s"
+        return f"{term}: {attr}.latency_s {before.latency_s * 1e6:.1f} -> {after.latency_s * 1e6:.1f} us{spread}"
+    return f"{term}: {attr}.bandwidth {before.bandwidth / 1e9:.3f} -> {after.bandwidth / 1e9:.3f} GB/s{spread}"
 
 
-def file_comments(timed: list[tuple[Any, Any]], cluster: Any, fit: Any) -> list[str]:
-    lines = [f"Written by `plait tune`: {cluster.name} corrected from the measured steps of {len(timed)} plan(s) "
-             f"on {cluster.num_devices} rank(s).",
-             f"median step-time error {statistics.median(fit.errors_before):.1%} before, "
-             f"{statistics.median(fit.errors_after):.1%} after (in-sample)."]
+def file_comments(observations: list[Any], cluster: Any, fit: Any, source: str) -> list[str]:
+    lines = [f"Written by `plait tune`: {cluster.name} corrected from {source} on {cluster.num_devices} rank(s)."]
+    lines += summary_lines(fit)
     lines += factor_lines(fit, cluster, fit.cluster)
     lines += [f"note: {note}" for note in fit.notes]
-    lines += [f"measured {r.median_s:.4f} s: {p.describe()}" for p, r in timed]
+    lines += [f"measured {o.measured_s:.4f} s: {_label(o)}" for o in observations]
     return lines
 
 
-def _plot(timed: list[tuple[Any, Any]], cluster: Any, fit: Any, path: Path) -> Path:
+def _plot(observations: list[Any], cluster: Any, fit: Any, path: Path) -> Path:
     """Measured against the tuned cluster's predictions (what the written file will predict), the untuned
-    ones as hollow marks: the title's two errors name the two kinds of point."""
+    ones as hollow marks: the title's errors name the kinds of point."""
+    from plait.profile.terms import predicted_time, rms
     from plait.report import plot_predicted_vs_measured
 
-    rows = [(f"#{i + 1}", _predicted(p, fit.cluster).step_time_s, r.median_s) for i, (p, r) in enumerate(timed)]
-    before = [_predicted(p, cluster).step_time_s for p, _ in timed]
-    best = min(range(len(timed)), key=lambda i: timed[i][1].median_s)
-    title = (f"{len(rows)} plans: tuned ({_tuned_name(cluster.name)}) median error "
-             f"{statistics.median(fit.errors_after):.0%}; untuned ({cluster.name}, hollow) "
-             f"{statistics.median(fit.errors_before):.0%}")
+    rows = [(f"#{i + 1}", predicted_time(o.plan, fit.cluster, o.part), o.measured_s) for i, o in enumerate(observations)]
+    before = [predicted_time(o.plan, cluster, o.part) for o in observations]
+    best = min(range(len(observations)), key=lambda i: observations[i].measured_s)
+    held = f", held out {rms(fit.held_out):.0%}" if fit.held_out else ""
+    title = (f"{len(rows)} timings: tuned ({_tuned_name(cluster.name)}) RMS error {rms(fit.errors_after):.0%}"
+             f"{held}; untuned ({cluster.name}, hollow) {rms(fit.errors_before):.0%}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return plot_predicted_vs_measured(rows, path, title=title, best_label=f"#{best + 1}", before=before)

@@ -288,8 +288,10 @@ def warn(message: str) -> None:
 
 
 def restart_count() -> int:
-    """How many times torchrun / the elastic agent has restarted this job's workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    """How many times torchrun / the elastic agent has restarted this job's workers (the same on every machine)."""
+    from plait.launch import restart_round
+
+    return restart_round()
 
 
 # ---- the Checkpointer the training loop calls (torch from here on) ------------------------

@@ -7,7 +7,7 @@
                                                   # tokenizer = "byte" or a folder with tokenizer.json
     [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
     [train]      steps = 200, global_batch = 16, seq_len = 128, seed = 0
-    [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"
+    [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"; adapt = false
     [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
     [log]        dir = "runs/x", every = 10
@@ -158,6 +158,9 @@ class PlanConfig:
     """Devices "auto" plans for; None: --nproc, else 2."""
     pins: dict[str, Any] = field(default_factory=dict)
     """Pins passed to the search with "auto", e.g. {tp = 2, schedule = "1f1b"}."""
+    adapt: bool = False
+    """Re-plan from the run's own timings (a straggler, a step far off its prediction) and switch plans where it
+    pays, exactly as a resume does (plait/train/adapt.py); `plait train --adapt`."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,11 @@ from plait.train.checkpoint import export_at_end, pretrained_dir
 from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
+from plait.train.adapt import Adaptation, switch_plan
+from plait.train.measure import RunMeasurements, print_comparison, write_measured
 from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.fault import maybe_inject, planned_fault
-from plait.train.resolve import check_outputs, resolve_plan, write_plan
+from plait.train.resolve import check_outputs, plan_for_world, write_plan
 
 DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
 """Collective timeout: a dead or hung peer becomes an error after this long (the env var shortens it in tests)."""
@@ -57,11 +60,14 @@ def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
 
 def run(config: Config) -> RunResult:
     """Train as one rank of the plan's world (the process group is started here if needed)."""
-    from plait.launch import init_distributed
+    from plait.launch import init_distributed, restart_round
 
     check_outputs(config)  # under a bare torchrun no launcher has checked them
-    plan = resolve_plan(config)  # every rank resolves the same plan (the launcher passes a plan file)
+    world = int(os.environ["WORLD_SIZE"])
+    plan = plan_for_world(config, world)  # every rank resolves the same plan (the launcher passes a plan file)
     init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
+    if config.plan.file == "auto" and dist.get_rank() == 0 and (restart_round() or config.plan.devices not in (None, world)):
+        print(f"plait: this round has {world} ranks: planned {plan.describe()} for them", file=sys.stderr, flush=True)
     try:
         return _train(config, plan)
     finally:
@@ -76,28 +82,40 @@ def _device(plan: Plan) -> torch.device:
 
 
 def _train(config: Config, plan: Plan) -> RunResult:
-    from plait.execute import parallelize
-
     rank = dist.get_rank()
     device = _device(plan)
     if rank == 0 and config.plan.file != str(Path(config.log.dir, "plan.json").resolve()):
         write_plan(plan, config.log.dir)  # under a bare torchrun no launcher has written it
-    model = parallelize(plan, seed=config.train.seed, device=device, weights=pretrained_dir(config, plan))
-    opt = config.optimizer
-    optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
-    state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=_loader(config, plan, model))
+    began = time.perf_counter()
+    model, optimizer, loader = _build(config, plan, device, weights=pretrained_dir(config, plan))
+    build_s = time.perf_counter() - began
+    state = TrainState(config=config, plan=plan, model=model, optimizer=optimizer, loader=loader)
     hooks = make_checkpoint_hooks(config)
     hooks.resume(state)
     log_dir = Path(config.log.dir)
     metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
-    losses = _steps(state, hooks, metrics, device)
+    measured = RunMeasurements(plan, model)
+    adaptation = Adaptation(config, plan, log_dir, build_s, rank) if config.plan.adapt else None
+    losses = _steps(state, hooks, metrics, measured, device, adaptation)
     metrics.close()
+    _report_measured(measured.finish(), log_dir)
     export_at_end(state)
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
     plot_path = _plot(metrics.path) if rank == 0 and losses else None
     return RunResult(steps=state.step, first_loss=losses[0] if losses else math.nan,
                      last_loss=losses[-1] if losses else math.nan, metrics_path=metrics.path,
                      plot_path=plot_path, model_path=model_path)
+
+
+def _build(config: Config, plan: Plan, device: torch.device, weights: Any = None) -> tuple[Any, Any, BatchLoader]:
+    """This rank's share of the model under `plan`, its optimizer and its data loader (at the data's start);
+    `weights`: a Hugging Face folder to load instead of the seed's initialisation (the run's first build)."""
+    from plait.execute import parallelize
+
+    model = parallelize(plan, seed=config.train.seed, device=device, weights=weights)
+    opt = config.optimizer
+    optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
+    return model, optimizer, _loader(config, plan, model)
 
 
 def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
@@ -114,7 +132,8 @@ def _throughput(plan: Plan) -> Throughput:
                       peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
 
 
-def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.device) -> list[float]:
+def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeasurements, device: torch.device,
+           adaptation: Adaptation | None = None) -> list[float]:
     config = state.config
     total = config.train.steps
     throughput = _throughput(state.plan)
@@ -126,7 +145,7 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
                          max_seconds=config.train.max_seconds) as progress:
         while state.step < total:
             note_progress(f"step {state.step + 1}", state.step + 1)  # names the rank that hangs, if one does
-            m = _one_step(state, throughput, device, elapsed_s=time.perf_counter() - start)
+            m = _one_step(state, throughput, device, measured, elapsed_s=time.perf_counter() - start)
             losses.append(m.loss)
             metrics.write(m)
             progress.update(m)
@@ -135,10 +154,15 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, device: torch.dev
             maybe_inject(rank, state.step, fault)
             if final:
                 break
+            new_plan = adaptation.check(state.step, total, measured) if adaptation is not None else None
+            if new_plan is not None:  # [plan] adapt: a faster plan for the measured speeds (plait/train/adapt.py)
+                switch_plan(state, new_plan, lambda plan: _build(config, plan, device), hooks)
+                measured.start(new_plan, state.model)
     return losses
 
 
-def _one_step(state: TrainState, throughput: Throughput, device: torch.device, elapsed_s: float) -> StepMetrics:
+def _one_step(state: TrainState, throughput: Throughput, device: torch.device, measured: RunMeasurements,
+              elapsed_s: float) -> StepMetrics:
     config = state.config
     lr = lr_at(state.step, config.optimizer, config.train.steps)
     for group in state.optimizer.param_groups:
@@ -146,16 +170,28 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, e
     tokens, targets = state.loader.next_batch()
     began = time.perf_counter()
     state.optimizer.zero_grad(set_to_none=True)
+    forward = time.perf_counter()
     loss = state.model.train_step(tokens.to(device), targets.to(device))
+    trained = time.perf_counter()
     grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
     state.optimizer.step()
-    step_time = time.perf_counter() - began
+    ended = time.perf_counter()
+    step_time = ended - began
     state.step += 1
+    measured.add(state.step, step_time, trained - forward, ended - trained)
     state.tokens += throughput.tokens_per_step
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,
                        tokens_per_s=throughput.tokens_per_s(step_time), mfu=throughput.mfu(step_time),
                        tokens=state.tokens, elapsed_s=elapsed_s + step_time)
+
+
+def _report_measured(segments: list, log_dir: Path) -> None:
+    """Rank 0 writes every rank's timings (LOG_DIR/measured.json) and prints predicted against measured by part."""
+    if dist.get_rank() != 0 or not segments:
+        return
+    write_measured(log_dir, segments)
+    print_comparison(segments)
 
 
 def _out_of_time(max_seconds: float, start: float) -> bool:

@@ -102,6 +102,22 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     return plan
 
 
+def plan_for_world(config: Config, world_size: int) -> Plan:
+    """The plan of a worker under torchrun, whose world is what the rendezvous gathered: "auto" plans for it (a
+    job that lost or gained a machine between rounds re-plans, and the checkpoint reshards); a plan file must
+    have been made for it."""
+    if config.plan.file == "auto":
+        return resolve_plan(config, world_size)
+    plan = resolve_plan(config)
+    if plan.num_devices != world_size:
+        raise ConfigError(
+            f"plan file {config.plan.file!r} is for {plan.num_devices} ranks (dp{plan.dp} x tp{plan.tp} x pp{plan.pp}), "
+            f"but this round of the job has {world_size} (torchrun's world: a machine left or joined); a fixed plan "
+            f"cannot follow it. Set plan.file = \"auto\" to re-plan for each round's ranks (checkpoints reshard), or "
+            f"start the job again with {plan.num_devices} ranks")
+    return plan
+
+
 def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan:
     """The planner's best plan for this model on [plan] cluster with the given device count."""
     from plait.search import plan as search

@@ -51,7 +51,8 @@ def test_tune_prints_predicted_against_measured(tuned):
     for header in ("predicted s", "measured s", "error", "tuned s"):
         assert header in out
     assert "measured best" in out
-    assert "median error" in out and "after tuning" in out
+    assert "before tuning; after: in-sample" in out and "held out" in out  # the held-out error beside in-sample
+    assert "ranks the measured best plan first:" in out
     assert out.count("recompute=") == 2  # two plans timed
 
 

@@ -210,7 +210,8 @@ def test_each_collective_is_priced_on_its_own_measured_line():
 def test_calibrate_fits_host_time_on_the_probe_plans():
     """`plait profile` times the probe plans end to end; calibrate recovers the host time that produced them
     on top of its compute and link fits, and writes it in the file's header."""
-    from plait.profile.calibrate import HostSample, predicted_step
+    from plait.profile.calibrate import HostSample
+    from plait.profile.terms import predicted_step
     from plait.profile.host import probe_plans
 
     base = calibrate(synthetic_measurements()).cluster

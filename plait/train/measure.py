@@ -1,0 +1,352 @@
+"""The run measures itself: what every rank spent in each step, by part, against what the plan predicted.
+
+Each rank times, cheaply (a few clock reads per stage and micro-batch), four things per step:
+
+* **compute**: its pipeline stages' forward (the Stage module's forward, from a pre-hook to a post-hook) and
+  backward (from the gradient's arrival at the stage's output to its arrival at the stage's first block's
+  input, or at the stage input), over every micro-batch. The layers, the embedding and output layer,
+  recompute, and the tensor-parallel collectives and fully_shard gathers that run inside the layers are in it
+  (they cannot be told apart without a profiler); the throttle of an emulated slow rank too
+  (plait/execute/throttle.py). The zero-bubble schedules compute weight gradients apart, after this window: there
+  compute reads low;
+* **waiting**: the rest of the forward-backward call (ParallelModel.train_step): the pipeline's bubble and
+  transfers, the data-parallel communication backward did not hide, the loss's reduction;
+* **optimizer**: gradient clipping and the optimizer step;
+* **step**: all of it, from zeroing the gradients to the end of the optimizer step.
+
+The cost model's parts map onto these: compute + recompute + tp_comm onto compute, bubble + pp_comm + dp_comm onto
+waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are those of the bottleneck
+rank, so the measured ones are read on the rank that computed longest (the median over steps, after
+WARMUP_STEPS). Per rank, predicted compute against measured says which rank runs slower than its hardware
+should: the evidence `plait train --adapt` re-plans from (plait/train/adapt.py), and `plait tune --from-run`
+fits the cost model's constants from (plait/profile/calibrate.py).
+
+The records go to LOG_DIR/measured.json (every step of every rank, and the plan of each segment: a run that
+switched plans has two). Pure but for `StepClock`, which imports torch when it is built.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MEASURED_FILE = "measured.json"
+WARMUP_STEPS = 2
+"""Steps of each plan left out of the medians: the first ones build DDP's buckets, autograd's caches and gloo's
+connections."""
+FORMAT = 1
+
+
+# ---- one rank's clock -----------------------------------------------------------------------
+
+class StepClock:
+    """Times this rank's compute (see the module docstring) with hooks on its Stage modules and their first block.
+
+    Installed after the throttle's hooks (plait.execute.parallelize), so an emulated slow rank's sleeps count as
+    its compute: the rank is slow, whatever makes it so."""
+
+    def __init__(self, model_parts: list[Any]) -> None:
+        self.compute_s = 0.0
+        self._forward_began: float | None = None
+        self._backward_began: float | None = None
+        self._handles: list[Any] = []
+        for part in model_parts:
+            stage = getattr(part, "module", part)  # a DistributedDataParallel wraps the Stage
+            blocks = list(stage.stage_blocks().values())
+            self._handles.append(stage.register_forward_pre_hook(self._forward_start, prepend=True))
+            self._handles.append(stage.register_forward_hook(self._forward_end))
+            if blocks:  # the gradient reaching block 0's input: every layer of the stage is done
+                self._handles.append(blocks[0].register_forward_hook(self._watch_input))
+            elif not stage.first:
+                self._handles.append(stage.register_forward_hook(self._watch_input))
+
+    def take(self) -> float:
+        """Compute seconds since the last call."""
+        value, self.compute_s = self.compute_s, 0.0
+        return value
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _forward_start(self, module: Any, args: Any) -> None:
+        self._forward_began = time.perf_counter()
+
+    def _forward_end(self, module: Any, args: Any, output: Any) -> None:
+        if self._forward_began is not None:
+            self.compute_s += time.perf_counter() - self._forward_began
+            self._forward_began = None
+        out = output[0] if isinstance(output, tuple) else output
+        if getattr(out, "requires_grad", False):
+            out.register_hook(self._backward_start)
+
+    def _watch_input(self, module: Any, args: Any, output: Any) -> None:
+        # registered after the forward, so after the throttle's own hook on this input (which sleeps): this
+        # one fires once that sleep is over
+        x = args[0] if args else None
+        if getattr(x, "requires_grad", False):
+            x.register_hook(self._backward_end)
+
+    def _backward_start(self, grad: Any) -> None:
+        self._backward_began = time.perf_counter()
+
+    def _backward_end(self, grad: Any) -> None:
+        if self._backward_began is not None:
+            self.compute_s += time.perf_counter() - self._backward_began
+            self._backward_began = None
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class RankRecord:
+    """One rank's timings of the steps of one plan."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int = 0
+    tp_rank: int = 0
+    steps: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+    """The forward-backward call (ParallelModel.train_step): compute + waiting."""
+    compute_s: list[float] = field(default_factory=list)
+    optimizer_s: list[float] = field(default_factory=list)
+
+    def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float) -> None:
+        self.steps.append(step)
+        self.step_s.append(step_s)
+        self.train_s.append(train_s)
+        self.compute_s.append(compute_s)
+        self.optimizer_s.append(optimizer_s)
+
+    def window(self, start: int = 0) -> "RankRecord":
+        """The steps from index `start` on."""
+        return _slice(self, start, len(self.steps))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """Seconds per step by part (measured: medians; predicted: the cost model's, grouped the same way)."""
+
+    step: float
+    compute: float
+    waiting: float
+    optimizer: float
+
+    @classmethod
+    def of_prediction(cls, step_time_s: float, parts: dict[str, float]) -> "Parts":
+        return cls(step=step_time_s, compute=sum(parts.get(k, 0.0) for k in COMPUTE_PARTS),
+                   waiting=sum(parts.get(k, 0.0) for k in WAITING_PARTS), optimizer=parts.get("optimizer", 0.0))
+
+
+COMPUTE_PARTS = ("compute", "recompute", "tp_comm")
+WAITING_PARTS = ("bubble", "pp_comm", "dp_comm")
+PART_LABELS = {
+    "compute": "compute (layers, ends, recompute; TP collectives inside the layers)",
+    "waiting": "waiting (pipeline bubble and transfers, exposed DP communication)",
+    "optimizer": "optimizer (clipping, step, fixed host time)",
+    "step": "step",
+}
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """The steps run under one plan (a run that adapted has one per plan), every rank's timings, and what the
+    cost model predicted for it."""
+
+    plan: dict
+    """Plan.to_dict()."""
+    predicted: Parts
+    predicted_rank_compute: list[float]
+    """Per pipeline rank: the compute the cost model expects of it per step."""
+    ranks: list[RankRecord]
+
+    def measured_window(self, warmup: int = WARMUP_STEPS) -> list[RankRecord]:
+        steps = min(len(r.steps) for r in self.ranks) if self.ranks else 0
+        start = warmup if steps > warmup else 0
+        return [r.window(start) for r in self.ranks]
+
+    def measured(self, warmup: int = WARMUP_STEPS) -> Parts | None:
+        """Medians on the rank that computed longest; step time: the median over steps of the slowest rank."""
+        return _parts_of([r for r in self.measured_window(warmup) if r.steps])
+
+    def measured_chunks(self, count: int, warmup: int = WARMUP_STEPS) -> list[Parts]:
+        """`measured` over `count` consecutive runs of the steps (fewer where there are fewer steps): repeated
+        timings of one plan, which `plait tune --from-run` checks a fit with."""
+        ranks = [r for r in self.measured_window(warmup) if r.steps]
+        steps = min((len(r.steps) for r in ranks), default=0)
+        count = max(1, min(count, steps))
+        bounds = [round(i * steps / count) for i in range(count + 1)]
+        chunks = [_parts_of([_slice(r, lo, hi) for r in ranks]) for lo, hi in zip(bounds, bounds[1:])]
+        return [c for c in chunks if c is not None]
+
+    def rank_compute(self, warmup: int = WARMUP_STEPS) -> list[tuple[RankRecord, float, float]]:
+        """(rank, predicted compute, measured median compute) per rank, in rank order."""
+        return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(r.compute_s))
+                for r in sorted(self.measured_window(warmup), key=lambda r: r.rank) if r.steps]
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan, "predicted": asdict(self.predicted),
+                "predicted_rank_compute": self.predicted_rank_compute, "ranks": [asdict(r) for r in self.ranks]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Segment":
+        return cls(plan=data["plan"], predicted=Parts(**data["predicted"]),
+                   predicted_rank_compute=list(data["predicted_rank_compute"]),
+                   ranks=[RankRecord(**r) for r in data["ranks"]])
+
+
+def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
+    return RankRecord(rank=record.rank, pp_rank=record.pp_rank, dp_rank=record.dp_rank, tp_rank=record.tp_rank,
+                      steps=record.steps[start:stop], step_s=record.step_s[start:stop],
+                      train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
+                      optimizer_s=record.optimizer_s[start:stop])
+
+
+def _parts_of(ranks: list[RankRecord]) -> Parts | None:
+    """Medians on the rank that computed longest (the cost model's parts are its); the step: the slowest rank's."""
+    if not ranks or not ranks[0].steps:
+        return None
+    slowest = max(ranks, key=lambda r: statistics.median(r.compute_s))
+    steps = [max(values) for values in zip(*(r.step_s for r in ranks))]
+    return Parts(step=statistics.median(steps), compute=statistics.median(slowest.compute_s),
+                 waiting=statistics.median([t - c for t, c in zip(slowest.train_s, slowest.compute_s)]),
+                 optimizer=statistics.median(slowest.optimizer_s))
+
+
+def predicted_segment(plan: Any) -> Segment:
+    """A segment for `plan` with the cost model's prediction and no timings yet."""
+    from plait.cost import predict
+
+    prediction = predict(plan.replace(predicted=None))
+    return Segment(plan=plan.to_dict(), predicted=Parts.of_prediction(prediction.step_time_s,
+                                                                        prediction.step_time_parts),
+                   predicted_rank_compute=rank_compute(plan, prediction.step_time_parts), ranks=[])
+
+
+def rank_compute(plan: Any, parts: dict[str, float]) -> list[float]:
+    """Per pipeline rank, the compute the cost model expects of it per step: its stages' work over the
+    micro-batches, scaled as the model scales the bottleneck's (cores lent by idle stages, plait.cost.model)."""
+    from plait.cost.layout import Layout, Setting
+    from plait.cost.model import pipeline_stage_times
+
+    layout = Layout.of(plan)
+    st, _ = pipeline_stage_times(Setting(plan.model, plan.cluster, plan.train), layout, plan.layers_per_stage,
+                                 plan.recompute)
+    raw = [plan.num_micro_batches * sum(st.compute[k] + st.recompute[k] + st.tp_comm[k] for k in layout.stages_of(r))
+           for r in range(plan.pp)]
+    bottleneck = max(raw)
+    scale = sum(parts.get(k, 0.0) for k in COMPUTE_PARTS) / bottleneck if bottleneck > 0 else 1.0
+    return [value * scale for value in raw]
+
+
+# ---- the file -------------------------------------------------------------------------------
+
+def write_measured(log_dir: str | Path, segments: list[Segment]) -> Path:
+    path = Path(log_dir) / MEASURED_FILE
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps({"format": FORMAT, "warmup_steps": WARMUP_STEPS,
+                                     "segments": [s.to_dict() for s in segments]}, indent=1))
+    temporary.replace(path)
+    return path
+
+
+def read_measured(log_dir: str | Path) -> list[Segment]:
+    """The segments of a run's LOG_DIR/measured.json; ConfigError naming the file when it is missing or not one."""
+    from plait.errors import ConfigError
+    from plait.inputs import read_text
+
+    folder = Path(log_dir)
+    path = folder / MEASURED_FILE if folder.is_dir() or not folder.suffix else folder
+    if not path.is_file():
+        raise ConfigError(f"{str(log_dir)!r} holds no {MEASURED_FILE}; give the log.dir of a `plait train` run "
+                          f"(every run writes it at the end)")
+    try:
+        data = json.loads(read_text(path, MEASURED_FILE))
+        return [Segment.from_dict(s) for s in data["segments"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a measurement file of `plait train` ({type(e).__name__}: {e})") from None
+
+
+# ---- the table at the end of a run ------------------------------------------------------------
+
+def print_comparison(segments: list[Segment], console: Any = None) -> None:
+    """Predicted against measured by part (and compute per rank), one table per plan the run used."""
+    from rich.table import Table
+
+    from plait.plan import Plan
+    from plait.report.console import output_console
+
+    console = console or output_console()
+    for index, segment in enumerate(segments):
+        measured = segment.measured()
+        if measured is None:
+            continue
+        plan = Plan.from_dict(segment.plan)
+        steps = len(segment.measured_window()[0].steps)
+        title = (f"predicted vs measured per step{f' (plan {index + 1} of {len(segments)})' if len(segments) > 1 else ''}: "
+                 f"{plan.describe()}; median of {steps} steps, rank that computed longest")
+        table = Table(title=title, title_justify="left")
+        for name in ("part", "predicted s", "measured s", "measured / predicted"):
+            table.add_column(name, justify="left" if name == "part" else "right")
+        for key, label in PART_LABELS.items():
+            p, m = getattr(segment.predicted, key), getattr(measured, key)
+            table.add_row(label, f"{p:.4f}", f"{m:.4f}", f"{m / p:.2f}" if p > 0 else "-")
+        console.print(table)
+        ranks = Table(title="compute per rank (a rank far above the others is a straggler)", title_justify="left")
+        for name in ("rank", "pipeline rank", "layers", "predicted s", "measured s", "measured / predicted"):
+            ranks.add_column(name, justify="right")
+        for record, p, m in segment.rank_compute():
+            layers = sum(plan.layers_per_stage[k] for k in plan.stages_of_rank(record.pp_rank))
+            ranks.add_row(str(record.rank), str(record.pp_rank), str(layers), f"{p:.4f}", f"{m:.4f}",
+                          f"{m / p:.2f}" if p > 0 else "-")
+        console.print(ranks)
+
+
+# ---- a run's measurements, on every rank --------------------------------------------------------
+
+class RunMeasurements:
+    """This rank's clock and timings, and the segments of the run so far (collective where it says so)."""
+
+    def __init__(self, plan: Any, model: Any) -> None:
+        self.segments: list[Segment] = []
+        self.clock: StepClock | None = None
+        self.record: RankRecord | None = None
+        self.start(plan, model)
+
+    def start(self, plan: Any, model: Any) -> None:
+        """Begin a segment: `plan` now runs as `model` (this rank's ParallelModel)."""
+        import torch.distributed as dist
+
+        if self.clock is not None:
+            self.clock.remove()
+        self.segments.append(predicted_segment(plan))
+        self.clock = StepClock(model.model_parts)
+        self.record = RankRecord(rank=dist.get_rank(), pp_rank=model.pp_rank, dp_rank=model.dp_rank,
+                                 tp_rank=model.tp_rank)
+
+    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float) -> None:
+        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s)
+
+    def gathered(self) -> Segment:
+        """The current segment with every rank's timings so far (collective)."""
+        import torch.distributed as dist
+
+        records: list = [None] * dist.get_world_size()
+        dist.all_gather_object(records, self.record)
+        segment = self.segments[-1]
+        segment.ranks = sorted(records, key=lambda r: r.rank)
+        return segment
+
+    def finish(self) -> list[Segment]:
+        """Every segment with every rank's timings (collective); the clock's hooks are removed."""
+        self.gathered()
+        if self.clock is not None:
+            self.clock.remove()
+        return [s for s in self.segments if s.ranks and s.ranks[0].steps]
