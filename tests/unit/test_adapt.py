@@ -1,6 +1,6 @@
 """Dynamic load balancing's decisions (plait/train/adapt.py), from synthetic timings: who is a straggler, the
 clusters it re-plans on, the plan it picks, and when a switch pays. The switch itself runs in
-tests/dist/test_adapt.py."""
+tests/dist/test_adapt_run.py."""
 
 from __future__ import annotations
 
