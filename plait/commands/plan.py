@@ -142,17 +142,16 @@ def _with_progress(work: Callable[[], Any], message: str) -> Any:
 
 def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: int) -> None:
     from plait.report.console import output_console
-    from plait.report.tables import LAYERS_LEGEND, degrees_legend, human_count, plans_table, search_stats_line
+    from plait.report.tables import LAYERS_LEGEND, human_count, plans_table, search_stats_line
 
     console = output_console()
     plans = list(result.plans)
     title = (f"{model.name} ({human_count(model.num_params)} params) on {num_devices:,} × {cluster.name}, "
              f"batch {result_batch(plans)}: top {min(top, len(plans))} plans")
     console.print(plans_table(plans[:top], title=title, width=console.width))
+    _print_degrees_legend(console, plans[:top])
     if any(plan.num_stages > 1 for plan in plans[:top]):
         console.print(LAYERS_LEGEND, highlight=False, markup=False, style="dim")
-    if degrees_legend(plans[:top]):
-        console.print(degrees_legend(plans[:top]), highlight=False, markup=False, style="dim")
     if len(plans) >= 2:
         from plait.search import explain
 
@@ -164,6 +163,15 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print(_parts_line(plans[0].predicted), highlight=False)
     feasible = len(getattr(result, "points", ())) or None
     console.print(search_stats_line(result.candidates_evaluated, result.seconds, feasible), highlight=False)
+
+
+def _print_degrees_legend(console: Any, plans: list[Any]) -> None:
+    """What the table's cp/ep marks mean, where a shown plan has them."""
+    from plait.report.tables import degrees_legend
+
+    legend = degrees_legend(plans)
+    if legend:
+        console.print(legend, highlight=False, markup=False, style="dim")
 
 
 def result_batch(plans: list[Any]) -> str:

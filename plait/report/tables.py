@@ -47,6 +47,26 @@ def layers_cell(plan: Plan) -> str:
 
 
 LAYERS_LEGEND = "layers/stage: [n] is a pipeline stage of n layers, [n]×k is k such stages in a row"
+def recompute_cell(plan: Plan) -> str:
+    """One mode when every pipeline rank agrees, else the per-rank modes run-length compressed."""
+    modes = [RECOMPUTE_SHORT[m] for m in plan.recompute]
+    return modes[0] if len(set(modes)) == 1 else run_length(modes, sep=",")
+
+
+def schedule_cell(plan: Plan) -> str:
+    if plan.pp == 1:
+        return "-"
+    return f"{plan.schedule} v{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule
+
+
+def human_count(value: float) -> str:
+    """1234567 -> '1.23M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 CONTEXT_SHORT = {"all_gather": "ag", "all_to_all": "a2a"}
 
 
@@ -70,26 +90,6 @@ def degrees_legend(plans: Sequence[Plan]) -> str:
     if any(p.ep > 1 for p in plans):
         notes.append("epN: experts split over N ranks of each data-parallel group")
     return "; ".join(notes)
-
-
-def recompute_cell(plan: Plan) -> str:
-    """One mode when every pipeline rank agrees, else the per-rank modes run-length compressed."""
-    modes = [RECOMPUTE_SHORT[m] for m in plan.recompute]
-    return modes[0] if len(set(modes)) == 1 else run_length(modes, sep=",")
-
-
-def schedule_cell(plan: Plan) -> str:
-    if plan.pp == 1:
-        return "-"
-    return f"{plan.schedule} v{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule
-
-
-def human_count(value: float) -> str:
-    """1234567 -> '1.23M'."""
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
 
 
 def human_bytes(value: float) -> str:

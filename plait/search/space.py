@@ -253,17 +253,11 @@ def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: Tr
     return out
 
 
-def zero_choices(d: Degrees) -> list[int]:
-    """ZeRO stages worth pricing unpinned. Without data (or context) parallelism there is nothing to shard. Where
-    DDP cannot carry the plan (plait.legality.data_parallel_mode: tensor, context or expert parallelism, a
-    pipeline), ZeRO 0 and 1 ride on the same fully_shard(reshard_after_forward=False) as ZeRO-2 -- one run, one
-    price -- so it is listed once, as ZeRO-2. Under a pipeline plait runs ZeRO-3 as ZeRO-2 too (parameters kept
-    gathered through the schedule), so it is listed only when pinned."""
-    if d.dp * d.cp == 1:
-        return [0]
-    if legality.data_parallel_mode(d, 0).carrier == "ddp":
-        return [0, 1, 2] + ([3] if d.pp == 1 else [])
-    return [2] + ([3] if d.pp == 1 else [])
+def family_key(layout) -> tuple:
+    """Everything of a layout but its micro-batch size (a family of layouts: the dichotomy solver bisects over b,
+    the exact one skips a family's larger b once a smaller one missed memory)."""
+    return (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups,
+            layout.context_parallel)
 
 
 def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int) -> Iterator[tuple[str, int]]:
@@ -363,12 +357,12 @@ class Space:
         # all-reduces and keeps less activation memory, so the cost model never prefers it off (unless the
         # sequence a context rank holds does not split over tp).
         sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
+        zeros = [pins.zero] if pins.zero is not None else distinct_zeros(d)
+        per_replica = self.global_batch // d.dp
         if self.model is not None and d.tp > 1 and pins.sequence_parallel is None and legality.sequence_problems(
                 self.model, self.seq_len, d.tp, True, d.cp):
             sps = [False]
-        zeros = [pins.zero] if pins.zero is not None else zero_choices(d)
         kinds = context_kinds(pins, self.model, d) if self.model is not None else ["all_gather"]
-        per_replica = self.global_batch // d.dp
         for sp in sps:
             for b in divisors(per_replica):
                 if pins.micro_batch is not None and b != pins.micro_batch:
@@ -408,11 +402,21 @@ class Space:
         return [layout for d in self.degrees for layout in self.layouts(d)]
 
 
-def family_key(layout) -> tuple:
-    """Everything of a layout but its micro-batch size (a family of layouts: the dichotomy solver bisects over b,
-    the exact one skips a family's larger b once a smaller one missed memory)."""
-    return (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups,
-            layout.context_parallel)
+def distinct_zeros(d: Degrees) -> list[int]:
+    """The ZeRO stages that run differently on these degrees (plait.legality.data_parallel_mode), each named by the
+    largest stage of those that run alike: where fully_shard carries ZeRO 0/1 (a pipeline, tensor parallelism) it
+    shards gradients and optimizer states as ZeRO-2 does, so only 2 is listed; under a pipeline ZeRO-3 runs as
+    ZeRO-2 too, so it is listed only when pinned."""
+    runs: dict[tuple[str, bool], int] = {}
+    for zero in (0, 1, 2, 3):
+        if zero == 3 and d.pp > 1:
+            continue
+        mode = legality.data_parallel_mode(d, zero)
+        if mode.carrier == "none":  # one replica: ZeRO has nothing to shard
+            return [0]
+        # DDP runs ZeRO-1 apart (ZeroRedundancyOptimizer); fully_shard runs 0, 1 and 2 alike
+        runs[(mode.carrier, mode.reshard_after_forward, zero if mode.carrier == "ddp" else None)] = zero
+    return sorted(runs.values())
 
 
 def _multiset_permutations(counts: dict[str, int]) -> Iterator[tuple[str, ...]]:
