@@ -47,6 +47,8 @@ def layers_cell(plan: Plan) -> str:
 
 
 LAYERS_LEGEND = "layers/stage: [n] is a pipeline stage of n layers, [n]×k is k such stages in a row"
+
+
 def recompute_cell(plan: Plan) -> str:
     """One mode when every pipeline rank agrees, else the per-rank modes run-length compressed."""
     modes = [RECOMPUTE_SHORT[m] for m in plan.recompute]
