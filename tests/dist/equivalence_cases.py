@@ -92,6 +92,7 @@ CASES: list[dict] = [
     _case("cp2-all-gather", "llama", 2, cp=2, context_parallel="all_gather"),
     _case("cp2-all-to-all-selective", "gpt", 2, cp=2, context_parallel="all_to_all", recompute=["selective"]),
     _case("ep2-dp2", "moe", 2, dp=2, ep=2, zero=2),
+    _case("hf-llama-cp2-all-to-all", "hf:llama", 2, cp=2, context_parallel="all_to_all"),
     _case("pp2-zbv", "llama", 2, pp=2, schedule="zbv", interleave=2, num_micro_batches=4),
     _case("pp2-dualpipev", "gpt", 2, pp=2, schedule="dualpipev", interleave=2, num_micro_batches=4),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
