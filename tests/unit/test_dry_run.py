@@ -62,3 +62,20 @@ def test_planner_plans_of_random_models_pass_the_dry_run(seed, devices):
         assert legality.plan_problems(plan, devices) == []
         for report in dry_run(plan):
             assert report.params > 0 and report.local_bytes <= report.full_bytes
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
+def test_context_and_tensor_parallel_plan_builds_and_traces(kind):
+    """cp x tp under sequence parallelism: every block's attention exchanges through its own core (one core shared
+    by every block broke CommDebugMode's module tracking), and the tensor-parallel trace still runs."""
+    from plait import Plan
+    from plait.spec.models import MODEL_PRESETS
+
+    plan = Plan.of(cp=2, tp=2, pp=2, sequence_parallel=True, context_parallel=kind, schedule="1f1b", micro_batch=1,
+                   num_micro_batches=2, model=MODEL_PRESETS["tiny-llama"],
+                   train=TrainSpec(global_batch=2, seq_len=64, precision="fp32"),
+                   cluster=CLUSTER_PRESETS["local-cpu"].with_devices(8))
+    reports = dry_run(plan)
+    assert [r.pp_rank for r in reports] == [0, 1]
+    for report in reports:
+        assert report.collectives["tp all-gather"] > 0 and report.collectives["pp send/recv"] > 0
