@@ -466,39 +466,23 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
     current = _tidy(current, cluster)
     after = {t: term_value(current, t) for t in terms}
     notes = _bound_notes(terms, fitted, after, refs, low, high, cluster) + _too_few(fitted, usable)
-    final, raised = _within_physics(current, [o.plan for o in usable])
+    final, raised = _within_physics(current)
     return TermFit(cluster=final, before={t: term_value(cluster, t) for t in terms}, after=after, fitted=fitted,
                    errors_before=_relative_errors(usable, cluster), errors_after=_relative_errors(usable, final),
                    rounds=rounds, notes=tuple(raised + notes))
 
 
-def _within_physics(cluster: ClusterSpec, plans: list = ()) -> tuple[ClusterSpec, list[str]]:
+def _within_physics(cluster: ClusterSpec) -> tuple[ClusterSpec, list[str]]:
     """efficiency.matmul above 1 on a CPU becomes a higher peak_flops (the same GEMM time): a fraction of
-    peak above 1 would show as MFU above 100%. So does a rate that prices one of the timed `plans` above 100% of
-    peak: MFU counts the attention's model FLOPs (the whole s x s square), the fused kernels skip half of it, so a
-    GEMM rate at the peak itself runs a plan faster than its model FLOPs allow; on a CPU the peak rises until it
-    does not (the same GEMM rate, a lower fraction of it)."""
+    peak above 1 would show as MFU above 100%."""
     eff = cluster.efficiency
-    notes = []
-    if eff.matmul > 1.0:
-        peak = _sig(cluster.peak_flops * eff.matmul)
-        notes.append(f"compute: the steps ran faster than peak_flops allows; on a CPU the peak is a measured (or preset) "
-                     f"GEMM rate, so peak_flops {cluster.peak_flops / 1e9:.4g} -> {peak / 1e9:.4g} GFLOP/s and "
-                     f"efficiency.matmul stays 1")
-        cluster = cluster.replace(peak_flops=peak, efficiency=dataclasses.replace(eff, matmul=1.0))
-    if cluster.device_type == "cpu" and plans:
-        from plait.cost import predict
-
-        most = max(predict(plan.replace(cluster=cluster, predicted=None)).mfu for plan in plans)
-        if most > 1.0:
-            eff = cluster.efficiency
-            peak = float(f"{cluster.peak_flops * most / 0.99:.4g}")  # 99%: room for the file's rounded figures
-            cluster = cluster.replace(peak_flops=peak, efficiency=dataclasses.replace(
-                eff, matmul=eff.matmul * cluster.peak_flops / peak))
-            notes.append(f"compute: a timed plan ran at {most:.0%} of peak_flops in model FLOPs (the fused attention "
-                         f"skips half the square they count); peak_flops raised to {peak / 1e9:.4g} GFLOP/s at the "
-                         f"same GEMM rate")
-    return cluster, notes
+    if eff.matmul <= 1.0:
+        return cluster, []
+    peak = _sig(cluster.peak_flops * eff.matmul)
+    note = (f"compute: the steps ran faster than peak_flops allows; on a CPU the peak is a measured (or preset) GEMM "
+            f"rate, so peak_flops {cluster.peak_flops / 1e9:.4g} -> {peak / 1e9:.4g} GFLOP/s and efficiency.matmul "
+            f"stays 1")
+    return cluster.replace(peak_flops=peak, efficiency=dataclasses.replace(eff, matmul=1.0)), [note]
 
 
 def _bound_notes(terms: tuple[str, ...], fitted: tuple[str, ...], after: dict[str, float], refs: np.ndarray,
