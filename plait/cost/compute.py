@@ -251,8 +251,15 @@ def selective_recompute_flops(model: ModelSpec, tokens: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
+def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
                dtype_bytes: int = 2) -> LayerCost:
+    """Time of one layer for one micro-batch on one device of a tensor group of `tp` (no context or expert
+    parallelism: `sliced_layer_cost` of that Slicing)."""
+    return sliced_layer_cost(model, cluster, seq_len, micro_batch, Slicing(tp=tp, sp=sp), dtype_bytes)
+
+
+def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
+                      dtype_bytes: int = 2) -> LayerCost:
     """Time of one layer for one micro-batch on one device of the groups `cut` describes."""
     tp, sp, cp = cut.tp, cut.sp, cut.cp
     tokens = cut.local_tokens(micro_batch, seq_len)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from plait.cost import comm
 from plait.cost.activations import FP32_BYTES
-from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
-                                optimizer_time, param_tensors)
+from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
+                                param_tensors, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import (expert_params, first_stage_params, last_stage_params, layer_params, optimizer_shards,
                                rank_memory)
@@ -300,8 +300,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
 
 def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
     """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
-    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
-                    setting.dtype_bytes)
+    lc = sliced_layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
+                           setting.dtype_bytes)
     if on_fully_shard(layout):
         lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, layer_cost
+from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
 from plait.cost.model import predict_layout, rank_capacities, step_time
@@ -62,7 +62,7 @@ class Pricer:
     def _layer_cost(self, cut: Slicing, b: int, group: str | None) -> tuple[LayerCost, EndsCost]:
         s = self.setting
         cluster = s.cluster.view(group) if group is not None else s.cluster
-        return (layer_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes),
+        return (sliced_layer_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes),
                 ends_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes))
 
     def modes(self, pp: int) -> list[tuple[str, ...]]:

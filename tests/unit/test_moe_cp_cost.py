@@ -13,7 +13,7 @@ from plait.cost import predict
 from plait.cost.activations import Dtypes, activation_bytes
 from plait.cost.comm import Group, all_gather, all_to_all, axis_group, reduce_scatter
 from plait.cost.compute import (ROUTER_IMBALANCE, Slicing, context_exchange, expert_dispatch, expert_weights,
-                                layer_cost, layer_flops)
+                                layer_flops, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import V_PEAK_WITHIN, expert_params, layer_params, live_peaks
 from plait.cost.model import closed_form_makespan, pipeline_stage_times
@@ -166,9 +166,9 @@ def test_context_parallelism_divides_the_attention_as_its_kernels_run():
     the all-gather kind through a mask (the whole s/cp x s rectangle: twice that)."""
     model = MODEL_PRESETS["llama3-8b"].replace(num_layers=1)
     s, b = 32768, 1
-    base = layer_cost(model, H100, s, b, Slicing())
-    swap = layer_cost(model, H100, s, b, Slicing(cp=4, cp_kind="all_to_all"))
-    gather = layer_cost(model, H100, s, b, Slicing(cp=4, cp_kind="all_gather"))
+    base = sliced_layer_cost(model, H100, s, b, Slicing())
+    swap = sliced_layer_cost(model, H100, s, b, Slicing(cp=4, cp_kind="all_to_all"))
+    gather = sliced_layer_cost(model, H100, s, b, Slicing(cp=4, cp_kind="all_gather"))
     assert swap.fwd == pytest.approx(base.fwd / 4)
     dense, attn = layer_flops(model, b * s / 4, s)
     rate = H100.peak_flops * base.gemm_fraction / (1 + H100.efficiency.overhead)
@@ -179,7 +179,7 @@ def test_context_parallelism_divides_the_attention_as_its_kernels_run():
 def test_expert_parallelism_waits_for_the_busiest_rank_and_dispatches_twice_each_way():
     model = MODEL_PRESETS["mixtral-8x7b"].replace(num_layers=1)
     s = 4096
-    alone, split = layer_cost(model, H100, s, 1, Slicing()), layer_cost(model, H100, s, 1, Slicing(ep=8))
+    alone, split = sliced_layer_cost(model, H100, s, 1, Slicing()), sliced_layer_cost(model, H100, s, 1, Slicing(ep=8))
     experts = 2.0 * s * model.experts_per_token * expert_weights(model)
     rate = H100.peak_flops * alone.gemm_fraction / (1 + H100.efficiency.overhead)
     assert split.fwd - alone.fwd == pytest.approx((ROUTER_IMBALANCE - 1) * experts / rate)
