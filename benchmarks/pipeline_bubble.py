@@ -1,18 +1,27 @@
-"""How much of a pipeline step is idle? Measured against the textbook (p - 1) / (m + p - 1).
+"""How much of a pipeline step is idle? Measured against theory: the closed forms and plait's simulator.
 
 A uniform GPT (equal layers per stage, a small embedding and output layer) is trained by
-plait with pp = p ranks, m micro-batches, GPipe and 1F1B. For each (schedule, m):
+plait with pp = p ranks, m micro-batches, GPipe, 1F1B and the zero-bubble V schedules ZB-V
+and DualPipeV (two stages per rank, each half the rank's layers). For each (schedule, m):
 
 * T: the step time of the pipelined step (plait's ParallelModel.train_step);
-* busy_r: the time rank r's stage module spends in its forward and backward during that
-  step (module hooks, see BusyClock), as a fraction of T;
+* busy_r: the time rank r's pipeline stages spend in their forward, backward (input and
+  weight gradients, split or not) during that step (see StageClock), as a fraction of T;
 * measured bubble = 1 - mean_r(busy_r / T): everything that is not stage compute (schedule
   idle time, p2p transfers, the loss, launch overheads). Medians over the timed steps.
 
-Theory for GPipe and 1F1B with uniform stages: bubble = (p - 1) / (m + p - 1) of the step
-(Narayanan et al. 2021 write it as (p - 1)/m relative to the ideal time; the same quantity).
+Theory with uniform stages, a backward twice the forward (F, B = 2F per stage):
+* GPipe and 1F1B: (p - 1) / (m + p - 1) of the step (Narayanan et al. 2021 write it as
+  (p - 1)/m relative to the ideal time; the same quantity).
+* ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6) and DualPipeV (DeepSeek-V3's
+  DualPipe folded onto p ranks, as torch's ScheduleDualPipeV runs it): the weight gradients fill
+  every gap but the first forward's way down the V, (p - 1) chunk forwards of a step of
+  m·2·(F + B) + (p - 1)·F per rank: (p - 1) / (6m + p - 1) (plait.cost.model.closed_form_makespan).
+* sim: plait's own event simulation of the schedule's order (plait.cost.schedule.simulate),
+  the figure the planner prices, on the same uniform stages.
 
-    .venv/bin/python benchmarks/pipeline_bubble.py [--nproc 2] [--micro-batches 2 4 8 16]
+    .venv/bin/python benchmarks/pipeline_bubble.py [--nproc 2] [--micro-batches 2 4 8 16] \
+        [--schedules gpipe 1f1b zbv dualpipev]
 
 On a machine with fewer cores than ranks the stages share cores while they run, which
 stretches busy time and makes the bubble look smaller than it is; quote figures run with
@@ -34,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="pipeline degree p (one rank per stage)")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
-    parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zbv", "dualpipev"])
+    parser.add_argument("--layers-per-stage", type=int, default=2,
+                        help="layers per rank (split in two stages of a V under zbv/dualpipev: keep it even)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
@@ -49,44 +59,45 @@ def make_plan(args, schedule: str, num_micro_batches: int):
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    p = args.nproc
+    p, v = args.nproc, 2 if schedule in ("zbv", "dualpipev") else 1
     model = ModelSpec(name="uniform-gpt", arch="gpt", num_layers=args.layers_per_stage * p, hidden_size=args.hidden,
                       num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
     train = TrainSpec(global_batch=args.micro_batch * num_micro_batches, seq_len=args.seq_len, precision="fp32")
     return Plan.of(dp=1, tp=1, pp=p, micro_batch=args.micro_batch, num_micro_batches=num_micro_batches,
-                schedule=schedule, layers_per_stage=(args.layers_per_stage,) * p, model=model, train=train,
-                cluster=CLUSTER_PRESETS["local-cpu"].with_devices(p))
+                schedule=schedule, interleave=v, layers_per_stage=(args.layers_per_stage // v,) * (p * v),
+                model=model, train=train, cluster=CLUSTER_PRESETS["local-cpu"].with_devices(p))
 
 
-class BusyClock:
-    """Sums the time this rank's stage spends computing inside the pipeline step.
+class StageClock:
+    """Sums the time this rank's PipelineStages spend computing inside the pipeline step: their forward, full
+    backward, input-gradient and weight-gradient actions (torch's forward_one_chunk, backward_one_chunk,
+    backward_weight_one_chunk, which every schedule calls; the transfers are separate actions), timed by
+    wrapping them on the stage objects."""
 
-    Forward: forward pre-hook to forward hook of the stage module. Backward: from the
-    module's backward pre-hook (gradients of its outputs arrived) to the gradient of its
-    first parameter being accumulated (the last one backward reaches); the small input-grad
-    tail of a middle stage is not counted."""
+    ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
-    def __init__(self, stage) -> None:
+    def __init__(self, schedule) -> None:
         self.busy = 0.0
-        self._began = 0.0
-        first = next(p for p in stage.parameters())
-        stage.register_forward_pre_hook(lambda *_: self._start())
-        stage.register_forward_hook(lambda *_: self._stop())
-        stage.register_full_backward_pre_hook(lambda *_: self._start())
-        first.register_post_accumulate_grad_hook(lambda *_: self._stop())
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            for name in self.ACTIONS:
+                setattr(stage, name, self._timed(getattr(stage, name)))
 
-    def _start(self) -> None:
-        self._began = time.perf_counter()
-
-    def _stop(self) -> None:
-        self.busy += time.perf_counter() - self._began
+    def _timed(self, action):
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return action(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - began
+        return run
 
 
 def measure(model, tokens, targets, steps: int) -> tuple[float, float]:
     """Median step time and median busy fraction of this rank over `steps` timed steps."""
     import torch.distributed as dist
 
-    clock = BusyClock(model.model_parts[0])
+    clock = StageClock(model.schedule)
     times, fractions = [], []
     for i in range(steps + 1):  # the first step builds the schedule's buffers: not timed
         dist.barrier()
@@ -106,6 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from plait import legality
+    from plait.errors import ConfigError
     from plait.execute import parallelize
     from plait.launch import init_distributed
 
@@ -115,9 +128,11 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for schedule in args.schedules:
         for m in args.micro_batches:
-            if schedule == "1f1b" and m < world:
-                continue  # 1F1B needs at least p micro-batches
             plan = make_plan(args, schedule, m)
+            try:
+                legality.check(plan, world)  # e.g. 1F1B needs at least p micro-batches
+            except ConfigError:
+                continue
             model = parallelize(plan, seed=0, device="cpu")
             tokens = torch.randint(0, 256, (args.micro_batch * m, args.seq_len),
                                    generator=torch.Generator().manual_seed(0))
@@ -137,14 +152,19 @@ def report(args: argparse.Namespace, rows) -> None:
     p = args.nproc
     table = Table(title=f"pipeline bubble: p={p}, {args.layers_per_stage} layers of h={args.hidden} per stage, "
                         f"micro-batch {args.micro_batch}x{args.seq_len}, median of {args.steps} steps")
-    for column in ("schedule", "m", "step T", "busy per rank", "measured bubble", "(p-1)/(m+p-1)", "difference"):
+    from plait.cost.schedule import V_SCHEDULES, simulate
+
+    for column in ("schedule", "m", "step T", "busy per rank", "measured bubble", "closed form", "sim",
+                   "measured - closed form"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for schedule, m, per_rank in rows:
         step = statistics.median(t for t, _ in per_rank)
         busy = statistics.mean(b for _, b in per_rank)
-        theory = (p - 1) / (m + p - 1)
+        v = 2 if schedule in V_SCHEDULES else 1
+        theory = (p - 1) / (6 * m + p - 1) if v == 2 else (p - 1) / (m + p - 1)
+        sim = simulate([1.0] * (p * v), [2.0] * (p * v), p, m, schedule).bubble_fraction
         table.add_row(schedule, str(m), f"{step * 1e3:.0f} ms", " ".join(f"{b:.0%}" for _, b in per_rank),
-                      f"{1 - busy:.1%}", f"{theory:.1%}", f"{(1 - busy) - theory:+.1%}")
+                      f"{1 - busy:.1%}", f"{theory:.1%}", f"{sim:.1%}", f"{(1 - busy) - theory:+.1%}")
     Console(width=140).print(table)
 
 

@@ -115,7 +115,7 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
                              f"divisible by tp={tp}, which sequence parallelism needs; pick a multiple of {tp * cp} "
                              f"or turn sequence parallelism off"))
     if cp > 1 and seq_len % (2 * cp):
-        out.append(Violation("cp-divides-seq", f"seq_len={seq_len} is not divisible by 2 x cp={2 * cp}: context "
+        out.append(Violation("cp-divides-seq", f"seq_len={seq_len} is not divisible by 2 x cp = {2 * cp} (cp={cp}): context "
                              f"parallelism gives each rank two balanced chunks of every sequence; pick a multiple "
                              f"of {2 * cp}"))
     return out

@@ -190,8 +190,11 @@ class Plan:
         return stage % self.pp
 
     def describe(self) -> str:
-        """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3'."""
+        """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3' (with
+        'cp4 context=all_to_all', 'ep8' where context or expert parallelism is on)."""
         parts = [self.degrees.describe()]
+        if self.cp > 1:
+            parts.append(f"context={self.context_parallel}")
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(f"zero{self.zero}")

@@ -6,9 +6,11 @@ examples:
   plait plan --model examples/hf/mistral-7b/config.json --cluster examples/clusters/a100-cluster.yaml \\
              --global-batch 256 --seq-len 4096 --json plans.json --report report/
   plait plan --model tiny-gpt --cluster local-cpu --devices 4 --global-batch 8 --seq-len 128
+  plait plan --model llama3-8b --cluster h100-80g --devices 8 --global-batch 8 --seq-len 131072 --cp 4
+  plait plan --model mixtral-8x7b --cluster h100-80g --devices 64 --global-batch 256 --seq-len 4096 --ep 8
 
-The model is a preset name, a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2) or a plait
-model file; the cluster a preset name or a cluster file. Every pin is optional; the search
+The model is a preset name, a Hugging Face config.json (Llama, Mistral, Qwen2/3, Gemma, GPT-2; Mixtral
+and Qwen3-MoE shapes) or a plait model file; the cluster a preset name or a cluster file. Every pin is optional; the search
 completes the rest. `--json` writes {"plans": [...], "search": {...}}, best first, which
 `plait train`, `plait check` and `Plan.from_json` read.
 """
@@ -50,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--dp", type=positive_int, metavar="N", help="data-parallel degree")
     pins.add_argument("--tp", type=positive_int, metavar="N", help="tensor-parallel degree")
     pins.add_argument("--pp", type=positive_int, metavar="N", help="pipeline-parallel degree")
+    pins.add_argument("--cp", type=positive_int, metavar="N",
+                      help="context-parallel degree (each rank holds 1/N of every sequence)")
+    pins.add_argument("--ep", type=positive_int, metavar="N",
+                      help="expert-parallel degree (experts split over N ranks of each data-parallel group)")
+    pins.add_argument("--context-parallel", choices=("all_gather", "all_to_all"), default=None,
+                      help="how context-parallel ranks see each other's keys and values: all_gather (K/V gathered "
+                           "along the sequence) or all_to_all (Ulysses: heads swapped for the sequence); default: "
+                           "the cheaper")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (3 = FSDP)")
     pins.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recomputation on every stage")
     pins.add_argument("--micro-batch", type=positive_int, metavar="N", help="sequences per micro-batch")
@@ -103,7 +113,8 @@ def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argpar
 
     return plan_with_stats(
         model, cluster, train, num_devices=num_devices, top=args.top,
-        dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
+        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, context_parallel=args.context_parallel,
+        zero=args.zero, recompute=args.recompute,
         micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
         sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp, solver=args.solver,
         time_limit_s=args.time_limit,
@@ -143,6 +154,7 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
     title = (f"{model.name} ({human_count(model.num_params)} params) on {num_devices:,} × {cluster.name}, "
              f"batch {result_batch(plans)}: top {min(top, len(plans))} plans")
     console.print(plans_table(plans[:top], title=title, width=console.width))
+    _print_degrees_legend(console, plans[:top])
     if any(plan.num_stages > 1 for plan in plans[:top]):
         console.print(LAYERS_LEGEND, highlight=False, markup=False, style="dim")
     mixed = bool(plans and plans[0].stage_groups)
@@ -171,6 +183,15 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print("stopped at the time limit: these are the best plans among those priced, not necessarily the "
                       "cost model's optimum (raise --time-limit, or use --solver learned)", style="yellow",
                       highlight=False)
+
+
+def _print_degrees_legend(console: Any, plans: list[Any]) -> None:
+    """What the table's cp/ep marks mean, where a shown plan has them."""
+    from plait.report.tables import degrees_legend
+
+    legend = degrees_legend(plans)
+    if legend:
+        console.print(legend, highlight=False, markup=False, style="dim")
 
 
 def result_batch(plans: list[Any]) -> str:

@@ -17,7 +17,17 @@ blocks keep the same tensors) and is checked against the tensors autograd really
   linear layers it feeds. Under sequence parallelism that output is all-gathered first, and the linear
   keeps the gathered copy: two whole b·s·h tensors per layer (Megatron keeps the shard and gathers again in
   backward, which Korthikanti's 34/t assumes);
-* the MLP: GeLU keeps its input and output (2f per token), SwiGLU/GeGLU gate, activation, up and product (4f).
+* the MLP: GeLU keeps its input and output (2f per token), SwiGLU/GeGLU gate, activation, up and product (4f);
+  a mixture-of-experts MLP (plait.models.moe) keeps the router's fp32 probabilities and top-k weights, the
+  slots' indices, the routed tokens (k·h), each expert's inner activations (k times the dense MLP's) and the
+  experts' outputs with their weights (2·k·h); under expert parallelism the busiest rank receives
+  ROUTER_IMBALANCE times the mean of the routed tokens;
+* context parallelism (plait/execute/context.py; every per-token tensor above is this rank's b·s/cp tokens):
+  "all_gather" keeps the gathered keys and values of the whole sequence, repeated to the query heads (q·cp per
+  local token each), and the causal mask the fused kernel takes (s/cp x s, in the compute dtype, per layer and
+  micro-batch); "all_to_all" keeps the kernel's q, k, v and output at the query width over heads/cp of the whole
+  sequence (q per local token each), the output swapped back for the output projection, and the two sequence
+  permutations (int64, s each). Both run SDPA's fused kernels, whatever ModelSpec.attention says.
 
 Recompute modes: "full" keeps the block's input; "selective" keeps what plait.execute.recompute's policy
 saves: on the fused path the block input, the outputs of the fused attention kernel and of every second
@@ -40,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cost.compute import ROUTER_IMBALANCE
 from plait.spec.model import ModelSpec
 
 FP32_BYTES = 4
@@ -78,29 +89,41 @@ def _norm(model: ModelSpec, where: str) -> list[Saved]:
     return kept + [Saved(f"{where} output (linear input, gathered under SP)", h, "compute", "whole")]
 
 
-def _attention(model: ModelSpec, math: bool) -> list[Saved]:
-    """The attention core's inputs and what the kernel keeps; `math`: SDPA's unfused path."""
+def _attention(model: ModelSpec, math: bool, cp: int = 1, cp_kind: str = "all_gather") -> list[Saved]:
+    """The attention core's inputs and what the kernel keeps; `math`: SDPA's unfused path (never under context
+    parallelism)."""
     q, kv, a = model.q_size, model.kv_size, model.num_heads
     kept = []
     if model.qk_norm:  # Qwen3: an RMSNorm over head_dim on q and k
         kept += [Saved("q/k norm input (fp32)", q + kv, "fp32", "tp"), Saved("q/k normalized", q + kv, "compute", "tp"),
                  Saved("q/k norm rstd", a + model.num_kv_heads, "fp32", "tp")]
-    keys = q if math and kv != q else kv  # the math path repeats grouped keys and values to every query head
+    if cp > 1:  # gathered keys of the whole sequence, or keys swapped for heads: at the query width either way
+        keys = q * cp if cp_kind == "all_gather" else q
+    else:
+        keys = q if math and kv != q else kv  # the math path repeats grouped keys and values to every query head
     kept += [Saved("q", q, "compute", "tp"), Saved("k", keys, "compute", "tp"), Saved("v", keys, "compute", "tp"),
              Saved("attention output", q, "compute", "tp")]
     if math:
         kept.append(Saved("softmax probabilities", a, "compute", "tp-seq"))  # a·s per token (see `_width`)
     else:
         kept.append(Saved("logsumexp", a, "fp32", "tp"))
+    if cp > 1 and cp_kind == "all_to_all":
+        kept.append(Saved("attention output swapped back", q, "compute", "tp"))
     return kept
 
 
-def _mlp(model: ModelSpec) -> list[Saved]:
-    if model.num_experts:  # each token's experts keep the dense MLP's tensors; the router its logits
-        f = model.experts_per_token * model.moe_ffn_hidden_size
-        inner = 4 if model.gated_mlp else 2
-        return [Saved("expert inner activations", inner * f, "compute", "tp"),
-                Saved("router logits", model.num_experts, "fp32", "sp")]
+def _mlp(model: ModelSpec, ep: int = 1) -> list[Saved]:
+    if model.num_experts:  # each token's k slots keep the dense MLP's tensors; the router its probabilities
+        k, h = model.experts_per_token, model.hidden_size
+        busiest = ROUTER_IMBALANCE if ep > 1 else 1.0
+        inner = (4 if model.gated_mlp else 2) * k * model.moe_ffn_hidden_size
+        return [Saved("router probabilities", model.num_experts, "fp32", "whole"),
+                Saved("top-k weights and their sum", k + 1, "fp32", "whole"),
+                Saved("chosen experts, slot order, slot tokens", 3 * k, "index", "whole"),
+                Saved("routed tokens", busiest * k * h, "compute", "whole"),
+                Saved("expert inner activations", busiest * inner, "compute", "tp"),
+                Saved("slot weights", k, "compute", "whole"),
+                Saved("expert outputs, weighted", 2 * k * h, "compute", "whole")]
     f = model.ffn_hidden_size
     if model.gated_mlp:
         return [Saved(name, f, "compute", "tp") for name in ("gate", "activation", "up", "gate x up")]
@@ -119,9 +142,11 @@ def block_gemms(model: ModelSpec) -> list[Saved]:
             *mlp, Saved("down GEMM (partial sum)", h, "compute", "whole")]
 
 
-def saved_tensors(model: ModelSpec, mode: str, tp: int = 1, sp: bool = False) -> tuple[Saved, ...]:
-    """Every tensor one block keeps for backward under recompute `mode` (see the module docstring)."""
-    math = model.attention == "math"
+def saved_tensors(model: ModelSpec, mode: str, tp: int = 1, sp: bool = False, cp: int = 1,
+                  cp_kind: str = "all_gather", ep: int = 1) -> tuple[Saved, ...]:
+    """Every tensor one block keeps for backward under recompute `mode`, per token of this rank (see the module
+    docstring)."""
+    math = model.attention == "math" and cp == 1
     block_input = Saved("block input", model.hidden_size, "residual", "sp")
     if mode == "full":
         return (block_input,)
@@ -131,7 +156,8 @@ def saved_tensors(model: ModelSpec, mode: str, tp: int = 1, sp: bool = False) ->
         if tp > 1:  # the reduce-scatters (all-reduces without SP) closing the attention and the MLP
             kept += [Saved("collective output", model.hidden_size, "compute", "sp" if sp else "whole")] * 2
         return tuple(kept)
-    kept = _norm(model, "attention norm") + _attention(model, math) + _norm(model, "MLP norm") + _mlp(model)
+    kept = (_norm(model, "attention norm") + _attention(model, math, cp, cp_kind) + _norm(model, "MLP norm")
+            + _mlp(model, ep))
     if mode == "selective":  # math path: the checkpointed core keeps its inputs, not its probabilities
         kept = [s for s in kept if s.name != "softmax probabilities"]
         kv = model.kv_size
@@ -148,20 +174,34 @@ def _width(saved: Saved, seq_len: int, tp: int, sp: bool) -> float:
 
 @lru_cache(maxsize=65536)
 def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
-                     dtypes: Dtypes) -> float:
-    """Bytes one block keeps for backward, per device, for one micro-batch of `micro_batch` sequences.
+                     dtypes: Dtypes, cp: int = 1, cp_kind: str = "all_gather", ep: int = 1) -> float:
+    """Bytes one block keeps for backward, per device, for one micro-batch of `micro_batch` sequences (this context
+    rank's b·s/cp tokens of them).
 
     A model measured on meta (ModelSpec.blocks) keeps its measured bytes (the mean block, fp32 on meta),
     split over tp as a transformer layer's are (the norms' part only under SP); full recompute keeps the
     block input; selective keeps the share a transformer layer of the same width keeps."""
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len / cp
     if model.blocks and mode != "full":
         measured = sum(x.activation_bytes_per_token for x in model.blocks) / len(model.blocks)
         layer = model_like_blocks(model)
-        share = activation_bytes(layer, 1, seq_len, tp, sp, mode, dtypes) / activation_bytes(
-            layer, 1, seq_len, 1, False, "none", Dtypes(FP32_BYTES, FP32_BYTES))
+        share = activation_bytes(layer, 1, seq_len, tp, sp, mode, dtypes, cp, cp_kind, ep) / activation_bytes(
+            layer, 1, seq_len, 1, False, "none", Dtypes(FP32_BYTES, FP32_BYTES), cp, cp_kind, ep)
         return tokens * measured * share
-    return tokens * sum(_width(s, seq_len, tp, sp) * dtypes.bytes(s.dtype) for s in saved_tensors(model, mode, tp, sp))
+    kept = saved_tensors(model, mode, tp, sp, cp, cp_kind, ep)
+    per_token = sum(_width(s, seq_len, tp, sp) * dtypes.bytes(s.dtype) for s in kept)
+    return tokens * per_token + (context_sequence_bytes(seq_len, tp, cp, cp_kind, dtypes) if mode == "none" else 0.0)
+
+
+def context_sequence_bytes(seq_len: int, tp: int, cp: int, cp_kind: str, dtypes: Dtypes) -> float:
+    """What context parallelism keeps per layer and micro-batch whatever the batch size: the causal mask of the
+    "all_gather" kind (this rank's s/cp positions against all s, one for every sequence and head), or the
+    "all_to_all" kind's two permutations of the sequence (plait/execute/context.py)."""
+    if cp == 1:
+        return 0.0
+    if cp_kind == "all_gather":
+        return seq_len / cp * seq_len * dtypes.compute
+    return 2 * seq_len * INDEX_BYTES
 
 
 def model_like_blocks(model: ModelSpec) -> ModelSpec:
@@ -192,19 +232,26 @@ def loss_backward_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
     return tokens * 2 * FP32_BYTES * model.vocab_size / tp
 
 
-def layer_backward_bytes(model: ModelSpec, seq_len: int, tokens: int, tp: int, sp: bool, dtypes: Dtypes) -> float:
-    """Temporaries of one block's backward: the gradient flowing in and out along the residual stream, and the
-    gradients of the MLP's inner activations; on the math path also the gradients with respect to the softmax's
-    output and input (two a·s-wide tensors per token)."""
+def layer_backward_bytes(model: ModelSpec, seq_len: int, tokens: float, tp: int, sp: bool, dtypes: Dtypes,
+                         cp: int = 1, cp_kind: str = "all_gather", ep: int = 1) -> float:
+    """Temporaries of one block's backward (`tokens`: this rank's): the gradient flowing in and out along the
+    residual stream, and the gradients of the MLP's inner activations; on the math path also the gradients with
+    respect to the softmax's output and input (two a·s-wide tensors per token); under "all_gather" context
+    parallelism the gradients of the gathered keys and values before they are reduce-scattered."""
     h = model.hidden_size / (tp if sp else 1)
-    f = (model.ffn_hidden_size if not model.num_experts else model.experts_per_token * model.moe_ffn_hidden_size)
+    if model.num_experts:
+        f = model.experts_per_token * model.moe_ffn_hidden_size * (ROUTER_IMBALANCE if ep > 1 else 1.0)
+    else:
+        f = model.ffn_hidden_size
     inner = (2 if model.gated_mlp else 1) * f / tp
-    scores = 2 * probabilities_bytes(model, seq_len, tokens, tp, dtypes) / tokens
-    return tokens * (2 * h * dtypes.residual + inner * dtypes.compute + scores)
+    scores = 2 * probabilities_bytes(model, seq_len, tokens, tp, dtypes, cp) / tokens
+    gathered = 2 * model.q_size * cp / tp if cp > 1 and cp_kind == "all_gather" else 0.0
+    return tokens * (2 * h * dtypes.residual + (inner + gathered) * dtypes.compute + scores)
 
 
-def probabilities_bytes(model: ModelSpec, seq_len: int, tokens: int, tp: int, dtypes: Dtypes) -> float:
-    """The math path's softmax probabilities of one block and micro-batch (0 on the fused path)."""
-    if model.attention != "math":
+def probabilities_bytes(model: ModelSpec, seq_len: int, tokens: float, tp: int, dtypes: Dtypes, cp: int = 1) -> float:
+    """The math path's softmax probabilities of one block and micro-batch (0 on the fused path, and under context
+    parallelism, whose attention runs the fused kernels)."""
+    if model.attention != "math" or cp > 1:
         return 0.0
     return tokens * model.num_heads / tp * seq_len * dtypes.compute

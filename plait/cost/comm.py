@@ -1,8 +1,9 @@
 """Collective costs: hierarchical alpha-beta, one small function per collective.
 
-Device order (the executor's mesh): tp fastest, then dp, then pp, i.e.
-``rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank``. A tp group is contiguous
-(stride 1), a dp group has stride tp, a pp group stride tp*dp.
+Device order (the executor's mesh, plait.axes): tp fastest, then cp, then dp (split into edp x ep),
+then pp, i.e. ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``. A tp group is
+contiguous (stride 1), a cp group has stride tp, an ep group (the nearest data-parallel ranks) stride
+cp*tp, the data-parallel reduction over dp x cp stride tp, a pp group stride dp*cp*tp (`axis_group`).
 
 A ring over a group that spans nodes runs at the slower of the intra-node link and
 the members' network adapters in one node working side by side (NCCL builds one ring
@@ -70,6 +71,28 @@ def reduce_scatter(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
     return all_gather(nbytes, group, cluster, "reduce_scatter")
 
 
+def all_to_all(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+    """All-to-all of a `nbytes` buffer per member (each sends 1/n of it to every other member).
+
+    Every member sends (n-1)/n of its buffer in n-1 messages. Between nodes the pairwise exchange has no ring to
+    spread over the node's adapters: a member's share for other nodes, (n-k)/n of its buffer with k members per
+    node, leaves through its own adapter, while the (k-1)/n for its node's members crosses NVLink at the same
+    time; the slower of the two bounds the exchange (DeepSpeed-MoE's and Megatron's reading of all-to-all cost:
+    inter-node all-to-all runs at the per-GPU network bandwidth). Priced on the all-gather line, whose bus
+    bandwidth nccl-tests defines as all-to-all's, (n-1)/n of the buffer per member."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = members_per_node(group, cluster.devices_per_node)
+    intra_latency, intra_bandwidth = cluster.intra_node.line("all_gather")
+    if k >= n:
+        return (n - 1) * intra_latency + (n - 1) / n * nbytes / intra_bandwidth
+    inter_latency, inter_bandwidth = cluster.inter_node.line("all_gather")
+    local = (k - 1) / n * nbytes / intra_bandwidth
+    remote = (n - k) / n * nbytes / inter_bandwidth
+    return (k - 1) * intra_latency + (n - k) * inter_latency + max(local, remote)
+
+
 def p2p(nbytes: float, crosses_node: bool, cluster: ClusterSpec) -> float:
     """One point-to-point send of `nbytes` (pipeline activations or gradients)."""
     if nbytes <= 0:
@@ -80,3 +103,22 @@ def p2p(nbytes: float, crosses_node: bool, cluster: ClusterSpec) -> float:
 
 def spans_nodes(group: Group, devices_per_node: int) -> bool:
     return members_per_node(group, devices_per_node) < group.size
+
+
+def axis_group(degrees, axis: str) -> Group:
+    """The group of a mesh axis of `degrees` (plait.axes.Degrees) as ranks lie on the executor's mesh (pp, edp, ep,
+    cp, tp, outermost first; plait/execute/mesh.py): "tp", "cp", "ep", "pp", "dp_cp" (the dense weights'
+    data-parallel reduction over dp x cp, contiguous above tp) and "edp_cp" (an expert's copies: the data-parallel
+    ranks outside its ep group, and cp). With ep > 1 and cp > 1 edp_cp is two strided runs (cp at stride tp, edp at
+    ep·cp·tp); as one run at stride ep·tp it shares a node with as many members as the two do where a node holds
+    whole cp runs."""
+    tp, cp, ep, dp = degrees["tp"], degrees["cp"], degrees["ep"], degrees["dp"]
+    groups = {
+        "tp": Group(tp, 1),
+        "cp": Group(cp, tp),
+        "ep": Group(ep, cp * tp),
+        "dp_cp": Group(dp * cp, tp),
+        "edp_cp": Group(dp // ep * cp, ep * tp),
+        "pp": Group(degrees["pp"], dp * cp * tp),
+    }
+    return groups[axis]

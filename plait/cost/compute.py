@@ -20,6 +20,19 @@ and the rest of a layer's work (norms, softmax, GeLU, residuals) costs `overhead
 time; ClusterSpec.host.layer_overhead_s adds a fixed host time per layer pass (forward 1x, backward
 2x; 0 on the GPU presets, fitted by `plait tune` for CPU processes). What a layer keeps for backward
 is plait.cost.activations'.
+
+A device's share of a layer (`Slicing`) is cut by tensor parallelism (widths), context parallelism (the sequence:
+each rank computes b·s/cp of the tokens, plait/execute/context.py) and expert parallelism (the experts):
+
+* context parallelism runs the attention core as plait's ContextParallelAttention does, SDPA's fused kernels
+  whatever ModelSpec.attention says: "all_gather" attends the local queries to the gathered keys through an
+  explicit causal mask, which the kernels cannot skip blocks of (the whole s/cp x s rectangle: the model's
+  attention FLOPs / cp, backward 2.5 x), "all_to_all" (Ulysses) attends heads/cp heads over the whole sequence
+  with is_causal (half of it, as without CP). Their exchanges run as the executor issues them, exposed:
+  functional collectives waited on at once, with nothing to overlap (the projections they need come first);
+* mixture-of-experts layers compute each token's top-k experts and the router (the model FLOPs of the active
+  parameters, Fedus et al. 2022), the busiest expert rank ROUTER_IMBALANCE times the mean under expert
+  parallelism, and dispatch tokens with two all-to-alls forward and two backward (plait/execute/expert.py).
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.cost.comm import Group, all_gather, all_reduce, reduce_scatter
+from plait.cost.comm import Group, all_gather, all_reduce, all_to_all, reduce_scatter
 from plait.spec.cluster import ClusterSpec
 from plait.spec.model import ModelSpec
 
@@ -38,6 +51,47 @@ bytes/s ~ 150; a CPU core's fp32 peak against its share of DRAM bandwidth ~ 4). 
 ADAM_BYTES_PER_PARAM = 30.0
 """Memory traffic of one mixed-precision Adam update: read+write fp32 master, m, v (24), read the 16-bit gradient,
 write the 16-bit parameter (4), plus the norm for clipping (2)."""
+
+
+ROUTER_IMBALANCE = 1.25
+"""Tokens the busiest expert-parallel rank receives, over the mean, with dropless routing (plait.models.moe): an
+assumption, not fitted -- the capacity factor at which Switch Transformer's routers, trained with the balance loss,
+drop almost no tokens (Fedus et al. 2022, section 2.2 and Table 1: 1.25). Dropless, no token is dropped: the
+all-to-alls and expert GEMMs wait for the busiest rank instead. Only under expert parallelism: with every expert on
+one rank, the rank computes all its tokens' experts whatever their spread."""
+
+CP_ATTENTION_PASSES = {"all_gather": (1.0, 2.5), "all_to_all": (0.5, 1.25)}
+"""Under context parallelism: (forward, backward) FLOPs of the attention core in units of its model FLOPs over the
+rank's share (4·s·q per token, / cp). "all_gather": an explicit mask, so the fused kernel computes the whole s/cp x s
+rectangle; "all_to_all": is_causal over the whole sequence, heads/cp of them (ATTENTION_PASSES' fused row)."""
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How one device's share of a layer is cut: tensor parallelism (with or without sequence parallelism), context
+    parallelism (`cp` ranks, each with b·s/cp tokens of every sequence, exchanging keys and values the `cp_kind`
+    way) and expert parallelism (`ep` ranks holding different experts). The groups lie on the mesh as
+    plait.cost.comm.axis_group says: cp at stride tp, ep at stride cp·tp."""
+
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_kind: str = "all_gather"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cp == 1:  # the kind matters only with context parallelism: one key per share
+            object.__setattr__(self, "cp_kind", "all_gather")
+        if self.cp_kind not in CP_ATTENTION_PASSES:
+            raise ValueError(f"cp_kind={self.cp_kind!r} is not one of {', '.join(CP_ATTENTION_PASSES)}")
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sp and self.tp > 1
+
+    def local_tokens(self, micro_batch: int, seq_len: int) -> float:
+        """Tokens of a micro-batch this device computes (its context rank's share of every sequence)."""
+        return micro_batch * seq_len / self.cp
 
 
 @dataclass(frozen=True)
@@ -58,6 +112,28 @@ class LayerCost:
     fused path)."""
     gemm_fraction: float
     """Achieved fraction of peak of this layer's GEMMs."""
+    cp_fwd: float = 0.0
+    """Context parallelism's key/value exchange in the forward pass (all-gathers, or Ulysses' all-to-alls)."""
+    cp_bwd: float = 0.0
+    """... and in the backward pass (reduce-scatters of their gradients, or the reverse all-to-alls)."""
+    ep_fwd: float = 0.0
+    """Expert parallelism's token dispatch and return in the forward pass (all-to-alls)."""
+    ep_bwd: float = 0.0
+    """... and their reverse in the backward pass."""
+
+    @property
+    def comm_fwd(self) -> float:
+        """Every collective of the forward pass (none of them overlapped with compute)."""
+        return self.tp_fwd + self.cp_fwd + self.ep_fwd
+
+    @property
+    def comm_bwd(self) -> float:
+        return self.tp_bwd + self.cp_bwd + self.ep_bwd
+
+    @property
+    def total(self) -> float:
+        """Forward and backward of one micro-batch, collectives included, nothing recomputed."""
+        return self.fwd + self.bwd + self.comm_fwd + self.comm_bwd
 
 
 def gemm_fraction(cluster: ClusterSpec, width: float) -> float:
@@ -76,9 +152,25 @@ def layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, flo
         return (tokens * sum(b.flops_per_token for b in model.blocks) / n,
                 tokens * seq_len * sum(b.attention_flops_per_token for b in model.blocks) / n)
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
-    mlp_weights = (3 if model.gated_mlp else 2) * h * f
+    if model.num_experts:  # the top-k experts each token passes through, and the router
+        mlp_weights = model.experts_per_token * expert_weights(model) + h * model.num_experts
+    else:
+        mlp_weights = (3 if model.gated_mlp else 2) * h * f
     weights = h * (q + 2 * kv) + q * h + mlp_weights
     return 2.0 * tokens * weights, 4.0 * tokens * seq_len * q
+
+
+def expert_weights(model: ModelSpec) -> int:
+    """Weights of one expert (no biases: plait.models.moe.Experts)."""
+    return (3 if model.gated_mlp else 2) * model.hidden_size * model.moe_ffn_hidden_size
+
+
+def expert_flops(model: ModelSpec, tokens: float) -> float:
+    """Forward FLOPs of the experts over `tokens` tokens (k experts each): the part of layer_flops that expert
+    parallelism moves and the router's imbalance stretches."""
+    if not model.num_experts or model.blocks:
+        return 0.0
+    return 2.0 * tokens * model.experts_per_token * expert_weights(model)
 
 
 @dataclass(frozen=True)
@@ -161,10 +253,21 @@ def selective_recompute_flops(model: ModelSpec, tokens: int) -> float:
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
                dtype_bytes: int = 2) -> LayerCost:
-    """Time and activation memory of one layer for one micro-batch on one device of a tensor group of `tp`."""
-    tokens = micro_batch * seq_len
-    dense, attn = layer_flops(model, tokens, seq_len)
-    attn_fwd, attn_bwd = (attn * factor for factor in ATTENTION_PASSES[model.attention])
+    """Time of one layer for one micro-batch on one device of a tensor group of `tp` (no context or expert
+    parallelism: `sliced_layer_cost` of that Slicing)."""
+    return sliced_layer_cost(model, cluster, seq_len, micro_batch, Slicing(tp=tp, sp=sp), dtype_bytes)
+
+
+def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
+                      dtype_bytes: int = 2) -> LayerCost:
+    """Time of one layer for one micro-batch on one device of the groups `cut` describes."""
+    tp, sp, cp = cut.tp, cut.sp, cut.cp
+    tokens = cut.local_tokens(micro_batch, seq_len)
+    dense, attn = layer_flops(model, tokens, seq_len)  # attention: the rank's queries against the whole sequence
+    passes = ATTENTION_PASSES[model.attention] if cp == 1 else CP_ATTENTION_PASSES[cut.cp_kind]
+    attn_fwd, attn_bwd = (attn * factor for factor in passes)
+    if cut.ep > 1:  # the busiest expert rank computes more than its share
+        dense += (ROUTER_IMBALANCE - 1.0) * expert_flops(model, tokens)
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
@@ -174,14 +277,55 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     fwd = (dense + attn_fwd) / tp / rate * rest + host
     bwd = (2.0 * dense + attn_bwd) / tp / rate * rest + 2.0 * host
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
-    if model.attention == "math":  # Korthikanti et al. 2022: the attention core's forward again
+    cp_fwd, cp_bwd = context_exchange(model, cluster, tokens, cut, dtype_bytes)
+    ep_pass = expert_dispatch(model, cluster, tokens, cut, dtype_bytes)
+    # a recomputed forward exchanges again: full reruns it all; the selective policy saves no all-gather or
+    # all-to-all output (plait.execute.recompute), so the key/value exchange and the dispatch rerun too
+    rerun = cp_fwd + ep_pass
+    if model.attention == "math" and cp == 1:  # Korthikanti et al. 2022: the attention core's forward again
         selective = attn_fwd / tp / rate * rest
     else:  # the GEMMs not kept, the non-GEMM work, the all-gathers under SP, and a layer pass of host time
         gathers = 2 * all_gather(tokens * model.hidden_size * dtype_bytes, Group(tp, 1), cluster) if sp else 0.0
         selective = (selective_recompute_flops(model, tokens) + cluster.efficiency.overhead * dense) / tp / rate \
-            + host + gathers
-    return LayerCost(fwd=fwd, bwd=bwd, tp_fwd=tp_pass, tp_bwd=tp_pass,
-                     recompute={"none": 0.0, "selective": selective, "full": fwd + tp_pass}, gemm_fraction=fraction)
+            + host + gathers + rerun
+    return LayerCost(fwd=fwd, bwd=bwd, tp_fwd=tp_pass, tp_bwd=tp_pass, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_pass,
+                     ep_bwd=ep_pass, recompute={"none": 0.0, "selective": selective, "full": fwd + tp_pass + rerun},
+                     gemm_fraction=fraction)
+
+
+def context_exchange(model: ModelSpec, cluster: ClusterSpec, tokens: float, cut: Slicing, dtype_bytes: int
+                     ) -> tuple[float, float]:
+    """(forward, backward) seconds of context parallelism's exchange in one layer, as plait/execute/context.py runs
+    it over the cp group (stride tp: plait.cost.comm.axis_group):
+
+    * "all_gather": K and V all-gathered along the sequence (their kv heads of this tensor rank, the whole
+      sequence's b·s tokens out), backward reduce-scatters their gradients (the autograd of the gather);
+    * "all_to_all" (DeepSpeed-Ulysses, Jacobs et al. 2023): q, k, v (k and v repeated to the query heads first) and
+      the output back, each this rank's b·s/cp tokens at the query width; the backward runs the four in reverse."""
+    cp = cut.cp
+    if cp == 1:
+        return 0.0, 0.0
+    group = Group(cp, cut.tp)
+    if cut.cp_kind == "all_gather":
+        gathered = tokens * cp * model.kv_size / cut.tp * dtype_bytes
+        return (2 * all_gather(gathered, group, cluster), 2 * reduce_scatter(gathered, group, cluster))
+    local = tokens * model.q_size / cut.tp * dtype_bytes
+    swap = 4 * all_to_all(local, group, cluster)
+    return swap, swap
+
+
+def expert_dispatch(model: ModelSpec, cluster: ClusterSpec, tokens: float, cut: Slicing, dtype_bytes: int) -> float:
+    """Seconds of one pass's token exchange in a mixture-of-experts layer under expert parallelism
+    (plait/execute/expert.py; the backward runs the same in reverse): the counts, then every routed slot (b·s/cp·k
+    tokens of width h; each tensor rank sends all of them) to its expert's rank and back, (ep-1)/ep of it leaving
+    the rank (DeepSpeed-MoE, Rajbhandari et al. 2022), the busiest rank receiving ROUTER_IMBALANCE times the mean.
+    The group is the nearest data-parallel ranks (stride cp·tp)."""
+    if not model.num_experts or cut.ep == 1:
+        return 0.0
+    group = Group(cut.ep, cut.cp * cut.tp)
+    slots = tokens * model.experts_per_token * model.hidden_size * dtype_bytes * ROUTER_IMBALANCE
+    counts = all_to_all(8.0 * model.num_experts, group, cluster)
+    return counts + 2 * all_to_all(slots, group, cluster)
 
 
 def tp_collectives_per_pass(model: ModelSpec, cluster: ClusterSpec, tokens: int, tp: int, sp: bool,
@@ -210,10 +354,12 @@ class EndsCost:
 
 
 @lru_cache(maxsize=4096)
-def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, tp: int, sp: bool,
+def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
               dtype_bytes: int = 2) -> EndsCost:
-    """Vocabulary-parallel embedding and output layer with a parallel loss (Megatron's layout)."""
-    tokens = micro_batch * seq_len
+    """Vocabulary-parallel embedding and output layer with a parallel loss (Megatron's layout), on this context
+    rank's tokens."""
+    tp, sp = cut.tp, cut.sp
+    tokens = cut.local_tokens(micro_batch, seq_len)
     rate = cluster.peak_flops * gemm_fraction(cluster, model.hidden_size)
     rest = 1.0 + cluster.efficiency.overhead
     head = head_flops(model, tokens) / tp / rate * rest

@@ -7,8 +7,10 @@ fields map one to one (`Layout.of(plan)`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from plait.axes import ALL_AXES, Degrees
+from plait.cost.compute import Slicing
 from plait.legality import DataParallelMode, data_parallel_mode
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -52,12 +54,28 @@ class Layout:
     """As Plan.data_parallel; None: the rule's choice."""
     stage_groups: tuple[str, ...] = ()
     """As Plan.stage_groups: each pipeline rank's device group on a mixed cluster."""
+    context_parallel: str = "all_gather"
+    """As Plan.context_parallel: how context-parallel ranks exchange keys and values (one value when cp = 1)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel is None or self.degrees.dp * self.degrees.cp == 1:
             object.__setattr__(self, "data_parallel", data_parallel_mode(self.degrees, self.zero).carrier)
+        if self.degrees.cp == 1:
+            object.__setattr__(self, "context_parallel", "all_gather")
+
+    @cached_property
+    def slicing(self) -> Slicing:
+        """How one device's share of a layer is cut (tensor, context and expert parallelism)."""
+        d = self.degrees
+        return Slicing(tp=d.tp, sp=self.sp, cp=d.cp, cp_kind=self.context_parallel, ep=d.ep)
 
     @property
+    def shard_degree(self) -> int:
+        """Ranks the dense weights' gradients are reduced (and, on fully_shard, sharded) over: dp, and cp, whose
+        ranks hold other tokens of the same sequences (the executor's "dp_cp" mesh)."""
+        return self.degrees.dp * self.degrees.cp
+
+    @cached_property
     def dp_mode(self) -> DataParallelMode:
         """How the executor carries this layout's data parallelism (the one rule: plait.legality)."""
         mode = data_parallel_mode(self.degrees, self.zero)
@@ -88,10 +106,13 @@ class Layout:
         return self.pp * self.interleave
 
     def stages_of(self, rank: int) -> list[int]:
-        """Virtual stages on pipeline rank `rank` (a loop, or a V for the zero-bubble V schedules)."""
-        from plait.cost.schedule import stage_rank
+        """Virtual stages on pipeline rank `rank` in model order (a loop, or a V for the zero-bubble V schedules:
+        plait.cost.schedule.stage_rank's inverse)."""
+        from plait.cost.schedule import V_SCHEDULES
 
-        return [k for k in range(self.num_stages) if stage_rank(self.schedule, self.pp, k) == rank]
+        if self.schedule in V_SCHEDULES and self.pp > 1:
+            return [rank, 2 * self.pp - 1 - rank]
+        return [rank + chunk * self.pp for chunk in range(self.interleave)]
 
     @property
     def last_rank(self) -> int:
@@ -111,4 +132,5 @@ class Layout:
         schedule = plan.schedule if plan.pp > 1 else "1f1b"
         return cls(degrees=plan.degrees, sp=plan.sequence_parallel and plan.tp > 1, zero=plan.zero,
                    micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches, schedule=schedule,
-                   interleave=plan.interleave, data_parallel=plan.data_parallel, stage_groups=plan.stage_groups)
+                   interleave=plan.interleave, data_parallel=plan.data_parallel, stage_groups=plan.stage_groups,
+                   context_parallel=plan.context_parallel)

@@ -15,10 +15,14 @@ Parts, named as PyTorch's memory tracker names them (benchmarks/memory_accuracy.
 * params, optimizer, grads: what the data-parallel carrier keeps (plait.legality.data_parallel_mode,
   read through Layout.dp_mode): DDP (and one replica) keeps fp32 parameters (16-bit runs autocast over
   them), fp32 gradients and AdamW's two fp32 moments, the moments sharded by ZeroRedundancyOptimizer
-  under ZeRO-1; fully_shard keeps fp32 shards of the parameters, the moments and the gradients, plus the
-  gathered compute-dtype parameters of every unit where they are not resharded after forward, or of the
-  root and one block where they are (ZeRO-3). Gradients persist through a step of several micro-batches
-  (accumulated; fully_shard accumulates them unsharded, in fp32, until the last micro-batch);
+  under ZeRO-1; fully_shard keeps fp32 shards of the parameters (over dp x cp: the executor's "dp_cp"
+  mesh), the moments and the gradients, plus the gathered compute-dtype parameters of every unit where
+  they are not resharded after forward, or of the root and one block where they are (ZeRO-3). Gradients
+  persist through a step of several micro-batches (accumulated; fully_shard accumulates them unsharded,
+  in fp32, until the last micro-batch). Experts that expert or tensor parallelism splits (DTensors on
+  the ("ep", "tp") mesh, kept out of fully_shard: plait/execute/expert.py) are held whole on every
+  data-parallel rank of their expert: E/ep experts per layer, 1/tp of their width, fp32 parameters,
+  gradients and moments (`expert_params`);
 * activations: per block per micro-batch in flight (GPipe m; 1F1B min(m, p - r); interleaved Megatron's
   warm-up count), the embedding's token ids and the head's saved tensors;
 * temporaries: the loss's gradients, a block's backward, fully_shard's all-gather and reduce-scatter
@@ -42,6 +46,7 @@ import numpy as np
 from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_bytes, head_saved_bytes,
                                     layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
                                     stage_input_is_kept)
+from plait.cost.compute import block_weights, expert_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.schedule import V_SCHEDULES, rank_actions
 from plait.spec.model import ModelSpec
@@ -59,10 +64,21 @@ PART_NAMES = ("params", "grads", "optimizer", "activations", "temporaries", "buf
 
 
 @lru_cache(maxsize=4096)
-def layer_params(model: ModelSpec, tp: int) -> float:
-    """Parameters of one layer on one device: weights split by tp, the two norms replicated."""
+def layer_params(model: ModelSpec, tp: int, ep: int = 1) -> float:
+    """Parameters of one layer on one device: weights split by tp, the two norms replicated, the experts split over
+    ep too."""
     norms = 2 * model.norm_params
-    return (model.params_per_layer - norms) / tp + norms
+    experts = model.num_experts * expert_weights(model) if model.num_experts and not model.blocks else 0
+    return (model.params_per_layer - norms - experts) / tp + norms + experts / tp / ep
+
+
+def expert_params(model: ModelSpec, tp: int, ep: int) -> float:
+    """Parameters of one layer's experts this device holds apart from the data-parallel carrier: E/ep experts at
+    1/tp of their width, where expert or tensor parallelism makes them DTensors (plait/execute/expert.py); 0 where
+    they are plain parameters the carrier shards like the rest (ep = tp = 1) or the model has no experts."""
+    if not model.num_experts or model.blocks or (ep == 1 and tp == 1):
+        return 0.0
+    return model.num_experts * expert_weights(model) / tp / ep
 
 
 def first_stage_params(model: ModelSpec, tp: int) -> float:
@@ -114,14 +130,21 @@ class StateBytes:
 
 
 def optimizer_shards(layout: Layout) -> int:
-    """Ranks the optimizer states are sharded over: every data-parallel rank on fully_shard (its parameters are
-    shards), under ZeroRedundancyOptimizer (ZeRO-1 on DDP); none on DDP or one replica."""
+    """Ranks the optimizer states are sharded over: every data- and context-parallel rank on fully_shard (its
+    parameters are shards), under ZeroRedundancyOptimizer (ZeRO-1 on DDP); none on DDP or one replica."""
     mode = layout.dp_mode
-    return layout.dp if mode.carrier == "fully_shard" or (mode.carrier == "ddp" and layout.zero == 1) else 1
+    if mode.carrier == "fully_shard" or (mode.carrier == "ddp" and layout.zero == 1):
+        return layout.shard_degree
+    return 1
+
+
+EXPERT_STATE_BYTES = {"params": FP32_BYTES, "optimizer": ADAM_STATE_BYTES, "grads": FP32_BYTES}
+"""Bytes per expert parameter held apart from the carrier: fp32 parameter, AdamW's two moments, the fp32 gradient
+(from the first backward to the step), none sharded over the expert's data-parallel copies."""
 
 
 def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
-    mode, d, c = layout.dp_mode, layout.dp, setting.dtype_bytes
+    mode, d, c = layout.dp_mode, layout.shard_degree, setting.dtype_bytes
     if mode.carrier == "fully_shard":
         gathered = 0.0 if mode.reshard_after_forward else c
         return StateBytes(params=FP32_BYTES / d + gathered, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
@@ -135,32 +158,51 @@ def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
 
 def in_flight(layout: Layout, rank: int) -> float:
     """Micro-batches of activations rank `rank` holds at its peak, per layer it owns."""
+    return float(in_flight_all(layout)[rank])
+
+
+V_PEAK_WITHIN = 4
+"""The zero-bubble V schedules reach their largest in-flight count within this many times pp micro-batches (their
+warm-up fills 2p - 1 or 2p forwards; after it every step runs a forward and frees one): more micro-batches repeat the
+steady state (tests/unit/test_moe_cp_cost.py checks it up to 16p)."""
+
+
+def in_flight_all(layout: Layout) -> np.ndarray:
+    """`in_flight` of every pipeline rank."""
     p, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+    ranks = np.arange(p)
     if p == 1:
-        return 1.0
+        return np.ones(1)
     if layout.schedule == "gpipe":
-        return float(m)
+        return np.full(p, float(m))
     if layout.schedule == "interleaved":
         # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forward chunks before the first backward, then one more.
-        chunks = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
-        return chunks / v
-    if layout.schedule in V_SCHEDULES:
-        return live_peak(layout.schedule, p, m, v, rank) / v
-    return float(min(m, p - rank))
+        return np.minimum(m * v, 2 * (p - ranks - 1) + (v - 1) * p + 1) / v
+    if layout.schedule in V_SCHEDULES:  # the V's steady state repeats: its peak is reached within 4p micro-batches
+        return np.array(live_peaks(layout.schedule, p, min(m, V_PEAK_WITHIN * p), v), dtype=float) / v
+    return np.minimum(m, p - ranks).astype(float)
 
 
-@lru_cache(maxsize=1024)
 def live_peak(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
     """Most (stage, micro-batch) activations rank `rank` holds at once in the schedule's own order: a forward keeps
     them, the backward (its weight-gradient half, where the backward is split) frees them."""
-    live = peak = 0
-    for kind, _, _ in rank_actions(schedule, pp, m, v)[rank]:
-        if kind == "F":
-            live += 1
-            peak = max(peak, live)
-        elif kind in ("B", "W"):
-            live -= 1
-    return peak
+    return live_peaks(schedule, pp, m, v)[rank]
+
+
+@lru_cache(maxsize=1024)
+def live_peaks(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
+    """`live_peak` of every rank (one pass over the schedule's actions)."""
+    peaks = []
+    for actions in rank_actions(schedule, pp, m, v):
+        live = peak = 0
+        for kind, _, _ in actions:
+            if kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif kind in ("B", "W"):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 @dataclass(frozen=True)
@@ -195,93 +237,209 @@ class RankMemory:
         """(fixed, per-layer model states, per-layer activations) bytes of the moment that is the peak at `layers`
         blocks: the search's memory table, exact at the even share of blocks it is taken at (the plans it keeps
         are priced again exactly)."""
-        line = max(self.lines, key=lambda x: sum(x.parts(layers, layers).values()))
-        states = sum(v for k, v in line.per_layer.items() if k != "activations")
-        return sum(line.fixed.values()), states, line.per_layer.get("activations", 0.0)
+        sums = [(sum(x.fixed.values()), sum(x.per_layer.values()), x) for x in self.lines]
+        fixed, per_layer, line = max(sums, key=lambda t: t[0] + layers * t[1])  # the total is linear in the blocks
+        activations = line.per_layer.get("activations", 0.0)
+        return fixed, per_layer - activations, activations
 
 
 def rank_memory(setting: Setting, layout: Layout, rank: int, mode: str) -> RankMemory:
     """Memory of pipeline rank `rank` running recompute `mode` on all its blocks: its moments (module docstring)."""
-    model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
-    dtypes, states = plan_dtypes(setting, layout), state_bytes(setting, layout)
+    return LayoutMemory(setting, layout).rank(rank, mode)
+
+
+class LayoutMemory:
+    """The moments of every pipeline rank of one layout, as arrays over the ranks: what the ranks share (the
+    carrier's bytes per parameter) once, what sets them apart (the ends they hold, their micro-batches in flight,
+    their pipeline buffers) per rank, and what depends on the recompute mode (a block's activations and backward
+    temporaries) per mode. `rank(r, mode)` is one rank's RankMemory; `coefficients(mode, layers)` the whole
+    pipeline's memory table column at once (for the search)."""
+
+    def __init__(self, setting: Setting, layout: Layout) -> None:
+        model, tp, sp, pp = setting.model, layout.tp, layout.sp, layout.pp
+        self.setting, self.layout = setting, layout
+        self.dtypes, self.states = plan_dtypes(setting, layout), state_bytes(setting, layout)
+        self.tokens = layout.micro_batch * setting.seq_len / layout.cp
+        self.n_expert = expert_params(model, tp, layout.ep)
+        self.n_layer = layer_params(model, tp, layout.ep) - self.n_expert  # what the carrier holds of a layer
+        ranks = np.arange(pp)
+        self.first = (ranks == 0).astype(float)  # the first virtual stage is on rank 0 in every layout
+        self.last = (ranks == layout.last_rank).astype(float)
+        self.flight = in_flight_all(layout)
+        self.head_params = self.last * np.where(self.first > 0, last_stage_params(model, tp, True),
+                                                last_stage_params(model, tp, False))
+        self.ends = self.first * first_stage_params(model, tp) + self.head_params
+        self.zeros = np.zeros(pp)
+        base, self.per_layer = (({k: v + self.zeros for k, v in d.items()}) for d in _held(
+            setting, layout, self.states, self.ends, self.n_layer, self.n_expert))
+        buffers, self.kept_inputs = _pipeline_buffers(setting, layout, self.first, self.last, self.flight, self.dtypes)
+        base["buffers"] = base["buffers"] + buffers
+        self.base = base
+        self.head = self.last * head_saved_bytes(model, self.tokens, tp, sp, self.dtypes)
+        self.ids = self.first * self.tokens * INDEX_BYTES  # the embedding keeps the token ids
+        self.loss = self.last * loss_backward_bytes(model, self.tokens, tp)
+        self.sent = (layout.num_micro_batches - 1) * _stage_hidden_bytes(setting, layout, self.dtypes) * (
+            1 - self.first) if pp > 1 else self.zeros
+        self._moments: dict[str, tuple[list, list]] = {}
+
+    def layer_grads(self, grads):
+        """A layer's gradients when the carrier's hold `grads` bytes per parameter (experts: fp32 once created)."""
+        return grads * self.n_layer + EXPERT_STATE_BYTES["grads"] * self.n_expert * (np.asarray(grads) > 0)
+
+    def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
+        """(each moment's (fixed, per-layer) parts as arrays over the ranks, where each moment exists)."""
+        if mode in self._moments:
+            return self._moments[mode]
+        setting, layout, states, zeros = self.setting, self.layout, self.states, self.zeros
+        model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
+        cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
+        act = {x: activation_bytes(model, b, s, tp, sp, x, self.dtypes, cp, kind, ep) for x in ("none", mode)}
+        # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input
+        gather, scatter = ((setting.dtype_bytes * self.n_layer, FP32_BYTES * self.n_layer)
+                           if states.gathered_units else (0.0, 0.0))
+        # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
+        # (and on the math path swaps its probabilities for their two gradients)
+        backward = (gather + scatter + act["none"] - act[mode]
+                    + layer_backward_bytes(model, s, self.tokens, tp, sp, self.dtypes, cp, kind, ep))
+        released = self.head + probabilities_bytes(model, s, self.tokens, tp, self.dtypes, cp)
+        base = dict(self.base)
+        if stage_input_is_kept(model, mode, self.dtypes):  # the first block keeps the received input itself
+            base["buffers"] = base["buffers"] - self.kept_inputs
+        ids, head, ends, steady = self.ids, self.head, self.ends, self.flight < m
+        # the rank's largest in-flight count recurs after its first backward (a steady state), so earlier
+        # micro-batches' gradients are there; not where every forward comes first (GPipe, one micro-batch, a short
+        # 1F1B)
+
+        def line(micro_batches, grads, grads_fixed, acts_fixed, temporaries) -> tuple[dict, dict]:
+            fixed = {**base, "activations": micro_batches * (ids + head) + acts_fixed,
+                     "grads": grads * ends + grads_fixed, "temporaries": temporaries + zeros}
+            return fixed, {**self.per_layer, "activations": micro_batches * act[mode] + zeros,
+                           "grads": self.layer_grads(grads) + zeros}
+
+        accumulated = np.where(steady, states.accumulated_grads, 0.0)
+        lines = [line(self.flight, accumulated, 0.0, 0.0, gather + self.loss),                      # the loss
+                 line(self.flight, accumulated, np.where(steady, 0.0, states.step_grads * self.head_params),
+                      -released, backward),
+                 line(zeros, states.step_grads, 0.0, 0.0, 0.0)]                                   # optimizer step
+        present = [np.ones(len(zeros), dtype=bool)] * 3
+        if m > 1:  # the last micro-batch's backward: every micro-batch's gradients, its own activations (GPipe
+            # waits on its gradient sends when the step ends: the m - 1 sent before stay held); not where steady
+            lines.append(line(1.0 + zeros, states.accumulated_grads + zeros, 0.0, -released, backward + self.sent))
+            present.append(~steady)
+        if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
+            step_grads = self.layer_grads(states.step_grads) + zeros
+            lines.append(({**base, "activations": ids + act[mode], "temporaries": backward + zeros,
+                           "grads": states.step_grads * self.head_params - step_grads},
+                          {**self.per_layer, "grads": step_grads, "activations": zeros}))
+            present.append(np.ones(len(zeros), dtype=bool))
+        self._moments[mode] = (lines, present)
+        return lines, present
+
+    def rank(self, rank: int, mode: str) -> RankMemory:
+        lines, present = self.moments(mode)
+        return RankMemory(tuple(Line({k: float(v[rank]) for k, v in fixed.items()},
+                                     {k: float(v[rank]) for k, v in per_layer.items()})
+                                for (fixed, per_layer), here in zip(lines, present) if here[rank]))
+
+    def floor(self) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per block) bytes of every rank at its loss moment with full recompute: below any moment of any
+        recompute mode of a rank holding a block or more (full recompute keeps only each block's input, and the
+        received input is that same tensor)."""
+        fixed, per_layer = self.moments("full")[0][0]
+        return sum(fixed.values()), sum(per_layer.values())
+
+    def may_fit(self) -> bool:
+        """A necessary condition for some split of the blocks to fit (False: none does): at its `floor`, rank r holds
+        at most K_r blocks within its device's memory, so no split fits where a rank cannot hold one block per stage
+        or Σ K_r < L. Blocks that differ (measured on meta) do not count in mean blocks: always True for them."""
+        setting, layout = self.setting, self.layout
+        if block_weights(setting.model, setting.seq_len) is not None:
+            return True
+        fixed, slope = self.floor()
+        room = setting.cluster.memory_bytes - fixed
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(slope > 0, np.floor(room / np.where(slope > 0, slope, 1.0)), np.where(room >= 0, np.inf, -1))
+        return bool((most >= layout.interleave).all() and most.sum() >= setting.model.num_layers)
+
+    def coefficients(self, mode: str, layers: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per rank, RankMemory.coefficients: (fixed, per-layer model states, per-layer activations) of the moment
+        that is the peak at `layers` blocks."""
+        lines, present = self.moments(mode)
+        fixed = np.array([sum(f.values()) for f, _ in lines])  # [moment, rank]
+        per_layer = np.array([sum(p.values()) for _, p in lines])
+        acts = np.array([p["activations"] for _, p in lines])
+        totals = np.where(np.array(present), fixed + layers * per_layer, -np.inf)
+        peak = totals.argmax(axis=0)  # the first of equal moments, as max() picks
+        ranks = np.arange(fixed.shape[1])
+        return fixed[peak, ranks], per_layer[peak, ranks] - acts[peak, ranks], acts[peak, ranks]
+
+
+def held_states(setting: Setting, layout: Layout, rank: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(fixed, per layer) bytes pipeline rank `rank` holds whatever its micro-batch, recompute and moment: parameters,
+    optimizer states and DDP's buckets as the carrier keeps them (ZeRO-3's gathered root unit and block with
+    them), the experts held apart, and the allocator's reserve."""
+    model, tp, ep = setting.model, layout.tp, layout.ep
     chunks = layout.stages_of(rank)
     first, last = 0 in chunks, layout.num_stages - 1 in chunks
-    tokens, flight, m = b * s, in_flight(layout, rank), layout.num_micro_batches
-    # the rank's largest in-flight count recurs after its first backward (a steady state), so earlier micro-batches'
-    # gradients are there; not where every forward comes first (GPipe, one micro-batch, a short 1F1B)
-    steady = flight < m
-    head_params = last_stage_params(model, tp, shares_embedding_rank=first) if last else 0.0
-    ends = (first_stage_params(model, tp) if first else 0.0) + head_params
-    n_layer, c = layer_params(model, tp), setting.dtype_bytes
-    act = {x: activation_bytes(model, b, s, tp, sp, x, dtypes) for x in ("none", mode)}
+    ends = (first_stage_params(model, tp) if first else 0.0) + (
+        last_stage_params(model, tp, shares_embedding_rank=first) if last else 0.0)
+    n_expert = expert_params(model, tp, ep)
+    return _held(setting, layout, state_bytes(setting, layout), ends, layer_params(model, tp, ep) - n_expert, n_expert)
 
+
+def _held(setting: Setting, layout: Layout, states: StateBytes, ends, n_layer: float, n_expert: float
+          ) -> tuple[dict, dict]:
+    """held_states' parts for `ends` parameters of the embedding and head (a number, or an array over ranks)."""
     held = {"params": states.params, "optimizer": states.optimizer, "buffers": states.buckets}
     base = {k: v * ends for k, v in held.items()}
-    per_layer = {k: v * n_layer for k, v in held.items()}
-    gather = scatter = 0.0
-    if states.gathered_units:  # ZeRO-3: the root unit and one block gathered, the next one's gather in flight
-        base["params"] += c * (ends + n_layer)
-        gather, scatter = c * n_layer, FP32_BYTES * n_layer  # the next block's all-gather; a reduce-scatter's input
-    base["buffers"] += _pipeline_buffers(setting, layout, chunks, flight, mode, dtypes)
-    head = head_saved_bytes(model, tokens, tp, sp, dtypes) if last else 0.0
-    ids = tokens * INDEX_BYTES if first else 0.0  # the embedding keeps the token ids
+    per_layer = {k: v * n_layer + EXPERT_STATE_BYTES.get(k, 0.0) * n_expert for k, v in held.items()}
+    if states.gathered_units:  # ZeRO-3: the root unit and one block gathered
+        base["params"] += setting.dtype_bytes * (ends + n_layer)
     base["reserve"] = RESERVE_FRACTION * setting.cluster.memory_bytes
-    # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
-    # (and on the math path swaps its probabilities for their two gradients)
-    backward = (gather + scatter + act["none"] - act[mode]
-                + layer_backward_bytes(model, s, tokens, tp, sp, dtypes))
-    released = head + probabilities_bytes(model, s, tokens, tp, dtypes)
-
-    def line(micro_batches: float, grads: float, grads_fixed: float, acts_fixed: float, temporaries: float) -> Line:
-        fixed = {**base, "activations": micro_batches * (ids + head) + acts_fixed, "grads": grads * ends + grads_fixed,
-                 "temporaries": temporaries}
-        return Line(fixed, {**per_layer, "activations": micro_batches * act[mode], "grads": grads * n_layer})
-
-    accumulated = states.accumulated_grads if steady else 0.0
-    loss = loss_backward_bytes(model, tokens, tp) if last else 0.0
-    lines = [line(flight, accumulated, 0.0, 0.0, gather + loss),                                   # the loss
-             line(flight, accumulated, 0.0 if steady else states.step_grads * head_params, -released, backward),
-             line(0.0, states.step_grads, 0.0, 0.0, 0.0)]                                         # the optimizer step
-    if m > 1 and not steady:  # the last micro-batch's backward: every micro-batch's gradients, its own activations
-        # (GPipe waits on its gradient sends when the step ends: the m - 1 sent before stay held)
-        sent = (m - 1) * _stage_hidden_bytes(setting, layout, dtypes) if layout.pp > 1 and not first else 0.0
-        lines.append(line(1.0, states.accumulated_grads, 0.0, -released, backward + sent))
-    if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
-        lines.append(Line({**base, "activations": ids + act[mode], "temporaries": backward,
-                           "grads": states.step_grads * (head_params - n_layer)},
-                          {**per_layer, "grads": states.step_grads * n_layer}))
-    return RankMemory(tuple(lines))
+    return base, per_layer
 
 
-def _pipeline_buffers(setting: Setting, layout: Layout, chunks: list[int], flight: float, mode: str,
-                      dtypes: Dtypes) -> float:
-    """torch.distributed.pipelining's buffers on one rank: per virtual stage, a receive buffer per micro-batch for
+def states_overflow(setting: Setting, layout: Layout) -> float:
+    """Bytes by which the pipeline's devices together miss holding the model states alone (<= 0: they may fit).
+    Every rank holds its `held_states`, and the ranks' blocks add up to the model's, so no split of the blocks, no
+    micro-batch and no recompute fits where the sum exceeds the ranks' capacity: the search skips such a layout
+    unpriced."""
+    need = have = 0.0
+    for r in range(layout.pp):
+        at = setting.at(layout, r)
+        fixed, per_layer = held_states(at, layout, r)
+        need += sum(fixed.values()) + setting.model.num_layers / layout.pp * sum(per_layer.values())
+        have += at.cluster.memory_bytes
+    return need - have
+
+
+def _pipeline_buffers(setting: Setting, layout: Layout, first: np.ndarray, last: np.ndarray, flight: np.ndarray,
+                      dtypes: Dtypes) -> tuple[np.ndarray, np.ndarray]:
+    """torch.distributed.pipelining's buffers on every rank (`first`, `last`: whether it holds the first and last
+    virtual stage; `flight`: its micro-batches in flight): per virtual stage, a receive buffer per micro-batch for
     its input (all but the first stage) and for its output's gradient (all but the last), and each in-flight
-    micro-batch's output until its backward (the logits on the last stage); less the received inputs the first
-    block keeps anyway (the same tensors). The interleaved schedule's runtime waits on its sends only when the
-    step ends, so every output and every gradient it has sent stays held until then: at its last peak, every
-    micro-batch's output and the gradients of those already done (m - in flight)."""
+    micro-batch's output until its backward (the logits on the last stage). The interleaved schedule's runtime
+    waits on its sends only when the step ends, so every output and every gradient it has sent stays held until
+    then: at its last peak, every micro-batch's output and the gradients of those already done (m - in flight).
+    Returns (the buffers, the received inputs among them that the first block keeps anyway -- the same tensors,
+    to subtract where the recompute mode keeps the block input: activations.stage_input_is_kept)."""
     if layout.pp == 1:
-        return 0.0
-    model, tokens, m = setting.model, layout.micro_batch * setting.seq_len, layout.num_micro_batches
+        return np.zeros(1), np.zeros(1)
+    model, tokens, m = setting.model, layout.micro_batch * setting.seq_len / layout.cp, layout.num_micro_batches
     hidden = _stage_hidden_bytes(setting, layout, dtypes)
-    total, last = 0.0, layout.num_stages - 1
     interleaved = layout.schedule == "interleaved"
-    for k in chunks:
-        if k > 0:
-            total += m * hidden + (m - flight if interleaved else 0.0) * hidden  # receive buffers, gradients sent
-            if stage_input_is_kept(model, mode, dtypes):
-                total -= flight * hidden
-        if k < last:
-            total += m * hidden + (m if interleaved else flight) * hidden  # gradient receive buffers, outputs kept
-        else:
-            total += flight * tokens * model.vocab_size / layout.tp * dtypes.compute
-    return total
+    receiving = layout.interleave - first  # this rank's stages that receive an input (all but the first stage)
+    sending = layout.interleave - last  # ... and that send an output (all but the last stage)
+    total = receiving * (m * hidden + (m - flight if interleaved else 0.0) * hidden)  # receive buffers, grads sent
+    total += sending * (m * hidden + (m if interleaved else flight) * hidden)  # gradient receive buffers, outputs
+    total += last * flight * tokens * model.vocab_size / layout.tp * dtypes.compute  # the logits of the last stage
+    return total, receiving * flight * hidden
 
 
 def _stage_hidden_bytes(setting: Setting, layout: Layout, dtypes: Dtypes) -> float:
-    """One micro-batch's hidden states between pipeline stages (sharded along the sequence under SP)."""
-    tokens = layout.micro_batch * setting.seq_len
+    """One micro-batch's hidden states between pipeline stages (this context rank's tokens; sharded along the
+    sequence under SP)."""
+    tokens = layout.micro_batch * setting.seq_len / layout.cp
     return tokens * setting.model.hidden_size / (layout.tp if layout.sp else 1) * dtypes.residual
 
 
@@ -292,17 +450,18 @@ def memory_table(setting: Setting, layout: Layout, modes: tuple[str, ...]) -> tu
     return fixed, states[:, None] + acts
 
 
-def memory_table_parts(setting: Setting, layout: Layout, modes: tuple[str, ...]
+def memory_table_parts(setting: Setting, layout: Layout, modes: tuple[str, ...], memory: LayoutMemory | None = None
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(fixed [pp, M], per-layer model states [pp], per-layer activations [pp, M]): `memory_table` with a layer's
-    parameters and activations apart (blocks that differ weigh them differently)."""
+    parameters and activations apart (blocks that differ weigh them differently). `memory`: this layout's
+    LayoutMemory where the caller has it already."""
     pp = layout.pp
     fixed, acts = np.zeros((pp, len(modes))), np.zeros((pp, len(modes)))
     share = -(-setting.model.num_layers // pp)
     mode_states = np.zeros((pp, len(modes)))
-    for r in range(pp):
-        for i, mode in enumerate(modes):
-            fixed[r, i], mode_states[r, i], acts[r, i] = rank_memory(setting, layout, r, mode).coefficients(share)
+    memory = memory or LayoutMemory(setting, layout)
+    for i, mode in enumerate(modes):
+        fixed[:, i], mode_states[:, i], acts[:, i] = memory.coefficients(mode, share)
     # one per-layer state per rank: where a mode's peak moment holds more (gradients), the rest counts with its
     # activations
     states = mode_states.min(axis=1)

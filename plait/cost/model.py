@@ -4,7 +4,8 @@ Step time = the pipeline's makespan over the micro-batches (simulated per stage;
 stage simply runs them back to back) + the data-parallel communication that backward and
 forward cannot hide + the optimizer step, on the slowest pipeline rank.
 
-Parts: compute, recompute, tp_comm (on the bottleneck rank), pp_comm (the transfers on the
+Parts: compute, recompute, tp_comm, cp_comm (context parallelism's key/value exchange), ep_comm
+(expert parallelism's token dispatch) (each on the bottleneck rank), pp_comm (the transfers on the
 critical path of filling and draining the pipeline), bubble (the rest of the makespan the
 bottleneck rank sits idle), dp_comm (exposed part only), optimizer.
 
@@ -30,10 +31,11 @@ from dataclasses import dataclass
 
 from plait.cost import comm
 from plait.cost.activations import FP32_BYTES
-from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, layer_cost, model_flops_per_step,
-                                optimizer_time, param_tensors)
+from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
+                                param_tensors, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import first_stage_params, last_stage_params, layer_params, optimizer_shards, rank_memory
+from plait.cost.memory import (expert_params, first_stage_params, last_stage_params, layer_params, optimizer_shards,
+                               rank_memory)
 from plait.cost.schedule import V_SCHEDULES, makespan
 from plait.plan import Plan, Prediction
 
@@ -47,6 +49,8 @@ class StageTimes:
     compute: tuple[float, ...]
     recompute: tuple[float, ...]
     tp_comm: tuple[float, ...]
+    cp_comm: tuple[float, ...] = ()
+    ep_comm: tuple[float, ...] = ()
 
 
 def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost], layers: tuple[float, ...],
@@ -58,12 +62,12 @@ def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost]
     last = len(layers) - 1
     per = lambda x: x if isinstance(x, list) else [x] * len(layers)  # noqa: E731
     lcs, endss, hosts = per(lc), per(ends), per(stage_host)
-    fwd, bwd, compute, recompute, tp = [], [], [], [], []
+    fwd, bwd, compute, recompute, tp, cp, ep = [], [], [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
         lc, ends, stage_host = lcs[k], endss[k], hosts[k]
         c = n * (lc.fwd + lc.bwd) + 2 * stage_host
         t = n * (lc.tp_fwd + lc.tp_bwd)
-        f = n * (lc.fwd + lc.tp_fwd) + stage_host
+        f = n * (lc.fwd + lc.comm_fwd) + stage_host
         r = n * lc.recompute[mode]
         if k == 0:
             c += ends.embed_fwd + ends.embed_bwd
@@ -73,12 +77,15 @@ def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost]
             c += ends.head_fwd + ends.head_bwd
             t += ends.head_tp
             f += ends.head_fwd + ends.head_tp / 2
+        x, e = n * (lc.cp_fwd + lc.cp_bwd), n * (lc.ep_fwd + lc.ep_bwd)
         fwd.append(f)
-        bwd.append(c + t + r - f)
+        bwd.append(c + t + x + e + r - f)
         compute.append(c)
         recompute.append(r)
         tp.append(t)
-    return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp))
+        cp.append(x)
+        ep.append(e)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp), tuple(cp), tuple(ep))
 
 
 def p2p_time(setting: Setting, layout: Layout, cross_group: bool = False) -> float:
@@ -88,8 +95,8 @@ def p2p_time(setting: Setting, layout: Layout, cross_group: bool = False) -> flo
     receivers all-gather over the fast link (already sharded under sequence parallelism)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = layout.micro_batch * setting.seq_len * setting.model.hidden_size * setting.dtype_bytes
-    group = comm.Group(layout.pp, layout.tp * layout.dp)
+    nbytes = layout.micro_batch * setting.seq_len / layout.cp * setting.model.hidden_size * setting.dtype_bytes
+    group = comm.axis_group(layout.degrees, "pp")
     crosses = comm.spans_nodes(group, setting.cluster.devices_per_node)
     t = comm.p2p(nbytes / layout.tp, crosses, setting.cluster)
     if cross_group and setting.cluster.between_groups is not None:  # a boundary between device groups
@@ -101,8 +108,9 @@ def p2p_time(setting: Setting, layout: Layout, cross_group: bool = False) -> flo
 
 
 def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> float:
+    """Parameters pipeline rank `rank` holds with `layers` blocks (experts split over ep included)."""
     model, tp = setting.model, layout.tp
-    total = layers * layer_params(model, tp)
+    total = layers * layer_params(model, tp, layout.ep)
     if rank == 0:
         total += first_stage_params(model, tp)
     if rank == layout.last_rank:
@@ -130,17 +138,19 @@ H100s (the same work per GPU, more of it hidden communication at 128): the model
 
 
 def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
-               units: int = 1) -> float:
+               units: int = 1, experts: float = 0.0) -> float:
     """Data-parallel communication of one rank that compute does not hide (see module docstring).
-    `units`: the FSDP units (layers + the root) the rank's parameters are sharded in."""
-    if layout.dp == 1:
+    `units`: the FSDP units (layers + the root) the rank's parameters are sharded in; `experts`: the rank's expert
+    parameters held apart from the carrier (of `params`), all-reduced over their copies after the backward."""
+    if layout.shard_degree == 1:
         return 0.0
-    total, exposed = _dp_comm(setting, layout, params, fwd_mb, bwd_mb, units)
+    total, exposed = _dp_comm(setting, layout, params - experts, fwd_mb, bwd_mb, units)
+    expert_sync = comm.all_reduce(experts * FP32_BYTES, comm.axis_group(layout.degrees, "edp_cp"), setting.cluster)
     if setting.cluster.device_type == "cpu":
         # CPU ranks have no spare engine to overlap with: gloo runs collectives on the cores the
         # ranks compute on (one thread per core), so every second of communication adds to the step.
-        return total
-    return exposed + OVERLAP_SLOWDOWN * (total - exposed)
+        return total + expert_sync
+    return exposed + OVERLAP_SLOWDOWN * (total - exposed) + expert_sync
 
 
 def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
@@ -183,7 +193,7 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     Gradients travel in fp32 on every carrier: DDP's are the fp32 parameters' (16-bit runs autocast), and
     fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
     gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
-    cluster, group = setting.cluster, comm.Group(layout.dp, layout.tp)
+    cluster, group = setting.cluster, comm.axis_group(layout.degrees, "dp_cp")
     grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
     m = layout.num_micro_batches
     if layout.dp_mode.carrier == "ddp":
@@ -191,7 +201,7 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
         last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
         sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
         return full + sync, max(full - bwd_mb, last) + sync
-    calls = (units - 1) * (layout.dp - 1)
+    calls = (units - 1) * (layout.shard_degree - 1)
     gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
     scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
     unit_gather = comm.all_gather(param_bytes / units, group, cluster)
@@ -263,8 +273,9 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         if key not in seen:  # ranks with the same share cost the same: most of them
             s_r = at[r]
             params = rank_params(s_r, layout, r, key[5])
-            seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1),
-                         optimizer_time(s_r.cluster, params / optimizer_shards(layout))
+            experts = key[5] * expert_params(s_r.model, layout.tp, layout.ep)
+            seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1, experts=experts),
+                         optimizer_time(s_r.cluster, (params - experts) / optimizer_shards(layout) + experts)
                          + dtensor_step_overhead(s_r, layout, n, first, last)
                          + s_r.cluster.host.step_overhead_s)
         tail.append(seen[key][0])
@@ -276,6 +287,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         "compute": lent * m * sum(st.compute[k] for k in on),
         "recompute": lent * m * sum(st.recompute[k] for k in on),
         "tp_comm": lent * m * sum(st.tp_comm[k] for k in on),
+        "cp_comm": lent * m * sum(st.cp_comm[k] for k in on),
+        "ep_comm": lent * m * sum(st.ep_comm[k] for k in on),
         "bubble": lent * max(idle - work[bottleneck], 0.0),
         "pp_comm": lent * max(pipe - idle, 0.0),
         "dp_comm": tail[last],
@@ -287,11 +300,11 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
 
 def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
     """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
-    lc = layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
-                    setting.dtype_bytes)
+    lc = sliced_layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
+                           setting.dtype_bytes)
     if on_fully_shard(layout):
         lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
-    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.tp, layout.sp,
+    ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
                      setting.dtype_bytes)
     return lc, ends, setting.cluster.host.pipeline_overhead_s if layout.pp > 1 else 0.0
 
@@ -319,13 +332,16 @@ def _fill_transfers(layout: Layout, p2p: float) -> float:
 
 def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
     """Σ stages + (m - 1)·slowest for GPipe/1F1B; for interleaved m·(slowest rank) + the other ranks' work
-    over v (both exact for uniform stages without transfers), plus the fill/drain transfers."""
+    over v; on a V (ZB-V, DualPipeV) the latest of the ranks' m micro-batches of work after their first forward
+    arrives (all exact for uniform stages without transfers), plus the fill/drain transfers."""
     pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
     s = [f + b for f, b in zip(st.fwd, st.bwd)]
     if layout.schedule in V_SCHEDULES:
-        # zero bubble on a V: the pipeline fills with one chunk's forward per rank (uniform stages, F = I = W)
+        # zero bubble on a V: once the first micro-batch's forward reaches rank r (through stages 0 .. r-1), the
+        # rank is never idle again (exact for uniform stages; never above the simulation, and within 0.2% of it on
+        # the median of random stage times: tests/unit/test_schedule.py)
         per_rank = [sum(s[k] for k in layout.stages_of(r)) for r in range(pp)]
-        idle = m * max(per_rank) + (pp - 1) * sum(st.fwd) / len(st.fwd)
+        idle = max(m * per_rank[r] + sum(st.fwd[:r]) for r in range(pp))
     elif layout.schedule == "interleaved":
         per_rank = [sum(s[r::pp]) for r in range(pp)]
         idle = m * max(per_rank) + (sum(per_rank) - max(per_rank)) / v

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.cost.compute import layer_cost
+from plait.cost.compute import Slicing, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.model import predict, predict_layout
 from plait.plan import Plan
@@ -103,7 +103,7 @@ MODEL_22B = ModelSpec(name="gpt-22b", arch="gpt", num_layers=48, hidden_size=614
 
 def predicted_layer_ms(cluster: ClusterSpec, sp: bool, mode: str) -> tuple[float, float]:
     """(forward, backward) milliseconds of one 22B layer as the cost model prices it."""
-    lc = layer_cost(MODEL_22B, cluster, SEQ_LEN, 4, 8, sp, 2)
+    lc = sliced_layer_cost(MODEL_22B, cluster, SEQ_LEN, 4, Slicing(tp=8, sp=sp), 2)
     return 1e3 * (lc.fwd + lc.tp_fwd), 1e3 * (lc.bwd + lc.tp_bwd + lc.recompute[mode])
 
 

@@ -6,8 +6,9 @@ the H100 presets' Efficiency constants in plait/spec/clusters.py). Every run use
 
 * Megatron-LM's H100 SXM weak scaling (section 6.1): pinned as published -- model, t, p, d, global batch,
   s = 4096, V = 131,072 untied -- with Megatron's distributed optimizer (ZeRO-1, what `--overlap-param-gather`
-  needs) and sequence parallelism under t > 1; the unstated choices (micro-batch, schedule, interleaving,
-  recompute) are left to plait's search, with the micro-batch at 1 as Megatron's scaling scripts set it.
+  needs) and sequence parallelism under t > 1; the unstated choices (micro-batch, schedule among Megatron's 1F1B
+  and interleaved 1F1B, interleaving, recompute) are left to plait's search, with the micro-batch at 1 as
+  Megatron's scaling scripts set it.
   TFLOP/s per GPU as the README counts them: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per iteration.
 * torchtitan's FSDP2 runs (section 6.2): pinned as published -- FSDP (ZeRO-3) over every GPU, local batch as
   micro-batch, one micro-batch per step, the recompute of the run. "Per-layer selective (every 2nd layer
@@ -68,8 +69,13 @@ def megatron_h100_plan(row: MegatronH100Row, cluster: ClusterSpec) -> Plan:
     from plait.search import plan as search
 
     train = TrainSpec(global_batch=row.batch, seq_len=H100_SEQ_LEN, precision="bf16")
-    return search(megatron_h100_model(row), cluster.with_devices(row.devices), train, top=1, dp=row.dp, tp=row.tp,
-                  pp=row.pp, zero=1, micro_batch=1, sequence_parallel=row.tp > 1)[0]
+    # Megatron-Core r0.8.0 ran 1F1B or its interleaved form: the zero-bubble V schedules plait also searches are
+    # left out (with one stage the schedule means nothing)
+    schedules = ("1f1b", "interleaved") if row.pp > 1 else (None,)
+    plans = [search(megatron_h100_model(row), cluster.with_devices(row.devices), train, top=1, dp=row.dp, tp=row.tp,
+                    pp=row.pp, zero=1, micro_batch=1, sequence_parallel=row.tp > 1, schedule=schedule)[0]
+             for schedule in schedules]
+    return min(plans, key=lambda plan: plan.predicted.step_time_s)
 
 
 def megatron_h100_flops(row: MegatronH100Row) -> float:

@@ -23,6 +23,8 @@ so plait's attention exchanges keys and values itself on every device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,12 +53,8 @@ class ContextParallelAttention(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"context-parallel kind {kind!r} is not one of {', '.join(KINDS)}")
         self.kind, self.mesh = kind, cp_mesh
-        cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-        self.positions = cp_positions(seq_len, cp, rank)
-        gathered = torch.cat([cp_positions(seq_len, cp, r) for r in range(cp)])  # rank order, as all-gathered
-        self.gathered_positions = gathered
-        self.to_global = torch.argsort(gathered)  # rank order -> sequence order
-        self.to_ranks = torch.argsort(self.to_global)
+        self.positions, self.gathered_positions, self.to_global, self.to_ranks = _tables(
+            seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         if self.kind == "all_gather":
@@ -103,6 +101,15 @@ class ContextParallelAttention(nn.Module):
         return received.reshape(b, cp * heads_part, s // cp, d)
 
 
+@functools.lru_cache(maxsize=8)
+def _tables(seq_len: int, cp: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """This rank's positions, every rank's (rank order, as all-gathered), and the permutations between rank and
+    sequence order: computed once, shared read-only by the cores of all blocks."""
+    gathered = torch.cat([cp_positions(seq_len, cp, r) for r in range(cp)])
+    to_global = torch.argsort(gathered)  # rank order -> sequence order
+    return cp_positions(seq_len, cp, rank), gathered, to_global, torch.argsort(to_global)
+
+
 def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention: each key/value head serves heads(q) / heads(kv) query heads."""
     if kv.shape[1] == q.shape[1]:
@@ -111,8 +118,9 @@ def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 
 def apply_cp(stage: nn.Module, cp_mesh: DeviceMesh, seq_len: int, kind: str) -> None:
-    """Every block of a Stage attends through ContextParallelAttention; the stage runs at its global positions."""
-    core = ContextParallelAttention(cp_mesh, seq_len, kind)
-    stage.ctx.positions = core.positions.clone()
+    """Every block of a Stage attends through its own ContextParallelAttention (one module shared by all blocks
+    breaks torch's module tracking: CommDebugMode in plait's dry run); the stage runs at its global positions."""
     for block in stage.stage_blocks().values():
+        core = ContextParallelAttention(cp_mesh, seq_len, kind)
         stage.adapter.set_attention(block, core)
+    stage.ctx.positions = cp_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())

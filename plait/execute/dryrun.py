@@ -107,6 +107,8 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
     (a ConfigError) for a plan that breaks a rule, and whatever the executor raises for one it cannot build."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from plait.execute.context import apply_cp
+    from plait.execute.expert import apply_experts
     from plait.execute.mesh import build_mesh, forget_meshes
     from plait.execute.data import apply_fully_shard
     from plait.execute.parallelize import default_dtype
@@ -129,9 +131,13 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
             mesh = build_mesh(plan.degrees, "cpu")
             with default_dtype(dtype):
                 stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
-            for part in parts:
+            for part in parts:  # as shard_stage does before fully_shard (traced in between)
+                if plan.cp > 1:
+                    apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)
                 if plan.tp > 1:
                     apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+                if plan.model.num_experts:
+                    apply_experts(part, mesh, sequence_parallel=plan.sequence_parallel)
                 apply_ac(part, plan.recompute[pp_rank])
             report = StageReport(pp_rank=pp_rank, rank=rank, stages=stage_ids,
                                  blocks=[i for part in parts for i in part.block_ids])

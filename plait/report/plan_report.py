@@ -88,7 +88,8 @@ def _timeline_png(plan: Plan, path: Path) -> Path:
 
 def short_describe(plan: Plan) -> str:
     """Plan.describe() with run-length layers and recompute, so a 96-stage plan still fits a title."""
-    parts = [f"dp{plan.dp} tp{plan.tp} pp{plan.pp}", "sp" if plan.sequence_parallel and plan.tp > 1 else "",
+    parts = [f"dp{plan.dp} tp{plan.tp} pp{plan.pp}", f"cp{plan.cp} {plan.context_parallel}" if plan.cp > 1 else "",
+             f"ep{plan.ep}" if plan.ep > 1 else "", "sp" if plan.sequence_parallel and plan.tp > 1 else "",
              f"zero{plan.zero}", f"mb{plan.micro_batch}x{plan.num_micro_batches}",
              f"recompute={recompute_cell(plan)}", f"layers={layers_cell(plan)}" if plan.num_stages > 1 else ""]
     return " ".join(p for p in parts if p)

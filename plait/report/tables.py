@@ -73,7 +73,7 @@ def recompute_cell(plan: Plan) -> str:
 def schedule_cell(plan: Plan) -> str:
     if plan.pp == 1:
         return "-"
-    return f"{plan.schedule} v{plan.interleave}" if plan.interleave > 1 else plan.schedule
+    return f"{plan.schedule} v{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule
 
 
 def human_count(value: float) -> str:
@@ -82,6 +82,31 @@ def human_count(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g}{suffix}"
     return f"{value:.3g}"
+
+
+CONTEXT_SHORT = {"all_gather": "ag", "all_to_all": "a2a"}
+
+
+def degrees_cell(plan: Plan) -> str:
+    """'16×2×16' over dp×tp×pp, with context parallelism and its key/value exchange ('cp4/a2a') and expert
+    parallelism ('ep8') where above 1."""
+    cell = f"{plan.dp}×{plan.tp}×{plan.pp}"
+    if plan.cp > 1:
+        cell += f" cp{plan.cp}/{CONTEXT_SHORT[plan.context_parallel]}"
+    if plan.ep > 1:
+        cell += f" ep{plan.ep}"
+    return cell
+
+
+def degrees_legend(plans: Sequence[Plan]) -> str:
+    """A line explaining the cp/ep marks of `plans`' degrees cells ('' where none has them)."""
+    notes = []
+    if any(p.cp > 1 for p in plans):
+        notes.append("cpN: context parallel over N ranks, keys and values all-gathered (/ag) or swapped for heads by "
+                     "all-to-all (/a2a, Ulysses)")
+    if any(p.ep > 1 for p in plans):
+        notes.append("epN: experts split over N ranks of each data-parallel group")
+    return "; ".join(notes)
 
 
 def human_bytes(value: float) -> str:
@@ -107,9 +132,15 @@ def plans_table(plans: Sequence[Plan], title: str | None = None, width: int | No
     if width is None or _width(table) <= width:
         return table
     split = len(_PLAN_COLUMNS)
-    choices = _table(plans, title, range(split), compact=True)
     predictions = _table(plans, "predicted (the cost model)", [0, *range(split, len(_COLUMNS))], compact=True)
-    return Group(choices, predictions)
+    choices = _table(plans, title, range(split), compact=True)
+    if _width(choices) <= width:
+        return Group(choices, predictions)
+    # still too wide (long per-rank recompute or stage lists): the degrees and choices, then how the layers are split
+    stages = [0, *(i for i in range(split) if _COLUMNS[i][0] in _STAGE_COLUMNS)]
+    rest = [i for i in range(split) if i not in stages[1:]]
+    return Group(_table(plans, title, rest, compact=True),
+                 _table(plans, "stages", stages, compact=True), predictions)
 
 
 def _table(plans: Sequence[Plan], title: str | None, columns: Sequence[int], compact: bool = False) -> Table:
@@ -135,6 +166,8 @@ _PLAN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("#", "right"), ("dp×tp×pp", "left"), ("SP", "center"), ("ZeRO", "center"), ("recompute", "left"),
     ("mb×n", "left"), ("schedule", "left"), ("layers/stage", "left"),
 )
+_STAGE_COLUMNS = ("recompute", "layers/stage")
+"""The choices per pipeline rank or stage, which can run long: a table of their own when one would not fit."""
 _PREDICTION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("step", "right"), ("tokens/s", "right"), ("TFLOP/s/dev", "right"), ("MFU", "right"), ("bubble", "right"),
     ("peak GiB", "right"),
@@ -146,7 +179,7 @@ COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
 def plan_row(rank: int, plan: Plan) -> list[str]:
     cells = [
         str(rank),
-        f"{plan.dp}×{plan.tp}×{plan.pp}",
+        degrees_cell(plan),
         "yes" if plan.sequence_parallel and plan.tp > 1 else "-",
         str(plan.zero),
         recompute_cell(plan),

@@ -11,14 +11,17 @@ from plait.plan import Plan
 
 PART_LABELS = {
     "compute": "compute", "recompute": "recompute", "tp_comm": "tp comm", "pp_comm": "pp comm",
-    "bubble": "bubble", "dp_comm": "exposed dp comm", "optimizer": "optimizer step",
+    "bubble": "bubble", "dp_comm": "exposed dp comm", "optimizer": "optimizer step", "cp_comm": "cp comm",
+    "ep_comm": "ep comm",
 }
 
 
 def _changes(best: Plan, other: Plan) -> str:
     """What differs between the two plans, as 'pp 8->4, zero 1->0'."""
-    fields = [("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("micro_batch", "mb"),
-              ("schedule", "schedule"), ("interleave", "v"), ("sequence_parallel", "sp")]
+    fields = [("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"), ("zero", "zero"),
+              ("micro_batch", "mb"), ("schedule", "schedule"), ("interleave", "v"), ("sequence_parallel", "sp")]
+    if best.cp > 1 and other.cp > 1:  # the key/value exchange means something only under context parallelism
+        fields.append(("context_parallel", "context"))
     out = [f"{label} {getattr(other, name)}->{getattr(best, name)}" for name, label in fields
            if getattr(best, name) != getattr(other, name)]
     if _modes(best) != _modes(other):

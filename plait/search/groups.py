@@ -38,11 +38,11 @@ class GroupContext:
         self.layer, self.cap, self.need, self.ends = {}, {}, {}, {}
         share = setting.model.num_layers / layout.pp
         for name in self.names:
-            lc, ends = pricer.layer_cost(layout.tp, layout.sp, layout.micro_batch, name)
+            lc, ends = pricer.layer_cost(layout, name)
             at = setting.cluster.view(name)
             fixed, states, acts = memory_table_parts(type(setting)(setting.model, at, setting.train), layout,
                                                      tuple(RECOMPUTE_MODES))
-            self.layer[name] = lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd
+            self.layer[name] = lc.total
             self.cap[name] = at.memory_bytes
             self.need[name] = fixed[:, -1] + share * (states + acts[:, -1])  # fully recomputed: the least it needs
             self.ends[name] = (ends.embed_fwd + ends.embed_bwd, ends.head_fwd + ends.head_bwd + ends.head_tp)

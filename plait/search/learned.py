@@ -53,16 +53,16 @@ def layout_features(pricer: Pricer, layout: Layout, best_bound: float) -> np.nda
     """The features of LAYOUT_FEATURES for one layout, from the pricer's cached per-layer costs. Ratios and shares
     only, no absolute sizes or degrees: what makes a layout good on 64 devices makes it good on 4,096."""
     s = pricer.setting
-    lc, ends = pricer.layer_cost(layout.tp, layout.sp, layout.micro_batch)
+    lc, ends = pricer.layer_cost(layout)
     bound = pricer.lower_bound(layout)
-    layer = lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd
+    layer = lc.total
     frugal, none = pricer.even_memory(layout)
     cap = s.cluster.memory_bytes
     from plait.cost.model import dp_exposed, p2p_time
     from plait.cost.memory import layer_params
 
     p2p = p2p_time(s, layout)
-    params = s.model.num_layers / layout.pp * layer_params(s.model, layout.tp)
+    params = s.model.num_layers / layout.pp * layer_params(s.model, layout.tp, layout.ep)
     dp = dp_exposed(s, layout, params, layer, layer, units=int(s.model.num_layers / layout.pp) + 1)
     work = layout.num_micro_batches * layer * s.model.num_layers / layout.pp
     zero = [float(layout.zero == z) for z in range(4)]

@@ -13,11 +13,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from plait.cost.compute import EndsCost, LayerCost, block_loads, block_weights, ends_cost, layer_cost
+from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import memory_table_parts
+from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
 from plait.cost.model import predict_layout, rank_capacities, step_time
-from plait.cost.schedule import stage_rank
+from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
 from plait.search.space import Pins
@@ -49,15 +49,21 @@ class Pricer:
         self.candidates: list[Candidate] = []
         self.points: list[tuple[float, float]] = []
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
-        self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
+        self._costs = lru_cache(maxsize=None)(self._layer_cost)
+        self._overflows: dict[tuple, float] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
 
-    def _layer_cost(self, tp: int, sp: bool, b: int, group: str | None = None) -> tuple[LayerCost, EndsCost]:
+    def layer_cost(self, layout: Layout, group: str | None = None) -> tuple[LayerCost, EndsCost]:
+        """One layer's and the ends' cost of a micro-batch of `layout` on `group`'s hardware (cached: many layouts
+        share a slicing and micro-batch size)."""
+        return self._costs(layout.slicing, layout.micro_batch, group)
+
+    def _layer_cost(self, cut: Slicing, b: int, group: str | None) -> tuple[LayerCost, EndsCost]:
         s = self.setting
         cluster = s.cluster.view(group) if group is not None else s.cluster
-        return (layer_cost(s.model, cluster, s.seq_len, b, tp, sp, s.dtype_bytes),
-                ends_cost(s.model, cluster, s.seq_len, b, tp, sp, s.dtype_bytes))
+        return (sliced_layer_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes),
+                ends_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes))
 
     def modes(self, pp: int) -> list[tuple[str, ...]]:
         """Recompute choices: per-stage free choice among these mode lists (one list per rank)."""
@@ -71,16 +77,24 @@ class Pricer:
     def lower_bound(self, layout: Layout) -> float:
         """No split beats the work spread evenly: m·W/pp + (W - W/pp)/v, W = one micro-batch through all stages
         without recompute (the closed-form estimate is never below this; with shared cores, see
-        plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work)."""
+        plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work; on a V, a fill of one
+        layer's forward per rank before it: see below)."""
         groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
-        lc, ends = min((self.layer_cost(layout.tp, layout.sp, layout.micro_batch, g) for g in groups),
-                       key=lambda costs: costs[0].fwd + costs[0].bwd)
-        work = (self.setting.model.num_layers * (lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd)
+        lc, ends = min((self.layer_cost(layout, g) for g in groups), key=lambda costs: costs[0].fwd + costs[0].bwd)
+        work = (self.setting.model.num_layers * lc.total
                 + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
         pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
         spread = m * work / pp
+        if layout.schedule in V_SCHEDULES:
+            # the V's closed form is the latest rank's m micro-batches after the first forward reaches it: no less
+            # than their mean, m·W/pp plus the mean wait, Σ_r Σ_{k<r} fwd_k / pp, each stage a layer at least
+            weights = block_weights(self.setting.model, self.setting.seq_len)
+            layer_fwd = (lc.fwd + lc.comm_fwd) * (min(weights.time) if weights else 1.0)
+            fill = layer_fwd * (pp - 1) / 2
+        else:
+            fill = (work - work / pp) / v
         # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
-        return max(spread, (spread + (work - work / pp) / v) / self.setting.cluster.oversubscription)
+        return max(spread, (spread + fill) / self.setting.cluster.oversubscription)
 
     def even_memory(self, layout: Layout) -> tuple[float, float]:
         """Peak bytes of the fullest rank with the layers spread evenly: (fully recomputed, nothing recomputed)."""
@@ -99,7 +113,16 @@ class Pricer:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise OutOfTime()
         self.evaluated += 1
-        split = self.split(layout)
+        if self.overflow(layout) > 0:  # the model states alone overflow every split of this layout
+            self._note_overflow(layout)
+            return None
+        memory = None
+        if not layout.stage_groups:  # a uniform cluster: one memory model for every rank, checked before splitting
+            memory = LayoutMemory(self.setting, layout)
+            if not memory.may_fit():
+                self._note_overflow(layout, memory)
+                return None
+        split = self.split(layout, memory)
         if split is None:
             return None
         layers, recompute, peak = split
@@ -112,9 +135,29 @@ class Pricer:
         self.points.append((est.total, peak))
         return est.total
 
-    def rank_tables(self, layout: Layout):
+    def overflow(self, layout: Layout) -> float:
+        """plait.cost.memory.states_overflow, once per layout but its micro-batch and key/value exchange."""
+        key = (layout.degrees, layout.zero, layout.data_parallel, layout.schedule, layout.interleave,
+               layout.stage_groups)
+        if key not in self._overflows:
+            self._overflows[key] = states_overflow(self.setting, layout)
+        return self._overflows[key]
+
+    def _note_overflow(self, layout: Layout, memory: LayoutMemory | None = None) -> None:
+        """Remember a layout refused before its split (the model states, or `memory`'s floor, overflow) as a miss."""
+        if memory is not None:  # the fullest rank at an even share, fully recomputed
+            fixed, slope = memory.floor()
+            share = math.ceil(self.setting.model.num_layers / layout.pp)
+            excess = float((fixed + share * slope).max()) - self.setting.cluster.memory_bytes
+        else:
+            excess = self.overflow(layout) / layout.pp
+        if self.miss is None or excess < self.miss[0]:
+            self.miss = (excess, layout, (), ("full",) * layout.pp)
+
+    def rank_tables(self, layout: Layout, memory: LayoutMemory | None = None):
         """Per pipeline rank, on its device group's hardware: (time of a layer per mode [pp, M], fixed memory
-        [pp, M], a layer's model states [pp], a layer's activations [pp, M], capacity [pp], ends [pp])."""
+        [pp, M], a layer's model states [pp], a layer's activations [pp, M], capacity [pp], ends [pp]). `memory`:
+        the layout's LayoutMemory on a uniform cluster, where the caller has it already."""
         s, pp = self.setting, layout.pp
         modes = tuple(RECOMPUTE_MODES)
         groups = layout.stage_groups or (None,) * pp
@@ -123,20 +166,21 @@ class Pricer:
         for r in range(pp):
             if groups[r] not in tables:
                 at = s.at(layout, r)
-                lc, ends = self.layer_cost(layout.tp, layout.sp, layout.micro_batch, groups[r])
-                tables[groups[r]] = (lc, ends, memory_table_parts(at, layout, modes), at.cluster.memory_bytes)
+                lc, ends = self.layer_cost(layout, groups[r])
+                tables[groups[r]] = (lc, ends, memory_table_parts(at, layout, modes, memory), at.cluster.memory_bytes)
             lc, ends, (fixed, states, acts), cap = tables[groups[r]]
-            time = [lc.fwd + lc.bwd + lc.tp_fwd + lc.tp_bwd + lc.recompute[m] for m in modes]
+            time = [lc.total + lc.recompute[m] for m in modes]
             rows.append((time, fixed[r], states[r], acts[r], cap, ends))
         return (np.array([x[0] for x in rows]), np.array([x[1] for x in rows]), np.array([x[2] for x in rows]),
                 np.array([x[3] for x in rows]), np.array([x[4] for x in rows]), [x[5] for x in rows])
 
-    def split(self, layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
+    def split(self, layout: Layout, memory: LayoutMemory | None = None
+              ) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
         """(layers per virtual stage, recompute per rank, peak memory) of the best split, or None."""
         s, pp, v = self.setting, layout.pp, layout.interleave
         rank_modes = self.modes(pp)
         all_modes = tuple(RECOMPUTE_MODES)
-        per_layer, fixed_mem, layer_states, layer_act, cap, ends_of = self.rank_tables(layout)
+        per_layer, fixed_mem, layer_states, layer_act, cap, ends_of = self.rank_tables(layout, memory)
         layer_mem = layer_states[:, None] + layer_act
         stages = layout.num_stages
         ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
@@ -199,7 +243,8 @@ class Pricer:
         plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
                     recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
                     schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
-                    stage_groups=layout.stage_groups, model=s.model, train=s.train, cluster=s.cluster)
+                    stage_groups=layout.stage_groups, context_parallel=layout.context_parallel, model=s.model,
+                    train=s.train, cluster=s.cluster)
         pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
         return plan.replace(predicted=pred)
 

@@ -89,7 +89,7 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
     groups = tuple((g.name, g.num_devices) for g in cluster.groups) if cluster.mixed else ()
-    space = Space(pins, degrees, train.global_batch, model.num_layers, groups)
+    space = Space(pins, degrees, train.global_batch, model.num_layers, groups, model, train.seq_len)
     solver = choose_solver(space) if solver == "auto" else solver
     if time_limit_s is not None:
         pricer.deadline = start + time_limit_s

@@ -2,8 +2,9 @@
 the layouts it chooses; they differ only in which, and in what order.
 
 * "exact": every layout, best-first by a lower bound on its step time, stopping once no bound can beat the
-  shortlist; a layout whose smaller micro-batch missed memory is skipped for larger ones. Finds the cost
-  model's optimum.
+  shortlist; a layout whose smaller micro-batch missed memory is skipped for larger ones (but the one that makes
+  the step a single micro-batch, which holds no accumulated gradients); one whose model states alone overflow
+  the devices is refused unsplit (plait.cost.memory.states_overflow). Finds the cost model's optimum.
 * "dichotomy": the improved multi-dimensional dichotomy of CSIMD (Euro-Par 2024): per family of layouts
   (everything fixed but the micro-batch), the micro-batch division by bisection over the sign of the step
   time's slope (per-micro-batch time is non-linear in its size: small ones waste GEMM efficiency and host
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from plait.search.pricing import Pricer
-from plait.search.space import Space
+from plait.search.space import Space, family_key
 
 
 class Solver(Protocol):
@@ -45,9 +46,11 @@ class ExactSolver:
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
                 return
             for layout in space.layouts(d, [()] if not space.groups else None, base=base):
-                key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups)
-                if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1):
-                    pricer.pruned += 1  # activations grow with b: a larger micro-batch cannot fit either
+                key = family_key(layout)
+                if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1) and layout.num_micro_batches > 1:
+                    # activations grow with b: a larger micro-batch cannot fit either -- unless it is the step's only
+                    # one, which accumulates no gradients (fully_shard holds them unsharded between micro-batches)
+                    pricer.pruned += 1
                     continue
                 if pricer.evaluate(layout) is None:
                     too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))

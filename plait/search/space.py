@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from plait import legality
 from plait.axes import ALL_AXES, Degrees
 from plait.errors import ConfigError
-from plait.plan import RECOMPUTE_MODES, SCHEDULES
+from plait.plan import RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
 
@@ -35,6 +35,8 @@ class Pins:
     schedule: str | None = None
     interleave: int | None = None
     sequence_parallel: bool | None = None
+    context_parallel: str | None = None
+    """How context-parallel ranks exchange keys and values ("all_gather" or "all_to_all"); None: both are tried."""
     allow_cross_node_tp: bool = False
 
     @classmethod
@@ -71,13 +73,13 @@ class Pins:
         """The keywords `from_kwargs` reads back (for a search on another device count)."""
         out = dict(self.degrees)
         for name in ("zero", "recompute", "micro_batch", "schedule", "interleave", "sequence_parallel",
-                     "allow_cross_node_tp"):
+                     "context_parallel", "allow_cross_node_tp"):
             out[name] = getattr(self, name)
         return out
 
 
 PIN_NAMES: tuple[str, ...] = ALL_AXES + ("zero", "recompute", "micro_batch", "schedule", "interleave",
-                                         "sequence_parallel", "allow_cross_node_tp")
+                                         "sequence_parallel", "context_parallel", "allow_cross_node_tp")
 """Everything a search can be pinned to (`plait plan --dp ...`, `[plan] pins` in a train config)."""
 
 
@@ -107,6 +109,31 @@ def pp_degrees(model: ModelSpec, num_devices: int) -> list[int]:
     return [p for p in divisors(num_devices) if not legality.stage_problems(model.num_layers, p, 1)]
 
 
+CONTEXT_KINDS: tuple[str, ...] = ("all_gather", "all_to_all")
+"""How context-parallel ranks see each other's keys and values (plait/execute/context.py); the search prices both."""
+
+
+def cp_degrees(model: ModelSpec, seq_len: int, num_devices: int) -> list[int]:
+    """Context degrees plait.legality allows for this model and sequence (cp = 1 always)."""
+    return [c for c in divisors(num_devices) if c == 1 or not (
+        legality.sequence_problems(model, seq_len, 1, False, c) or legality.context_problems(
+            model, Degrees(cp=c), "all_gather"))]
+
+
+def ep_degrees(model: ModelSpec, dp: int) -> list[int]:
+    """Expert degrees plait.legality allows for this model inside a data-parallel group of `dp` (ep = 1 always)."""
+    return [e for e in divisors(dp) if not legality.expert_problems(model, e)]
+
+
+def context_kinds(pins: Pins, model: ModelSpec, d: Degrees) -> list[str]:
+    """The key/value exchanges the pins and plait.legality allow for these degrees (["all_gather"] when cp = 1: the
+    kind has no effect there)."""
+    if d.cp == 1:
+        return ["all_gather"]
+    kinds = [pins.context_parallel] if pins.context_parallel else list(CONTEXT_KINDS)
+    return [k for k in kinds if not legality.context_problems(model, d, k)]
+
+
 def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int) -> None:
     """Raise ConfigError for a pin no plan can honour."""
     n, batch = num_devices, train.global_batch
@@ -134,27 +161,59 @@ def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainS
         if pins.dp not in valid:
             raise ConfigError(f"dp={pins.dp} must divide both {n} devices and global_batch={batch}; "
                               f"valid dp: {_listing(valid)}")
-    fixed = [v for v in (pins.dp, pins.tp, pins.pp) if v is not None]
+    _check_context_and_expert_pins(pins, model, train, n)
+    axes = ("dp", "cp", "tp", "pp")
+    fixed = [pins.axis(a) for a in axes if pins.axis(a) is not None]
     product = 1
     for v in fixed:
         product *= v
-    if n % product or (len(fixed) == 3 and product != n):
-        raise ConfigError(f"dp x tp x pp = {pins.dp or '?'} x {pins.tp or '?'} x {pins.pp or '?'} cannot make "
-                          f"{n} devices; the product of the pinned degrees must divide {n} (equal it when all three are pinned)")
+    if n % product or (len(fixed) == len(axes) and product != n):
+        shown = " x ".join(str(pins.axis(a) or "?") for a in axes)
+        raise ConfigError(f"dp x cp x tp x pp = {shown} cannot make {n} devices; the product of the pinned degrees "
+                          f"must divide {n} (equal it when all four are pinned)")
     if isinstance(pins.recompute, tuple) and pins.pp is not None and len(pins.recompute) not in (1, pins.pp):
         raise ConfigError(f"recompute={list(pins.recompute)} must hold one mode or pp={pins.pp} modes (one per rank)")
     if pins.interleave is not None and pins.pp is not None:
         problems = legality.interleave_problems(pins.pp, pins.interleave)
         if problems:
             raise legality.IllegalPlan(problems)
-    if pins.interleave is not None and pins.interleave > 1 and pins.schedule not in (None, "interleaved"):
+    if pins.interleave is not None and pins.interleave > 1 and pins.schedule not in (None, "interleaved", *V_SCHEDULES):
         raise ConfigError(f"interleave={pins.interleave} needs schedule='interleaved', not {pins.schedule!r}")
+    if pins.interleave not in (None, 2) and pins.schedule in V_SCHEDULES:
+        raise ConfigError(f"schedule={pins.schedule!r} holds exactly two stages per pipeline rank (a V); use "
+                          f"interleave=2 or leave it out, not {pins.interleave}")
     if pins.micro_batch is not None:
         dps = [d for d in divisors(n) if batch % d == 0 and (pins.dp is None or d == pins.dp)]
         if not any((batch // d) % pins.micro_batch == 0 for d in dps):
             valid = sorted({b for d in dps for b in divisors(batch // d)})
             raise ConfigError(f"micro_batch={pins.micro_batch} divides no per-replica batch of global_batch={batch}; "
                               f"valid micro_batch: {_listing(valid)}")
+
+
+def _check_context_and_expert_pins(pins: Pins, model: ModelSpec, train: TrainSpec, n: int) -> None:
+    cp, ep = pins.axis("cp"), pins.axis("ep")
+    if pins.context_parallel is not None and pins.context_parallel not in CONTEXT_KINDS:
+        raise ConfigError(f"context_parallel={pins.context_parallel!r} is not one of {', '.join(CONTEXT_KINDS)}")
+    if cp is not None and cp not in cp_degrees(model, train.seq_len, n):
+        problems = legality.sequence_problems(model, train.seq_len, 1, False, cp) or legality.context_problems(
+            model, Degrees(cp=cp), "all_gather")
+        why = problems[0].message if problems else f"cp={cp} does not divide {n} devices"
+        raise ConfigError(f"{why}; valid cp: {_listing(cp_degrees(model, train.seq_len, n))}")
+    if cp is not None and pins.context_parallel is not None:
+        tp = pins.tp or 1
+        problems = legality.context_problems(model, Degrees(cp=cp, tp=tp), pins.context_parallel)
+        if problems and model.num_heads % tp == 0:
+            raise legality.IllegalPlan(problems)
+    if ep is not None:
+        problems = legality.expert_problems(model, ep)
+        if problems:
+            raise legality.IllegalPlan(problems)
+        dps = [d for d in divisors(n) if train.global_batch % d == 0 and d % ep == 0
+               and (pins.dp is None or d == pins.dp)]
+        if not dps:
+            raise ConfigError(f"ep={ep} must divide dp (expert parallelism splits each data-parallel group), but no "
+                              f"dp dividing {n} devices and global_batch={train.global_batch}"
+                              f"{f' (pinned dp={pins.dp})' if pins.dp else ''} is a multiple of {ep}")
 
 
 def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cross_node: bool) -> str:
@@ -169,26 +228,44 @@ def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cr
 
 def degree_choices(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int
                    ) -> list[Degrees]:
-    """Every (dp, tp, pp) with dp·tp·pp = N that honours the pins and divides the batch."""
+    """Every (dp, cp, tp, pp) with dp·cp·tp·pp = N, and ep dividing dp, that honours the pins, divides the batch and
+    that plait.legality allows (context parallelism for this sequence, expert parallelism for these experts)."""
     out = []
+    cps = cp_degrees(model, train.seq_len, num_devices)
     for tp in tp_degrees(model, cluster, num_devices, pins.allow_cross_node_tp):
         for pp in pp_degrees(model, num_devices // tp):
-            dp = num_devices // (tp * pp)
-            if train.global_batch % dp:
-                continue
-            if any(pin is not None and pin != v for pin, v in ((pins.dp, dp), (pins.tp, tp), (pins.pp, pp))):
-                continue
-            if isinstance(pins.recompute, tuple) and len(pins.recompute) not in (1, pp):
-                continue
-            if cluster.mixed and any(g.num_devices % (dp * tp) for g in cluster.groups):
-                continue  # every pipeline rank's dp x tp devices must sit in one device group
-            out.append(Degrees(dp=dp, tp=tp, pp=pp))
+            for cp in cps:
+                if (num_devices // (tp * pp)) % cp:
+                    continue
+                dp = num_devices // (tp * pp * cp)
+                if train.global_batch % dp:
+                    continue
+                if any(pins.axis(a) is not None and pins.axis(a) != v for a, v in (("dp", dp), ("tp", tp), ("pp", pp),
+                                                                                   ("cp", cp))):
+                    continue
+                if isinstance(pins.recompute, tuple) and len(pins.recompute) not in (1, pp):
+                    continue
+                if cluster.mixed and any(g.num_devices % (dp * cp * tp) for g in cluster.groups):
+                    continue  # every pipeline rank's dp x cp x tp devices must sit in one device group
+                for ep in ep_degrees(model, dp):
+                    if pins.axis("ep") is None or pins.axis("ep") == ep:
+                        out.append(Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep))
     return out
+
+
+def family_key(layout) -> tuple:
+    """Everything of a layout but its micro-batch size (a family of layouts: the dichotomy solver bisects over b,
+    the exact one skips a family's larger b once a smaller one missed memory)."""
+    return (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups,
+            layout.context_parallel)
 
 
 def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int) -> Iterator[tuple[str, int]]:
     """(schedule, interleave) pairs the pins allow and plait.legality accepts: with one stage the schedule has
-    no effect (the pin, or 1f1b, is kept)."""
+    no effect (the pin, or 1f1b, is kept). The zero-bubble V schedules (ZB-V, DualPipeV: two stages per rank)
+    are priced by the schedule simulator like the others; under them plait keeps fully_shard's parameters
+    gathered through the schedule (plait.legality.data_parallel_mode: resharding between a micro-batch's
+    forward and its split backward gives wrong gradients, ../shared/reference/torch-on-cpu.md)."""
     m = num_micro_batches
     if pp == 1:
         if not legality.interleave_problems(pp, pins.interleave or 1):  # a pinned interleave needs a pipeline
@@ -204,6 +281,7 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     if pins.schedule in (None, "interleaved"):
         vs = [pins.interleave] if pins.interleave else range(2, min(MAX_INTERLEAVE, num_layers // pp) + 1)
         candidates += [("interleaved", v) for v in vs]
+    candidates += [(name, 2) for name in V_SCHEDULES if pins.schedule in (None, name)]
     for schedule, v in candidates:
         if pins.interleave is not None and v != pins.interleave:
             continue
@@ -224,6 +302,10 @@ class Space:
     num_layers: int
     groups: tuple[tuple[str, int], ...] = ()
     """A mixed cluster's (group name, devices) in rank order; () for a uniform cluster."""
+    model: ModelSpec | None = None
+    """The model, for the rules that depend on its shape and the sequence (None: cp = 1 and sequence parallelism
+    always allowed)."""
+    seq_len: int = 0
 
     def group_counts(self, d: Degrees) -> dict[str, int]:
         """Pipeline ranks each device group holds for these degrees (its devices over dp x cp x tp)."""
@@ -250,8 +332,7 @@ class Space:
         """Layouts of these degrees grouped by everything but the micro-batch size: (key, layouts by growing b)."""
         groups: dict[tuple, list] = {}
         for layout in self.layouts(d):
-            key = (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups)
-            groups.setdefault(key, []).append(layout)
+            groups.setdefault(family_key(layout), []).append(layout)
         yield from groups.items()
 
     def layouts(self, d: Degrees, orderings: list[tuple[str, ...]] | None = None, base=None) -> Iterator["Any"]:
@@ -273,18 +354,49 @@ class Space:
 
         pins = self.pins
         # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
-        # all-reduces and keeps less activation memory, so the cost model never prefers it off.
+        # all-reduces and keeps less activation memory, so the cost model never prefers it off (unless the
+        # sequence a context rank holds does not split over tp).
         sps = [False] if d.tp == 1 else ([pins.sequence_parallel] if pins.sequence_parallel is not None else [True])
         zeros = [pins.zero] if pins.zero is not None else distinct_zeros(d)
         per_replica = self.global_batch // d.dp
+        if self.model is not None and d.tp > 1 and pins.sequence_parallel is None and legality.sequence_problems(
+                self.model, self.seq_len, d.tp, True, d.cp):
+            sps = [False]
+        kinds = context_kinds(pins, self.model, d) if self.model is not None else ["all_gather"]
         for sp in sps:
             for b in divisors(per_replica):
                 if pins.micro_batch is not None and b != pins.micro_batch:
                     continue
+                if self._split_sequences_dominated(d, b):
+                    continue
                 m = per_replica // b
                 for zero in zeros:
                     for schedule, v in schedule_choices(pins, d.pp, m, self.num_layers):
-                        yield Layout(d, sp and d.tp > 1, zero, b, m, schedule, v)
+                        for kind in kinds:
+                            if kind == "all_to_all" and self._swap_dominated(d, b):
+                                continue
+                            yield Layout(d, sp and d.tp > 1, zero, b, m, schedule, v, context_parallel=kind)
+
+    def _split_sequences_dominated(self, d: Degrees, b: int) -> bool:
+        """Whether context parallelism over micro-batches of `b` sequences is never faster nor smaller than data
+        parallelism over the same ranks: where cp divides b, the layout with dp·cp replicas of b/cp sequences (in
+        the space unless the pins fix dp, cp or b) computes the same tokens per rank with the same weights sharded
+        over the same dp x cp ranks, the same micro-batches and attention FLOPs (the fused kernels either way; twice
+        them under "all_gather"), and no key/value exchange: it is priced no higher in time or memory. Context
+        parallelism pays where it splits what data parallelism cannot: fewer sequences per micro-batch than cp. On
+        the math attention path the sequence-long probabilities make no such promise."""
+        pins = self.pins
+        return (d.cp > 1 and b % d.cp == 0 and self.model is not None and self.model.attention == "fused"
+                and pins.dp is None and pins.axis("cp") is None and pins.micro_batch is None)
+
+    def _swap_dominated(self, d: Degrees, b: int) -> bool:
+        """The same for Ulysses' all-to-all over part of the sequence: with g = gcd(cp, b) > 1, cp/g context ranks
+        of b/g sequences under g times the data parallelism compute the same tokens and attention per rank and keep
+        the same per token, and swap less ((cp/g - 1)/(cp/g) of the same local bytes). (The all-gather kind keeps a
+        mask of s/cp x s per micro-batch, which a smaller cp makes larger: no such promise there.)"""
+        pins = self.pins
+        return (d.cp > 1 and math.gcd(d.cp, b) > 1 and self.model is not None and self.model.attention == "fused"
+                and pins.dp is None and pins.axis("cp") is None and pins.micro_batch is None)
 
     def all_layouts(self) -> list["Any"]:
         return [layout for d in self.degrees for layout in self.layouts(d)]

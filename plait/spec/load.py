@@ -5,8 +5,8 @@ Accepted model inputs:
 * a preset name from plait.spec.models.MODEL_PRESETS (``gpt3-175b``, ``llama3-8b``, ...);
 * a plait model file (YAML or JSON) holding ModelSpec fields, optionally ``preset: NAME`` to
   start from a preset and override some fields;
-* a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 -> arch "llama"; GPT-2 -> arch "gpt"),
-  read offline: no network, no weights.
+* a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 -> arch "llama"; GPT-2 -> arch "gpt"; the
+  mixture-of-experts Mixtral and Qwen3-MoE -> arch "llama" with experts), read offline: no network, no weights.
 
 Accepted cluster inputs: a preset name from plait.spec.clusters.CLUSTER_PRESETS, or a YAML/JSON
 file holding ClusterSpec fields (optionally ``preset: NAME`` plus overrides). Sizes may be plain
@@ -36,6 +36,10 @@ FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 # Hugging Face model types plait runs (plait.models.hf), and the class names that imply them.
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+HF_MOE_TYPES = ("mixtral", "qwen3_moe")
+"""Mixture-of-experts types: planned from their config, run as plait's reference MoE decoder of the same shape
+(plait.models.moe: top-k routing renormalized over the k, as both do) -- the Hugging Face adapter runs dense
+classes only."""
 HF_GPT_TYPES = ("gpt2",)
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -44,6 +48,8 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
     "GPT2LMHeadModel": "gpt2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -104,7 +110,12 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", w
     "hf:<dir>" the executor runs the Hugging Face class itself; "plait" runs plait's reference decoder of
     the same shape."""
     model_type = _hf_model_type(config, where)
-    fields = _llama_fields(config, where, model_type) if model_type in HF_LLAMA_TYPES else _gpt2_fields(config, where)
+    if model_type in HF_MOE_TYPES:
+        fields, source = _moe_fields(config, where, model_type), "plait"
+    elif model_type in HF_LLAMA_TYPES:
+        fields = _llama_fields(config, where, model_type)
+    else:
+        fields = _gpt2_fields(config, where)
     try:
         return ModelSpec(name=name, source=source, **fields)
     except (TypeError, ValueError) as e:
@@ -227,7 +238,7 @@ def _hf_model_type(config: Mapping[str, Any], where: str) -> str:
             if arch in HF_ARCHITECTURES:
                 model_type = HF_ARCHITECTURES[arch]
                 break
-    supported = HF_LLAMA_TYPES + HF_GPT_TYPES
+    supported = HF_LLAMA_TYPES + HF_GPT_TYPES + HF_MOE_TYPES
     if model_type not in supported:
         shown = model_type if model_type is not None else config.get("architectures")
         raise ConfigError(
@@ -272,6 +283,29 @@ def _llama_fields(config: Mapping[str, Any], where: str, model_type: str) -> dic
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         sliding_window=int(window) if window else None,
     )
+
+
+def _moe_fields(config: Mapping[str, Any], where: str, model_type: str) -> dict[str, Any]:
+    """Mixtral (num_local_experts, Mistral's attention) and Qwen3-MoE (num_experts, moe_intermediate_size, Qwen3's
+    q/k norms): every layer's MLP a set of experts without shared experts, top-k weights renormalized over the k."""
+    dense = {k: v for k, v in config.items() if k not in ("num_local_experts", "num_experts")}
+    fields = _llama_fields(dense, where, "mistral" if model_type == "mixtral" else "qwen3")
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        raise ConfigError(f"{where}: missing required key {'num_local_experts' if model_type == 'mixtral' else 'num_experts'!r} "
+                          f"for model_type {model_type!r}")
+    if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+        raise ConfigError(f"{where}: shared experts are not supported (plait's MoE routes every token to its top-k "
+                          f"experts only)")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{where}: dense layers between the MoE ones (mlp_only_layers / decoder_sparse_step) are not "
+                          f"supported: every layer of plait's MoE decoder has experts")
+    if config.get("norm_topk_prob") is False:
+        raise ConfigError(f"{where}: norm_topk_prob=false is not supported: plait's router renormalizes the top-k "
+                          f"weights (Mixtral's and Qwen3-MoE's default)")
+    return dict(fields, num_experts=int(experts), experts_per_token=int(_need(config, "num_experts_per_tok", where)),
+                moe_ffn_hidden_size=int(config.get("moe_intermediate_size") or fields["ffn_hidden_size"]),
+                moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.01)))
 
 
 def _gpt2_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:

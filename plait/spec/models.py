@@ -1,6 +1,6 @@
 """Model presets: the GPT family of Narayanan et al. (SC21), GPT-3 175B, the 22B model of
-Korthikanti et al., Llama-2/3, and tiny GPTs for local runs. Shapes from the papers and
-the models' published config.json files."""
+Korthikanti et al., Llama-2/3, Mixtral 8x7B (mixture of experts), and tiny models for local runs. Shapes
+from the papers and the models' published config.json files."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): Mistral 7B's attention, every MLP 8 experts of
+    # width 14336, each token to 2 of them (46.7B parameters, 12.9B active); run as plait's reference MoE
+    "mixtral-8x7b": _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6).replace(
+        num_experts=8, experts_per_token=2, moe_ffn_hidden_size=14336, moe_aux_loss_coef=0.02),
     # Local runs on CPU: byte-level vocabulary
     "tiny-gpt": _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=256, tied=False),
     "tiny-llama": _llama("tiny-llama", 4, 128, 4, 2, 256, 256, 256, 10000.0),

@@ -24,8 +24,12 @@ HF_DIR_ENV = "PLAIT_TEST_HF_DIR"
 
 
 def tiny_spec(arch: str, num_layers: int = 4) -> ModelSpec:
-    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64; gpt-tied: tied, vocab 67
+    """gpt: 4 heads (MHA); llama: 4 query heads over 2 kv heads (GQA), SwiGLU ffn 64; gpt-tied: tied, vocab 67;
+    moe: the llama with 4 experts of width 32, top-2 (plait.models.moe) in place of its MLP
     (a "-math" suffix on a case's model: the same spec on the unfused attention path)."""
+    if arch == "moe":
+        return tiny_spec("llama", num_layers).replace(name="tiny-moe-test", num_experts=4, experts_per_token=2,
+                                                      moe_ffn_hidden_size=32)
     tied = arch == "gpt-tied"
     arch = "gpt" if tied else arch
     return ModelSpec(name=f"tiny-{arch}-test", arch=arch, num_layers=num_layers, hidden_size=32, num_heads=4,
@@ -85,6 +89,12 @@ CASES: list[dict] = [
     _case("pp-1f1b-empty-first", "gpt", 2, pp=2, schedule="1f1b", layers_per_stage=[0, 4]),
     _case("tp-sp-math-selective", "llama-math", 2, tp=2, sequence_parallel=True, recompute=["selective"]),
     _case("hf-llama-math-selective", "hf:llama-math", 2, dp=2, zero=2, recompute=["selective"]),
+    _case("cp2-all-gather", "llama", 2, cp=2, context_parallel="all_gather"),
+    _case("cp2-all-to-all-selective", "gpt", 2, cp=2, context_parallel="all_to_all", recompute=["selective"]),
+    _case("ep2-dp2", "moe", 2, dp=2, ep=2, zero=2),
+    _case("hf-llama-cp2-all-to-all", "hf:llama", 2, cp=2, context_parallel="all_to_all"),
+    _case("pp2-zbv", "llama", 2, pp=2, schedule="zbv", interleave=2, num_micro_batches=4),
+    _case("pp2-dualpipev", "gpt", 2, pp=2, schedule="dualpipev", interleave=2, num_micro_batches=4),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
     _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------
@@ -98,6 +108,10 @@ CASES: list[dict] = [
     _case("dp4-zero3-full", "gpt", 4, dp=4, zero=3, recompute=["full"], num_micro_batches=1),
     _case("pp4-gpipe-uneven", "llama", 4, pp=4, schedule="gpipe", layers=6, layers_per_stage=[1, 2, 2, 1]),
     _case("tp4-sp", "gpt", 4, tp=4, sequence_parallel=True),
+    _case("cp2-dp2-fsdp", "llama", 4, dp=2, cp=2, zero=3, context_parallel="all_to_all"),
+    _case("cp2-tp2-sp", "llama", 4, cp=2, tp=2, sequence_parallel=True, context_parallel="all_gather"),
+    _case("ep4-dp4", "moe", 4, dp=4, ep=4, zero=1),
+    _case("ep2-dp2-pp2", "moe", 4, dp=2, ep=2, pp=2, zero=1, schedule="1f1b", num_micro_batches=2),
     # ---- 8 ranks: DP x TP x PP = 2 x 2 x 2 -------------------------------------------
     _case("2x2x2-sp-zero1-1f1b", "gpt", 8, dp=2, tp=2, pp=2, sequence_parallel=True, zero=1, schedule="1f1b"),
     _case("2x2x2-fsdp-interleaved-uneven", "llama", 8, dp=2, tp=2, pp=2, zero=3, schedule="interleaved",

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from equivalence_cases import CASES, CLIP  # noqa: E402
+from equivalence_cases import CASES, CLIP, make_plan  # noqa: E402
 
 from plait.execute.equivalence import Tolerance  # noqa: E402
+from plait.legality import data_parallel_mode  # noqa: E402
 
 pytestmark = pytest.mark.dist
 TOL = Tolerance()
@@ -57,8 +58,9 @@ def test_runs_the_planned_building_blocks(dist_results, case):
     assert runtime["load_roundtrip_max_diff"] == 0.0  # load_full_state_dict / full_state_dict are inverses
     dp, tp, pp, zero = (case.get(k, d) for k, d in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0)))
     interleave = case.get("interleave", 1)
-    if dp > 1:
-        sharded = zero >= 2 or tp > 1 or pp > 1  # DDP cannot run under a pipeline schedule
+    carrier = data_parallel_mode(make_plan(case).degrees, zero).carrier  # context ranks reduce like data ranks
+    if carrier != "none":
+        sharded = zero >= 2 or carrier == "fully_shard"  # DDP cannot run under a pipeline schedule
         expected = "fully_shard" if sharded else "DistributedDataParallel"
         assert expected in runtime["data_parallel"], runtime
         if zero == 1 and not sharded:
@@ -67,7 +69,8 @@ def test_runs_the_planned_building_blocks(dist_results, case):
         assert runtime["data_parallel"] == ["none"]
     if tp > 1:
         assert runtime["dtensor_params"] == runtime["params"] > 0
-    expected_schedule = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+    expected_schedule = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                         "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
     assert runtime["schedule"] == (expected_schedule[case.get("schedule", "1f1b")] if pp > 1 else None)
     assert len(runtime["stages"]) == interleave
     if pp > 1 and case["model"] in ("gpt-tied", "hf:gpt2", "hf:qwen2", "hf:gemma"):

@@ -100,7 +100,7 @@ def test_hugging_face_config_and_cluster_file(tmp_path):
     (["--devices", "0"], "'0'"),
     (["--global-batch", "-8"], "'-8'"),
     (["--tp", "3"], "3"),
-    (["--dp", "2", "--tp", "1", "--pp", "1"], "2"),
+    (["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1"], "2"),
 ])
 def test_bad_input_exits_2_naming_the_value(args, named):
     values = dict(zip(TINY[::2], TINY[1::2]))

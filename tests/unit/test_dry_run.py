@@ -30,7 +30,8 @@ def test_gpt3_175b_on_1024_a100_builds():
         reports = dry_run(plan, pp_ranks=[0, plan.pp - 1])
         assert [r.pp_rank for r in reports] == [0, plan.pp - 1]
         first, last = reports
-        assert 0 in first.stages and plan.num_stages - 1 in last.stages
+        on = {0: first, plan.pp - 1: last}[plan.rank_of_stage(plan.num_stages - 1)]  # a V ends on rank 0
+        assert 0 in first.stages and plan.num_stages - 1 in on.stages
         # tied embedding: the first stage's embedding and the last stage's output layer are kept in step
         assert first.collectives["pp all-reduce (tied embedding)"] == 1
         # shards: this rank holds 1/(tp·dp) of its stages' weights under ZeRO-3 ... or 1/tp when not sharded
@@ -61,3 +62,20 @@ def test_planner_plans_of_random_models_pass_the_dry_run(seed, devices):
         assert legality.plan_problems(plan, devices) == []
         for report in dry_run(plan):
             assert report.params > 0 and report.local_bytes <= report.full_bytes
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
+def test_context_and_tensor_parallel_plan_builds_and_traces(kind):
+    """cp x tp under sequence parallelism: every block's attention exchanges through its own core (one core shared
+    by every block broke CommDebugMode's module tracking), and the tensor-parallel trace still runs."""
+    from plait import Plan
+    from plait.spec.models import MODEL_PRESETS
+
+    plan = Plan.of(cp=2, tp=2, pp=2, sequence_parallel=True, context_parallel=kind, schedule="1f1b", micro_batch=1,
+                   num_micro_batches=2, model=MODEL_PRESETS["tiny-llama"],
+                   train=TrainSpec(global_batch=2, seq_len=64, precision="fp32"),
+                   cluster=CLUSTER_PRESETS["local-cpu"].with_devices(8))
+    reports = dry_run(plan)
+    assert [r.pp_rank for r in reports] == [0, 1]
+    for report in reports:
+        assert report.collectives["tp all-gather"] > 0 and report.collectives["pp send/recv"] > 0

@@ -20,7 +20,7 @@ def gpt3_1024():
 
 def test_gpt3_on_1024_a100_is_sensible(gpt3_1024):
     best = gpt3_1024.plans[0]
-    assert best.dp * best.tp * best.pp == 1024
+    assert best.num_devices == best.dp * best.cp * best.tp * best.pp == 1024
     assert best.pp > 1 and 1 < best.tp <= 8  # the model needs pipelining; tensor groups stay inside a node
     assert 0.3 < best.predicted.mfu < 0.6
     assert gpt3_1024.candidates_evaluated > 100 and gpt3_1024.seconds > 0
@@ -47,7 +47,7 @@ def test_pins_are_honoured():
     plans = plan("tiny-gpt", "local-cpu", TINY, num_devices=8, **pins)
     assert plans
     for p in plans:
-        assert (p.tp, p.pp, p.dp, p.zero, p.micro_batch, p.schedule) == (2, 2, 2, 1, 1, "1f1b")
+        assert (p.tp, p.pp, p.dp * p.cp, p.zero, p.micro_batch, p.schedule) == (2, 2, 2, 1, 1, "1f1b")
         assert p.recompute == ("selective", "selective") and p.sequence_parallel
 
 
