@@ -306,7 +306,12 @@ def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, f
         lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
                      setting.dtype_bytes)
-    return lc, ends, setting.cluster.host.pipeline_overhead_s if layout.pp > 1 else 0.0
+    if layout.pp == 1:
+        return lc, ends, 0.0
+    # host time per schedule action: forward and backward (2 a micro-batch); the V schedules split the backward
+    # into input and weight gradients (3), and stage_times charges two passes
+    actions = 3 if layout.schedule in V_SCHEDULES else 2
+    return lc, ends, setting.cluster.host.pipeline_overhead_s * actions / 2
 
 
 def lent_cores_factor(cluster, layout: Layout, st: StageTimes, pipe: float, p2p: float) -> float:

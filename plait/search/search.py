@@ -26,7 +26,7 @@ from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import Plan
 from plait.search.pricing import EXACT_SHORTLIST, OutOfTime, Pricer
 from plait.search.solvers import SOLVER_NAMES, choose_solver, get_solver
-from plait.search.space import Pins, Space, check_pins, degree_choices, divisors
+from plait.search.space import Pins, Space, check_pins, degree_choices, divisors, searched_v_schedules
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.load import load_cluster, load_model
 
@@ -89,7 +89,8 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     if not degrees:
         raise ConfigError(_no_layout_message(model, train, n))
     groups = tuple((g.name, g.num_devices) for g in cluster.groups) if cluster.mixed else ()
-    space = Space(pins, degrees, train.global_batch, model.num_layers, groups, model, train.seq_len)
+    space = Space(pins, degrees, train.global_batch, model.num_layers, groups, model, train.seq_len,
+                  v_schedules=searched_v_schedules(cluster))
     solver = choose_solver(space) if solver == "auto" else solver
     if time_limit_s is not None:
         pricer.deadline = start + time_limit_s

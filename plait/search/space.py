@@ -260,7 +260,8 @@ def family_key(layout) -> tuple:
             layout.context_parallel)
 
 
-def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int) -> Iterator[tuple[str, int]]:
+def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int,
+                     v_schedules: bool = True) -> Iterator[tuple[str, int]]:
     """(schedule, interleave) pairs the pins allow and plait.legality accepts: with one stage the schedule has
     no effect (the pin, or 1f1b, is kept). The zero-bubble V schedules (ZB-V, DualPipeV: two stages per rank)
     are priced by the schedule simulator like the others; under them plait keeps fully_shard's parameters
@@ -281,13 +282,21 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     if pins.schedule in (None, "interleaved"):
         vs = [pins.interleave] if pins.interleave else range(2, min(MAX_INTERLEAVE, num_layers // pp) + 1)
         candidates += [("interleaved", v) for v in vs]
-    candidates += [(name, 2) for name in V_SCHEDULES if pins.schedule in (None, name)]
+    candidates += [(name, 2) for name in V_SCHEDULES if pins.schedule == name or (pins.schedule is None and v_schedules)]
     for schedule, v in candidates:
         if pins.interleave is not None and v != pins.interleave:
             continue
         if legality.schedule_problems(schedule, pp, m, v) or legality.stage_problems(num_layers, pp, v):
             continue
         yield schedule, v
+
+
+def searched_v_schedules(cluster: ClusterSpec) -> bool:
+    """Whether the zero-bubble V schedules are searched unpinned on `cluster`: on GPUs, where the ZB paper measured
+    them, yes; on CPU processes no. There torch's ZB-V and DualPipeV left 25-48% of the step outside their
+    compute actions, against 1F1B's 17-27% at the same micro-batch count (benchmarks/pipeline_bubble.py), which the
+    simulator's near-zero bubble does not see; a plan may still pin them (--schedule zbv)."""
+    return cluster.device_type != "cpu"
 
 
 @dataclass(frozen=True)
@@ -306,6 +315,8 @@ class Space:
     """The model, for the rules that depend on its shape and the sequence (None: cp = 1 and sequence parallelism
     always allowed)."""
     seq_len: int = 0
+    v_schedules: bool = True
+    """Search the V schedules unpinned (`searched_v_schedules`); pinned, they are always tried."""
 
     def group_counts(self, d: Degrees) -> dict[str, int]:
         """Pipeline ranks each device group holds for these degrees (its devices over dp x cp x tp)."""
@@ -371,7 +382,7 @@ class Space:
                     continue
                 m = per_replica // b
                 for zero in zeros:
-                    for schedule, v in schedule_choices(pins, d.pp, m, self.num_layers):
+                    for schedule, v in schedule_choices(pins, d.pp, m, self.num_layers, self.v_schedules):
                         for kind in kinds:
                             if kind == "all_to_all" and self._swap_dominated(d, b):
                                 continue

@@ -94,8 +94,18 @@ def start_agents(config: Path, nnodes: str, *, fault: str | None = None) -> list
                "--rdzv-conf", RDZV_CONF, "--max-restarts", "1", "-m", "plait", "train", str(config)]
     logs = [open(config.with_suffix(f".agent{n}.log"), "w") for n in range(2)]
     try:
-        return [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                for log in logs]
+        agents = [subprocess.Popen(command, env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]
+        # agent 0 hosts the rendezvous store (the first to bind the endpoint does): the tests kill agent 1, as a
+        # lost machine that did not host the job's store; a job whose store host dies cannot go on
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and agents[0].poll() is None:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        agents.append(subprocess.Popen(command, env=env, stdout=logs[1], stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+        return agents
     finally:
         for log in logs:
             log.close()

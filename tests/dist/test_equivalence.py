@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "custom"))  # the module:factory model, planned here
 from equivalence_cases import CASES, CLIP, make_plan  # noqa: E402
 
 from plait.execute.equivalence import Tolerance  # noqa: E402

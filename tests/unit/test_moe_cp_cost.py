@@ -292,13 +292,21 @@ def test_pins_fix_context_and_expert_parallelism():
 def test_every_searched_plan_is_legal_and_the_space_holds_the_new_dimensions():
     from plait import legality
 
-    train = TrainSpec(global_batch=8, seq_len=64)
-    result = plan_with_stats("tiny-moe", "local-cpu", train, num_devices=8)
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    train = TrainSpec(global_batch=8, seq_len=64, precision="fp32")
+    gpus = CLUSTER_PRESETS["local-cpu"].replace(name="local-gpu", device_type="cuda", backend="nccl")
+    result = plan_with_stats("tiny-moe", gpus, train, num_devices=8)
     seen = {(p.cp > 1, p.ep > 1, p.schedule) for p in result.plans}
     assert any(cp for cp, _, _ in seen) and any(ep for _, ep, _ in seen)
     assert {"zbv", "dualpipev"} <= {schedule for _, _, schedule in seen}
     for p in result.plans:
         legality.check(p, 8)
+    # on CPU processes the V schedules are searched only when pinned (plait.search.space.searched_v_schedules)
+    cpu = plan_with_stats("tiny-moe", "local-cpu", train, num_devices=8).plans
+    assert not {p.schedule for p in cpu} & {"zbv", "dualpipev"}
+    pinned = plan_with_stats("tiny-moe", "local-cpu", train, num_devices=8, schedule="zbv").plans
+    assert pinned and {p.schedule for p in pinned} == {"zbv"}
 
 
 @pytest.mark.parametrize("model,cluster,devices,batch,seq", [
