@@ -16,7 +16,10 @@ the layouts it chooses; they differ only in which, and in what order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
+
+from plait.axes import Degrees
 
 from plait.search.pricing import Pricer
 from plait.search.space import Space, family_key
@@ -60,14 +63,26 @@ class DichotomySolver:
     name = "dichotomy"
 
     def solve(self, space: Space, pricer: Pricer) -> None:
-        families = [family for d in space.degrees for _, family in space.families(d)]
-        bounds = [min(pricer.lower_bound(layout) for layout in family) for family in families]
+        # families of base layouts (no device groups placed): their bound holds for every placement, and the
+        # placements are generated one at a time (a mixed cluster has too many to hold: 24 GB were not enough)
+        families: list[tuple[Degrees, list]] = []
+        for d in space.degrees:
+            grouped: dict[tuple, list] = {}
+            for layout in space.base_layouts(d):
+                grouped.setdefault(family_key(layout), []).append(layout)
+            families += [(d, family) for family in grouped.values()]
+        bounds = [min(pricer.lower_bound(layout) for layout in family) for _, family in families]
         order = sorted(range(len(families)), key=bounds.__getitem__)
         for position, i in enumerate(order):  # best-first by the family's lower bound, like exact
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
-                pricer.pruned += sum(len(families[j]) for j in order[position:])
+                pricer.pruned += sum(len(families[j][1]) * space.count_orderings(families[j][0])
+                                     for j in order[position:])
                 return
-            self._bisect(families[i], pricer)
+            d, family = families[i]
+            for ordering in space.iter_orderings(d):
+                placed = [dataclasses.replace(layout, stage_groups=ordering) for layout in family] if ordering \
+                    else family
+                self._bisect(placed, pricer)
 
     @staticmethod
     def _bisect(family: list, pricer: Pricer) -> None:

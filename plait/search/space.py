@@ -339,13 +339,6 @@ class Space:
             total //= math.factorial(c)
         return total
 
-    def families(self, d: Degrees) -> Iterator[tuple[tuple, list["Any"]]]:
-        """Layouts of these degrees grouped by everything but the micro-batch size: (key, layouts by growing b)."""
-        groups: dict[tuple, list] = {}
-        for layout in self.layouts(d):
-            groups.setdefault(family_key(layout), []).append(layout)
-        yield from groups.items()
-
     def layouts(self, d: Degrees, orderings: list[tuple[str, ...]] | None = None, base=None) -> Iterator["Any"]:
         """Every layout of these degrees: sequence parallel x micro-batch x ZeRO x schedule (x the device-group
         `orderings`, default all of them, generated lazily), smaller b first; only `base`'s when given."""
