@@ -105,6 +105,15 @@ def test_a_time_limit_returns_the_best_so_far_and_says_it_is_incomplete():
         assert cut.plans[0].predicted.step_time_s >= full.plans[0].predicted.step_time_s * (1 - 1e-9)
 
 
+def test_dichotomy_places_device_groups_one_at_a_time_on_a_large_mixed_cluster():
+    """A 32+32 cluster has far too many placements to hold (listing them filled 24 GB and the OOM killer stopped
+    the process): dichotomy generates them one by one, so a short time limit returns plans, said incomplete."""
+    result = plan_with_stats("gpt-7.5b", _mixed(32, 32), _train(256, 2048), top=3, solver="dichotomy",
+                             time_limit_s=2.0)
+    assert result.plans and not result.complete
+    assert all(plan.stage_groups or plan.pp == 1 for plan in result.plans)
+
+
 # ---- the space -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("counts", [{"a": 2, "b": 2}, {"a": 3, "b": 1, "c": 2}, {"a": 4}])
 def test_orderings_are_every_distinct_assignment_of_groups_to_pipeline_ranks(counts):
