@@ -155,12 +155,10 @@ def main() -> int:
         return 0
     from plait.launch import run_local
 
-    os.environ.pop("PLAIT_THROTTLE", None)
-    # the blind plan has no device groups: the throttle then comes from PLAIT_THROTTLE, on the slow group's ranks
-    args = parse_args()
     if args.nproc < 2 or args.nproc % 2:
         print(f"--nproc {args.nproc}: give an even number >= 2 (half fast, half slow)", file=sys.stderr)
         return 2
+    # the blind plan has no device groups: the throttle then comes from PLAIT_THROTTLE, on the slow group's ranks
     slow = ",".join(str(r) for r in range(args.nproc // 2, args.nproc))
     os.environ["PLAIT_THROTTLE"] = f"rank={slow}:factor={args.factor:g}"
     return run_local(args.nproc, [os.path.abspath(__file__), "--worker", *sys.argv[1:]], module=None)
