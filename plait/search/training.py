@@ -182,21 +182,30 @@ def train(seed: int = 0, problems: int = 60, epochs: int = 40, samples: int = 16
     mean, std = stacked.mean(0), stacked.std(0) + 1e-6
     mean[-1], std[-1] = 0.0, 1.0  # the bias feature stays 1
     net = Network(len(LAYOUT_FEATURES), seed)
+    return keep_best(net, data, mean, std, seed, epochs, "layout",
+                     lambda item, rng: contrastive_step(net, item, mean, std, rng, samples, temperature),
+                     lambda weights: proposal_gap(weights, validation), ("", "weights"), log)
+
+
+def keep_best(net: Network, data: list, mean: np.ndarray, std: np.ndarray, seed: int, epochs: int, prefix: str,
+              step, gaps_of, names: tuple[str, str], log) -> dict[str, np.ndarray]:
+    """Train `net` for `epochs` seeded passes over `data` (`step(item, rng)` returns an item's loss) and return the
+    weights (`prefix`_* arrays, with the features' mean and std) of the epoch whose validation gaps (`gaps_of`)
+    are least: their 90th percentile, then their median. `names`: how the log calls an epoch and what it keeps."""
     rng = np.random.default_rng(seed)
     best, best_key = None, (math.inf, math.inf)
     for epoch in range(epochs):
-        losses = [contrastive_step(net, data[i], mean, std, rng, samples, temperature)
-                  for i in rng.permutation(len(data))]
-        weights = {f"layout_{k}": v.copy() for k, v in net.params.items()}
-        weights.update(layout_mean=mean, layout_std=std)
-        gaps = proposal_gap(weights, validation)
+        losses = [step(data[i], rng) for i in rng.permutation(len(data))]
+        weights = {f"{prefix}_{k}": v.copy() for k, v in net.params.items()}
+        weights.update({f"{prefix}_mean": mean, f"{prefix}_std": std})
+        gaps = gaps_of(weights)
         key = (float(np.quantile(gaps, 0.9)), float(np.median(gaps)))
         if key < best_key:
             best, best_key = weights, key
         if epoch % 10 == 0 or epoch == epochs - 1:
-            log(f"epoch {epoch + 1}/{epochs}: contrastive loss {np.mean(losses):.3f}, validation gap median "
-                f"{key[1]:.2%}, 90th percentile {key[0]:.2%}")
-    log(f"kept the weights of validation gap 90th percentile {best_key[0]:.2%}, median {best_key[1]:.2%}")
+            log(f"{names[0]}epoch {epoch + 1}/{epochs}: contrastive loss {np.mean(losses):.3f}, validation gap "
+                f"median {key[1]:.2%}, 90th percentile {key[0]:.2%}")
+    log(f"kept the {names[1]} of validation gap 90th percentile {best_key[0]:.2%}, median {best_key[1]:.2%}")
     return best
 
 
@@ -342,18 +351,6 @@ def train_groups(seed: int = 0, problems: int = 40, epochs: int = 30, samples: i
     mean, std = stacked.mean(0), stacked.std(0) + 1e-6
     mean[-1], std[-1] = 0.0, 1.0
     net = Network(len(GROUP_FEATURES), seed)
-    rng = np.random.default_rng(seed)
-    best, best_key = None, (math.inf, math.inf)
-    for epoch in range(epochs):
-        losses = [sequence_step(net, data[i], mean, std, rng, samples) for i in rng.permutation(len(data))]
-        weights = {f"group_{k}": v.copy() for k, v in net.params.items()}
-        weights.update(group_mean=mean, group_std=std)
-        gaps = ordering_gap(weights, validation)
-        key = (float(np.quantile(gaps, 0.9)), float(np.median(gaps)))
-        if key < best_key:
-            best, best_key = weights, key
-        if epoch % 10 == 0 or epoch == epochs - 1:
-            log(f"groups epoch {epoch + 1}/{epochs}: contrastive loss {np.mean(losses):.3f}, validation gap median "
-                f"{key[1]:.2%}, 90th percentile {key[0]:.2%}")
-    log(f"kept the group policy of validation gap 90th percentile {best_key[0]:.2%}, median {best_key[1]:.2%}")
-    return best
+    return keep_best(net, data, mean, std, seed, epochs, "group",
+                     lambda item, rng: sequence_step(net, item, mean, std, rng, samples),
+                     lambda weights: ordering_gap(weights, validation), ("groups ", "group policy"), log)
