@@ -11,10 +11,9 @@ tests/bad_input_world.py; benchmarks/bad_input.py prints the counts per kind.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 from hypothesis import assume, given
@@ -25,19 +24,11 @@ from plait.errors import PlaitError
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bad_input_world import (  # noqa: E402
     CKPT, CKPT_DIGEST, CLUSTER, MODEL, ROOT, SETTINGS, base_config, expect_config_error, expect_loader_error,
-    plan_dict, record, to_toml, tree_digest, write_report,
+    plan_dict, record, to_toml, tree_digest,
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _inside_root() -> Iterator[None]:
-    """Mutated configs that happen to be valid name relative log dirs: keep them inside ROOT; report at the end."""
-    previous = os.getcwd()
-    os.chdir(ROOT)
-    yield
-    os.chdir(previous)
-    write_report()
-    assert tree_digest(CKPT) == CKPT_DIGEST
+pytestmark = pytest.mark.usefixtures("bad_input_root")  # tests/unit/conftest.py
 
 
 def expect_cli_error(kind: str, config_text: str) -> None:

@@ -14,7 +14,7 @@ import shutil
 import string
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 from hypothesis import assume, given
@@ -22,22 +22,15 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bad_input_world import (  # noqa: E402
-    CKPT, CKPT_DIGEST, CLUSTER, MODEL, ROOT, SETTINGS, UNWRITABLE, base_config, expect_cli_error,
-    expect_config_error, fake_checkpoint, plan_dict, to_toml, tree_digest, write_report,
+    CLUSTER, MODEL, ROOT, SETTINGS, UNWRITABLE, base_config, expect_cli_error, expect_config_error,
+    fake_checkpoint, plan_dict, to_toml, tree_digest,
 )
 
 PLAN = str(ROOT / "plan.json")
 A_FILE = ROOT / "a-file"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _inside_root() -> Iterator[None]:
-    previous = os.getcwd()
-    os.chdir(ROOT)
-    yield
-    os.chdir(previous)
-    write_report()
-    assert tree_digest(CKPT) == CKPT_DIGEST
+pytestmark = pytest.mark.usefixtures("bad_input_root")  # tests/unit/conftest.py
 
 
 def _valid_train_config() -> str:

@@ -1,0 +1,23 @@
+"""Fixtures shared by several unit-test modules."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bad_input_root() -> Iterator[None]:
+    """A module of the bad-input world (tests/bad_input_world.py, on the path its modules set) runs inside ROOT:
+    mutated configs that happen to be valid name relative log dirs. Then the report is written and the checkpoint
+    directory must be byte for byte as it was."""
+    from bad_input_world import CKPT, CKPT_DIGEST, ROOT, tree_digest, write_report
+
+    previous = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(previous)
+    write_report()
+    assert tree_digest(CKPT) == CKPT_DIGEST
