@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from plait.cost import predict
     from plait.execute import batch_for_step, dp_shard, parallelize
-    from plait.launch import init_distributed
+    from plait.launch import init_distributed, shutdown_distributed
 
     rank, _ = init_distributed("gloo")
     chosen = plans(args)
@@ -122,7 +122,8 @@ def worker(args: argparse.Namespace) -> None:
         times[name] = tensor.tolist()
     if rank == 0:
         report(args, {name: (plan, predict(plan).step_time_s) for name, plan in chosen.items()}, times)
-    dist.destroy_process_group()
+    dist.barrier()
+    shutdown_distributed()
 
 
 def report(args: argparse.Namespace, priced: dict[str, tuple], times: dict[str, list[float]]) -> None:

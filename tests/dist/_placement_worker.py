@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from plait.execute import parallelize
 from plait.execute.mesh import pipeline_position
-from plait.launch import init_distributed
+from plait.launch import init_distributed, shutdown_distributed
 from plait.profile.tune import read_plans
 
 plan_file, out = sys.argv[1], sys.argv[2]
@@ -22,4 +22,5 @@ dist.all_gather_object(everyone, mine)
 if rank == 0:
     with open(out, "w") as f:
         json.dump(everyone, f)
-dist.destroy_process_group()
+dist.barrier()
+shutdown_distributed()
