@@ -37,7 +37,7 @@ def write(path: Path, text: str) -> Path:
 def tuned(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tune")
     cluster = write(folder / "cluster.yaml", render_cluster_yaml(PROFILED, ["written by the test"]))
-    result = plait_tune("--cluster", str(cluster), "--nproc", "2", "--top", "2", "--steps", "2", "--warmup", "1",
+    result = plait_tune("--cluster", str(cluster), "--nproc", "2", "--top", "2", "--steps", "3", "--warmup", "1",
                         "--global-batch", "4", "--seq-len", "64", "--out", str(folder / "tuned.yaml"),
                         "--plot", str(folder / "tuned.png"))
     assert result.returncode == 0, result.stderr[-3000:]
