@@ -122,7 +122,6 @@ def worker(args: argparse.Namespace) -> None:
         times[name] = tensor.tolist()
     if rank == 0:
         report(args, {name: (plan, predict(plan).step_time_s) for name, plan in chosen.items()}, times)
-    dist.barrier()
     shutdown_distributed()
 
 

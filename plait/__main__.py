@@ -1,5 +1,9 @@
 import sys
 
 from plait.cli import main
+from plait.launch import exit_rank, in_torchrun
 
-sys.exit(main())
+code = main()
+if in_torchrun():
+    exit_rank(code)  # a rank ends once its work is written, not in the interpreter's teardown
+sys.exit(code)

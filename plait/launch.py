@@ -20,6 +20,7 @@ KeyboardInterrupt, which the CLI prints as one line with exit code 130.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -255,14 +256,42 @@ def _record_uncaught_failures() -> None:
     sys.excepthook = hook
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(together: bool = True) -> None:
+    """Destroy the process group (and the meshes built on it). `together`: first wait for every rank at a barrier,
+    so no rank closes its connections while another still reads from them (under load gloo then aborts a rank
+    with "terminate called without an active exception"); pass False when this rank failed, as the others may
+    be gone."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
     from plait.execute.mesh import forget_meshes
 
     forget_meshes()
+
+
+@contextlib.contextmanager
+def ending_together():
+    """End the process group when the block ends: with every rank when it ended normally, at once when it raised."""
+    try:
+        yield
+    except BaseException:
+        shutdown_distributed(together=False)
+        raise
+    shutdown_distributed()
+
+
+def exit_rank(code: int) -> None:
+    """End a rank's process with `code` once its output is flushed, skipping the interpreter's teardown: the
+    process group's C++ threads can outlive it and abort the process after the work is done and written."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def threads_per_rank(nproc: int) -> int:

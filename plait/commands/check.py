@@ -153,15 +153,13 @@ def _worker_argv(args: argparse.Namespace, result_file: Path) -> list[str]:
 
 def _worker(args: argparse.Namespace) -> int:
     from plait.execute.equivalence import CheckSettings, check_plan
-    from plait.launch import init_distributed, shutdown_distributed
+    from plait.launch import ending_together, init_distributed
 
     plan = _load(args)
     init_distributed(timeout_s=args.timeout)
     settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype)
-    try:
+    with ending_together():
         result = check_plan(plan, settings)
-    finally:
-        shutdown_distributed()
     if result is None:
         return 0
     payload = {**result.to_dict(), "failures": result.failures(_tolerance(args))}

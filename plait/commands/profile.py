@@ -62,18 +62,17 @@ def _worker(args: argparse.Namespace, out: Path) -> int:
     """One rank of the profile: measure with every other rank; rank 0 fits and writes the file."""
     import torch.distributed as dist
 
+    from plait.launch import ending_together
     from plait.profile.runner import ProfileOptions
 
     _init_distributed(args.timeout)
-    try:
+    with ending_together():
         if dist.get_rank() == 0:
             profile_and_write(ProfileOptions(quick=args.quick), out, name=args.name, samples=args.samples)
         else:
             from plait.profile.runner import run_profile
 
             run_profile(ProfileOptions(quick=args.quick))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

@@ -179,21 +179,17 @@ def _time_on_local_ranks(plans: list[Any], args: argparse.Namespace, nproc: int)
 
 def _torchrun_main(args: argparse.Namespace, out: Path, plot: Path) -> int:
     """Every rank plans (the search is deterministic), all time the plans together, rank 0 reports."""
-    import torch.distributed as dist
-
-    from plait.launch import init_distributed
+    from plait.launch import ending_together, init_distributed
     from plait.profile.tune import TimingOptions, time_plans
 
     rank, world = init_distributed(timeout_s=_timeout(args, args.top))
-    try:
+    with ending_together():
         cluster = resolve_cluster(args.cluster, world)
         plans = candidate_plans(args, cluster, world)
         options = TimingOptions(steps=args.steps, warmup=args.warmup, batch=_round_robin(cluster))
         results = time_plans(plans, options)
         if rank == 0:
             report_and_write(plans, results, cluster, out, plot)
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

@@ -205,21 +205,19 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="JSON file rank 0 writes the peaks to")
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
-
-    from plait.launch import init_distributed
+    from plait.launch import ending_together, init_distributed
     from plait.profile.tune import read_plans
 
     rank, _ = init_distributed()
-    try:
+    with ending_together():
         results = measure_all(read_plans(args.plans), progress=True)
         if rank == 0:
             rows = [[asdict(r) for r in per_plan] for per_plan in results]
             Path(args.results).write_text(json.dumps({"results": rows}, indent=1))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    from plait.launch import exit_rank
+
+    exit_rank(worker_main())

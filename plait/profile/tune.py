@@ -243,19 +243,15 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
-
-    from plait.launch import init_distributed
+    from plait.launch import ending_together, init_distributed
 
     rank, _ = init_distributed(timeout_s=args.timeout)
     plans = read_plans(args.plans)
-    try:
+    with ending_together():
         results = time_plans(plans, TimingOptions(steps=args.steps, warmup=args.warmup, batch=args.batch),
                              progress=_printer(len(plans)) if rank == 0 else None)
         if rank == 0:
             write_results(results, args.results)
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
@@ -266,4 +262,6 @@ def _printer(total: int) -> Callable[[int, Plan], None]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    from plait.launch import exit_rank
+
+    exit_rank(worker_main())

@@ -60,7 +60,7 @@ def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
 
 def run(config: Config) -> RunResult:
     """Train as one rank of the plan's world (the process group is started here if needed)."""
-    from plait.launch import init_distributed, restart_round
+    from plait.launch import ending_together, init_distributed, restart_round
 
     check_outputs(config)  # under a bare torchrun no launcher has checked them
     world = int(os.environ["WORLD_SIZE"])
@@ -68,11 +68,8 @@ def run(config: Config) -> RunResult:
     init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
     if config.plan.file == "auto" and dist.get_rank() == 0 and (restart_round() or config.plan.devices not in (None, world)):
         print(f"plait: this round has {world} ranks: planned {plan.describe()} for them", file=sys.stderr, flush=True)
-    try:
+    with ending_together():
         return _train(config, plan)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _device(plan: Plan) -> torch.device:

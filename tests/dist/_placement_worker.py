@@ -22,5 +22,4 @@ dist.all_gather_object(everyone, mine)
 if rank == 0:
     with open(out, "w") as f:
         json.dump(everyone, f)
-dist.barrier()
 shutdown_distributed()
