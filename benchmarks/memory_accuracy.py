@@ -1,6 +1,6 @@
 """Predicted against measured peak memory per rank, by part, over a grid of plans.
 
-    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick]
+    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick] [--match mem-moe]
 
 Every plan of the grid (data parallelism on DDP and ZeRO-1, fully_shard ZeRO-2 and ZeRO-3, tensor parallelism
 with and without sequence parallelism, pipelines under GPipe, 1F1B and interleaved 1F1B, each recompute mode,
@@ -41,10 +41,13 @@ PART_COLUMNS = ("params", "grads", "optimizer", "activations", "temporaries", "b
 
 def model(arch: str, attention: str = "fused") -> ModelSpec:
     """Small decoders whose activations, states and logits all matter: 4 blocks of width 128, a byte vocabulary;
-    Llama-style with grouped-query attention (2 kv heads of 4), or GPT-style (LayerNorm, GeLU, biases)."""
-    return ModelSpec(name=f"mem-{arch}" + ("-math" if attention == "math" else ""), arch=arch, num_layers=4,
-                     hidden_size=128, num_heads=4, num_kv_heads=2 if arch == "llama" else None, ffn_hidden_size=256,
-                     vocab_size=256, max_seq_len=4096, attention=attention)
+    Llama-style with grouped-query attention (2 kv heads of 4), or GPT-style (LayerNorm, GeLU, biases); "moe": the
+    Llama with 4 experts of width 128, top-2, in place of its MLP."""
+    experts = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_size=128) if arch == "moe" else {}
+    base = "llama" if arch == "moe" else arch
+    return ModelSpec(name=f"mem-{arch}" + ("-math" if attention == "math" else ""), arch=base, num_layers=4,
+                     hidden_size=128, num_heads=4, num_kv_heads=2 if base == "llama" else None, ffn_hidden_size=256,
+                     vocab_size=256, max_seq_len=4096, attention=attention, **experts)
 
 
 def make_plan(nproc: int, arch: str = "llama", seq: int = 128, attention: str = "fused", precision: str = "fp32",
@@ -100,7 +103,11 @@ def grid(nproc: int, quick: bool = False) -> list[Plan]:
                 make_plan(4, dp=2, tp=2, sequence_parallel=True, zero=3, recompute=("selective",)),
                 make_plan(4, dp=2, pp=2, schedule="1f1b", num_micro_batches=4, zero=1),
                 make_plan(4, tp=2, sequence_parallel=True, pp=2, schedule="interleaved", interleave=2,
-                          num_micro_batches=4, recompute=("full",))][: 2 if quick else 4]
+                          num_micro_batches=4, recompute=("full",)),
+                # experts: sharded over their two copies (ep2 x edp2) under ZeRO-3 and ZeRO-2, whole under ep4
+                make_plan(4, arch="moe", dp=4, ep=2, zero=3),
+                make_plan(4, arch="moe", dp=4, ep=2, zero=2),
+                make_plan(4, arch="moe", dp=4, ep=4, zero=1)][: 2 if quick else 7]
     raise SystemExit(f"--nproc {nproc}: the grid has plans for 1, 2 and 4 ranks")
 
 
@@ -171,6 +178,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="world sizes to run the grid on")
     parser.add_argument("--json", help="write every row (predicted and measured parts) to this file")
     parser.add_argument("--quick", action="store_true", help="a few plans per world size (a smoke test)")
+    parser.add_argument("--match", default="", help="only the plans whose model name contains this (e.g. mem-moe)")
     parser.add_argument("--cuda-single", action="store_true",
                         help="one GPU: the single-rank plans in bf16 with fused attention, measured by max_memory_allocated")
     args = parser.parse_args()
@@ -178,7 +186,7 @@ def main() -> None:
     rows: list[dict] = []
     sizes = [1] if args.cuda_single else args.nproc
     for nproc in sizes:
-        plans = grid(nproc, args.quick)
+        plans = [plan for plan in grid(nproc, args.quick) if args.match in plan.model.name]
         if args.cuda_single:
             plans = [make_plan(1, precision="bf16", device="h100-80g", recompute=p.recompute, micro_batch=p.micro_batch,
                                seq=p.train.seq_len) for p in plans]

@@ -83,6 +83,13 @@ def data_parallel_mode(degrees: Degrees, zero: int) -> DataParallelMode:
     return DataParallelMode("fully_shard", reshard, 2 if zero == 3 and pipelined else zero)
 
 
+def expert_shards(degrees: Degrees, mode: DataParallelMode) -> int:
+    """Ranks the data-parallel carrier shards each expert over: on fully_shard, the ranks holding copies of the
+    same experts, edp x cp (edp = dp / ep; torchtitan's FSDP over "dp_mod_ep"); elsewhere none (1). Only experts
+    that expert or tensor parallelism splits are apart from the dense weights (plait/execute/data.py)."""
+    return degrees.dp // degrees.ep * degrees.cp if mode.carrier == "fully_shard" else 1
+
+
 # ---- rules ---------------------------------------------------------------------------------------
 def _divisors(value: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(value, limit) + 1) if value % d == 0)

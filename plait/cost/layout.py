@@ -11,7 +11,7 @@ from functools import cached_property
 
 from plait.axes import ALL_AXES, Degrees
 from plait.cost.compute import Slicing
-from plait.legality import DataParallelMode, data_parallel_mode
+from plait.legality import DataParallelMode, data_parallel_mode, expert_shards
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 
@@ -74,6 +74,11 @@ class Layout:
         """Ranks the dense weights' gradients are reduced (and, on fully_shard, sharded) over: dp, and cp, whose
         ranks hold other tokens of the same sequences (the executor's "dp_cp" mesh)."""
         return self.degrees.dp * self.degrees.cp
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks each expert's weights are sharded over (plait.legality.expert_shards)."""
+        return expert_shards(self.degrees, self.dp_mode)
 
     @cached_property
     def dp_mode(self) -> DataParallelMode:

@@ -20,9 +20,9 @@ Parts, named as PyTorch's memory tracker names them (benchmarks/memory_accuracy.
   they are not resharded after forward, or of the root and one block where they are (ZeRO-3). Gradients
   persist through a step of several micro-batches (accumulated; fully_shard accumulates them unsharded,
   in fp32, until the last micro-batch). Experts that expert or tensor parallelism splits (DTensors on
-  the ("ep", "tp") mesh, kept out of fully_shard: plait/execute/expert.py) are held whole on every
-  data-parallel rank of their expert: E/ep experts per layer, 1/tp of their width, fp32 parameters,
-  gradients and moments (`expert_params`);
+  the ("ep", "tp") mesh: plait/execute/expert.py), E/ep experts per layer at 1/tp of their width
+  (`expert_params`), are fully_shard units of their own over the ranks holding copies of them, edp x cp
+  (`expert_state_bytes`); with one copy they are held whole: fp32 parameters, gradients and moments;
 * activations: per block per micro-batch in flight (GPipe m; 1F1B min(m, p - r); interleaved Megatron's
   warm-up count), the embedding's token ids and the head's saved tensors;
 * temporaries: the loss's gradients, a block's backward, fully_shard's all-gather and reduce-scatter
@@ -73,9 +73,10 @@ def layer_params(model: ModelSpec, tp: int, ep: int = 1) -> float:
 
 
 def expert_params(model: ModelSpec, tp: int, ep: int) -> float:
-    """Parameters of one layer's experts this device holds apart from the data-parallel carrier: E/ep experts at
-    1/tp of their width, where expert or tensor parallelism makes them DTensors (plait/execute/expert.py); 0 where
-    they are plain parameters the carrier shards like the rest (ep = tp = 1) or the model has no experts."""
+    """Parameters of one layer's experts this device holds apart from the dense weights: E/ep experts at 1/tp of
+    their width, where expert or tensor parallelism makes them DTensors (plait/execute/expert.py) that the carrier
+    shards over their own copies (`expert_state_bytes`); 0 where they are plain parameters the carrier shards like
+    the rest (ep = tp = 1) or the model has no experts."""
     if not model.num_experts or model.blocks or (ep == 1 and tp == 1):
         return 0.0
     return model.num_experts * expert_weights(model) / tp / ep
@@ -138,21 +139,33 @@ def optimizer_shards(layout: Layout) -> int:
     return 1
 
 
-EXPERT_STATE_BYTES = {"params": FP32_BYTES, "optimizer": ADAM_STATE_BYTES, "grads": FP32_BYTES}
-"""Bytes per expert parameter held apart from the carrier: fp32 parameter, AdamW's two moments, the fp32 gradient
-(from the first backward to the step), none sharded over the expert's data-parallel copies."""
-
-
 def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
-    mode, d, c = layout.dp_mode, layout.shard_degree, setting.dtype_bytes
+    """Bytes per dense parameter the carrier holds (module docstring)."""
+    mode = layout.dp_mode
     if mode.carrier == "fully_shard":
-        gathered = 0.0 if mode.reshard_after_forward else c
-        return StateBytes(params=FP32_BYTES / d + gathered, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
-                          buckets=0.0,
-                          accumulated_grads=FP32_BYTES, step_grads=FP32_BYTES / d,
-                          gathered_units=mode.reshard_after_forward)
+        return _sharded_state_bytes(setting, layout, layout.shard_degree)
     return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
                       buckets=FP32_BYTES if mode.carrier == "ddp" else 0.0, accumulated_grads=FP32_BYTES,
+                      step_grads=FP32_BYTES, gathered_units=False)
+
+
+def _sharded_state_bytes(setting: Setting, layout: Layout, shards: int) -> StateBytes:
+    """fully_shard's bytes per parameter sharded over `shards` ranks: fp32 shards of the parameter, its moments and
+    its gradient at the step; the gathered compute-dtype copy where not resharded after forward; the gradient
+    accumulated unsharded in fp32 between micro-batches."""
+    mode = layout.dp_mode
+    gathered = 0.0 if mode.reshard_after_forward else setting.dtype_bytes
+    return StateBytes(params=FP32_BYTES / shards + gathered, optimizer=ADAM_STATE_BYTES / shards, buckets=0.0,
+                      accumulated_grads=FP32_BYTES, step_grads=FP32_BYTES / shards,
+                      gathered_units=mode.reshard_after_forward)
+
+
+def expert_state_bytes(setting: Setting, layout: Layout) -> StateBytes:
+    """Bytes per expert parameter (of `expert_params`): fully_shard's over the expert's copies (Layout.expert_shards,
+    plait/execute/data.py), or, with one copy, whole: fp32 parameter, AdamW's two moments, the fp32 gradient."""
+    if layout.expert_shards > 1:
+        return _sharded_state_bytes(setting, layout, layout.expert_shards)
+    return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES, buckets=0.0, accumulated_grads=FP32_BYTES,
                       step_grads=FP32_BYTES, gathered_units=False)
 
 
@@ -259,6 +272,7 @@ class LayoutMemory:
         model, tp, sp, pp = setting.model, layout.tp, layout.sp, layout.pp
         self.setting, self.layout = setting, layout
         self.dtypes, self.states = plan_dtypes(setting, layout), state_bytes(setting, layout)
+        self.expert_states = expert_state_bytes(setting, layout)
         self.tokens = layout.micro_batch * setting.seq_len / layout.cp
         self.n_expert = expert_params(model, tp, layout.ep)
         self.n_layer = layer_params(model, tp, layout.ep) - self.n_expert  # what the carrier holds of a layer
@@ -271,7 +285,7 @@ class LayoutMemory:
         self.ends = self.first * first_stage_params(model, tp) + self.head_params
         self.zeros = np.zeros(pp)
         base, self.per_layer = (({k: v + self.zeros for k, v in d.items()}) for d in _held(
-            setting, layout, self.states, self.ends, self.n_layer, self.n_expert))
+            setting, layout, self.states, self.expert_states, self.ends, self.n_layer, self.n_expert))
         buffers, self.kept_inputs = _pipeline_buffers(setting, layout, self.first, self.last, self.flight, self.dtypes)
         base["buffers"] = base["buffers"] + buffers
         self.base = base
@@ -282,9 +296,11 @@ class LayoutMemory:
             1 - self.first) if pp > 1 else self.zeros
         self._moments: dict[str, tuple[list, list]] = {}
 
-    def layer_grads(self, grads):
-        """A layer's gradients when the carrier's hold `grads` bytes per parameter (experts: fp32 once created)."""
-        return grads * self.n_layer + EXPERT_STATE_BYTES["grads"] * self.n_expert * (np.asarray(grads) > 0)
+    def layer_grads(self, which: str) -> float:
+        """A layer's gradient bytes, dense and experts: `which` "accumulated" (between micro-batches) or "step" (at
+        the optimizer step)."""
+        return (getattr(self.states, f"{which}_grads") * self.n_layer
+                + getattr(self.expert_states, f"{which}_grads") * self.n_expert)
 
     def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
         """(each moment's (fixed, per-layer) parts as arrays over the ranks, where each moment exists)."""
@@ -294,7 +310,9 @@ class LayoutMemory:
         model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
         cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
         act = {x: activation_bytes(model, b, s, tp, sp, x, self.dtypes, cp, kind, ep) for x in ("none", mode)}
-        # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input
+        # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
+        # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
+        # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
         gather, scatter = ((setting.dtype_bytes * self.n_layer, FP32_BYTES * self.n_layer)
                            if states.gathered_units else (0.0, 0.0))
         # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
@@ -310,24 +328,25 @@ class LayoutMemory:
         # micro-batches' gradients are there; not where every forward comes first (GPipe, one micro-batch, a short
         # 1F1B)
 
-        def line(micro_batches, grads, grads_fixed, acts_fixed, temporaries) -> tuple[dict, dict]:
+        def line(micro_batches, which, held, grads_fixed, acts_fixed, temporaries) -> tuple[dict, dict]:
+            """`which` gradients ("accumulated" or "step") where `held`."""
             fixed = {**base, "activations": micro_batches * (ids + head) + acts_fixed,
-                     "grads": grads * ends + grads_fixed, "temporaries": temporaries + zeros}
+                     "grads": held * getattr(states, f"{which}_grads") * ends + grads_fixed,
+                     "temporaries": temporaries + zeros}
             return fixed, {**self.per_layer, "activations": micro_batches * act[mode] + zeros,
-                           "grads": self.layer_grads(grads) + zeros}
+                           "grads": held * self.layer_grads(which) + zeros}
 
-        accumulated = np.where(steady, states.accumulated_grads, 0.0)
-        lines = [line(self.flight, accumulated, 0.0, 0.0, gather + self.loss),                      # the loss
-                 line(self.flight, accumulated, np.where(steady, 0.0, states.step_grads * self.head_params),
+        lines = [line(self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss),           # the loss
+                 line(self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.head_params),
                       -released, backward),
-                 line(zeros, states.step_grads, 0.0, 0.0, 0.0)]                                   # optimizer step
+                 line(zeros, "step", 1.0, 0.0, 0.0, 0.0)]                                           # optimizer step
         present = [np.ones(len(zeros), dtype=bool)] * 3
         if m > 1:  # the last micro-batch's backward: every micro-batch's gradients, its own activations (GPipe
             # waits on its gradient sends when the step ends: the m - 1 sent before stay held); not where steady
-            lines.append(line(1.0 + zeros, states.accumulated_grads + zeros, 0.0, -released, backward + self.sent))
+            lines.append(line(1.0 + zeros, "accumulated", 1.0, 0.0, -released, backward + self.sent))
             present.append(~steady)
         if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
-            step_grads = self.layer_grads(states.step_grads) + zeros
+            step_grads = self.layer_grads("step") + zeros
             lines.append(({**base, "activations": ids + act[mode], "temporaries": backward + zeros,
                            "grads": states.step_grads * self.head_params - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
@@ -384,17 +403,20 @@ def held_states(setting: Setting, layout: Layout, rank: int) -> tuple[dict[str, 
     ends = (first_stage_params(model, tp) if first else 0.0) + (
         last_stage_params(model, tp, shares_embedding_rank=first) if last else 0.0)
     n_expert = expert_params(model, tp, ep)
-    return _held(setting, layout, state_bytes(setting, layout), ends, layer_params(model, tp, ep) - n_expert, n_expert)
+    return _held(setting, layout, state_bytes(setting, layout), expert_state_bytes(setting, layout), ends,
+                 layer_params(model, tp, ep) - n_expert, n_expert)
 
 
-def _held(setting: Setting, layout: Layout, states: StateBytes, ends, n_layer: float, n_expert: float
-          ) -> tuple[dict, dict]:
+def _held(setting: Setting, layout: Layout, states: StateBytes, experts: StateBytes, ends, n_layer: float,
+          n_expert: float) -> tuple[dict, dict]:
     """held_states' parts for `ends` parameters of the embedding and head (a number, or an array over ranks)."""
-    held = {"params": states.params, "optimizer": states.optimizer, "buffers": states.buckets}
-    base = {k: v * ends for k, v in held.items()}
-    per_layer = {k: v * n_layer + EXPERT_STATE_BYTES.get(k, 0.0) * n_expert for k, v in held.items()}
-    if states.gathered_units:  # ZeRO-3: the root unit and one block gathered
-        base["params"] += setting.dtype_bytes * (ends + n_layer)
+    def held(s: StateBytes) -> dict[str, float]:
+        return {"params": s.params, "optimizer": s.optimizer, "buffers": s.buckets}
+
+    base = {k: v * ends for k, v in held(states).items()}
+    per_layer = {k: v * n_layer + held(experts)[k] * n_expert for k, v in held(states).items()}
+    if states.gathered_units:  # ZeRO-3: the root unit and one block (with its experts' unit) gathered
+        base["params"] += setting.dtype_bytes * (ends + n_layer + (n_expert if experts.gathered_units else 0.0))
     base["reserve"] = RESERVE_FRACTION * setting.cluster.memory_bytes
     return base, per_layer
 

@@ -141,16 +141,15 @@ def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, b
                units: int = 1, experts: float = 0.0) -> float:
     """Data-parallel communication of one rank that compute does not hide (see module docstring).
     `units`: the FSDP units (layers + the root) the rank's parameters are sharded in; `experts`: the rank's expert
-    parameters held apart from the carrier (of `params`), all-reduced over their copies after the backward."""
+    parameters (of `params`), sharded in units of their own over their copies (one per layer)."""
     if layout.shard_degree == 1:
         return 0.0
-    total, exposed = _dp_comm(setting, layout, params - experts, fwd_mb, bwd_mb, units)
-    expert_sync = comm.all_reduce(experts * FP32_BYTES, comm.axis_group(layout.degrees, "edp_cp"), setting.cluster)
+    total, exposed = _dp_comm(setting, layout, params - experts, fwd_mb, bwd_mb, units, experts)
     if setting.cluster.device_type == "cpu":
         # CPU ranks have no spare engine to overlap with: gloo runs collectives on the cores the
         # ranks compute on (one thread per core), so every second of communication adds to the step.
-        return total + expert_sync
-    return exposed + OVERLAP_SLOWDOWN * (total - exposed) + expert_sync
+        return total
+    return exposed + OVERLAP_SLOWDOWN * (total - exposed)
 
 
 def dtensor_step_overhead(setting: Setting, layout: Layout, layers: int, first: bool, last: bool) -> float:
@@ -180,7 +179,7 @@ def on_fully_shard(layout: Layout) -> bool:
 
 
 def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
-             units: int = 1) -> tuple[float, float]:
+             units: int = 1, experts: float = 0.0) -> tuple[float, float]:
     """(all data-parallel communication of the step, the part not under compute), as plait's executor runs it.
 
     DDP all-reduces the gradients once per step, after the last micro-batch's backward, bucket by bucket;
@@ -188,29 +187,43 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     fully_shard gathers each unit's parameters once per step and reduce-scatters its gradients once, after
     the last micro-batch (ZeRO-3 without a pipeline instead re-gathers every unit for each micro-batch's
     forward and backward). Its `units` calls each pay the ring's latency again: negligible on NVLink,
-    milliseconds between busy CPU processes.
+    milliseconds between busy CPU processes. The `experts` (split by expert or tensor parallelism) are units of
+    their own, one per layer, over their copies ("edp_cp", Layout.expert_shards), on the same stream: their
+    gathers and reduce-scatters add to the dense ones'.
 
     Gradients travel in fp32 on every carrier: DDP's are the fp32 parameters' (16-bit runs autocast), and
     fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
     gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
-    cluster, group = setting.cluster, comm.axis_group(layout.degrees, "dp_cp")
-    grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
-    m = layout.num_micro_batches
+    cluster, m = setting.cluster, layout.num_micro_batches
     if layout.dp_mode.carrier == "ddp":
+        group, grad_bytes = comm.axis_group(layout.degrees, "dp_cp"), params * FP32_BYTES
         full = comm.all_reduce(grad_bytes, group, cluster)
         last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
         sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
         return full + sync, max(full - bwd_mb, last) + sync
-    calls = (units - 1) * (layout.shard_degree - 1)
-    gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
-    scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
-    unit_gather = comm.all_gather(param_bytes / units, group, cluster)
-    unit_scatter = comm.reduce_scatter(grad_bytes / units, group, cluster)
+    volumes = _fsdp_volumes(setting, layout, params, "dp_cp", layout.shard_degree, units)
+    if experts and layout.expert_shards > 1:
+        volumes = [a + b for a, b in zip(volumes, _fsdp_volumes(setting, layout, experts, "edp_cp",
+                                                                  layout.expert_shards, max(units - 1, 1)))]
+    gather, scatter, unit_gather, unit_scatter = volumes
     scatter_exposed = max(scatter - bwd_mb, unit_scatter)
     if layout.dp_mode.reshard_after_forward:
         exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
         return 2 * m * gather + scatter, exposed
     return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed
+
+
+def _fsdp_volumes(setting: Setting, layout: Layout, params: float, axis: str, shards: int, units: int
+                  ) -> tuple[float, float, float, float]:
+    """fully_shard's seconds for `params` in `units` units over the `shards` ranks of mesh axis `axis`: all its
+    all-gathers and reduce-scatters of a step (once each), and one unit's of each."""
+    cluster, group = setting.cluster, comm.axis_group(layout.degrees, axis)
+    grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
+    calls = (units - 1) * (shards - 1)
+    gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
+    scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
+    return (gather, scatter, comm.all_gather(param_bytes / units, group, cluster),
+            comm.reduce_scatter(grad_bytes / units, group, cluster))
 
 
 def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
@@ -275,7 +288,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
             params = rank_params(s_r, layout, r, key[5])
             experts = key[5] * expert_params(s_r.model, layout.tp, layout.ep)
             seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1, experts=experts),
-                         optimizer_time(s_r.cluster, (params - experts) / optimizer_shards(layout) + experts)
+                         optimizer_time(s_r.cluster, (params - experts) / optimizer_shards(layout)
+                                        + experts / layout.expert_shards)
                          + dtensor_step_overhead(s_r, layout, n, first, last)
                          + s_r.cluster.host.step_overhead_s)
         tail.append(seen[key][0])

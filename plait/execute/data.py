@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,27 +40,47 @@ def unshardable(stage: nn.Module) -> set[nn.Parameter]:
     place). They stay whole on every dp rank; ReplicatedGradients averages their gradients."""
     from plait.execute.state import clean_name
 
-    experts = getattr(stage, "expert_params", set())
+    experts = getattr(stage, "expert_params", set())  # their own units (apply_fsdp)
     return {p for name, p in stage.named_parameters() if isinstance(p, DTensor) and clean_name(name) not in experts
             and any(isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
 
 
 def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
-               mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+               mp_policy: MixedPrecisionPolicy | None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """fully_shard every block, then the stage root, over `dp_mesh`. Experts split by expert or tensor parallelism
+    (plait/execute/expert.py) are their own units over `expert_mesh`, the ranks holding copies of the same experts
+    (torchtitan's FSDP over "dp_mod_ep"): sharded along their hidden width, the one dimension expert and tensor
+    parallelism leave whole, and their reduce-scatter divided by all of `dp_mesh`, whose every rank's tokens each
+    copy has seen. Where `expert_mesh` has one rank they stay out (ReplicatedGradients divides them)."""
     from plait.execute.state import clean_name
 
     ignored = unshardable(stage)
     # names, not objects: to_empty replaces the parameter objects
     stage.dp_replicated = {clean_name(name) for name, p in stage.named_parameters() if p in ignored}
-    experts = getattr(stage, "expert_params", set())
-    ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}  # their own reduction
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": ignored or None}
+    kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    experts = getattr(stage, "expert_params", set())
+    stage.experts_replicated = set()
+    if experts and expert_mesh is not None and expert_mesh.size() > 1:
+        for module in stage.expert_modules:
+            fully_shard(module, mesh=expert_mesh, shard_placement_fn=_hidden_width(module), **kwargs)
+            module.set_gradient_divide_factor(float(dp_mesh.size()))
+            # a sum, then the division: the factor would otherwise ride on PREMUL_SUM, which gloo does not have
+            module.set_force_sum_reduction_for_comms(True)
+    elif experts:
+        stage.experts_replicated = set(experts)
+        ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}
     for block in stage.stage_blocks().values():
-        fully_shard(block, **kwargs)
-    fully_shard(stage, **kwargs)
+        fully_shard(block, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+    fully_shard(stage, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     return stage
+
+
+def _hidden_width(experts: nn.Module):
+    """fully_shard's placement for each expert weight: along its width h (plait.models.moe.Experts.HIDDEN_DIM)."""
+    dims = {id(param): experts.HIDDEN_DIM[name] for name, param in experts.named_parameters(recurse=False)}
+    return lambda param: Shard(dims[id(param)])
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -70,11 +90,12 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def apply_fully_shard(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode,
-                      mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                      mp_policy: MixedPrecisionPolicy | None = None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard one meta stage for data parallelism when its mode rides on fully_shard (before materializing)."""
     if mode.carrier != "fully_shard" or dp_mesh.size() == 1 or not any(True for _ in stage.parameters()):
         return stage
-    return apply_fsdp(stage, dp_mesh, reshard_after_forward=mode.reshard_after_forward, mp_policy=mp_policy)
+    return apply_fsdp(stage, dp_mesh, reshard_after_forward=mode.reshard_after_forward, mp_policy=mp_policy,
+                      expert_mesh=expert_mesh)
 
 
 def apply_ddp_if(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode) -> nn.Module:

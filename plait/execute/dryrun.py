@@ -109,7 +109,7 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
 
     from plait.execute.context import apply_cp
     from plait.execute.expert import apply_experts
-    from plait.execute.mesh import build_mesh, forget_meshes
+    from plait.execute.mesh import build_mesh, data_mesh, forget_meshes
     from plait.execute.data import apply_fully_shard
     from plait.execute.parallelize import default_dtype
     from plait.execute.pipeline import split_model
@@ -142,7 +142,7 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
             report = StageReport(pp_rank=pp_rank, rank=rank, stages=stage_ids,
                                  blocks=[i for part in parts for i in part.block_ids])
             report.collectives.update(_trace_tensor_parallel(plan, parts, pp_rank))
-            parts = [apply_fully_shard(part, mesh["dp"], plan.dp_mode) for part in parts]
+            parts = [apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, expert_mesh=mesh["edp_cp"]) for part in parts]
             for part in parts:
                 for name, param in plain_named_parameters(part):
                     local = param.to_local() if hasattr(param, "to_local") else param

@@ -10,10 +10,12 @@ parallel group (DeepSpeed-MoE's and Megatron's layout: ep divides dp), tokens ex
 * Under tensor parallelism each tensor rank holds 1/tp of every expert's width: Megatron's f operator before
   the experts (identity forward; all-reduce of the input gradient) and g after (all-reduce, or reduce-scatter
   along the sequence under sequence parallelism).
-* Gradients: an expert's copies live on the ranks of "edp" (the data-parallel ranks outside its ep group) and
-  "cp"; each copy already sums the tokens of its whole ep group, so plait all-reduces them over edp x cp and
-  divides by all dp x cp ranks -- what fully_shard does for the dense weights, which leaves the experts alone
-  (ReplicatedGradients in tied.py). Experts are not sharded further over edp (no ZeRO for experts).
+* Data parallelism: an expert's copies live on the ranks of "edp" (the data-parallel ranks outside its ep group)
+  and "cp". Where the plan's data parallelism rides on fully_shard, each MoE layer's experts are a unit of their
+  own over edp x cp (torchtitan's "dp_mod_ep"; Megatron's distributed optimizer shards expert state the same
+  way), sharded along their hidden width with the plan's ZeRO stage; each copy already sums the tokens of its
+  whole ep group, so their reduce-scatter divides by all dp x cp ranks (plait/execute/data.py). Where edp x cp
+  is one rank they stay whole and their gradients are divided the same way (ReplicatedGradients in tied.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class ExpertParallelDispatch:
         self.mesh = ep_mesh
 
     def __call__(self, experts: Experts, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if routed.is_meta:  # tracing shapes (plait check --dry-run): as many tokens come back as go out
+            return experts(routed, [])
         ep = self.mesh.size()
         local = counts.numel() // ep
         send = counts.reshape(ep, local)  # [destination rank, its expert]: slots this rank sends
@@ -76,7 +80,7 @@ def _reduce_from_tensor_ranks(tp_mesh: DeviceMesh, layout: Placement):
 def apply_experts(stage: nn.Module, meshes, *, sequence_parallel: bool) -> None:
     """Split every MoE layer of a Stage over ep and tp, as the module docstring says (on meta, before FSDP)."""
     ep, tp, cp = meshes["ep"].size(), meshes["tp"].size(), meshes["cp"].size()
-    names = set()
+    names, modules = set(), []
     for block_name, block in stage.stage_blocks().items():
         for path, moe in stage.adapter.moe_modules(block):
             if cp > 1:
@@ -91,9 +95,10 @@ def apply_experts(stage: nn.Module, meshes, *, sequence_parallel: bool) -> None:
                 shard = distribute_tensor(param, mesh, [Shard(0), Shard(inner)])
                 moe.experts.register_parameter(weight, nn.Parameter(shard, requires_grad=param.requires_grad))
                 names.add(f"{stage.adapter.blocks_path}.{block_name}.{path}.experts.{weight}")
+            modules.append(moe.experts)
             if ep > 1:
                 moe.dispatch = ExpertParallelDispatch(meshes["ep"])
             if tp > 1:
                 moe.enter = _copy_to_tensor_ranks(meshes["tp"])
                 moe.leave = _reduce_from_tensor_ranks(meshes["tp"], Shard(1) if sequence_parallel else Replicate())
-    stage.expert_params = names
+    stage.expert_params, stage.expert_modules = names, modules

@@ -126,7 +126,7 @@ class ParallelModel:
         self.autocast = None if any(isinstance(p, FSDPModule) for p in model_parts) else mixed_precision
         self.tied = TiedGradients(model_parts, adapter.tied, mesh, plan)
         self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
-                           ReplicatedGradients(model_parts, "expert_params", mesh["edp_cp"], data_mesh(mesh).size())]
+                           ReplicatedGradients(model_parts, "experts_replicated", mesh["edp_cp"], data_mesh(mesh).size())]
         self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())
         self.schedule = None
         if plan.pp > 1:
@@ -380,7 +380,7 @@ def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: 
         apply_experts(part, mesh, sequence_parallel=plan.sequence_parallel)
     apply_ac(part, plan.recompute[pp_rank])
     policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
-    return apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, policy)
+    return apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, policy, expert_mesh=mesh["edp_cp"])
 
 
 def _materialize(part: nn.Module, adapter: ModelAdapter, plan: Plan, seed: int, device: torch.device,

@@ -60,6 +60,10 @@ class _AllReduce(torch.autograd.Function):
 class Experts(nn.Module):
     """num_experts MLPs as stacked weights: w1, w3 [E, f, h] and w2 [E, h, f] (gated), or w1, w2 (GeLU)."""
 
+    HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+    """Each weight's dimension of width h: the one expert parallelism (E) and tensor parallelism (f) leave whole,
+    along which data parallelism shards the experts (plait/execute/data.py)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         e, h, f = spec.num_experts, spec.hidden_size, spec.moe_ffn_hidden_size
@@ -126,7 +130,8 @@ class MoE(nn.Module):
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
         token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # on meta (plait check --dry-run traces shapes) there are no counts: the experts spread the tokens evenly
+        counts = flat.new_empty(self.num_experts) if flat.is_meta else torch.bincount(flat, minlength=self.num_experts)
         if self.enter is not None:  # tensor parallelism: the experts' outputs are partial sums over tp, so the
             tokens_in, weights = self.enter(tokens), self.enter(weights)  # gradients of what meets them are too
         else:

@@ -112,6 +112,9 @@ CASES: list[dict] = [
     _case("cp2-tp2-sp", "llama", 4, cp=2, tp=2, sequence_parallel=True, context_parallel="all_gather"),
     _case("ep4-dp4", "moe", 4, dp=4, ep=4, zero=1),
     _case("ep2-dp2-pp2", "moe", 4, dp=2, ep=2, pp=2, zero=1, schedule="1f1b", num_micro_batches=2),
+    # experts sharded over their copies (edp = dp / ep = 2) by fully_shard, as the dense weights over dp
+    _case("ep2-edp2-zero3", "moe", 4, dp=4, ep=2, zero=3),
+    _case("moe-tp2-edp2-zero2-sp", "moe", 4, dp=2, tp=2, zero=2, sequence_parallel=True),
     # ---- 8 ranks: DP x TP x PP = 2 x 2 x 2 -------------------------------------------
     _case("2x2x2-sp-zero1-1f1b", "gpt", 8, dp=2, tp=2, pp=2, sequence_parallel=True, zero=1, schedule="1f1b"),
     _case("2x2x2-fsdp-interleaved-uneven", "llama", 8, dp=2, tp=2, pp=2, zero=3, schedule="interleaved",

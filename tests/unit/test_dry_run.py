@@ -79,3 +79,26 @@ def test_context_and_tensor_parallel_plan_builds_and_traces(kind):
     assert [r.pp_rank for r in reports] == [0, 1]
     for report in reports:
         assert report.collectives["tp all-gather"] > 0 and report.collectives["pp send/recv"] > 0
+
+
+@pytest.mark.parametrize("zero, ep, tp, sharded", [(3, 2, 1, True), (2, 1, 2, True), (1, 4, 1, True),
+                                                   (3, 4, 2, False)])
+def test_experts_are_sharded_over_their_copies(zero, ep, tp, sharded):
+    """Under fully_shard, each MoE layer's experts are a unit over the ranks holding copies of the same experts
+    (edp = dp / ep), sharded along their hidden width h: E/ep experts, f/tp of their inner width, h/edp. With one
+    copy (ep = dp) they stay whole on their rank."""
+    from plait import Plan
+    from plait.spec.models import MODEL_PRESETS
+
+    model = MODEL_PRESETS["tiny-moe"]
+    dp = 8 // tp
+    plan = Plan.of(dp=dp, ep=ep, tp=tp, zero=zero, sequence_parallel=tp > 1, micro_batch=1, num_micro_batches=1,
+                   model=model, train=TrainSpec(global_batch=dp, seq_len=64, precision="fp32"),
+                   cluster=CLUSTER_PRESETS["local-cpu"].with_devices(8))
+    edp = dp // ep
+    e, f, h = model.num_experts, model.moe_ffn_hidden_size, model.hidden_size
+    experts = {name: local for report in dry_run(plan) for name, _, local, _ in report.shards if ".experts." in name}
+    assert experts and len(experts) % 3 == 0
+    for name, local in experts.items():
+        inner = (e // ep, f // tp, h // edp if sharded else h)
+        assert local == (inner if name.endswith(("w1", "w3")) else (e // ep, inner[2], inner[1])), name

@@ -213,6 +213,19 @@ def test_expert_parallelism_holds_fewer_experts_and_pays_for_the_dispatch():
     assert sum(split.step_time_parts.values()) == pytest.approx(split.step_time_s)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_experts_shard_over_their_copies_as_the_dense_weights_over_dp(zero):
+    """Under fully_shard every parameter is sharded over the dp ranks that hold it: the dense weights over all 64,
+    an ep8 model's experts (1/8 of them per rank) over their 8 copies -- so ep8 x edp8 holds the same optimizer
+    bytes as dp64 alone, fewer parameter bytes (it gathers 1/8 of the experts), and its gradient reduction moves
+    1/8 of the experts' bytes."""
+    plain, split = (predict(_moe_plan(dp=64, pp=1, zero=zero, schedule="1f1b", cluster=H100.with_devices(64), ep=ep,
+                                      num_micro_batches=1)) for ep in (1, 8))
+    assert split.memory_parts["optimizer"] == pytest.approx(plain.memory_parts["optimizer"], rel=1e-9)
+    assert split.memory_parts["params"] < plain.memory_parts["params"]
+    assert split.step_time_parts["dp_comm"] < plain.step_time_parts["dp_comm"]
+
+
 def test_context_parallel_plan_splits_the_sequence_memory():
     model, train = MODEL_PRESETS["llama3-8b"], TrainSpec(global_batch=4, seq_len=32768)
     two, eight = (predict(Plan.of(dp=8 // cp, cp=cp, zero=3, micro_batch=1, num_micro_batches=cp // 2,
