@@ -413,8 +413,9 @@ def _held(setting: Setting, layout: Layout, states: StateBytes, experts: StateBy
     def held(s: StateBytes) -> dict[str, float]:
         return {"params": s.params, "optimizer": s.optimizer, "buffers": s.buckets}
 
-    base = {k: v * ends for k, v in held(states).items()}
-    per_layer = {k: v * n_layer + held(experts)[k] * n_expert for k, v in held(states).items()}
+    dense, expert = held(states), held(experts)
+    base = {k: v * ends for k, v in dense.items()}
+    per_layer = {k: v * n_layer + expert[k] * n_expert for k, v in dense.items()}
     if states.gathered_units:  # ZeRO-3: the root unit and one block (with its experts' unit) gathered
         base["params"] += setting.dtype_bytes * (ends + n_layer + (n_expert if experts.gathered_units else 0.0))
     base["reserve"] = RESERVE_FRACTION * setting.cluster.memory_bytes
