@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plait.train.config import toml_text
+
 NPROC = 4
 SLOW_RANK = 3
 MODEL = {"name": "adapt-gpt", "arch": "gpt", "num_layers": 8, "hidden_size": 128, "num_heads": 4,
@@ -50,25 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def write_config(root: Path, name: str, args: argparse.Namespace) -> Path:
     (root / "model.json").write_text(json.dumps(MODEL))
     config = root / f"{name}.toml"
-    config.write_text(f"""
-[model]
-file = "{root / 'model.json'}"
-[train]
-steps = {args.steps}
-global_batch = 16
-seq_len = 64
-seed = 3
-[optimizer]
-warmup = 3
-[plan]
-file = "auto"
-cluster = "{args.cluster}"
-devices = {NPROC}
-[log]
-dir = "{root / name}"
-progress = false
-every = 1000
-""")
+    config.write_text(toml_text({
+        "model": {"file": str(root / "model.json")},
+        "train": {"steps": args.steps, "global_batch": 16, "seq_len": 64, "seed": 3},
+        "optimizer": {"warmup": 3},
+        "plan": {"file": "auto", "cluster": args.cluster, "devices": NPROC},
+        "log": {"dir": str(root / name), "progress": False, "every": 1000}}))
     return config
 
 

@@ -282,8 +282,13 @@ def parse_value(text: str) -> Any:
 # ---- writing --------------------------------------------------------------------------
 def dump_toml(config: Config) -> str:
     """The config as TOML that `load_config` reads back (None values are left out: they are defaults)."""
+    return toml_text(config.to_dict())
+
+
+def toml_text(sections: dict[str, dict[str, Any]]) -> str:
+    """Tables of key -> value as a TOML config file (None values are left out: they are defaults)."""
     lines: list[str] = []
-    for section, table in config.to_dict().items():
+    for section, table in sections.items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {_toml(value)}" for key, value in table.items() if value is not None]
         lines.append("")
@@ -300,5 +305,6 @@ def _toml(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
+        # keys quoted: a tp_plan's module names hold dots and stars
+        return "{" + ", ".join(f"{_toml(str(k))} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
     raise ConfigError(f"cannot write {value!r} as TOML")

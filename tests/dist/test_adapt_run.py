@@ -23,6 +23,9 @@ from typing import Iterator
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from run_configs import write_run_config  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 MODEL = {"name": "adapt-tiny-gpt", "arch": "gpt", "num_layers": 8, "hidden_size": 32, "num_heads": 4,
@@ -33,30 +36,14 @@ STEPS = 16
 @pytest.fixture(scope="module")
 def root() -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix="plait-adapt-"))
-    (folder / "model.json").write_text(json.dumps(MODEL))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
 
 def train(root: Path, name: str, *args: str, throttle: str | None = None) -> subprocess.CompletedProcess:
-    config = root / f"{name}.toml"
-    config.write_text(f"""
-[model]
-file = "{root / 'model.json'}"
-[train]
-steps = {STEPS}
-global_batch = 16
-seq_len = 16
-seed = 7
-[optimizer]
-warmup = 2
-[plan]
-file = "auto"
-devices = 4
-[log]
-dir = "{root / name}"
-progress = false
-""")
+    config = write_run_config(root, name, MODEL, {"train": {"steps": STEPS, "global_batch": 16, "seq_len": 16, "seed": 7},
+                                                  "optimizer": {"warmup": 2}, "plan": {"devices": 4},
+                                                  "log": {"dir": str(root / name)}})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1", "PLAIT_ADAPT_SWITCH_S": "0",
            "PLAIT_DIST_TIMEOUT_S": "60", "COLUMNS": "200"}
     env.pop("PLAIT_THROTTLE", None)

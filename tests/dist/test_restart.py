@@ -25,6 +25,9 @@ from typing import Iterator
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from run_configs import local_plan, write_run_config  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 MODEL = {"name": "restart-tiny-gpt", "arch": "gpt", "num_layers": 2, "hidden_size": 32, "num_heads": 4,
@@ -50,37 +53,11 @@ def clean() -> Iterator[Path]:
 
 
 def write_config(root: Path, name: str) -> Path:
-    from plait.plan import Plan
-    from plait.spec import ModelSpec, TrainSpec
-    from plait.spec.clusters import CLUSTER_PRESETS
-
-    plan = Plan.of(dp=2, tp=1, pp=1, micro_batch=2, model=ModelSpec(**MODEL),
-                train=TrainSpec(global_batch=4, seq_len=16, precision="fp32"), cluster=CLUSTER_PRESETS["local-cpu"])
-    (root / "plan.json").write_text(plan.to_json())
-    (root / "model.json").write_text(json.dumps(MODEL))
-    config = root / f"{name}.toml"
-    config.write_text(f"""
-[model]
-file = "{root / 'model.json'}"
-[train]
-steps = {STEPS}
-global_batch = 4
-seq_len = 16
-seed = 5
-[optimizer]
-warmup = 2
-[plan]
-file = "{root / 'plan.json'}"
-[checkpoint]
-dir = "{root / name / 'ckpt'}"
-every = 2
-keep = 2
-[log]
-dir = "{root / name / 'log'}"
-progress = false
-save_model = true
-""")
-    return config
+    return write_run_config(root, name, MODEL, {"train": {"steps": STEPS, "global_batch": 4, "seq_len": 16, "seed": 5},
+                                                "optimizer": {"warmup": 2},
+                                                "checkpoint": {"dir": str(root / name / "ckpt"), "every": 2, "keep": 2},
+                                                "log": {"save_model": True}},
+                            plan=local_plan(MODEL, 4, 16, dp=2, tp=1, pp=1, micro_batch=2))
 
 
 def plait_train(config: Path, *args: str, fault: str | None = None, timeout: float = 240,

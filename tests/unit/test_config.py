@@ -122,7 +122,8 @@ def test_dump_toml_round_trips(tmp_path):
     from plait.train.config import dump_toml
 
     config = load_config(None, ["plan.pins.tp=2", "optimizer.betas=[0.8, 0.9]", 'log.dir="a \\"b\\""',
-                                "train.max_seconds=1.5", "log.progress=false"])
+                                "train.max_seconds=1.5", "log.progress=false",
+                                'model.tp_plan={"blocks.*.attn.q" = "colwise"}'])  # keys that are not bare
     path = tmp_path / "c.toml"
     path.write_text(dump_toml(config))
     assert load_config(path) == config
