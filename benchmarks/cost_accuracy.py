@@ -1,6 +1,6 @@
 """Cost model vs published runs (reference/published.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
 ZeRO memory, Megatron-LM's H100 weak scaling, torchtitan's FSDP2 runs on A100 and on H100 96GB (throughput and
-memory).
+memory), and Megatron-Core's Mixtral 8x7B run on 64 H100s priced at three router imbalances (a check, no fit).
 
     python benchmarks/cost_accuracy.py            # every table, with the presets' constants
     python benchmarks/cost_accuracy.py --fit      # redo the grid searches of the fitted Efficiency constants
@@ -24,9 +24,9 @@ from plait.cost.memory import model_state_bytes
 from plait.cost.model import predict_layout
 from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
                                   megatron_plan, predicted_layer_ms, predicted_tflops)
-from plait.cost.published_2024 import (MEGATRON_H100_ROWS, TORCHTITAN_A100_ROWS, TORCHTITAN_H100_ROWS,
-                                       megatron_h100_flops, megatron_h100_plan, megatron_h100_tflops,
-                                       torchtitan_prediction)
+from plait.cost.published_2024 import (MEGATRON_H100_ROWS, MEGATRON_MIXTRAL, TORCHTITAN_A100_ROWS,
+                                       TORCHTITAN_H100_ROWS, megatron_h100_flops, megatron_h100_plan,
+                                       megatron_h100_tflops, megatron_moe_prediction, torchtitan_prediction)
 from plait.spec import ClusterSpec, Efficiency, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
 
@@ -177,6 +177,23 @@ def fit_h100_500w(base: ClusterSpec, sxm: Efficiency) -> Efficiency:
     return best[1]
 
 
+def mixtral_table(cluster: ClusterSpec) -> Table:
+    """Megatron-Core's Mixtral 8x7B on 64 H100s (468 TFLOP/s): expert parallelism priced as the router's balance
+    would have it. A check, not a fit, and no tolerance: how balanced that run's router was is not published."""
+    row = MEGATRON_MIXTRAL
+    table = Table(title=f"Megatron-Core Mixtral 8x7B on {row.devices} H100 (TP{row.tp} EP{row.ep} PP{row.pp}, mb 1, "
+                        f"GBS {row.batch}, s {row.seq_len}; published {row.tflops:g} TFLOP/s) vs plait "
+                        f"({cluster.name}), by the router imbalance priced")
+    for name in ("schedule (reading of 'VP 8')", "router_imbalance", "step s", "TFLOP/s", "error", "peak GiB"):
+        table.add_column(name, justify="right")
+    for interleave, reading in ((1, "1F1B, 8 layers a rank"), (8, "interleaved, 8 chunks of 1 layer")):
+        for imbalance in (1.25, 1.1, 1.0):
+            tflops, prediction = megatron_moe_prediction(row, cluster, interleave, imbalance)
+            table.add_row(reading, f"{imbalance:g}", f"{prediction.step_time_s:.3f}", f"{tflops:.0f}",
+                          f"{tflops / row.tflops - 1:+.1%}", f"{prediction.peak_memory_bytes / GiB:.1f}")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", action="store_true", help="grid-search the Efficiency constants first")
@@ -207,6 +224,7 @@ def main() -> None:
         TORCHTITAN_H100_ROWS, h100_500w, f"torchtitan FSDP2 on H100 96GB 500 W vs plait ({h100_500w.name}; "
         "memory: maximum reserved, plait's peak with its reserve)", TOLERANCES["torchtitan_h100"])
     console.print(table)
+    console.print(mixtral_table(h100))
     console.print("worst error: " + ", ".join(f"{name} {value:.1%} (tolerance {TOLERANCES[name]:.0%})"
                                               for name, value in worst.items()) + ", ZeRO figures exact")
 

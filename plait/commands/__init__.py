@@ -23,3 +23,15 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
     return value
+
+
+def load_ratio(text: str) -> float:
+    """argparse type for a busiest-over-mean load (>= 1, finite): a clear message for 0.9, nan or 'x'."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not 1.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (1: a perfectly balanced router), "
+                                         f"got {text!r}")
+    return value

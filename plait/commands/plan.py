@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from plait.plan import RECOMPUTE_MODES, SCHEDULES
-from plait.commands import positive_float, positive_int
+from plait.commands import load_ratio, positive_float, positive_int
+from plait.errors import ConfigError
 
 PROGRESS_AFTER_S = 0.5
 """Show a spinner on stderr only when the search outlasts this, so quick plans print nothing extra."""
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                       help="16-bit keeps fp32 master weights and Adam states (default: bf16 on GPUs, fp32 on CPU "
                            "clusters, which is what plait runs there)")
+    what.add_argument("--router-imbalance", type=load_ratio, metavar="R",
+                      help="mixture-of-experts models: slots the busiest expert-parallel rank receives over the mean "
+                           "(default: the model's router_imbalance, 1.25 unless set; `plait train` measures your "
+                           "router's in LOG_DIR/measured.json)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
@@ -86,6 +91,11 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         output_dir(args.report, "--report")
     model = load_model(args.model)
+    if args.router_imbalance is not None:
+        if not model.num_experts:
+            raise ConfigError(f"--router-imbalance {args.router_imbalance:g} prices expert parallelism, but "
+                              f"{model.name} has no experts; leave it out for a dense model")
+        model = model.replace(router_imbalance=args.router_imbalance)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
                        precision=args.precision or default_precision(cluster))

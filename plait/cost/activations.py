@@ -21,7 +21,7 @@ blocks keep the same tensors) and is checked against the tensors autograd really
   a mixture-of-experts MLP (plait.models.moe) keeps the router's fp32 probabilities and top-k weights, the
   slots' indices, the routed tokens (k·h), each expert's inner activations (k times the dense MLP's) and the
   experts' outputs with their weights (2·k·h); under expert parallelism the busiest rank receives
-  ROUTER_IMBALANCE times the mean of the routed tokens;
+  busiest_rank_load times the mean of the routed tokens (ModelSpec.router_imbalance);
 * context parallelism (plait/execute/context.py; every per-token tensor above is this rank's b·s/cp tokens):
   "all_gather" keeps the gathered keys and values of the whole sequence, repeated to the query heads (q·cp per
   local token each), and the causal mask the fused kernel takes (s/cp x s, in the compute dtype, per layer and
@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.cost.compute import ROUTER_IMBALANCE
+from plait.cost.compute import busiest_rank_load
 from plait.spec.model import ModelSpec
 
 FP32_BYTES = 4
@@ -115,7 +115,7 @@ def _attention(model: ModelSpec, math: bool, cp: int = 1, cp_kind: str = "all_ga
 def _mlp(model: ModelSpec, ep: int = 1) -> list[Saved]:
     if model.num_experts:  # each token's k slots keep the dense MLP's tensors; the router its probabilities
         k, h = model.experts_per_token, model.hidden_size
-        busiest = ROUTER_IMBALANCE if ep > 1 else 1.0
+        busiest = busiest_rank_load(model, ep)
         inner = (4 if model.gated_mlp else 2) * k * model.moe_ffn_hidden_size
         return [Saved("router probabilities", model.num_experts, "fp32", "whole"),
                 Saved("top-k weights and their sum", k + 1, "fp32", "whole"),
@@ -240,7 +240,7 @@ def layer_backward_bytes(model: ModelSpec, seq_len: int, tokens: float, tp: int,
     parallelism the gradients of the gathered keys and values before they are reduce-scattered."""
     h = model.hidden_size / (tp if sp else 1)
     if model.num_experts:
-        f = model.experts_per_token * model.moe_ffn_hidden_size * (ROUTER_IMBALANCE if ep > 1 else 1.0)
+        f = model.experts_per_token * model.moe_ffn_hidden_size * busiest_rank_load(model, ep)
     else:
         f = model.ffn_hidden_size
     inner = (2 if model.gated_mlp else 1) * f / tp

@@ -31,8 +31,8 @@ each rank computes b·s/cp of the tokens, plait/execute/context.py) and expert p
   with is_causal (half of it, as without CP). Their exchanges run as the executor issues them, exposed:
   functional collectives waited on at once, with nothing to overlap (the projections they need come first);
 * mixture-of-experts layers compute each token's top-k experts and the router (the model FLOPs of the active
-  parameters, Fedus et al. 2022), the busiest expert rank ROUTER_IMBALANCE times the mean under expert
-  parallelism, and dispatch tokens with two all-to-alls forward and two backward (plait/execute/expert.py).
+  parameters, Fedus et al. 2022), the busiest expert rank ModelSpec.router_imbalance times the mean under
+  expert parallelism, and dispatch tokens with two all-to-alls forward and two backward (plait/execute/expert.py).
 """
 
 from __future__ import annotations
@@ -53,12 +53,13 @@ ADAM_BYTES_PER_PARAM = 30.0
 write the 16-bit parameter (4), plus the norm for clipping (2)."""
 
 
-ROUTER_IMBALANCE = 1.25
-"""Tokens the busiest expert-parallel rank receives, over the mean, with dropless routing (plait.models.moe): an
-assumption, not fitted -- the capacity factor at which Switch Transformer's routers, trained with the balance loss,
-drop almost no tokens (Fedus et al. 2022, section 2.2 and Table 1: 1.25). Dropless, no token is dropped: the
-all-to-alls and expert GEMMs wait for the busiest rank instead. Only under expert parallelism: with every expert on
-one rank, the rank computes all its tokens' experts whatever their spread."""
+def busiest_rank_load(model: ModelSpec, ep: int) -> float:
+    """Slots the busiest of `ep` expert-parallel ranks receives in a pass, over the mean (ModelSpec.router_imbalance,
+    at most all of the group's: ep). Dropless routing (plait.models.moe): no token is dropped, the all-to-alls and
+    expert GEMMs wait for the busiest rank instead. 1 without expert parallelism: with every expert on one rank,
+    the rank computes all its tokens' experts whatever their spread."""
+    return 1.0 if ep <= 1 else min(model.router_imbalance, float(ep))
+
 
 CP_ATTENTION_PASSES = {"all_gather": (1.0, 2.5), "all_to_all": (0.5, 1.25)}
 """Under context parallelism: (forward, backward) FLOPs of the attention core in units of its model FLOPs over the
@@ -267,7 +268,7 @@ def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micr
     passes = ATTENTION_PASSES[model.attention] if cp == 1 else CP_ATTENTION_PASSES[cut.cp_kind]
     attn_fwd, attn_bwd = (attn * factor for factor in passes)
     if cut.ep > 1:  # the busiest expert rank computes more than its share
-        dense += (ROUTER_IMBALANCE - 1.0) * expert_flops(model, tokens)
+        dense += (busiest_rank_load(model, cut.ep) - 1.0) * expert_flops(model, tokens)
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
@@ -318,12 +319,12 @@ def expert_dispatch(model: ModelSpec, cluster: ClusterSpec, tokens: float, cut: 
     """Seconds of one pass's token exchange in a mixture-of-experts layer under expert parallelism
     (plait/execute/expert.py; the backward runs the same in reverse): the counts, then every routed slot (b·s/cp·k
     tokens of width h; each tensor rank sends all of them) to its expert's rank and back, (ep-1)/ep of it leaving
-    the rank (DeepSpeed-MoE, Rajbhandari et al. 2022), the busiest rank receiving ROUTER_IMBALANCE times the mean.
+    the rank (DeepSpeed-MoE, Rajbhandari et al. 2022), the busiest rank receiving busiest_rank_load times the mean.
     The group is the nearest data-parallel ranks (stride cp·tp)."""
     if not model.num_experts or cut.ep == 1:
         return 0.0
     group = Group(cut.ep, cut.cp * cut.tp)
-    slots = tokens * model.experts_per_token * model.hidden_size * dtype_bytes * ROUTER_IMBALANCE
+    slots = tokens * model.experts_per_token * model.hidden_size * dtype_bytes * busiest_rank_load(model, cut.ep)
     counts = all_to_all(8.0 * model.num_experts, group, cluster)
     return counts + 2 * all_to_all(slots, group, cluster)
 

@@ -137,3 +137,54 @@ def torchtitan_prediction(row: TorchtitanRow, cluster: ClusterSpec) -> tuple[flo
         prediction = predict(torchtitan_plan(row, cluster))
         step = prediction.step_time_s
     return row.devices * row.local_batch * row.seq_len / step / row.devices, prediction
+
+
+@dataclass(frozen=True)
+class MegatronMoERow:
+    """Megatron-Core's reference mapping for Mixtral 8x7B (megatron/core/transformer/moe/README.md, "Reference Best
+    Parallel Mapping", MCore v0.8: dropless, all-to-all dispatcher, bf16, 64 H100 80GB, InfiniBand 8x400 Gbit/s,
+    s = 4096, TP1 EP8 PP4 "VP 8", micro-batch 1, global batch 256) and the throughput the same README reports for
+    Mixtral 8x7B bf16 training with MCore v0.9 (468 TFLOP/s per GPU). "VP 8" reads two ways (8 layers per virtual
+    stage, i.e. plain 1F1B with 8 layers a rank, the example script's --num-layers-per-virtual-pipeline-stage 8;
+    or 8 chunks of one layer a rank), so both are priced. Megatron's distributed optimizer: ZeRO-1. A check of
+    expert parallelism's pricing, not fitted on."""
+
+    model: str = "mixtral-8x7b"
+    devices: int = 64
+    tp: int = 1
+    ep: int = 8
+    pp: int = 4
+    batch: int = 256
+    seq_len: int = 4096
+    tflops: float = 468.0
+
+
+MEGATRON_MIXTRAL = MegatronMoERow()
+
+
+def megatron_moe_flops(row: MegatronMoERow) -> float:
+    """Megatron-Core's num_floating_point_operations (megatron/training/training.py, 2024-10): 12·B·s·L·h²·(
+    (1 + g/a + s/h)·q/h + f/h·k·3/2 + V/(2·L·h)) for SwiGLU experts, GQA with g query groups, top-k routing."""
+    m = MODEL_PRESETS[row.model]
+    h, s, L = m.hidden_size, row.seq_len, m.num_layers
+    attention = (1 + m.num_kv_heads / m.num_heads + s / h) * m.q_size / h
+    mlp = m.moe_ffn_hidden_size / h * m.experts_per_token * 1.5
+    return 12.0 * row.batch * s * L * h * h * (attention + mlp + m.vocab_size / (2 * L * h))
+
+
+def megatron_moe_plan(row: MegatronMoERow, cluster: ClusterSpec, interleave: int, router_imbalance: float) -> Plan:
+    model = MODEL_PRESETS[row.model].replace(router_imbalance=router_imbalance)
+    dp = row.devices // (row.tp * row.pp)
+    chunks = row.pp * interleave
+    return Plan.of(dp=dp, tp=row.tp, pp=row.pp, ep=row.ep, zero=1, micro_batch=1, num_micro_batches=row.batch // dp,
+                   schedule="interleaved" if interleave > 1 else "1f1b", interleave=interleave,
+                   layers_per_stage=(model.num_layers // chunks,) * chunks, recompute=("none",) * row.pp, model=model,
+                   train=TrainSpec(global_batch=row.batch, seq_len=row.seq_len, precision="bf16"),
+                   cluster=cluster.with_devices(row.devices))
+
+
+def megatron_moe_prediction(row: MegatronMoERow, cluster: ClusterSpec, interleave: int,
+                            router_imbalance: float) -> tuple[float, Prediction]:
+    """(predicted TFLOP/s per GPU as Megatron counts them, the prediction)."""
+    prediction = predict(megatron_moe_plan(row, cluster, interleave, router_imbalance))
+    return megatron_moe_flops(row) / (row.devices * prediction.step_time_s) / 1e12, prediction

@@ -119,6 +119,13 @@ class ModelSpec:
     """Inner width of one expert; None means ffn_hidden_size."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (plait.models.moe)."""
+    router_imbalance: float = 1.25
+    """Slots the busiest expert-parallel rank receives in a MoE layer's pass, over the mean: dropless routing waits
+    for it, so the cost model stretches the experts' compute, dispatch and activations by it under ep > 1
+    (plait.cost.compute.busiest_rank_load). The default is an assumption, not fitted: the capacity factor at which
+    Switch Transformer's routers, trained with the balance loss, drop almost no tokens (Fedus et al. 2022,
+    section 2.2 and Table 1). A run measures its own router's (`plait train`, LOG_DIR/measured.json); give that
+    here or with `plait plan --router-imbalance`."""
     blocks: tuple[BlockCost, ...] = ()
     """Per-block measured costs (num_layers entries) of a module measured on meta; () means every block is
     the transformer layer the shape describes."""
@@ -166,6 +173,10 @@ class ModelSpec:
         if self.num_experts < 0 or (self.num_experts and not 0 < self.experts_per_token <= self.num_experts):
             raise ValueError(f"experts_per_token={self.experts_per_token} must lie in [1, num_experts="
                              f"{self.num_experts}] for a mixture-of-experts model")
+        if isinstance(self.router_imbalance, bool) or not isinstance(self.router_imbalance, (int, float)) \
+                or not self.router_imbalance >= 1.0:
+            raise ValueError(f"router_imbalance={self.router_imbalance!r} must be a number >= 1 (the busiest "
+                             f"expert-parallel rank's slots over the mean; 1 is a perfectly balanced router)")
         if self.blocks and len(self.blocks) != self.num_layers:
             raise ValueError(f"blocks holds {len(self.blocks)} entries, num_layers={self.num_layers}")
         if self.source != "plait" and not self.source.startswith(("hf:", "module:")):

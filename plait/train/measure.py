@@ -22,7 +22,9 @@ should: the evidence `plait train --adapt` re-plans from (plait/train/adapt.py),
 fits the cost model's constants from (plait/profile/calibrate.py).
 
 The records go to LOG_DIR/measured.json (every step of every rank, and the plan of each segment: a run that
-switched plans has two). Pure but for `StepClock`, which imports torch when it is built.
+switched plans has two), with, for a mixture-of-experts model, how evenly its routers spread the tokens
+(`RouterLoad`: the ModelSpec.router_imbalance the cost model prices expert parallelism with). Pure but for
+`StepClock` and `RouterLoad`, which import torch when they are built.
 """
 
 from __future__ import annotations
@@ -117,13 +119,18 @@ class RankRecord:
     """The forward-backward call (ParallelModel.train_step): compute + waiting."""
     compute_s: list[float] = field(default_factory=list)
     optimizer_s: list[float] = field(default_factory=list)
+    router_load: dict[str, list[float]] = field(default_factory=dict)
+    """Mixture-of-experts models: per ep (as a string: JSON keys), per step, this rank's RouterLoad reading."""
 
-    def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float) -> None:
+    def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float,
+            router_load: dict[int, float] | None = None) -> None:
         self.steps.append(step)
         self.step_s.append(step_s)
         self.train_s.append(train_s)
         self.compute_s.append(compute_s)
         self.optimizer_s.append(optimizer_s)
+        for ep, value in (router_load or {}).items():
+            self.router_load.setdefault(str(ep), []).append(value)
 
     def window(self, start: int = 0) -> "RankRecord":
         """The steps from index `start` on."""
@@ -186,6 +193,19 @@ class Segment:
         chunks = [_parts_of([_slice(r, lo, hi) for r in ranks]) for lo, hi in zip(bounds, bounds[1:])]
         return [c for c in chunks if c is not None]
 
+    def router_imbalance(self, warmup: int = WARMUP_STEPS) -> dict[int, float]:
+        """Per ep: the busiest expert-parallel rank's slots over the mean (ModelSpec.router_imbalance), the median
+        over steps of the mean over ranks of RouterLoad's readings; {} for a dense model."""
+        ranks = [r for r in self.measured_window(warmup) if r.router_load]
+        if not ranks:
+            return {}
+        out = {}
+        for ep in ranks[0].router_load:
+            per_step = list(zip(*(r.router_load.get(ep, []) for r in ranks)))
+            if per_step:
+                out[int(ep)] = statistics.median(statistics.fmean(step) for step in per_step)
+        return dict(sorted(out.items()))
+
     def rank_compute(self, warmup: int = WARMUP_STEPS) -> list[tuple[RankRecord, float, float]]:
         """(rank, predicted compute, measured median compute) per rank, in rank order."""
         return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(r.compute_s))
@@ -206,7 +226,8 @@ def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
     return RankRecord(rank=record.rank, pp_rank=record.pp_rank, dp_rank=record.dp_rank, tp_rank=record.tp_rank,
                       steps=record.steps[start:stop], step_s=record.step_s[start:stop],
                       train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
-                      optimizer_s=record.optimizer_s[start:stop])
+                      optimizer_s=record.optimizer_s[start:stop],
+                      router_load={ep: values[start:stop] for ep, values in record.router_load.items()})
 
 
 def _parts_of(ranks: list[RankRecord]) -> Parts | None:
@@ -307,6 +328,73 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
             ranks.add_row(str(record.rank), str(record.pp_rank), str(layers), f"{p:.4f}", f"{m:.4f}",
                           f"{m / p:.2f}" if p > 0 else "-")
         console.print(ranks)
+        imbalance = segment.router_imbalance()
+        if imbalance:
+            console.print(router_line(imbalance, plan))
+
+
+# ---- the router's balance ------------------------------------------------------------------------
+
+class RouterLoad:
+    """How evenly this rank's routers spread the token slots: what the cost model prices expert parallelism with
+    (ModelSpec.router_imbalance: the slots the busiest expert-parallel rank receives in a pass, over the mean).
+
+    A forward hook on every MoE layer's router (plait.models.moe.MoE; training passes only) takes its top-k
+    choices and counts the slots per expert; for every ep that divides the experts, the experts split as the
+    executor splits them (ep ranks of E/ep consecutive experts, plait/execute/expert.py), the busiest rank's
+    slots over the mean. `take` returns the mean over the passes since the last call. Read from one rank's tokens
+    whatever the plan (so a run without expert parallelism measures it too): a group of ep ranks pools ep times
+    as many tokens per pass, so where a pass routes few tokens this reads a little above what the group sees."""
+
+    def __init__(self, model_parts: list[Any]) -> None:
+        from plait.models.moe import MoE
+
+        self._sums: dict[int, float] = {}
+        self._passes = 0
+        self._handles = []
+        for part in model_parts:
+            for module in part.modules():
+                if isinstance(module, MoE):
+                    self._handles.append(module.router.register_forward_hook(self._counter(module)))
+
+    def _counter(self, moe: Any):
+        import torch
+
+        experts, k = moe.num_experts, moe.top_k
+        splits = [ep for ep in range(2, experts + 1) if experts % ep == 0]
+
+        def hook(module: Any, args: Any, logits: Any) -> None:
+            if not moe.training or logits.is_meta or not torch.is_grad_enabled():
+                return
+            counts = torch.bincount(logits.detach().topk(k, dim=-1).indices.reshape(-1), minlength=experts)
+            counts = counts.double().cpu()
+            total = float(counts.sum())
+            if total <= 0:
+                return
+            for ep in splits:
+                self._sums[ep] = self._sums.get(ep, 0.0) + float(counts.reshape(ep, -1).sum(1).max()) * ep / total
+            self._passes += 1
+
+        return hook
+
+    def take(self) -> dict[int, float]:
+        """Per ep, the mean busiest-over-mean of the passes since the last call ({} where no MoE layer ran)."""
+        out = {ep: value / self._passes for ep, value in self._sums.items()} if self._passes else {}
+        self._sums, self._passes = {}, 0
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def router_line(imbalance: dict[int, float], plan: Any) -> str:
+    """The router's measured balance against what the plan was priced with, and how to plan with it."""
+    measured = ", ".join(f"ep{ep} {value:.3f}" for ep, value in imbalance.items())
+    return (f"router: the busiest expert-parallel rank's slots over the mean, per MoE pass: {measured} (priced with "
+            f"{plan.model.router_imbalance:g}; plan with yours: `plait plan --router-imbalance R` or the model "
+            f"file's router_imbalance)")
 
 
 # ---- a run's measurements, on every rank --------------------------------------------------------
@@ -317,6 +405,7 @@ class RunMeasurements:
     def __init__(self, plan: Any, model: Any) -> None:
         self.segments: list[Segment] = []
         self.clock: StepClock | None = None
+        self.router: RouterLoad | None = None
         self.record: RankRecord | None = None
         self.start(plan, model)
 
@@ -326,13 +415,15 @@ class RunMeasurements:
 
         if self.clock is not None:
             self.clock.remove()
+            self.router.remove()
         self.segments.append(predicted_segment(plan))
         self.clock = StepClock(model.model_parts)
+        self.router = RouterLoad(model.model_parts)
         self.record = RankRecord(rank=dist.get_rank(), pp_rank=model.pp_rank, dp_rank=model.dp_rank,
                                  tp_rank=model.tp_rank)
 
     def add(self, step: int, step_s: float, train_s: float, optimizer_s: float) -> None:
-        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s)
+        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take())
 
     def gathered(self) -> Segment:
         """The current segment with every rank's timings so far (collective)."""
@@ -349,4 +440,5 @@ class RunMeasurements:
         self.gathered()
         if self.clock is not None:
             self.clock.remove()
+            self.router.remove()
         return [s for s in self.segments if s.ranks and s.ranks[0].steps]

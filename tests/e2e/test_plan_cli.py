@@ -101,6 +101,8 @@ def test_hugging_face_config_and_cluster_file(tmp_path):
     (["--global-batch", "-8"], "'-8'"),
     (["--tp", "3"], "3"),
     (["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1"], "2"),
+    (["--router-imbalance", "0.8"], "'0.8'"),
+    (["--router-imbalance", "1.1"], "tiny-gpt has no experts"),
 ])
 def test_bad_input_exits_2_naming_the_value(args, named):
     values = dict(zip(TINY[::2], TINY[1::2]))
@@ -117,3 +119,21 @@ def test_model_that_fits_nowhere_says_by_how_much():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "GiB" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+MIXTRAL_64 = ["--model", "mixtral-8x7b", "--cluster", "h100-80g", "--devices", "64", "--global-batch", "256",
+              "--seq-len", "4096", "--top", "1"]
+
+
+def test_the_routers_balance_decides_expert_parallelism(tmp_path):
+    """Mixtral-8x7B on 64 H100s (Megatron-Core's reference mapping: TP1 EP8 PP4, dp16): with a balanced router
+    plait picks expert parallelism over 8 ranks; at the assumed 1.25 the busiest rank's fifth more expert work makes
+    tensor parallelism of the experts cheaper."""
+    balanced = plait_plan(*MIXTRAL_64, "--router-imbalance", "1.0", "--json", str(tmp_path / "balanced.json"))
+    assumed = plait_plan(*MIXTRAL_64, "--json", str(tmp_path / "assumed.json"))
+    assert balanced.returncode == 0 and assumed.returncode == 0, balanced.stderr + assumed.stderr
+    first = Plan.from_json(tmp_path / "balanced.json")
+    assert (first.ep, first.tp) == (8, 1) and first.model.router_imbalance == 1.0
+    other = Plan.from_json(tmp_path / "assumed.json")
+    assert other.ep == 1 and other.model.router_imbalance == 1.25
+    assert first.predicted.step_time_s < other.predicted.step_time_s

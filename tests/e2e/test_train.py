@@ -153,3 +153,26 @@ def test_unknown_pin_exits_2(config):
 def test_resume_without_checkpoint_dir_exits_2(config):
     result = plait("train", str(config), "--set", "checkpoint.resume=true")
     assert result.returncode == 2 and "checkpoint.dir" in result.stderr
+
+
+@pytest.mark.dist
+def test_a_moe_run_measures_its_routers_balance(tmp_path, config):
+    """Every rank counts its routers' top-k slots; the run reports the busiest expert-parallel rank's share against
+    what the plan was priced with, and measured.json keeps it per rank and step."""
+    result = subprocess.run([sys.executable, "-m", "plait", "train", str(config), "--nproc", "2", "--steps", "6",
+                             "--set", "model.preset=tiny-moe", "--set", "plan.pins.ep=2"],
+                            capture_output=True, text=True, env={**ENV, "COLUMNS": "250"}, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "router: the busiest expert-parallel rank's slots over the mean" in result.stdout
+    assert "priced with 1.25" in result.stdout
+    from plait.train.measure import read_measured
+
+    [segment] = read_measured(tmp_path / "logs")
+    assert sorted(r.rank for r in segment.ranks) == [0, 1]
+    for record in segment.ranks:  # tiny-moe: 4 experts, so ep 2 and 4; one reading per step
+        assert sorted(record.router_load) == ["2", "4"]
+        assert all(len(values) == 6 for values in record.router_load.values())
+        for ep, values in record.router_load.items():
+            assert all(1.0 <= v <= int(ep) for v in values)
+    imbalance = segment.router_imbalance()
+    assert set(imbalance) == {2, 4} and 1.0 <= imbalance[2] <= imbalance[4]

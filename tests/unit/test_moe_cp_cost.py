@@ -12,7 +12,7 @@ from plait import Plan, TrainSpec
 from plait.cost import predict
 from plait.cost.activations import Dtypes, activation_bytes
 from plait.cost.comm import Group, all_gather, all_to_all, axis_group, reduce_scatter
-from plait.cost.compute import (ROUTER_IMBALANCE, Slicing, context_exchange, expert_dispatch, expert_weights,
+from plait.cost.compute import (Slicing, busiest_rank_load, context_exchange, expert_dispatch, expert_weights,
                                 layer_flops, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import V_PEAK_WITHIN, expert_params, layer_params, live_peaks
@@ -182,12 +182,29 @@ def test_expert_parallelism_waits_for_the_busiest_rank_and_dispatches_twice_each
     alone, split = sliced_layer_cost(model, H100, s, 1, Slicing()), sliced_layer_cost(model, H100, s, 1, Slicing(ep=8))
     experts = 2.0 * s * model.experts_per_token * expert_weights(model)
     rate = H100.peak_flops * alone.gemm_fraction / (1 + H100.efficiency.overhead)
-    assert split.fwd - alone.fwd == pytest.approx((ROUTER_IMBALANCE - 1) * experts / rate)
-    slots = s * model.experts_per_token * model.hidden_size * 2 * ROUTER_IMBALANCE
+    assert split.fwd - alone.fwd == pytest.approx((model.router_imbalance - 1) * experts / rate)
+    slots = s * model.experts_per_token * model.hidden_size * 2 * model.router_imbalance
     counts = all_to_all(8.0 * model.num_experts, Group(8, 1), H100)
     assert expert_dispatch(model, H100, s, Slicing(ep=8), 2) == pytest.approx(
         counts + 2 * all_to_all(slots, Group(8, 1), H100))
     assert split.ep_fwd == split.ep_bwd > 0 and alone.ep_fwd == 0
+
+
+def test_a_measured_router_imbalance_replaces_the_assumed_one():
+    model = MODEL_PRESETS["mixtral-8x7b"].replace(num_layers=1)
+    balanced = model.replace(router_imbalance=1.0)
+    s = 4096
+    assumed = sliced_layer_cost(model, H100, s, 1, Slicing(ep=8))
+    measured = sliced_layer_cost(balanced, H100, s, 1, Slicing(ep=8))
+    alone = sliced_layer_cost(balanced, H100, s, 1, Slicing())
+    assert measured.fwd == pytest.approx(alone.fwd)  # a balanced router: ep moves no FLOPs, adds none
+    assert measured.fwd < assumed.fwd and measured.ep_fwd < assumed.ep_fwd
+    # the busiest rank receives at most the whole group's slots
+    assert busiest_rank_load(model.replace(router_imbalance=3.0), 2) == 2.0
+    assert busiest_rank_load(model.replace(router_imbalance=3.0), 1) == 1.0
+    for bad in (0.9, "1.2", True, float("nan")):
+        with pytest.raises(ValueError, match="router_imbalance"):
+            model.replace(router_imbalance=bad)
 
 
 # ---- memory ---------------------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""The run measures its router's balance (plait.train.measure.RouterLoad): the busiest expert-parallel rank's slots
+over the mean, for every ep the experts split into, from the real MoE layer's top-k choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.models.moe import MoE
+from plait.spec.models import MODEL_PRESETS
+from plait.train.measure import Parts, RankRecord, RouterLoad, Segment, router_line
+from plait.plan import Plan
+
+A = [2.0, 0.0, 1.0, 0.0]  # top-2 {0, 2}
+B = [0.0, 2.0, 0.0, 1.0]  # top-2 {1, 3}
+
+
+def moe_layer() -> MoE:
+    spec = MODEL_PRESETS["tiny-moe"].replace(hidden_size=4, num_heads=1, num_kv_heads=1, moe_ffn_hidden_size=4)
+    moe = MoE(spec)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4))  # logits = the token itself
+        for p in moe.experts.parameters():
+            p.normal_()
+    return moe
+
+
+def run(moe: MoE, tokens: list[list[float]]) -> None:
+    moe(torch.tensor(tokens).reshape(1, len(tokens), 4)).sum().backward()
+
+
+def test_a_balanced_router_reads_one_and_a_skewed_one_its_busiest_group():
+    moe = moe_layer()
+    meter = RouterLoad([moe])
+    run(moe, [A, B] * 8)  # every expert 8 slots
+    assert meter.take() == {2: pytest.approx(1.0), 4: pytest.approx(1.0)}
+    run(moe, [A] * 16)  # experts 0 and 2 take every slot: each half of the experts holds one of them
+    assert meter.take() == {2: pytest.approx(1.0), 4: pytest.approx(2.0)}
+    run(moe, [A] * 16)
+    run(moe, [A, B] * 8)  # the mean over the passes since the last take
+    assert meter.take() == {2: pytest.approx(1.0), 4: pytest.approx(1.5)}
+    assert meter.take() == {}
+
+
+def test_only_training_passes_count_and_remove_unhooks():
+    moe = moe_layer()
+    meter = RouterLoad([moe])
+    moe.eval()
+    with torch.no_grad():
+        moe(torch.tensor([A] * 4).reshape(1, 4, 4))
+    assert meter.take() == {}
+    moe.train()
+    meter.remove()
+    run(moe, [A] * 4)
+    assert meter.take() == {}
+
+
+def test_the_segment_reports_the_median_step_of_the_mean_over_ranks(tmp_path):
+    records = []
+    for rank, loads in enumerate(([1.0, 1.2, 1.4, 1.6], [1.0, 1.4, 1.6, 1.8])):
+        record = RankRecord(rank=rank, pp_rank=0, dp_rank=rank)
+        for step, load in enumerate(loads, 1):
+            record.add(step, 1.0, 0.5, 0.4, 0.1, {2: load, 4: 2 * load})
+        records.append(record)
+    segment = Segment(plan={}, predicted=Parts(step=1.0, compute=1.0, waiting=0.0, optimizer=0.0), predicted_rank_compute=[1.0], ranks=records)
+    # warmup 1 leaves steps 2-4: means over ranks 1.3, 1.5, 1.7 -> median 1.5
+    assert segment.router_imbalance(warmup=1) == {2: pytest.approx(1.5), 4: pytest.approx(3.0)}
+    again = Segment.from_dict(segment.to_dict())
+    assert again.router_imbalance(warmup=1) == segment.router_imbalance(warmup=1)
+    # files written before the router was measured read back without it
+    old = segment.to_dict()
+    for r in old["ranks"]:
+        del r["router_load"]
+    assert Segment.from_dict(old).router_imbalance() == {}
+
+
+def test_the_line_names_the_priced_value_and_how_to_plan_with_the_measured_one():
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.spec import TrainSpec
+
+    model = MODEL_PRESETS["tiny-moe"]
+    plan = Plan.of(dp=2, model=model, cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2),
+                   train=TrainSpec(global_batch=2, seq_len=16))
+    line = router_line({2: 1.031, 4: 1.2}, plan)
+    assert "ep2 1.031" in line and "ep4 1.200" in line and "priced with 1.25" in line
+    assert "--router-imbalance" in line
