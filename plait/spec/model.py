@@ -71,6 +71,11 @@ class BlockCost:
             raise ValueError("block costs must be >= 0")
 
 
+NOT_THE_MODULE = ("name", "router_imbalance")
+"""ModelSpec fields that change neither the module nor its weights (a label, and a pricing assumption): a plan or a
+checkpoint is for the same model whatever they hold (plait.train.resolve.check_plan, plait.train.checkpoint)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str = "custom"

@@ -511,10 +511,10 @@ def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
     """Refuse a checkpoint of another model (its weights cannot be loaded, only mis-loaded)."""
     if not isinstance(meta.get("plan"), dict) or not isinstance(meta["plan"].get("model"), dict):
         raise ConfigError(f"checkpoint {directory}: {META} names no model; it was not written by this plait")
-    saved = dict(meta["plan"]["model"])
-    current = json.loads(plan.to_json())["model"]
-    saved.pop("name", None)
-    current.pop("name", None)
+    from plait.spec.model import NOT_THE_MODULE
+
+    saved = {k: v for k, v in meta["plan"]["model"].items() if k not in NOT_THE_MODULE}
+    current = {k: v for k, v in json.loads(plan.to_json())["model"].items() if k not in NOT_THE_MODULE}
     diff = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
     if diff:
         key = diff[0]

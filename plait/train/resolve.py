@@ -148,7 +148,9 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     breaks a legality rule (plait.legality: exit 2 before any rank starts)."""
     from plait import legality
 
-    diff = _first_difference(plan.model, model, ignore=("name",))
+    from plait.spec.model import NOT_THE_MODULE
+
+    diff = _first_difference(plan.model, model, ignore=NOT_THE_MODULE)
     if diff:
         key, planned, wanted = diff
         raise ConfigError(

@@ -109,6 +109,28 @@ def test_plan_for_another_model_or_batch_is_refused():
         check_plan(plan, config, model)
 
 
+def test_a_plan_priced_with_a_measured_router_balance_trains_the_same_model():
+    """router_imbalance prices expert parallelism; it changes neither the module nor its weights, so a plan made
+    with `plait plan --router-imbalance` trains the config's model, and a checkpoint written before the field
+    existed resumes."""
+    from plait.plan import Plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.train.checkpoint import check_compatible
+
+    config = Config()
+    model = MODEL_PRESETS["tiny-moe"]
+    train = config.train.spec()
+    plan = Plan.of(dp=2, tp=1, pp=1, num_micro_batches=8, model=model.replace(router_imbalance=1.04), train=train,
+                   cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2))
+    check_plan(plan, config, model)
+    saved = plan.to_dict()
+    del saved["model"]["router_imbalance"]
+    check_compatible({"plan": saved}, plan, "ckpt")
+    saved["model"]["moe_ffn_hidden_size"] = 64  # the module's shape still counts
+    with pytest.raises(ConfigError, match="moe_ffn_hidden_size=64"):
+        check_compatible({"plan": saved}, plan, "ckpt")
+
+
 def test_data_checks_before_launch(tmp_path):
     config = load_config(None, ["data.source=text", f"data.path={tmp_path / 'short.txt'}"])
     with pytest.raises(ConfigError, match="does not exist"):
