@@ -119,6 +119,8 @@ class MoE(nn.Module):
         """Under context parallelism, the group of ranks holding the other tokens of the same sequences."""
         self.enter = self.leave = None
         """Under tensor parallelism, Megatron's f and g operators around the experts (plait/execute/expert.py)."""
+        self.on_counts = None
+        """Called with each pass's slots per expert [E] when set (plait.train.measure.RouterLoad)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -132,6 +134,8 @@ class MoE(nn.Module):
         token_of = order // self.top_k
         # on meta (plait check --dry-run traces shapes) there are no counts: the experts spread the tokens evenly
         counts = flat.new_empty(self.num_experts) if flat.is_meta else torch.bincount(flat, minlength=self.num_experts)
+        if self.on_counts is not None and not flat.is_meta:
+            self.on_counts(counts)
         if self.enter is not None:  # tensor parallelism: the experts' outputs are partial sums over tp, so the
             tokens_in, weights = self.enter(tokens), self.enter(weights)  # gradients of what meets them are too
         else:

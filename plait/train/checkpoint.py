@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.spec.model import NOT_THE_MODULE
 from plait.train.fault import maybe_inject, planned_fault
 
 MANIFEST = "MANIFEST.json"
@@ -511,8 +512,6 @@ def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
     """Refuse a checkpoint of another model (its weights cannot be loaded, only mis-loaded)."""
     if not isinstance(meta.get("plan"), dict) or not isinstance(meta["plan"].get("model"), dict):
         raise ConfigError(f"checkpoint {directory}: {META} names no model; it was not written by this plait")
-    from plait.spec.model import NOT_THE_MODULE
-
     saved = {k: v for k, v in meta["plan"]["model"].items() if k not in NOT_THE_MODULE}
     current = {k: v for k, v in json.loads(plan.to_json())["model"].items() if k not in NOT_THE_MODULE}
     diff = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]

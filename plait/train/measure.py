@@ -339,35 +339,31 @@ class RouterLoad:
     """How evenly this rank's routers spread the token slots: what the cost model prices expert parallelism with
     (ModelSpec.router_imbalance: the slots the busiest expert-parallel rank receives in a pass, over the mean).
 
-    A forward hook on every MoE layer's router (plait.models.moe.MoE; training passes only) takes its top-k
-    choices and counts the slots per expert; for every ep that divides the experts, the experts split as the
-    executor splits them (ep ranks of E/ep consecutive experts, plait/execute/expert.py), the busiest rank's
-    slots over the mean. `take` returns the mean over the passes since the last call. Read from one rank's tokens
-    whatever the plan (so a run without expert parallelism measures it too): a group of ep ranks pools ep times
-    as many tokens per pass, so where a pass routes few tokens this reads a little above what the group sees."""
+    Every MoE layer (plait.models.moe.MoE) hands it the slots per expert it counted (training passes only); for
+    every ep that divides the experts, the experts split as the executor splits them (ep ranks of E/ep consecutive
+    experts, plait/execute/expert.py), the busiest rank's slots over the mean. `take` returns the mean over the
+    passes since the last call. Read from one rank's tokens whatever the plan (so a run without expert parallelism
+    measures it too): a group of ep ranks pools ep times as many tokens per pass, so where a pass routes few tokens
+    this reads a little above what the group sees."""
 
     def __init__(self, model_parts: list[Any]) -> None:
         from plait.models.moe import MoE
 
         self._sums: dict[int, float] = {}
         self._passes = 0
-        self._handles = []
-        for part in model_parts:
-            for module in part.modules():
-                if isinstance(module, MoE):
-                    self._handles.append(module.router.register_forward_hook(self._counter(module)))
+        self._layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        for moe in self._layers:
+            moe.on_counts = self._counter(moe)
 
     def _counter(self, moe: Any):
         import torch
 
-        experts, k = moe.num_experts, moe.top_k
-        splits = [ep for ep in range(2, experts + 1) if experts % ep == 0]
+        splits = [ep for ep in range(2, moe.num_experts + 1) if moe.num_experts % ep == 0]
 
-        def hook(module: Any, args: Any, logits: Any) -> None:
-            if not moe.training or logits.is_meta or not torch.is_grad_enabled():
+        def count(counts: Any) -> None:
+            if not moe.training or not torch.is_grad_enabled():
                 return
-            counts = torch.bincount(logits.detach().topk(k, dim=-1).indices.reshape(-1), minlength=experts)
-            counts = counts.double().cpu()
+            counts = counts.detach().double().cpu()
             total = float(counts.sum())
             if total <= 0:
                 return
@@ -375,7 +371,7 @@ class RouterLoad:
                 self._sums[ep] = self._sums.get(ep, 0.0) + float(counts.reshape(ep, -1).sum(1).max()) * ep / total
             self._passes += 1
 
-        return hook
+        return count
 
     def take(self) -> dict[int, float]:
         """Per ep, the mean busiest-over-mean of the passes since the last call ({} where no MoE layer ran)."""
@@ -384,9 +380,9 @@ class RouterLoad:
         return out
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for moe in self._layers:
+            moe.on_counts = None
+        self._layers.clear()
 
 
 def router_line(imbalance: dict[int, float], plan: Any) -> str:

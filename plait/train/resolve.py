@@ -13,6 +13,7 @@ from typing import Any
 from plait.errors import ConfigError
 from plait.plan import Plan
 from plait.spec import ModelSpec
+from plait.spec.model import NOT_THE_MODULE
 from plait.spec.load import load_cluster, load_model
 from plait.train.config import Config, ModelConfig
 
@@ -147,8 +148,6 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     """Refuse a plan made for another model or another batch shape, naming the first difference, or one that
     breaks a legality rule (plait.legality: exit 2 before any rank starts)."""
     from plait import legality
-
-    from plait.spec.model import NOT_THE_MODULE
 
     diff = _first_difference(plan.model, model, ignore=NOT_THE_MODULE)
     if diff:
