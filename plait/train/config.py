@@ -10,7 +10,8 @@
     [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"; adapt = false
     [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
-    [log]        dir = "runs/x", every = 10
+    [log]        dir = "runs/x", every = 10, tensorboard = false, wandb = "off"   # or "offline" / "online"
+    [eval]       every = 0, fraction = 0.05 (or path = "val.txt"), batches = 4, keep_best = false
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
 Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
@@ -199,6 +200,42 @@ class LogConfig:
     """Show a progress bar on rank 0."""
     save_model: bool = False
     """Write the final weights as one full state dict, model.pt (what `plait demo` samples from)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (torch's SummaryWriter) to <dir>/tensorboard: every metrics.jsonl field,
+    the validation loss, and the plan and config as text. Needs the `tensorboard` extra."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log to Weights & Biases: "offline" (a run folder under <dir>/wandb, `wandb sync` uploads it later) or
+    "online"; the same fields, with the plan and config as the run's config. Needs the `wandb` extra."""
+    wandb_project: str = "plait"
+    """The W&B project the run is filed under."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation: the loss on held-out tokens, evaluated under the run's own plan (forward only; a pipeline runs
+    its schedule's forward-only path), logged to every sink (eval.jsonl, TensorBoard's and W&B's val/loss)."""
+
+    every: int = 0
+    """Evaluate every this many steps (and after the last); 0: no validation."""
+    fraction: float = 0.0
+    """Hold out this tail fraction of the [data] tokens (the run trains on the rest); or give `path`."""
+    path: str | None = None
+    """A second file of the same kind as [data] source (text, JSON lines or tokens), with the same tokenizer."""
+    batches: int = 4
+    """Batches of train.global_batch sequences per evaluation (the same ones every time: losses compare)."""
+    keep_best: bool = False
+    """Also save a checkpoint whenever the validation loss is the lowest so far, in <checkpoint.dir>/best (one
+    kept); needs checkpoint.dir."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.batches <= 0:
+            raise ValueError(f"every={self.every} must be >= 0 and batches={self.batches} > 0")
+        if not 0 <= self.fraction < 1:
+            raise ValueError(f"fraction={self.fraction} must lie in [0, 1), e.g. 0.05")
+        if self.every and not self.fraction and not self.path:
+            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05) or path")
+        if self.fraction and self.path:
+            raise ValueError(f"fraction={self.fraction} and path={self.path!r} are both set; keep one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +247,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

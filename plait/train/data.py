@@ -176,21 +176,42 @@ def shipped_text_path() -> Path:
 
 
 def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
-    """The token stream a run trains on, from its [data] section, checked against the model's vocabulary.
+    """The token stream a run trains on, from its [data] section, checked against the model's vocabulary (less the
+    tail that [eval] fraction holds out).
 
     The launcher calls it first (so a file is tokenized and cached once, before any rank starts), then every rank."""
+    tokens = source_tokens(config, model, config.data.path)
+    return split_held_out(tokens, config.eval.fraction)[0]
+
+
+def eval_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
+    """The held-out tokens [eval] names: its own file (read as [data] says), or the tail of the [data] stream."""
+    if config.eval.path is not None:
+        return source_tokens(config, model, config.eval.path)
+    return split_held_out(source_tokens(config, model, config.data.path), config.eval.fraction)[1]
+
+
+def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training part, held-out tail) of a token stream; the tail is `fraction` of it (empty for 0)."""
+    cut = len(tokens) - int(round(len(tokens) * fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def source_tokens(config: "Config", model: "ModelSpec", path: str | None) -> np.ndarray:
+    """The whole token stream of the file `path`, read as [data] source and tokenizer say."""
     data = config.data
-    where = f"data ({data.path or 'shipped text'})"
+    where = f"data ({path or 'shipped text'})"
     hint = "check data.dtype"
     if data.source == "tokens":
-        tokens = load_tokens("tokens", data.path, data.dtype)
+        tokens = load_tokens("tokens", path, data.dtype)
     else:
         model_dir = Path(model.source.removeprefix("hf:")) if model.source.startswith("hf:") else None
         tokenizer = load_tokenizer(data.tokenizer, model_dir)
         hint = f"set data.tokenizer (now {tokenizer.name!r}) to the model's own tokenizer"
         if not isinstance(tokenizer, ByteTokenizer):  # bytes: a model of 128 ids may train on ASCII text
             check_tokenizer(tokenizer, model.vocab_size)
-        file = shipped_text_path() if data.source == "shipped" else _existing(_path_of(data.source, data.path))
+        shipped = data.source == "shipped" and path is None  # [eval] path of a shipped-text run: a text file
+        file = shipped_text_path() if shipped else _existing(_path_of(data.source, path))
         if isinstance(tokenizer, ByteTokenizer) and data.source != "jsonl":
             tokens = _read_text(file)  # the bytes are the tokens: nothing to cache
         else:

@@ -14,6 +14,7 @@ from plait.errors import ConfigError
 from plait.plan import Plan
 from plait.spec import ModelSpec
 from plait.spec.model import NOT_THE_MODULE
+from plait.spec.train import untrainable_precision
 from plait.spec.load import load_cluster, load_model
 from plait.train.config import Config, ModelConfig
 
@@ -164,6 +165,9 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
     legality.check(plan)
+    refusal = untrainable_precision(plan.train.precision)
+    if refusal:
+        raise ConfigError(f"train.{refusal}")
     check_export(config, model)
 
 
@@ -187,14 +191,33 @@ def check_data(config: Config, model: ModelSpec) -> int:
         BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
         raise ConfigError(f"{where}: {e}") from None
+    if config.eval.every:
+        check_eval_data(config, model)
     return len(tokens)
+
+
+def check_eval_data(config: Config, model: ModelSpec) -> None:
+    """The held-out tokens must fill at least one batch."""
+    from plait.train.data import BatchLoader, eval_tokens
+
+    held_out = eval_tokens(config, model)
+    where = f"eval.path {config.eval.path!r}" if config.eval.path else f"eval.fraction={config.eval.fraction}"
+    try:
+        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: the held-out {e}; hold out more (a larger eval.fraction, a longer eval.path)") from None
 
 
 def check_outputs(config: Config) -> None:
     """Refuse a log.dir or checkpoint.dir that cannot be written (plait.outputs), before any work."""
     from plait.outputs import output_dir
 
+    from plait.train.sinks import check_sinks
+
     output_dir(config.log.dir, "log.dir")
+    check_sinks(config.log)
+    if config.eval.keep_best and config.checkpoint.dir is None:
+        raise ConfigError("eval.keep_best=true saves the best checkpoint under checkpoint.dir: set checkpoint.dir")
     if config.checkpoint.dir is not None:
         output_dir(config.checkpoint.dir, "checkpoint.dir")
     if config.data.cache_dir is not None:
