@@ -70,6 +70,43 @@ def check_export(config: Config, model: ModelSpec) -> None:
                "set checkpoint.export_overwrite=true")
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+"""Where Hugging Face configs keep the longest sequence the model was built for (the name varies by family)."""
+
+
+def check_hf_run(config: Config, model: ModelSpec) -> None:
+    """A Hugging Face model trains on its own tokenizer (bytes only when asked for) and within its positions."""
+    if not model.source.startswith("hf:"):
+        return
+    folder = Path(model.source.removeprefix("hf:"))
+    folder = folder.parent if folder.is_file() else folder
+    if config.data.source != "tokens" and config.data.tokenizer is None and not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"model folder {str(folder)!r} holds no tokenizer.json, so the text has no tokenizer of "
+                          f"this model; put the model's tokenizer.json there, set data.tokenizer to a folder holding "
+                          f"it, or set data.tokenizer = \"byte\" to train on bytes on purpose")
+    found = position_limit(folder)
+    if found is not None and config.train.seq_len > found[1]:
+        key, limit = found
+        raise ConfigError(f"train.seq_len={config.train.seq_len} is past {model.name}'s position limit ({key}={limit} "
+                          f"in {str(folder / 'config.json')!r}); use train.seq_len <= {limit}")
+
+
+def position_limit(folder: Path) -> tuple[str, int] | None:
+    """(key, value) of a Hugging Face model's position limit, read through transformers' config class (which maps
+    each family's own name for it), or None when its config states none."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError):  # a config transformers cannot read: the model load says why
+        return None
+    for key in POSITION_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
 def import_path(folder: str) -> None:
     """Make `folder` importable here and in every rank this process starts (PYTHONPATH is inherited)."""
     import os
@@ -168,6 +205,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     refusal = untrainable_precision(plan.train.precision)
     if refusal:
         raise ConfigError(f"train.{refusal}")
+    check_hf_run(config, model)
     check_export(config, model)
 
 
