@@ -198,6 +198,18 @@ def check_fresh_dir(root: str | Path) -> None:
         )
 
 
+def clear_checkpoints(root: str | Path) -> list[Path]:
+    """`plait train --fresh`: remove what earlier runs saved under `root` -- checkpoints (step_N), unfinished saves
+    (.tmp), set-aside unreadable ones and the best checkpoint (best/) -- and nothing else; returns what went."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    doomed = sorted(p for p in root.iterdir() if p.is_dir() and (p.name.startswith("step_") or p.name == "best"))
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
 def plan_for_launch(config: Any, nproc: int | None) -> Any:
     """The plan `plait train` starts ranks with; on --resume, one for `nproc` devices if the
     configured plan needs another count (the world changed size): the checkpoint reshards to it."""

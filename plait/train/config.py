@@ -257,12 +257,33 @@ class Config:
 
 
 # ---- reading --------------------------------------------------------------------------
+INPUT_PATHS = (("model", "file"), ("model", "path"), ("data", "path"), ("data", "tokenizer"), ("plan", "file"),
+               ("plan", "cluster"), ("eval", "path"))
+"""Keys naming files the run reads. A relative one is looked up next to the config file first, then in the working
+directory (where the examples' paths, written from the repository root, are); outputs (log.dir, checkpoint.dir,
+...) and --set values stay relative to the working directory."""
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a TOML config (None: all defaults) and apply ``section.key=value`` overrides."""
     data = read_toml(Path(path)) if path is not None else {}
+    if path is not None:
+        resolve_inputs(data, Path(path).parent)
     for item in overrides:
         apply_override(data, item)
     return config_from_dict(data)
+
+
+def resolve_inputs(data: dict[str, Any], folder: Path) -> None:
+    """Point relative input paths that exist next to the config file there (see INPUT_PATHS)."""
+    for section, key in INPUT_PATHS:
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        beside = folder / value
+        if folder != Path(".") and beside.exists():
+            table[key] = str(beside)
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -93,3 +93,65 @@ def test_a_model_folder_without_a_tokenizer_is_refused_naming_byte(tmp_path: Pat
     assert code == 2 and len(lines) == 1 and "no tokenizer.json" in lines[0] and 'tokenizer = "byte"' in lines[0]
     with pytest.raises(Launched):  # asked for on purpose, bytes train
         train_cli(tmp_path, model_dir, capsys, tokenizer="byte")
+
+
+# ---- the smaller points: config-relative inputs, --fresh, --version, one-line argument errors, help, solver ------
+def test_input_paths_resolve_next_to_the_config_file_first(tmp_path: Path, monkeypatch) -> None:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "train.txt").write_text("text")
+    (folder / "run.toml").write_text('[data]\nsource = "text"\npath = "train.txt"\n[eval]\npath = "absent.txt"\n'
+                                     '[log]\ndir = "runs/x"\n')
+    monkeypatch.chdir(tmp_path)
+    config = load_config(folder / "run.toml", ['model.file="also-absent.json"'])
+    assert Path(config.data.path) == folder / "train.txt"  # beside the config
+    assert config.eval.path == "absent.txt"  # not beside it: the working directory's, as before
+    assert config.model.file == "also-absent.json" and config.log.dir == "runs/x"  # --set values and outputs: as given
+
+
+def test_fresh_clears_the_checkpoints_of_an_earlier_run_and_says_so(tmp_path: Path, capsys, no_launch) -> None:
+    from plait.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    for name in ("step_000002", "step_000004", "step_000006.tmp", "best/step_000004"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "meta.json").write_text("{}")
+    (ckpt / "notes.txt").write_text("mine")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[train]\nsteps = 2\nglobal_batch = 4\nseq_len = 16\n[checkpoint]\ndir = "{ckpt}"\n'
+                      f'[log]\ndir = "{tmp_path / "log"}"\n')
+    assert main(["train", str(config)]) == 2  # a second run of the same config, without the flag
+    assert "already holds checkpoints" in capsys.readouterr().err
+    with pytest.raises(Launched):
+        main(["train", str(config), "--fresh"])
+    err = capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt"]  # only what plait saved went
+    for name in ("step_000002", "step_000004", "step_000006.tmp", "best"):
+        assert f"--fresh removed {ckpt / name}" in err
+    assert main(["train", str(config), "--fresh", "--resume"]) == 2
+
+
+def test_version_help_and_one_line_argument_errors(capsys) -> None:
+    from plait.cli import main
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    with pytest.raises(SystemExit) as shown:
+        main(["--version"])
+    assert shown.value.code == 0 and capsys.readouterr().out.startswith("plait ")
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "--model", "tiny-gpt"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and "--cluster" in err and "usage" not in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in CLUSTER_PRESETS)
+
+
+def test_solver_train_leaves_the_shipped_weights_alone_by_default(capsys) -> None:
+    from plait.cli import build_parser
+    from plait.commands.solver import DEFAULT_OUT
+
+    args = build_parser().parse_args(["solver", "train"])
+    assert args.out is None and not args.replace_shipped and "plait/data" not in str(DEFAULT_OUT)
+    assert build_parser().parse_args(["solver", "train", "--replace-shipped"]).replace_shipped
