@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "tune": "run the top plans, compare predicted and measured step time, correct the cost model",
     "solver": "train the learned solver offline against the cost model",
     "export": "write a checkpoint of a Hugging Face model as a folder from_pretrained loads",
+    "generate": "sample text from a checkpoint or a Hugging Face folder (greedy, temperature, top-p)",
 }
 
 
