@@ -78,15 +78,21 @@ class ModelConfig:
 class DataConfig:
     """Where the tokens come from (plait.train.data): tokenized once, cached, documents packed with EOS between."""
 
-    source: Literal["shipped", "text", "jsonl", "tokens"] = "shipped"
+    source: Literal["shipped", "text", "jsonl", "tokens", "hf"] = "shipped"
     """"shipped": the text in plait/data; "text": a UTF-8 file (one document); "jsonl": JSON lines, one document
-    each (`text_key`); "tokens": a pre-tokenized uint16/uint32 file."""
+    each (`text_key`); "tokens": a pre-tokenized uint16/uint32 file; "hf": a Hugging Face `datasets` dataset on
+    disk (a save_to_disk folder, or a local parquet / JSON / Arrow file), one document per row (`text_key`)."""
     path: str | None = None
-    """The file for source "text" / "jsonl" / "tokens"."""
+    """The file (or, for "hf", the folder) for source "text" / "jsonl" / "tokens" / "hf"."""
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Element type of a token file; "auto" reads it from the name (train.u16.bin, train.uint32.bin)."""
     text_key: str = "text"
-    """The key of each JSON line that holds its document."""
+    """The key of each JSON line (the column of an "hf" dataset) that holds its document."""
+    split: str = "train"
+    """The split of an "hf" dataset folder that holds several (a DatasetDict)."""
+    chat: bool = False
+    """Chat fine-tuning: each row (source "jsonl" or "hf") holds a list of {"role", "content"} messages under
+    `text_key`, rendered with the tokenizer's chat template; the loss is on the assistant's tokens only."""
     tokenizer: str | None = None
     """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
