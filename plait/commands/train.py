@@ -21,6 +21,9 @@ from pathlib import Path
 
 from plait.errors import Interrupted
 
+UNCALIBRATED_PRESET = "local-cpu"
+"""plait's generic CPU preset: its figures are nobody's machine in particular."""
+
 # Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
 FLAG_KEYS: dict[str, str] = {
     "steps": "train.steps",
@@ -144,6 +147,10 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
                   f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
+    if plan.cluster.name == UNCALIBRATED_PRESET:
+        console.print(f"plait train: note: the plan's predictions use the {UNCALIBRATED_PRESET!r} preset, not measured on "
+                      f"this machine (uncalibrated: expect them off by several times); `plait profile` writes a cluster "
+                      f"file of this machine to plan with", highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]

@@ -43,7 +43,11 @@ def _datasets() -> Any:
     # Local files only: the library must not ask the Hub for anything (set before its first import).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data.source = \"hf\" needs the 'datasets' package, which is not installed; "
+                          "pip install 'plait[datasets]'") from None
 
     datasets.disable_progress_bars()
     return datasets

@@ -25,7 +25,7 @@ from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.adapt import Adaptation, switch_plan
-from plait.train.measure import RunMeasurements, print_comparison, write_measured
+from plait.train.measure import RunMeasurements, calibration_advice, print_comparison, write_measured
 from plait.train.evaluate import Evaluator
 from plait.train.metrics import ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.sinks import RunSinks
@@ -200,6 +200,9 @@ def _report_measured(segments: list, log_dir: Path) -> None:
         return
     write_measured(log_dir, segments)
     print_comparison(segments)
+    advice = calibration_advice(segments, log_dir, dist.get_world_size())
+    if advice:
+        print(f"plait: note: {advice}", file=sys.stderr, flush=True)
 
 
 def _out_of_time(max_seconds: float, start: float) -> bool:

@@ -155,3 +155,21 @@ def test_solver_train_leaves_the_shipped_weights_alone_by_default(capsys) -> Non
     args = build_parser().parse_args(["solver", "train"])
     assert args.out is None and not args.replace_shipped and "plait/data" not in str(DEFAULT_OUT)
     assert build_parser().parse_args(["solver", "train", "--replace-shipped"]).replace_shipped
+
+
+# ---- calibration: a run far off its prediction says how to fix it ------------------------------------------------
+def test_a_run_far_off_its_prediction_names_the_calibration_commands() -> None:
+    from types import SimpleNamespace
+
+    from plait.train.measure import calibration_advice
+
+    def segment(predicted: float, measured: float) -> SimpleNamespace:
+        return SimpleNamespace(plan={"cluster": {"name": "local-cpu"}}, predicted=SimpleNamespace(step=predicted),
+                               measured=lambda: SimpleNamespace(step=measured))
+
+    assert calibration_advice([segment(1.0, 1.4)], "runs/x", 2) is None  # within 1.5x: nothing to say
+    advice = calibration_advice([segment(1.0, 1.4), segment(0.1, 1.37)], "runs/x", 2)
+    assert "13.7x slower" in advice and "'local-cpu'" in advice
+    assert "plait profile --nproc 2" in advice and "plait tune --from-run runs/x" in advice
+    assert "0.5x" not in calibration_advice([segment(1.0, 0.5)], "runs/x", 2) and "2.0x faster" in \
+        calibration_advice([segment(1.0, 0.5)], "runs/x", 2)
