@@ -4,7 +4,8 @@ The three runs train the same tiny GPT from the same seed on the same data, hold
 text: their validation losses must agree with each other and with the loss one process computes from the dp
 run's final weights on the same held-out batches (the evaluation is the same maths under every layout, the
 pipeline's included: it runs the schedule's forward-only path). The dp run also writes TensorBoard event files
-and an offline W&B run, read back here; the pp run keeps its best checkpoint.
+and an offline W&B run, read back here; the pp run keeps its best checkpoint; and the dp run again in bf16
+shows that a bf16 plan computes in bf16 on CPU (autocast), not in fp32.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ STEPS, EVERY, GLOBAL_BATCH, SEQ_LEN, BATCHES, FRACTION = 4, 2, 4, 16, 2, 0.05
 PLANS = {"dp2": dict(dp=2, micro_batch=2),
          "tp2": dict(tp=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2),
          "pp2": dict(pp=2, schedule="1f1b", micro_batch=1, num_micro_batches=4)}
+RUNS = {**{name: (name, "fp32") for name in PLANS}, "dp2-bf16": ("dp2", "bf16")}  # run -> (plan, precision)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1", "WANDB_SILENT": "true"}
 pytestmark = pytest.mark.dist
 
@@ -35,9 +37,10 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("validation")
-    for name, degrees in PLANS.items():
-        full = {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1, **degrees}
-        sections = {"train": {"steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "seed": 1},
+    for name, (plan_name, precision) in RUNS.items():
+        full = {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1, **PLANS[plan_name]}
+        sections = {"train": {"steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "seed": 1,
+                              "precision": precision},
                     "optimizer": {"lr": 1e-2, "warmup": 1},
                     "eval": {"every": EVERY, "fraction": FRACTION, "batches": BATCHES},
                     "log": {"save_model": name == "dp2", "tensorboard": name == "dp2",
@@ -152,3 +155,16 @@ def test_the_best_checkpoint_is_kept(runs: Path) -> None:
     best_step = min(losses, key=losses.get)
     kept = sorted(p.name for p in (runs / "pp2" / "ckpt" / "best").iterdir())
     assert kept == [f"step_{best_step:06d}"]
+
+
+def metrics_of(root: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (root / name / name / "log" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bf16_on_cpu_computes_in_bf16(runs: Path) -> None:
+    fp32, bf16 = metrics_of(runs, "dp2"), metrics_of(runs, "dp2-bf16")
+    assert {m["precision"] for m in fp32} == {"fp32"} and {m["precision"] for m in bf16} == {"bf16"}
+    assert json.loads((runs / "dp2-bf16" / "dp2-bf16" / "log" / "plan.json").read_text())["train"]["precision"] == "bf16"
+    differences = [abs(b["loss"] - f["loss"]) / f["loss"] for b, f in zip(bf16, fp32)]
+    assert max(differences) > 1e-5  # it did not run in fp32 ...
+    assert max(differences) < 0.05  # ... and it is still the same training

@@ -173,3 +173,14 @@ def test_a_run_far_off_its_prediction_names_the_calibration_commands() -> None:
     assert "plait profile --nproc 2" in advice and "plait tune --from-run runs/x" in advice
     assert "0.5x" not in calibration_advice([segment(1.0, 0.5)], "runs/x", 2) and "2.0x faster" in \
         calibration_advice([segment(1.0, 0.5)], "runs/x", 2)
+
+
+def test_fp16_is_refused_in_one_line_before_ranks_start(tmp_path: Path, capsys, no_launch) -> None:
+    from plait.cli import main
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'[train]\nsteps = 2\nglobal_batch = 4\nseq_len = 16\nprecision = "fp16"\n'
+                      f'[log]\ndir = "{tmp_path / "log"}"\n')
+    assert main(["train", str(config)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "loss scaler" in lines[0] and '"bf16"' in lines[0], lines
