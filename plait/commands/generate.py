@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     prompt = prompt_ids(generator.tokenizer, args.prompt)
     out = sample(generator.logits_of, prompt, num_tokens=args.tokens, max_seq_len=generator.max_seq_len,
                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                 stop_id=generator.tokenizer.eos_id if prompt.numel() else None)
+                 stop_id=generator.tokenizer.eos_id)
     print(generator.tokenizer.decode(out.numpy()))
     return 0
 

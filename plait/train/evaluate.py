@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from plait.train.data import BatchLoader, LoaderPosition, eval_tokens
@@ -47,7 +48,10 @@ class Evaluator:
         for _ in range(self.batches):
             tokens, targets = self.loader.next_batch()
             total += model.eval_loss(tokens, targets)
-        return total / self.batches
+        # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
+        agreed = torch.tensor([total / self.batches], dtype=torch.float64, device=model.device)
+        dist.broadcast(agreed, src=0)
+        return agreed.item()
 
     def after_step(self, state: Any, sinks: Any, final: bool) -> float | None:
         """Evaluate when due, log it, and keep the best checkpoint when asked; returns the loss (None if not due)."""
