@@ -5,7 +5,8 @@ text: their validation losses must agree with each other and with the loss one p
 run's final weights on the same held-out batches (the evaluation is the same maths under every layout, the
 pipeline's included: it runs the schedule's forward-only path). The dp run also writes TensorBoard event files
 and an offline W&B run, read back here; the pp run keeps its best checkpoint; and the dp run again in bf16
-shows that a bf16 plan computes in bf16 on CPU (autocast), not in fp32.
+shows that a bf16 plan computes in bf16 on CPU (autocast), not in fp32. `plait generate` reads the dp run's
+checkpoint: greedy text as its final weights (model.pt) give it, and seeded sampling.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def runs(tmp_path_factory) -> Path:
                     "eval": {"every": EVERY, "fraction": FRACTION, "batches": BATCHES},
                     "log": {"save_model": name == "dp2", "tensorboard": name == "dp2",
                             "wandb": "offline" if name == "dp2" else "off"}}
-        if name == "pp2":
-            sections["eval"]["keep_best"] = True
+        if name in ("pp2", "dp2"):  # pp2 keeps its best checkpoint; dp2's is what `plait generate` reads below
+            sections["eval"]["keep_best"] = name == "pp2"
             sections["checkpoint"] = {"dir": str(root / name / "ckpt")}
         plan_root = root / name
         plan_root.mkdir()
@@ -168,3 +169,37 @@ def test_bf16_on_cpu_computes_in_bf16(runs: Path) -> None:
     differences = [abs(b["loss"] - f["loss"]) / f["loss"] for b, f in zip(bf16, fp32)]
     assert max(differences) > 1e-5  # it did not run in fp32 ...
     assert max(differences) < 0.05  # ... and it is still the same training
+
+
+PROMPT = "To be, or"
+
+
+def generate(*argv: str) -> str:
+    import contextlib
+    import io
+
+    from plait.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["generate", *argv]) == 0
+    return out.getvalue().rstrip("\n")
+
+
+def test_generate_from_a_plait_checkpoint_is_what_its_final_weights_give(runs: Path) -> None:
+    import torch
+
+    from plait.spec import ModelSpec
+    from plait.train.sample import sample_text  # model.pt into plait's own model, decoded greedily
+
+    text = generate(str(runs / "dp2" / "ckpt"), "--prompt", PROMPT, "--tokens", "12")
+    model_pt = torch.load(runs / "dp2" / "dp2" / "log" / "model.pt", weights_only=True)
+    assert text == sample_text(ModelSpec(**MODEL), model_pt, PROMPT, num_tokens=12, top_k=0)
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+
+
+def test_sampling_follows_its_seed(runs: Path) -> None:
+    args = [str(runs / "dp2" / "ckpt"), "--prompt", PROMPT, "--tokens", "24", "--temperature", "1.5", "--top-p", "0.95"]
+    first, again = generate(*args, "--seed", "1"), generate(*args, "--seed", "1")
+    assert first == again and first.startswith(PROMPT)
+    assert {generate(*args, "--seed", str(seed)) for seed in (2, 3, 4)} != {first}
