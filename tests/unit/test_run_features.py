@@ -184,3 +184,16 @@ def test_fp16_is_refused_in_one_line_before_ranks_start(tmp_path: Path, capsys, 
     assert main(["train", str(config)]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "loss scaler" in lines[0] and '"bf16"' in lines[0], lines
+
+
+def test_eval_path_is_a_second_source_read_like_the_first(tmp_path: Path) -> None:
+    from plait.spec.models import MODEL_PRESETS
+    from plait.train.data import eval_tokens, training_tokens
+
+    (tmp_path / "train.txt").write_text("the training text " * 20)
+    (tmp_path / "val.txt").write_text("held out")
+    config = config_of(tmp_path, 'data.source="text"', f'data.path="{tmp_path / "train.txt"}"', "eval.every=2",
+                       f'eval.path="{tmp_path / "val.txt"}"')
+    model = MODEL_PRESETS["tiny-gpt"]
+    assert bytes(np.asarray(eval_tokens(config, model), dtype=np.uint8)) == b"held out"
+    assert len(training_tokens(config, model)) == len("the training text " * 20)  # nothing held out of it
