@@ -19,15 +19,33 @@ COMMANDS: dict[str, str] = {
     "tune": "run the top plans, compare predicted and measured step time, correct the cost model",
     "solver": "train the learned solver offline against the cost model",
     "export": "write a checkpoint of a Hugging Face model as a folder from_pretrained loads",
+    "generate": "sample text from a checkpoint or a Hugging Face folder (greedy, temperature, top-p)",
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Argument mistakes print the one line that matters and where the usage is, not the usage block first."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("plait")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="plait",
         description="Plan and run hybrid-parallel (DP/ZeRO/FSDP x TP/SP x PP x recompute) training for PyTorch.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"plait {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"plait.commands.{name}")
         sub_parser = sub.add_parser(name, help=help_text, description=module.__doc__,

@@ -65,13 +65,16 @@ def meta(step: int = 2) -> dict[str, Any]:
 
 def fake_checkpoint(root: Path, step: int = 2) -> Path:
     """A checkpoint directory that verifies (manifest, meta, shards, rng), as plait writes one."""
-    from plait.train.checkpoint import publish, step_dir, tmp_dir, write_manifest
+    import torch
+
+    from plait.train.checkpoint import publish, rng_states, step_dir, tmp_dir, write_manifest
 
     tmp = tmp_dir(root, step)
     (tmp / "rng").mkdir(parents=True)
     for name, data in {".metadata": b"m" * 64, "__0_0.distcp": b"a" * 999, "__1_0.distcp": b"b" * 999,
-                       "rng/rank_00000.pt": b"r" * 9, "meta.json": json.dumps(meta(step)).encode()}.items():
+                       "meta.json": json.dumps(meta(step)).encode()}.items():
         (tmp / name).write_bytes(data)
+    torch.save(rng_states(), tmp / "rng" / "rank_00000.pt")  # plain data, as plait writes it
     write_manifest(tmp, step)
     publish(tmp, step_dir(root, step))
     return root
@@ -217,3 +220,11 @@ def write_report() -> None:
     for kind, entry in RESULTS.items():
         merged[kind] = {**entry, "exit_codes": dict(entry["exit_codes"])}
     path.write_text(json.dumps(merged, indent=1))
+
+
+def write_manifest_again(step_folder: Path) -> None:
+    """Re-sign a published checkpoint after changing a file in it (what someone sharing a doctored one would do)."""
+    from plait.train.checkpoint import MANIFEST, write_manifest
+
+    (step_folder / MANIFEST).unlink()
+    write_manifest(step_folder, int(step_folder.name.removeprefix("step_")))

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     max_bytes = int(parse_bytes(args.max_shard_size, "--max-shard-size"))
     if max_bytes <= 0:
         raise ConfigError(f"--max-shard-size {args.max_shard_size!r} must be positive")
-    step_dir, meta = _checkpoint(Path(args.checkpoint))
+    step_dir, meta = checkpoint_step(Path(args.checkpoint))
     model_dir, tokenizer_dir = _folders(meta, args)
     tied = _tied(meta, model_dir)
 
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint(path: Path) -> tuple[Path, dict]:
+def checkpoint_step(path: Path) -> tuple[Path, dict]:
     """The verified step folder `path` names (itself, or the newest complete one under it) and its meta.json."""
     from plait.train.checkpoint import META, latest_complete, read_meta, verify, warn
 

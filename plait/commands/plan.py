@@ -33,11 +33,13 @@ PROGRESS_AFTER_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from plait.spec.clusters import CLUSTER_PRESETS
+
     what = parser.add_argument_group("what to plan for")
     what.add_argument("--model", required=True, metavar="M",
                       help="model preset (e.g. gpt3-175b, llama3-8b, tiny-gpt), HF config.json, or plait model file")
     what.add_argument("--cluster", required=True, metavar="C",
-                      help="cluster preset (a100-80g, a100-40g, h100-80g, local-cpu) or cluster file")
+                      help=f"cluster preset ({', '.join(CLUSTER_PRESETS)}) or cluster file")
     what.add_argument("--devices", type=positive_int, metavar="N", help="devices to plan for (default: the cluster's)")
     what.add_argument("--global-batch", type=positive_int, required=True, metavar="B", help="sequences per step")
     what.add_argument("--seq-len", type=positive_int, required=True, metavar="S", help="tokens per sequence")
@@ -99,9 +101,9 @@ def main(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
                        precision=args.precision or default_precision(cluster))
-    if args.precision and args.precision != default_precision(cluster) and cluster.device_type == "cpu":
-        print(f"plait plan: warning: --precision {args.precision} on a CPU cluster prices {args.precision}, but "
-              "plait runs fp32 on CPU", file=sys.stderr)
+    if args.precision == "fp16":
+        print("plait plan: warning: --precision fp16 prices fp16, but plait train refuses it (no loss scaler); "
+              "bf16 trains, on CPU too", file=sys.stderr)
     num_devices = args.devices or cluster.num_devices
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")

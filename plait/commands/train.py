@@ -21,6 +21,9 @@ from pathlib import Path
 
 from plait.errors import Interrupted
 
+UNCALIBRATED_PRESET = "local-cpu"
+"""plait's generic CPU preset: its figures are nobody's machine in particular."""
+
 # Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
 FLAG_KEYS: dict[str, str] = {
     "steps": "train.steps",
@@ -51,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-over", action="store_true",
                         help="--resume, but start from step 0 when checkpoint.dir holds no usable checkpoint "
                              "(checkpoint.start_over); unreadable checkpoints are kept, renamed step_N.unreadable")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start this config over: removes the checkpoints earlier runs left in checkpoint.dir "
+                             "(step_N, best/; each named as it goes) and lets export_hf replace its folder's weights "
+                             "(checkpoint.export_overwrite); metrics.jsonl is rewritten as on any new run")
     parser.add_argument("--adapt", action="store_true",
                         help="re-plan from the run's own timings (a straggler rank, a step far off its prediction) and "
                              "switch to a faster plan where that pays for the switch (plan.adapt); off by default")
@@ -74,6 +81,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         items.append("checkpoint.start_over=true")
     if getattr(args, "adapt", False):
         items.append("plan.adapt=true")
+    if getattr(args, "fresh", False):
+        items.append("checkpoint.export_overwrite=true")
     return items
 
 
@@ -87,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
 
     overrides = overrides_of(args)
     config = load_config(args.config, overrides)
+    if args.fresh:
+        start_fresh(config, resuming=args.resume or args.start_over, under_torchrun=in_torchrun())
     if in_torchrun():
         from plait.train.loop import run
 
@@ -94,6 +105,24 @@ def main(args: argparse.Namespace) -> int:
         return 0
     return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout,
                   max_restarts=args.max_restarts)
+
+
+def start_fresh(config, *, resuming: bool, under_torchrun: bool) -> None:
+    """--fresh: clear what an earlier run of this config left in checkpoint.dir, saying what goes."""
+    import sys
+
+    from plait.errors import ConfigError
+    from plait.train.checkpoint import clear_checkpoints
+
+    if resuming:
+        raise ConfigError("--fresh starts over and --resume continues: pass one of them")
+    if under_torchrun:
+        raise ConfigError("--fresh clears checkpoint.dir before ranks start: use it with a local `plait train` (or "
+                          "empty checkpoint.dir yourself before torchrun)")
+    if config.checkpoint.dir is None:
+        return
+    for path in clear_checkpoints(config.checkpoint.dir):
+        print(f"plait train: --fresh removed {path}", file=sys.stderr)
 
 
 def launch(config_path: str | None, config, overrides: list[str], *, nproc: int | None,
@@ -118,6 +147,10 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
                   f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
+    if plan.cluster.name == UNCALIBRATED_PRESET:
+        console.print(f"plait train: note: the plan's predictions use the {UNCALIBRATED_PRESET!r} preset, not measured on "
+                      f"this machine (uncalibrated: expect them off by several times); `plait profile` writes a cluster "
+                      f"file of this machine to plan with", highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]

@@ -52,6 +52,7 @@ from plait.launch import in_torchrun, init_distributed
 from plait.models import ModelAdapter, adapter_for, initial_state_dict
 from plait.models.moe import set_aux_scale
 from plait.plan import Plan
+from plait.spec.train import untrainable_precision
 
 
 def global_squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -123,7 +124,8 @@ class ParallelModel:
         self.device = device
         self.mixed_precision = mixed_precision
         # fully_shard casts through its MixedPrecisionPolicy; every other layout (one replica, DDP) autocasts
-        self.autocast = None if any(isinstance(p, FSDPModule) for p in model_parts) else mixed_precision
+        fsdp_casts = device.type != "cpu" and any(isinstance(p, FSDPModule) for p in model_parts)
+        self.autocast = None if fsdp_casts else mixed_precision
         self.tied = TiedGradients(model_parts, adapter.tied, mesh, plan)
         self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
                            ReplicatedGradients(model_parts, "experts_replicated", mesh["edp_cp"], data_mesh(mesh).size())]
@@ -209,14 +211,32 @@ class ParallelModel:
             total += _scalar(loss.detach()).double()
         return total
 
-    def _pipeline_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _pipeline_step(self, tokens: torch.Tensor, targets: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
         args = (tokens,) if self.has_first_stage else ()
+        run = self.schedule.eval if forward_only else self.schedule.step
         if not self.has_last_stage:
-            self.schedule.step(*args)
+            run(*args)
             return torch.zeros((), device=self.device, dtype=torch.float64)
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=targets, losses=losses, **_NO_OUTPUTS)
+        run(*args, target=targets, losses=losses, **_NO_OUTPUTS)
         return torch.stack([_scalar(loss.detach()).double() for loss in losses]).mean()
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The loss `train_step` would return for these rows, forward only (no gradients, nothing synced); the same
+        on every rank (collective). A pipeline runs its schedule's forward-only path (schedule.eval)."""
+        if self.plan.cp > 1:
+            tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        with self._compute_context():
+            if self.schedule is not None:
+                local = self._pipeline_step(tokens, targets, forward_only=True)
+            else:
+                count = self.plan.num_micro_batches
+                local = torch.zeros((), device=self.device, dtype=torch.float64)
+                for tok, tgt in zip(tokens.chunk(count), targets.chunk(count)):
+                    local += _scalar(self.adapter.loss(self.model_parts[0](tok), tgt)).double() / count
+        return self._global_mean(local)
 
     def _global_mean(self, local: torch.Tensor) -> float:
         """Only the last pipeline rank holds the loss; tensor ranks hold equal copies; data and context ranks each
@@ -315,11 +335,12 @@ def single_process_model(plan: Plan, state: dict[str, torch.Tensor], dtype: torc
 
 
 def _mixed_precision(plan: Plan, device: torch.device) -> torch.dtype | None:
-    """16-bit compute where the plan asks for it and the device is an accelerator; CPU runs fp32
-    (16-bit matmuls there are slow and would only blur the equality checks)."""
-    if device.type == "cpu" or plan.train.precision == "fp32":
-        return None
-    return torch.bfloat16 if plan.train.precision == "bf16" else torch.float16
+    """The 16-bit compute dtype the plan asks for (None: fp32). bf16 runs on CPU too, under CPU autocast: a plan
+    that says bf16 computes in bf16. fp16 needs a loss scaler, which plait does not have: refused in one line."""
+    refusal = untrainable_precision(plan.train.precision)
+    if refusal:
+        raise ConfigError(refusal)
+    return None if plan.train.precision == "fp32" else torch.bfloat16
 
 
 @contextmanager
@@ -357,12 +378,15 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     if precision is not None:
         plan = plan.replace(train=dataclasses.replace(plan.train, precision=precision))
     mixed = _mixed_precision(plan, device)
+    # On CPU (gloo) parameters and collectives stay fp32 and autocast computes in bf16; on accelerators
+    # fully_shard casts through its MixedPrecisionPolicy.
+    sharded_mixed = None if device.type == "cpu" else mixed
     adapter = adapter_for(plan.model)
     mesh = build_mesh(plan.degrees, device_type_of(device), rank_order(plan))
     pp_rank = pipeline_position(mesh)
     with default_dtype(dtype):
         stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
-    parts = [shard_stage(part, plan, mesh, pp_rank, mixed) for part in parts]
+    parts = [shard_stage(part, plan, mesh, pp_rank, sharded_mixed) for part in parts]
     for part in parts:
         _materialize(part, adapter, plan, seed, device, initial_state, weights)
     apply_throttle([b for part in parts for b in part.stage_blocks().values()], planned_throttle(dist.get_rank(), plan, pp_rank))

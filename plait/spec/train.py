@@ -10,6 +10,19 @@ from plait.spec._dict import from_dict, to_dict
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
+TRAINABLE_PRECISIONS = ("fp32", "bf16")
+"""What the executor trains in: fp16 is priced by the planner, but trains only with a loss scaler, which plait has
+not got."""
+
+
+def untrainable_precision(precision: str) -> str | None:
+    """Why a run cannot train in `precision` (one line, with what would work), or None."""
+    if precision in TRAINABLE_PRECISIONS:
+        return None
+    return (f"precision={precision!r} trains without a loss scaler in plait (small gradients would underflow to "
+            f"zero); use \"bf16\" (the same memory, no scaler needed) or \"fp32\"")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     global_batch: int

@@ -9,7 +9,8 @@ A checkpoint is a directory ``<dir>/step_000100/`` holding
 * ``meta.json``: step, tokens, data-loader position, world size, and the plan (with its model
   spec) and config that produced it. The learning rate is a pure function of the step and the
   [optimizer] config (plait.train.loop.lr_at), so the step *is* the scheduler state;
-* ``rng/rank_00000.pt``: torch / python / numpy random states of each rank;
+* ``rng/rank_00000.pt``: torch / python / numpy random states of each rank, as plain tensors, lists and
+  numbers (read back with ``weights_only=True``: nothing in it is unpickled);
 * ``MANIFEST.json``: size and SHA-256 of every file above, written last.
 
 Saving is atomic: everything goes to ``step_000100.tmp/``, is fsynced, the manifest is written
@@ -48,7 +49,8 @@ from plait.train.fault import maybe_inject, planned_fault
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
 RNG_DIR = "rng"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the random-state files hold plain data (read with weights_only=True); 1 pickled numpy objects."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 UNREADABLE = ".unreadable"
 """Suffix of a checkpoint a resume could not read, kept for the user (plait reads and deletes none of them)."""
@@ -196,6 +198,18 @@ def check_fresh_dir(root: str | Path) -> None:
         )
 
 
+def clear_checkpoints(root: str | Path) -> list[Path]:
+    """`plait train --fresh`: remove what earlier runs saved under `root` -- checkpoints (step_N), unfinished saves
+    (.tmp), set-aside unreadable ones and the best checkpoint (best/) -- and nothing else; returns what went."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    doomed = sorted(p for p in root.iterdir() if p.is_dir() and (p.name.startswith("step_") or p.name == "best"))
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
 def plan_for_launch(config: Any, nproc: int | None) -> Any:
     """The plan `plait train` starts ranks with; on --resume, one for `nproc` devices if the
     configured plan needs another count (the world changed size): the checkpoint reshards to it."""
@@ -239,6 +253,8 @@ def check_launch(config: Any, plan: Any = None) -> Found | None:
         if saved is not None and saved != wanted:
             raise ConfigError(f"checkpoint {found.path} was saved with train.{key}={saved}, this run has "
                               f"train.{key}={wanted}; resume with train.{key}={saved} or use another checkpoint.dir")
+    for rng_file in sorted((found.path / RNG_DIR).glob("*.pt")):  # refuse a planted pickle before ranks start
+        read_rng_file(rng_file)
     return found
 
 
@@ -458,18 +474,51 @@ def _meta(state: Any) -> dict[str, Any]:
 
 
 def _save_rng(path: Path) -> None:
+    with path.open("wb") as f:
+        _torch().save(rng_states(), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's torch / python / numpy random states as plain data: tensors, lists, numbers and strings
+    only, so that `torch.load(weights_only=True)` reads them back without unpickling any object."""
     import random
 
     import numpy as np
     import torch
 
-    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    version, mt_state, gauss = random.getstate()
+    key, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(),
+              "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64), "gauss": gauss},
+              "numpy": {"key": key, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
-    with path.open("wb") as f:
-        torch.save(states, f)
-        f.flush()
-        os.fsync(f.fileno())
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """The inverse of `rng_states`."""
+    import random
+
+    import numpy as np
+    import torch
+
+    python, numpy_state = states["python"], states["numpy"]
+    torch.set_rng_state(states["torch"])
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    np.random.set_state((numpy_state["key"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -525,19 +574,29 @@ def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
 
 
 def _load_rng(path: Path) -> None:
-    import random
+    if path.is_file():
+        set_rng_states(read_rng_file(path))
 
-    import numpy as np
-    import torch
 
-    if not path.is_file():
-        return
-    states = torch.load(path, weights_only=False)  # our own file, verified against the manifest
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """A rank's random states, read with `weights_only=True`: plain data only, no object is ever unpickled, so a
+    planted pickle in a shared checkpoint cannot run code on --resume (it is refused here, in one line)."""
+    import pickle
+
+    torch = _torch()
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"checkpoint file {path} holds more than plain tensors and numbers ({first_line[:160]}); plait reads its "
+            f"own checkpoint files without unpickling objects and refuses this one. It was tampered with or written "
+            f"by a plait older than checkpoint format {FORMAT_VERSION}: resume from a checkpoint this plait wrote, "
+            f"or start over in another checkpoint.dir") from None
+    if not isinstance(states, dict) or not {"torch", "python", "numpy"} <= set(states):
+        raise ConfigError(f"checkpoint file {path} is not a plait random-state file (keys torch, python, numpy "
+                          f"expected); resume from a checkpoint this plait wrote")
+    return states
 
 
 # ---- Hugging Face weights: in at the start ([model] weights), out at the end ([checkpoint] export_hf) ----------

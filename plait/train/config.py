@@ -10,7 +10,8 @@
     [plan]       file = "auto", cluster = "local-cpu", devices = 2   # or file = "plan.json"; adapt = false
     [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
-    [log]        dir = "runs/x", every = 10
+    [log]        dir = "runs/x", every = 10, tensorboard = false, wandb = "off"   # or "offline" / "online"
+    [eval]       every = 0, fraction = 0.05 (or path = "val.txt"), batches = 4, keep_best = false
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
 Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
@@ -77,15 +78,21 @@ class ModelConfig:
 class DataConfig:
     """Where the tokens come from (plait.train.data): tokenized once, cached, documents packed with EOS between."""
 
-    source: Literal["shipped", "text", "jsonl", "tokens"] = "shipped"
+    source: Literal["shipped", "text", "jsonl", "tokens", "hf"] = "shipped"
     """"shipped": the text in plait/data; "text": a UTF-8 file (one document); "jsonl": JSON lines, one document
-    each (`text_key`); "tokens": a pre-tokenized uint16/uint32 file."""
+    each (`text_key`); "tokens": a pre-tokenized uint16/uint32 file; "hf": a Hugging Face `datasets` dataset on
+    disk (a save_to_disk folder, or a local parquet / JSON / Arrow file), one document per row (`text_key`)."""
     path: str | None = None
-    """The file for source "text" / "jsonl" / "tokens"."""
+    """The file (or, for "hf", the folder) for source "text" / "jsonl" / "tokens" / "hf"."""
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Element type of a token file; "auto" reads it from the name (train.u16.bin, train.uint32.bin)."""
     text_key: str = "text"
-    """The key of each JSON line that holds its document."""
+    """The key of each JSON line (the column of an "hf" dataset) that holds its document."""
+    split: str = "train"
+    """The split of an "hf" dataset folder that holds several (a DatasetDict)."""
+    chat: bool = False
+    """Chat fine-tuning: each row (source "jsonl" or "hf") holds a list of {"role", "content"} messages under
+    `text_key`, rendered with the tokenizer's chat template; the loss is on the assistant's tokens only."""
     tokenizer: str | None = None
     """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
@@ -199,6 +206,42 @@ class LogConfig:
     """Show a progress bar on rank 0."""
     save_model: bool = False
     """Write the final weights as one full state dict, model.pt (what `plait demo` samples from)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (torch's SummaryWriter) to <dir>/tensorboard: every metrics.jsonl field,
+    the validation loss, and the plan and config as text. Needs the `tensorboard` extra."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log to Weights & Biases: "offline" (a run folder under <dir>/wandb, `wandb sync` uploads it later) or
+    "online"; the same fields, with the plan and config as the run's config. Needs the `wandb` extra."""
+    wandb_project: str = "plait"
+    """The W&B project the run is filed under."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation: the loss on held-out tokens, evaluated under the run's own plan (forward only; a pipeline runs
+    its schedule's forward-only path), logged to every sink (eval.jsonl, TensorBoard's and W&B's val/loss)."""
+
+    every: int = 0
+    """Evaluate every this many steps (and after the last); 0: no validation."""
+    fraction: float = 0.0
+    """Hold out this tail fraction of the [data] tokens (the run trains on the rest); or give `path`."""
+    path: str | None = None
+    """A second file of the same kind as [data] source (text, JSON lines or tokens), with the same tokenizer."""
+    batches: int = 4
+    """Batches of train.global_batch sequences per evaluation (the same ones every time: losses compare)."""
+    keep_best: bool = False
+    """Also save a checkpoint whenever the validation loss is the lowest so far, in <checkpoint.dir>/best (one
+    kept); needs checkpoint.dir."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.batches <= 0:
+            raise ValueError(f"every={self.every} must be >= 0 and batches={self.batches} > 0")
+        if not 0 <= self.fraction < 1:
+            raise ValueError(f"fraction={self.fraction} must lie in [0, 1), e.g. 0.05")
+        if self.every and not self.fraction and not self.path:
+            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05) or path")
+        if self.fraction and self.path:
+            raise ValueError(f"fraction={self.fraction} and path={self.path!r} are both set; keep one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +253,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -219,12 +263,33 @@ class Config:
 
 
 # ---- reading --------------------------------------------------------------------------
+INPUT_PATHS = (("model", "file"), ("model", "path"), ("data", "path"), ("data", "tokenizer"), ("plan", "file"),
+               ("plan", "cluster"), ("eval", "path"))
+"""Keys naming files the run reads. A relative one is looked up next to the config file first, then in the working
+directory (where the examples' paths, written from the repository root, are); outputs (log.dir, checkpoint.dir,
+...) and --set values stay relative to the working directory."""
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a TOML config (None: all defaults) and apply ``section.key=value`` overrides."""
     data = read_toml(Path(path)) if path is not None else {}
+    if path is not None:
+        resolve_inputs(data, Path(path).parent)
     for item in overrides:
         apply_override(data, item)
     return config_from_dict(data)
+
+
+def resolve_inputs(data: dict[str, Any], folder: Path) -> None:
+    """Point relative input paths that exist next to the config file there (see INPUT_PATHS)."""
+    for section, key in INPUT_PATHS:
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        beside = folder / value
+        if folder != Path(".") and beside.exists():
+            table[key] = str(beside)
 
 
 def read_toml(path: Path) -> dict[str, Any]:

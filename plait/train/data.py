@@ -7,7 +7,11 @@ Sources (``[data] source`` in the config):
 * ``jsonl``: JSON lines, one document per line under ``[data] text_key`` (``{"text": "..."}``);
 * ``tokens``: a pre-tokenized file of little-endian ``uint16`` or ``uint32`` ids read as a
   memmap (the dtype from ``[data] dtype``, or from the name: ``train.u16.bin``,
-  ``train.uint32.bin``, ...).
+  ``train.uint32.bin``, ...);
+* ``hf``: a Hugging Face ``datasets`` dataset on disk -- a folder written by ``save_to_disk``, or a local
+  parquet / JSON / Arrow file -- one document per row in the column ``[data] text_key`` (``[data] split`` of a
+  folder holding several). Files are streamed (never loaded whole, no copy in the datasets cache); nothing is
+  downloaded.
 
 Tokenizers (``[data] tokenizer``): ``"byte"``, one token per byte (vocabulary 256, the demo's), or a
 folder holding a Hugging Face ``tokenizer.json``, read with the `tokenizers` library from local files
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
     from plait.spec import ModelSpec
     from plait.train.config import Config
 
-Source = Literal["shipped", "text", "jsonl", "tokens"]
+Source = Literal["shipped", "text", "jsonl", "tokens", "hf"]
 TokenDtype = Literal["auto", "uint16", "uint32"]
 SHIPPED_TEXT = "shakespeare.txt"
 _DTYPE_SUFFIXES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
@@ -176,26 +180,52 @@ def shipped_text_path() -> Path:
 
 
 def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
-    """The token stream a run trains on, from its [data] section, checked against the model's vocabulary.
+    """The token stream a run trains on, from its [data] section, checked against the model's vocabulary (less the
+    tail that [eval] fraction holds out).
 
     The launcher calls it first (so a file is tokenized and cached once, before any rank starts), then every rank."""
+    tokens = source_tokens(config, model, config.data.path)
+    return split_held_out(tokens, config.eval.fraction)[0]
+
+
+def eval_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
+    """The held-out tokens [eval] names: its own file (read as [data] says), or the tail of the [data] stream."""
+    if config.eval.path is not None:
+        return source_tokens(config, model, config.eval.path)
+    return split_held_out(source_tokens(config, model, config.data.path), config.eval.fraction)[1]
+
+
+def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training part, held-out tail) of a token stream; the tail is `fraction` of it (empty for 0)."""
+    cut = len(tokens) - int(round(len(tokens) * fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def source_tokens(config: "Config", model: "ModelSpec", path: str | None) -> np.ndarray:
+    """The whole token stream of the file `path`, read as [data] source and tokenizer say."""
     data = config.data
-    where = f"data ({data.path or 'shipped text'})"
+    where = f"data ({path or 'shipped text'})"
     hint = "check data.dtype"
     if data.source == "tokens":
-        tokens = load_tokens("tokens", data.path, data.dtype)
+        tokens = load_tokens("tokens", path, data.dtype)
     else:
         model_dir = Path(model.source.removeprefix("hf:")) if model.source.startswith("hf:") else None
         tokenizer = load_tokenizer(data.tokenizer, model_dir)
         hint = f"set data.tokenizer (now {tokenizer.name!r}) to the model's own tokenizer"
         if not isinstance(tokenizer, ByteTokenizer):  # bytes: a model of 128 ids may train on ASCII text
             check_tokenizer(tokenizer, model.vocab_size)
-        file = shipped_text_path() if data.source == "shipped" else _existing(_path_of(data.source, data.path))
-        if isinstance(tokenizer, ByteTokenizer) and data.source != "jsonl":
+        shipped = data.source == "shipped" and path is None  # [eval] path of a shipped-text run: a text file
+        file = shipped_text_path() if shipped else _existing(_path_of(data.source, path), data.source)
+        if data.chat and (isinstance(tokenizer, ByteTokenizer) or data.source not in ("jsonl", "hf")):
+            raise ConfigError(f"data.chat = true renders conversations with a tokenizer's chat template: it needs "
+                              f"data.source \"jsonl\" or \"hf\" (now {data.source!r}) and a Hugging Face tokenizer "
+                              f"(now {tokenizer.name!r})")
+        if isinstance(tokenizer, ByteTokenizer) and data.source not in ("jsonl", "hf"):
             tokens = _read_text(file)  # the bytes are the tokens: nothing to cache
         else:
             cache = Path(data.cache_dir) if data.cache_dir else Path(config.log.dir) / "tokens"
-            tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key)
+            tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key, split=data.split,
+                                   chat=data.chat)
     check_vocab(tokens, model.vocab_size, where, hint)
     return tokens
 
@@ -236,8 +266,10 @@ def _path_of(source: str, path: str | None) -> str:
     return path
 
 
-def _existing(path: str) -> Path:
+def _existing(path: str, source: str = "text") -> Path:
     file = Path(path).expanduser()
+    if source == "hf" and file.is_dir():
+        return file
     if not file.is_file():
         raise ConfigError(f"data file {str(file)!r} does not exist; set data.path to an existing file")
     return file
@@ -285,6 +317,8 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: 
     if len(tokens) == 0:
         raise ConfigError(f"{where}: no tokens; give a data file with something in it")
     largest = int(tokens.max())
+    if tokens.dtype == np.uint32 and largest >= 1 << 31:  # a chat stream's no-loss flags (plait.train.chat)
+        largest = int((tokens & np.uint32((1 << 31) - 1)).max())
     if largest >= vocab_size:
         raise ConfigError(
             f"{where}: token id {largest} does not fit the model's vocabulary of {vocab_size}; "
@@ -293,8 +327,13 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: 
 
 
 # ---- documents, packing and the cache ---------------------------------------------------
-def read_documents(file: Path, source: str, text_key: str = "text") -> Iterator[str]:
+def read_documents(file: Path, source: str, text_key: str = "text", split: str = "train") -> Iterator[str]:
     """The documents of a text file (the whole file) or a JSON-lines file (one per line; blank lines skipped)."""
+    if source == "hf":
+        from plait.train.hf_data import dataset_documents
+
+        yield from dataset_documents(file, text_key, split)
+        return
     if source != "jsonl":
         from plait.inputs import read_text
 
@@ -357,36 +396,47 @@ def pack_documents(documents: Iterator[str], tokenizer: Tokenizer, *, where: str
 
 
 def file_digest(file: Path) -> str:
+    """SHA-256 of a file's bytes, or of a folder's files (their relative names and bytes, in name order)."""
     digest = hashlib.sha256()
-    with file.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+    files = sorted(p for p in file.rglob("*") if p.is_file()) if file.is_dir() else [file]
+    for path in files:
+        if file.is_dir():
+            digest.update(path.relative_to(file).as_posix().encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
-def cache_key(content: str, tokenizer: Tokenizer, source: str, text_key: str) -> str:
+def cache_key(content: str, tokenizer: Tokenizer, source: str, text_key: str, split: str = "train",
+              chat: bool = False) -> str:
     """What decides the tokens: the file's content, the tokenizer, how documents are read, the packing format."""
-    fields = {"format": CACHE_FORMAT, "content": content, "tokenizer": tokenizer.identity,
-              "documents": f"jsonl:{text_key}" if source == "jsonl" else "text"}
+    documents = {"jsonl": f"jsonl:{text_key}", "hf": f"hf:{text_key}:{split}"}.get(source, "text")
+    documents = "chat:" + documents if chat else documents
+    fields = {"format": CACHE_FORMAT, "content": content, "tokenizer": tokenizer.identity, "documents": documents}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str | Path, *,
-                  text_key: str = "text") -> np.ndarray:
+                  text_key: str = "text", split: str = "train", chat: bool = False) -> np.ndarray:
     """The packed tokens of `file`, read from `cache_dir` when this content was tokenized by this tokenizer before,
     else tokenized and stored there (written to a temporary name, then renamed: ranks that race see either no entry
     or a whole one). A damaged entry is tokenized again."""
     cache = Path(cache_dir)
-    if file.stat().st_size == 0:
+    if file.is_file() and file.stat().st_size == 0:
         raise ConfigError(f"data file {str(file)!r} is empty; set data.path to a file with something in it")
-    key = cache_key(file_digest(file), tokenizer, source, text_key)
+    key = cache_key(file_digest(file), tokenizer, source, text_key, split, chat)
     entry = cache / f"{_safe_stem(file)}-{key[:20]}.npy"
     if entry.is_file():
         try:
             return np.load(entry, mmap_mode="r")
         except (OSError, ValueError, EOFError):
             pass  # damaged (a copy cut short): tokenize again below
-    tokens, count = pack_documents(read_documents(file, source, text_key), tokenizer, where=f"data file {str(file)!r}")
+    if chat:
+        tokens, count = _pack_chat(file, source, tokenizer, text_key, split)
+    else:
+        tokens, count = pack_documents(read_documents(file, source, text_key, split), tokenizer,
+                                       where=f"data file {str(file)!r}")
     try:
         cache.mkdir(parents=True, exist_ok=True)
         _write_atomically(entry, lambda f: np.save(f, tokens))
@@ -398,6 +448,15 @@ def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str 
         raise ConfigError(f"cannot write the token cache in {str(cache)!r} ({e.strerror or e}); set data.cache_dir "
                           f"to a writable folder") from None
     return np.load(entry, mmap_mode="r")
+
+
+def _pack_chat(file: Path, source: str, tokenizer: Tokenizer, key: str, split: str) -> tuple[np.ndarray, int]:
+    from plait.train.chat import chat_tokenizer, json_conversations, pack_conversations
+    from plait.train.hf_data import dataset_values
+
+    conversations = json_conversations(file, key) if source == "jsonl" else dataset_values(file, key, split)
+    return pack_conversations(conversations, chat_tokenizer(tokenizer.folder), tokenizer.eos_id,
+                              where=f"data file {str(file)!r}")
 
 
 def _safe_stem(file: Path) -> str:
@@ -465,6 +524,11 @@ class BatchLoader:
         per_rank = self.global_batch // self.dp_degree
         mine = rows[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]  # [per_rank, seq_len + 1]
         self.position = self._advance(self.position)
+        if mine.dtype == np.uint32:  # may carry chat mode's no-loss flags: flagged targets are ignored by the loss
+            from plait.train.chat import split_flags
+
+            tokens, targets = split_flags(mine)
+            return torch.from_numpy(np.ascontiguousarray(tokens)), torch.from_numpy(np.ascontiguousarray(targets))
         batch = torch.from_numpy(mine.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 

@@ -25,8 +25,10 @@ from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.adapt import Adaptation, switch_plan
-from plait.train.measure import RunMeasurements, print_comparison, write_measured
-from plait.train.metrics import MetricsLog, ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
+from plait.train.measure import RunMeasurements, calibration_advice, print_comparison, write_measured
+from plait.train.evaluate import Evaluator
+from plait.train.metrics import ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
+from plait.train.sinks import RunSinks
 from plait.train.fault import maybe_inject, planned_fault
 from plait.train.resolve import check_outputs, plan_for_world, write_plan
 
@@ -90,10 +92,11 @@ def _train(config: Config, plan: Plan) -> RunResult:
     hooks = make_checkpoint_hooks(config)
     hooks.resume(state)
     log_dir = Path(config.log.dir)
-    metrics = MetricsLog(log_dir / "metrics.jsonl", enabled=rank == 0, resumed_at=state.step)
+    metrics = RunSinks(config, plan, enabled=rank == 0, resumed_at=state.step)  # metrics.jsonl, TensorBoard, W&B
     measured = RunMeasurements(plan, model)
     adaptation = Adaptation(config, plan, log_dir, build_s, rank) if config.plan.adapt else None
-    losses = _steps(state, hooks, metrics, measured, device, adaptation)
+    evaluator = Evaluator(config, plan, model) if config.eval.every else None
+    losses = _steps(state, hooks, metrics, measured, device, adaptation, evaluator)
     metrics.close()
     _report_measured(measured.finish(), log_dir)
     export_at_end(state)
@@ -129,8 +132,8 @@ def _throughput(plan: Plan) -> Throughput:
                       peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
 
 
-def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeasurements, device: torch.device,
-           adaptation: Adaptation | None = None) -> list[float]:
+def _steps(state: TrainState, hooks: Any, metrics: RunSinks, measured: RunMeasurements, device: torch.device,
+           adaptation: Adaptation | None = None, evaluator: Evaluator | None = None) -> list[float]:
     config = state.config
     total = config.train.steps
     throughput = _throughput(state.plan)
@@ -148,6 +151,8 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeas
             progress.update(m)
             final = state.step == total or _out_of_time(config.train.max_seconds, start)
             hooks.after_step(state, final=final)
+            if evaluator is not None:
+                evaluator.after_step(state, metrics, final)
             maybe_inject(rank, state.step, fault)
             if final:
                 break
@@ -155,6 +160,8 @@ def _steps(state: TrainState, hooks: Any, metrics: MetricsLog, measured: RunMeas
             if new_plan is not None:  # [plan] adapt: a faster plan for the measured speeds (plait/train/adapt.py)
                 switch_plan(state, new_plan, lambda plan: _build(config, plan, device), hooks)
                 measured.start(new_plan, state.model)
+                if evaluator is not None:  # the held-out rows follow the new plan's data-parallel layout
+                    evaluator = evaluator.for_model(new_plan, state.model)
     return losses
 
 
@@ -180,7 +187,11 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,
                        tokens_per_s=throughput.tokens_per_s(step_time), mfu=throughput.mfu(step_time),
-                       tokens=state.tokens, elapsed_s=elapsed_s + step_time)
+                       tokens=state.tokens, elapsed_s=elapsed_s + step_time, precision=_computed_in(state.model))
+
+
+def _computed_in(model: Any) -> str:
+    return "bf16" if model.mixed_precision == torch.bfloat16 else "fp32"
 
 
 def _report_measured(segments: list, log_dir: Path) -> None:
@@ -189,6 +200,9 @@ def _report_measured(segments: list, log_dir: Path) -> None:
         return
     write_measured(log_dir, segments)
     print_comparison(segments)
+    advice = calibration_advice(segments, log_dir, dist.get_world_size())
+    if advice:
+        print(f"plait: note: {advice}", file=sys.stderr, flush=True)
 
 
 def _out_of_time(max_seconds: float, start: float) -> bool:

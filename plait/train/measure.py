@@ -333,6 +333,33 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
             console.print(router_line(imbalance, plan))
 
 
+CALIBRATION_RATIO = 1.5
+"""A run whose median step is this far from its prediction (either way) says how to calibrate the cost model."""
+
+
+def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str | None:
+    """What to run when the measured step is more than CALIBRATION_RATIO away from the prediction, else None: measure
+    this machine (`plait profile`), fit the cost model to this run (`plait tune --from-run`), plan with the result."""
+    worst = None
+    for segment in segments:
+        measured = segment.measured()
+        if measured is None or segment.predicted.step <= 0:
+            continue
+        ratio = measured.step / segment.predicted.step
+        if max(ratio, 1 / ratio) > CALIBRATION_RATIO and (worst is None or abs(ratio - 1) > abs(worst[0] - 1)):
+            worst = (ratio, segment)
+    if worst is None:
+        return None
+    ratio, segment = worst
+    cluster = segment.plan.get("cluster", {}).get("name", "the cluster")
+    direction = "slower" if ratio > 1 else "faster"
+    return (f"the measured step is {max(ratio, 1 / ratio):.1f}x {direction} than the plan predicted for {cluster!r}: "
+            f"the cost model is not calibrated for this machine. Calibrate it with `plait profile --nproc {nproc} "
+            f"--out cluster.yaml`, then `plait tune --from-run {log_dir} --cluster cluster.yaml --out "
+            f"cluster.tuned.yaml`, and plan with plan.cluster = \"cluster.tuned.yaml\" (a fit from one run knows that "
+            f"run's plan: `plait tune --model M --cluster cluster.yaml` times several)")
+
+
 # ---- the router's balance ------------------------------------------------------------------------
 
 class RouterLoad:

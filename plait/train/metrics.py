@@ -44,6 +44,8 @@ class StepMetrics:
     tokens: int
     """Tokens trained on so far."""
     elapsed_s: float
+    precision: str = "fp32"
+    """The dtype the step computed in ("bf16": autocast, on CPU too; "fp32"), as the plan says."""
 
     def to_json(self) -> str:
         return json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()})
@@ -81,8 +83,15 @@ class MetricsLog:
             self._file = path.open("a" if resumed_at > 0 else "w")
 
     def write(self, metrics: StepMetrics) -> None:
+        self._append(metrics.to_json())
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Any other line keyed by step (an evaluation's, in eval.jsonl)."""
+        self._append(json.dumps(record))
+
+    def _append(self, line: str) -> None:
         if self._file is not None:
-            self._file.write(metrics.to_json() + "\n")
+            self._file.write(line + "\n")
             self._file.flush()  # a crashed run keeps every step it finished
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from plait.errors import ConfigError
 from plait.plan import Plan
 from plait.spec import ModelSpec
 from plait.spec.model import NOT_THE_MODULE
+from plait.spec.train import untrainable_precision
 from plait.spec.load import load_cluster, load_model
 from plait.train.config import Config, ModelConfig
 
@@ -67,6 +68,43 @@ def check_export(config: Config, model: ModelSpec) -> None:
                           f"Hugging Face model; set model.file to a Hugging Face model folder or unset export_hf")
     filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite,
                "set checkpoint.export_overwrite=true")
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+"""Where Hugging Face configs keep the longest sequence the model was built for (the name varies by family)."""
+
+
+def check_hf_run(config: Config, model: ModelSpec) -> None:
+    """A Hugging Face model trains on its own tokenizer (bytes only when asked for) and within its positions."""
+    if not model.source.startswith("hf:"):
+        return
+    folder = Path(model.source.removeprefix("hf:"))
+    folder = folder.parent if folder.is_file() else folder
+    if config.data.source != "tokens" and config.data.tokenizer is None and not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"model folder {str(folder)!r} holds no tokenizer.json, so the text has no tokenizer of "
+                          f"this model; put the model's tokenizer.json there, set data.tokenizer to a folder holding "
+                          f"it, or set data.tokenizer = \"byte\" to train on bytes on purpose")
+    found = position_limit(folder)
+    if found is not None and config.train.seq_len > found[1]:
+        key, limit = found
+        raise ConfigError(f"train.seq_len={config.train.seq_len} is past {model.name}'s position limit ({key}={limit} "
+                          f"in {str(folder / 'config.json')!r}); use train.seq_len <= {limit}")
+
+
+def position_limit(folder: Path) -> tuple[str, int] | None:
+    """(key, value) of a Hugging Face model's position limit, read through transformers' config class (which maps
+    each family's own name for it), or None when its config states none."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError):  # a config transformers cannot read: the model load says why
+        return None
+    for key in POSITION_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
 
 
 def import_path(folder: str) -> None:
@@ -164,6 +202,10 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
     legality.check(plan)
+    refusal = untrainable_precision(plan.train.precision)
+    if refusal:
+        raise ConfigError(f"train.{refusal}")
+    check_hf_run(config, model)
     check_export(config, model)
 
 
@@ -187,14 +229,33 @@ def check_data(config: Config, model: ModelSpec) -> int:
         BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
         raise ConfigError(f"{where}: {e}") from None
+    if config.eval.every:
+        check_eval_data(config, model)
     return len(tokens)
+
+
+def check_eval_data(config: Config, model: ModelSpec) -> None:
+    """The held-out tokens must fill at least one batch."""
+    from plait.train.data import BatchLoader, eval_tokens
+
+    held_out = eval_tokens(config, model)
+    where = f"eval.path {config.eval.path!r}" if config.eval.path else f"eval.fraction={config.eval.fraction}"
+    try:
+        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: the held-out {e}; hold out more (a larger eval.fraction, a longer eval.path)") from None
 
 
 def check_outputs(config: Config) -> None:
     """Refuse a log.dir or checkpoint.dir that cannot be written (plait.outputs), before any work."""
     from plait.outputs import output_dir
 
+    from plait.train.sinks import check_sinks
+
     output_dir(config.log.dir, "log.dir")
+    check_sinks(config.log)
+    if config.eval.keep_best and config.checkpoint.dir is None:
+        raise ConfigError("eval.keep_best=true saves the best checkpoint under checkpoint.dir: set checkpoint.dir")
     if config.checkpoint.dir is not None:
         output_dir(config.checkpoint.dir, "checkpoint.dir")
     if config.data.cache_dir is not None:

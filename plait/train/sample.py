@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,34 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, num_tokens: int, m
         logits = model(window)[0, -1].float()  # [V]
         tokens = torch.cat([tokens, _pick(logits, top_k, temperature, generator).view(1)])
     return tokens
+
+
+@torch.no_grad()
+def sample(logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, *, num_tokens: int,
+           max_seq_len: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+           stop_id: int | None = None) -> torch.Tensor:
+    """Extend `prompt` [s] by up to `num_tokens` tokens from `logits_of(tokens [1, s]) -> [1, s, V]`: greedy at
+    temperature 0, else sampled from softmax(logits / temperature) cut to the top_k most likely (0: all) and to
+    the smallest set holding top_p of the probability (nucleus sampling). Stops after `stop_id` (EOS)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = prompt.clone()
+    for _ in range(num_tokens):
+        logits = logits_of(tokens[-max_seq_len:].unsqueeze(0))[0, -1].float()  # [V]
+        picked = logits.argmax() if temperature <= 0 else _nucleus(logits / temperature, top_p, top_k, generator)
+        tokens = torch.cat([tokens, picked.view(1)])
+        if stop_id is not None and int(picked) == stop_id:
+            break
+    return tokens
+
+
+def _nucleus(logits: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
+    keep = torch.cumsum(probs, dim=-1) - probs < top_p  # the most likely tokens until top_p is covered (>= 1 kept)
+    if top_k > 0:
+        keep[top_k:] = False
+    kept = probs * keep
+    choice = torch.multinomial(kept / kept.sum(), 1, generator=generator)
+    return order[choice[0]]
 
 
 def _pick(logits: torch.Tensor, top_k: int, temperature: float, generator: torch.Generator) -> torch.Tensor:

@@ -48,7 +48,7 @@ def test_losses_fall_and_bf16_matches_fp32(cpu_run):
             assert losses[-1] < losses[0] - 0.1
         assert r["loss_falls"] and r["within_tolerance"]
         assert max(abs(b - f) / f for b, f in zip(r["bf16_losses"], r["fp32_losses"])) <= r["tolerance"] <= 0.05
-        assert r["bf16_computed_in"] == "float32"  # plait computes bf16 plans in fp32 on CPU, and says so
+        assert r["bf16_computed_in"] == "bfloat16"  # a bf16 plan computes in bf16 on CPU too (autocast)
 
 
 @pytest.mark.dist

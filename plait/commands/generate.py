@@ -1,0 +1,132 @@
+"""Sample text from trained weights: a `plait train` checkpoint, or a Hugging Face folder (an export).
+
+    plait generate runs/x/ckpt --prompt "To be"                 # greedy, from the newest complete checkpoint
+    plait generate runs/x/ckpt/step_000200 --prompt "ROMEO:" --temperature 0.8 --top-p 0.9 --tokens 200
+    plait generate runs/ft/hf --prompt "To be, or not"          # a Hugging Face folder (plait export, export_hf)
+
+A checkpoint may come from any plan and any model plait trains (its own decoders, Hugging Face classes): its
+sharded files are read into one process on CPU, with the tokenizer the run used. A Hugging Face folder is loaded
+with transformers (`from_pretrained`, local files only) and its own tokenizer.json (bytes when it has none).
+Note that a checkpoint's DCP metadata is unpickled by torch: read checkpoints you trust (share exports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from plait.commands import positive_int
+from plait.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("weights", help="a checkpoint.dir (its newest complete checkpoint), one of its step_NNNNNN "
+                                        "folders, or a Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: nothing, from the first token)")
+    parser.add_argument("--tokens", type=positive_int, default=100, metavar="N", help="tokens to add (default 100)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 (default): greedy, the most likely token each time; > 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="sample from the most likely tokens holding this much probability (default 1: all)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="and at most K of them (default 0: any)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generator:
+    """What sampling needs of a model: its logits for a batch of tokens, its tokenizer and its context length."""
+
+    logits_of: Callable[[Any], Any]
+    tokenizer: Any
+    max_seq_len: int
+
+
+def main(args: argparse.Namespace) -> int:
+    from plait.train.sample import sample
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ConfigError(f"--temperature {args.temperature} must be >= 0, --top-p {args.top_p} in (0, 1] and "
+                          f"--top-k {args.top_k} >= 0")
+    generator = load_generator(Path(args.weights))
+    prompt = prompt_ids(generator.tokenizer, args.prompt)
+    out = sample(generator.logits_of, prompt, num_tokens=args.tokens, max_seq_len=generator.max_seq_len,
+                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                 stop_id=generator.tokenizer.eos_id)
+    print(generator.tokenizer.decode(out.numpy()))
+    return 0
+
+
+def prompt_ids(tokenizer: Any, text: str) -> Any:
+    import numpy as np
+    import torch
+
+    ids = tokenizer.encode_documents([text])[0] if text else np.zeros(0, dtype=np.int64)
+    if not len(ids):  # sampling needs one token to condition on: the document separator starts a text
+        ids = np.array([tokenizer.eos_id or 0], dtype=np.int64)
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+
+def load_generator(path: Path) -> Generator:
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        return hf_folder_generator(path)
+    return checkpoint_generator(path)
+
+
+def hf_folder_generator(folder: Path) -> Generator:
+    """A Hugging Face model folder, loaded by transformers itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait.train.data import load_tokenizer
+    from plait.train.resolve import position_limit
+
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"model folder {str(folder)!r} holds no *.safetensors weights; give a folder plait export "
+                          f"(or [checkpoint] export_hf) wrote, or a checkpoint folder")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
+    limit = position_limit(folder)
+    return Generator(logits_of=lambda tokens: model(tokens).logits, tokenizer=load_tokenizer(None, folder),
+                     max_seq_len=limit[1] if limit else 2048)
+
+
+def checkpoint_generator(path: Path) -> Generator:
+    """A `plait train` checkpoint, whatever plan wrote it, as one single-process model on CPU."""
+    from plait.commands.export import checkpoint_step
+    from plait.models import adapter_for
+    from plait.plan import Plan
+    from plait.train.data import load_tokenizer
+
+    step_dir, meta = checkpoint_step(path)
+    plan = Plan.from_dict(meta["plan"])
+    adapter = adapter_for(plan.model)
+    model = adapter.build("cpu")
+    load_model_state(model, step_dir)
+    adapter.reset_buffers(model)  # non-persistent buffers (rotary tables) are not in the checkpoint
+    model.eval()
+    data = meta.get("config", {}).get("data", {})
+    model_dir = plan.model.source.removeprefix("hf:") if plan.model.source.startswith("hf:") else None
+    tokenizer = load_tokenizer(data.get("tokenizer"), model_dir)
+    print(f"plait generate: step {meta.get('step')} of {step_dir.parent} ({plan.model.name})", file=sys.stderr)
+    return Generator(logits_of=lambda tokens: adapter.forward(model, tokens), tokenizer=tokenizer,
+                     max_seq_len=plan.model.max_seq_len)
+
+
+def load_model_state(model: Any, step_dir: Path) -> None:
+    """Read the checkpoint's model tensors into `model` in this process (DCP reads every shard's slice); tied aliases
+    are not saved, and follow their canonical parameter."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(step_dir))
+    saved = {key.removeprefix("model.") for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")}
+    state = {name: tensor for name, tensor in model.state_dict().items() if name in saved}
+    if not state:
+        raise ConfigError(f"checkpoint {str(step_dir)!r} holds none of this model's tensors; was it saved for another "
+                          f"model?")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, storage_reader=reader)
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,78 @@
+"""Validation during training: the loss on held-out tokens every [eval] every steps, under the run's plan.
+
+The held-out batches are the same at every evaluation (the first `eval.batches` of a loader over the held-out
+tokens, seeded like the run), so two evaluations differ only by the weights. Every rank takes part (the
+forward is as parallel as the training step); rank 0 writes the result to every sink and, with
+`eval.keep_best`, every rank saves a checkpoint in <checkpoint.dir>/best when the loss is the lowest so far.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.train.data import BatchLoader, LoaderPosition, eval_tokens
+
+BEST_DIR = "best"
+
+
+class Evaluator:
+    def __init__(self, config: Any, plan: Any, model: Any) -> None:
+        self.config = config
+        self.every = config.eval.every
+        dp_mesh = model.mesh["dp"]
+        self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
+                                  seq_len=config.train.seq_len, seed=config.train.seed,
+                                  dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
+        self.batches = min(config.eval.batches, self.loader.steps_per_epoch)
+        self.best = math.inf
+
+    def for_model(self, plan: Any, model: Any) -> "Evaluator":
+        """The same evaluation (and best loss so far) for a model switched to another plan."""
+        switched = Evaluator(self.config, plan, model)
+        switched.best = self.best
+        return switched
+
+    def due(self, step: int, final: bool) -> bool:
+        return self.every > 0 and (final or step % self.every == 0)
+
+    def loss(self, model: Any) -> float:
+        """The mean loss over the held-out batches (collective)."""
+        self.loader.position = LoaderPosition()
+        total = 0.0
+        for _ in range(self.batches):
+            tokens, targets = self.loader.next_batch()
+            total += model.eval_loss(tokens, targets)
+        # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
+        agreed = torch.tensor([total / self.batches], dtype=torch.float64, device=model.device)
+        dist.broadcast(agreed, src=0)
+        return agreed.item()
+
+    def after_step(self, state: Any, sinks: Any, final: bool) -> float | None:
+        """Evaluate when due, log it, and keep the best checkpoint when asked; returns the loss (None if not due)."""
+        if not self.due(state.step, final):
+            return None
+        loss = self.loss(state.model)
+        if dist.get_rank() == 0:
+            sinks.evaluation(state.step, {"val_loss": loss})
+            print(f"plait: step {state.step}: validation loss {loss:.4f}", file=sys.stderr, flush=True)
+        if loss < self.best:
+            self.best = loss
+            if self.config.eval.keep_best:
+                from plait.train.checkpoint import save_checkpoint
+
+                save_checkpoint(Path(self.config.checkpoint.dir) / BEST_DIR, state, keep=1)
+        return loss
+
+
+def _rank_eval_tokens(config: Any, plan: Any) -> Any:
+    """The held-out tokens on every rank; rank 0 reads (and caches) first, as plait.train.data.rank_tokens does."""
+    if dist.get_rank() == 0:
+        tokens = eval_tokens(config, plan.model)
+    dist.barrier()
+    return tokens if dist.get_rank() == 0 else eval_tokens(config, plan.model)
