@@ -129,6 +129,11 @@ class ModelAdapter:
         """Keyword arguments every block of the stage is called with (rotary tables, masks)."""
         return {}
 
+    def kwargs_of(self, kwargs: dict[str, Any], index: int) -> Any:
+        """What block `index` is called with, out of `block_kwargs` (the same for every block, unless an adapter
+        keeps them per block)."""
+        return kwargs
+
     def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         out = block(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
