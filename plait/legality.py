@@ -107,6 +107,36 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
             for name, value in sizes.items() if tp > 1 and value % tp]
 
 
+HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
+                "packed_colwise": "colwise_packed:2", "colwise_gather_output": "colwise_gather",
+                "rowwise_split_input": "rowwise_split"}
+"""transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES).
+A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
+PLAIT_STYLE = "plait:"
+"""Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
+
+
+def hugging_face_problems(model: "ModelSpec", degrees: Degrees) -> list[Violation]:
+    """What a Hugging Face class (source "hf:") declares decides its tensor and expert parallelism."""
+    if not model.source.startswith("hf:"):
+        return []
+    out = []
+    if degrees.tp > 1 and not model.tp_plan:
+        out.append(Violation("tp-needs-class-plan", f"tp={degrees.tp}: {model.name} declares no tensor-parallel plan "
+                             f"(base_model_tp_plan); use tp=1"))
+    unknown = [(pattern, style) for pattern, style in model.tp_plan.items()
+               if style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
+    if degrees.tp > 1 and unknown:
+        pattern, style = unknown[0]
+        out.append(Violation("tp-style-runs", f"tp={degrees.tp}: {model.name}'s module {pattern} has tensor-parallel "
+                             f"style {style!r}, which plait does not run (it runs {', '.join(HF_TP_STYLES)}); use "
+                             f"tp=1"))
+    if degrees.ep > 1 and model.num_experts:
+        out.append(Violation("ep-needs-plait-moe", f"ep={degrees.ep}: {model.name}'s experts run as its Hugging Face "
+                             f"class wrote them, which plait does not split over ranks yet; use ep=1"))
+    return out
+
+
 def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
                       ) -> list[Violation]:
     out = []
@@ -267,6 +297,7 @@ def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation
     out += sequence_problems(model, plan.train.seq_len, d.tp, plan.sequence_parallel, d.cp)
     out += context_problems(model, d, plan.context_parallel)
     out += expert_problems(model, d.ep)
+    out += hugging_face_problems(model, d)
     out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
     out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)
     out += carrier_problems(d, plan.zero, plan.data_parallel)

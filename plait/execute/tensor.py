@@ -164,12 +164,16 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         if packed > 1 or _is_conv1d(module):
             return ProjectionParallel("colwise", packed, transposed=_is_conv1d(module))
         return ColwiseParallel()
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_split":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if name == "rowwise":
         if _is_conv1d(module):
             return ProjectionParallel("rowwise", output_layout=between, transposed=True)
         return RowwiseParallel(output_layouts=between)
-    if name == "norm":
-        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if name == "norm":  # local outputs: a norm may feed the residual sum (post-norms: Gemma 2, OLMo 2)
+        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
     if name == "head_norm":
         return HeadNormParallel()
     if name == "gather_input":

@@ -36,6 +36,8 @@ STYLES = {
     "colwise": "output features split over tp (Linear, or HF Conv1D)",
     "colwise_packed": "K fused projections (q|k|v, gate|up), each split over tp: 'colwise_packed:3'",
     "rowwise": "input features split over tp; outputs summed (all-reduce, or reduce-scatter under SP)",
+    "colwise_gather": "column-wise, its output gathered whole on every tensor rank (what follows runs replicated)",
+    "rowwise_split": "row-wise on a whole (replicated) input, each rank taking its slice of the input features",
     "norm": "a norm over hidden: replicated, or on sequence slices under sequence parallelism",
     "head_norm": "a norm over head_dim of tp-sharded heads (Qwen3's q_norm / k_norm)",
     "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",

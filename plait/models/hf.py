@@ -31,10 +31,12 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.legality import HF_TP_STYLES, PLAIT_STYLE
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, register
 from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers
 
 ATTENTION = "plait_sdpa"
+EAGER = "plait_eager"
 
 
 def model_dir(source: str) -> Path:
@@ -76,21 +78,45 @@ def _register_attention() -> None:
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def plait_eager(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), given
+        the causal mask plait passes no mask function for."""
+        import sys
+
+        if attention_mask is None:
+            q_len, k_len = query.shape[-2], key.shape[-2]
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+            attention_mask = torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device).masked_fill(
+                ~allowed, torch.finfo(query.dtype).min)[None, None]
+        own = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        fn = functools.partial(own, **kwargs)
+        if getattr(module, "plait_recompute", False):
+            return checkpoint(fn, module, query, key, value, attention_mask, use_reentrant=False)
+        return fn(module, query, key, value, attention_mask)
+
     AttentionInterface.register(ATTENTION, plait_sdpa)
+    AttentionInterface.register(EAGER, plait_eager)
 
 
 WRITTEN_TP_PLANS: dict[str, dict[str, Any]] = {
-    # GPT-2 declares no tensor-parallel plan; plait's, as data. Its attention splits the fused q|k|v output by
-    # split_size (the full hidden width): under tp each rank holds q, k and v slices hidden/tp wide.
-    "gpt2": {"block": {"ln_1": "norm", "attn": "gather_input", "attn.c_attn": "colwise_packed:3",
-                       "attn.c_proj": "rowwise", "ln_2": "norm", "mlp": "gather_input", "mlp.c_fc": "colwise",
+    # GPT-2 declares no tensor-parallel plan; plait's, as data (plait's style names; norms and sequence-parallel
+    # gathers are added as for any class). Its attention splits the fused q|k|v output by split_size (the full
+    # hidden width): under tp each rank holds q, k and v slices hidden/tp wide.
+    "gpt2": {"block": {"attn.c_attn": "colwise_packed:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
                        "mlp.c_proj": "rowwise"},
              "divided_by_tp": ("attn.split_size",)},
 }
-TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
-             "packed_colwise": "colwise_packed:2"}
-"""transformers' tensor-parallel styles inside a block -> plait's (plait.models.adapter.STYLES). Any other style
-in a class's plan is refused under tp > 1 before ranks start (plait.legality.tensor_style_problems)."""
+TP_STYLES = HF_TP_STYLES  # the rule lives in plait.legality, which refuses other styles before ranks start
+
+
+def attention_for(config: Any) -> str:
+    """plait's SDPA attention, or the class's own "eager" one where the class says SDPA does not compute its
+    attention (soft-capped scores: Gemma 2); then selective recompute checkpoints nothing of it and context
+    parallelism cannot swap it."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return ATTENTION if getattr(model_class, "_supports_sdpa", True) else EAGER
 
 
 def tensor_plan_of(config: Any) -> dict[str, str]:
@@ -98,7 +124,7 @@ def tensor_plan_of(config: Any) -> dict[str, str]:
     plait writes for it, as transformers spells its styles."""
     written = WRITTEN_TP_PLANS.get(getattr(config, "model_type", ""))
     if written:
-        return {f"*.{k}": v for k, v in written["block"].items()}
+        return {f"*.{k}": PLAIT_STYLE + v for k, v in written["block"].items()}
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     return {k: v for k, v in plan.items() if ".*." in k}
 
@@ -121,7 +147,7 @@ class HFAdapter(ModelAdapter):
         self.blocks_path, self.pre, self.post = structure.blocks_path, structure.pre, structure.post
         self.tied = dict(structure.tied)
         self.residual_outputs = tuple(f"{p.split('*.', 1)[-1]}.weight" for p, s in tensor_plan_of(self.hf_config())
-                                      .items() if s == "rowwise")
+                                      .items() if s.removeprefix(PLAIT_STYLE) == "rowwise")
 
     # ---- building ------------------------------------------------------------------------
     def hf_config(self):
@@ -131,15 +157,18 @@ class HFAdapter(ModelAdapter):
         _no_dropout(config)
         config.use_cache = False
         _register_attention()
-        config._attn_implementation = ATTENTION
+        config._attn_implementation = attention_for(config)
+        # experts as a loop over the routed ones: any dtype (grouped_mm takes no float64), the class's reference
+        config._experts_implementation = "eager"
         return config
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=ATTENTION,
-                                                     dtype=torch.get_default_dtype())
+            config = self.hf_config()
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation,
+                                                     experts_implementation="eager", dtype=torch.get_default_dtype())
         for sub in model.modules():
             if isinstance(sub, nn.Dropout):
                 sub.p = 0.0
@@ -230,7 +259,7 @@ class HFAdapter(ModelAdapter):
         block: dict[str, str] = {}
         for pattern, style in plan.items():
             if pattern.startswith("*."):
-                block[pattern[2:]] = style
+                block[pattern[2:]] = style.removeprefix(PLAIT_STYLE)
                 continue
             if not pattern.startswith(f"{blocks_leaf}.*."):
                 continue

@@ -16,6 +16,7 @@ one, else refused in one line.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,6 @@ def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
 def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
     from plait.models.hf_structure import around_layers
-    from plait.models.measure import measure_block
 
     model, config = adapter.meta_model, adapter.hf_config()
     blocks = list(get_module(model, adapter.blocks_path))
@@ -93,17 +93,42 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
 
     measured: dict[tuple, BlockCost] = {}
     costs = []
-    for index, block in enumerate(blocks):
-        kind = _layer_kind(config, index, block)
-        if kind not in measured:
-            try:
-                measured[kind] = measure_block(block, hidden, call(index))
-            except Exception as error:  # a forward that needs real data (expert loops over routed tokens)
-                raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} "
-                                  f"({type(block).__name__}) cannot run on meta to be measured "
-                                  f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
-        costs.append(measured[kind])
+    with _experts_batched(model):
+        for index, block in enumerate(blocks):
+            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
     return tuple(costs)
+
+
+@contextlib.contextmanager
+def _experts_batched(model: nn.Module):
+    """transformers' experts in their "batched_mm" form while measuring: each token's top-k experts' weights
+    gathered and multiplied, which runs on meta (the eager loop over routed experts needs real routing) and counts
+    exactly the routed FLOPs."""
+    configs = {id(sub.config): sub.config for sub in model.modules()
+               if hasattr(sub, "_is_expert_parallel") and hasattr(sub, "config")}
+    saved = {key: config._experts_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = saved[key]
+
+
+def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict) -> BlockCost:
+    """Layer `index` measured, or the measurement of an earlier layer of its kind."""
+    from plait.models.measure import measure_block
+
+    kind = _layer_kind(config, index, block)
+    if kind not in measured:
+        try:
+            measured[kind] = measure_block(block, hidden, call(index))
+        except Exception as error:  # a forward that needs real data
+            raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
+                              f"cannot run on meta to be measured "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
+    return measured[kind]
 
 
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
