@@ -100,11 +100,13 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     slice into whole heads); the vocabulary may split unevenly."""
     sizes = {"num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
              "ffn_hidden_size": model.ffn_hidden_size}
+    if model.source.startswith("hf:") and tp % model.num_kv_heads == 0:
+        del sizes["num_kv_heads"]  # fewer kv heads than tp: each is replicated over tp / num_kv_heads ranks
     if model.num_experts:
         sizes["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
     return [Violation(f"tp-divides-{name}", f"{name}={value} is not divisible by tp={tp}; use a tp that "
                       f"divides it (divisors: {_divisors(value)})")
-            for name, value in sizes.items() if tp > 1 and value % tp]
+            for name, value in sizes.items() if tp > 1 and value % tp] + _class_tensor_problems(model, tp)
 
 
 HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
@@ -116,25 +118,20 @@ PLAIT_STYLE = "plait:"
 """Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
 
 
-def hugging_face_problems(model: "ModelSpec", degrees: Degrees) -> list[Violation]:
-    """What a Hugging Face class (source "hf:") declares decides its tensor and expert parallelism."""
-    if not model.source.startswith("hf:"):
+def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
+    """A Hugging Face class (source "hf:") runs tensor parallelism as its own plan declares it (ModelSpec.tp_plan)."""
+    if tp == 1 or not model.source.startswith("hf:"):
         return []
-    out = []
-    if degrees.tp > 1 and not model.tp_plan:
-        out.append(Violation("tp-needs-class-plan", f"tp={degrees.tp}: {model.name} declares no tensor-parallel plan "
-                             f"(base_model_tp_plan); use tp=1"))
+    if not model.tp_plan:
+        return [Violation("tp-needs-class-plan", f"tp={tp}: {model.name} declares no tensor-parallel plan "
+                          f"(base_model_tp_plan); use tp=1")]
     unknown = [(pattern, style) for pattern, style in model.tp_plan.items()
                if style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
-    if degrees.tp > 1 and unknown:
+    if unknown:
         pattern, style = unknown[0]
-        out.append(Violation("tp-style-runs", f"tp={degrees.tp}: {model.name}'s module {pattern} has tensor-parallel "
-                             f"style {style!r}, which plait does not run (it runs {', '.join(HF_TP_STYLES)}); use "
-                             f"tp=1"))
-    if degrees.ep > 1 and model.num_experts:
-        out.append(Violation("ep-needs-plait-moe", f"ep={degrees.ep}: {model.name}'s experts run as its Hugging Face "
-                             f"class wrote them, which plait does not split over ranks yet; use ep=1"))
-    return out
+        return [Violation("tp-style-runs", f"tp={tp}: {model.name}'s module {pattern} has tensor-parallel style "
+                          f"{style!r}, which plait does not run (it runs {', '.join(HF_TP_STYLES)}); use tp=1")]
+    return []
 
 
 def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
@@ -180,6 +177,9 @@ def expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
     if not model.num_experts:
         return [Violation("ep-needs-experts", f"ep={ep} needs a mixture-of-experts model; {model.name} has no "
                           f"experts (use ep=1)")]
+    if model.source.startswith("hf:"):
+        return [Violation("ep-needs-plait-moe", f"ep={ep}: {model.name}'s experts run as its Hugging Face class wrote "
+                          f"them, which plait does not split over ranks yet; use ep=1")]
     if model.num_experts % ep:
         return [Violation("ep-divides-experts", f"num_experts={model.num_experts} is not divisible by ep={ep}; "
                           f"use an ep among {_divisors(model.num_experts)}")]
@@ -297,7 +297,6 @@ def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation
     out += sequence_problems(model, plan.train.seq_len, d.tp, plan.sequence_parallel, d.cp)
     out += context_problems(model, d, plan.context_parallel)
     out += expert_problems(model, d.ep)
-    out += hugging_face_problems(model, d)
     out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
     out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)
     out += carrier_problems(d, plan.zero, plan.data_parallel)

@@ -36,6 +36,8 @@ STYLES = {
     "colwise": "output features split over tp (Linear, or HF Conv1D)",
     "colwise_packed": "K fused projections (q|k|v, gate|up), each split over tp: 'colwise_packed:3'",
     "rowwise": "input features split over tp; outputs summed (all-reduce, or reduce-scatter under SP)",
+    "colwise_kv": "a key or value projection of N kv heads: 'colwise_kv:N'; column-wise, or each head replicated "
+                  "over the tp / N ranks that read it where N < tp (Megatron-LM's multi-query tensor parallelism)",
     "colwise_gather": "column-wise, its output gathered whole on every tensor rank (what follows runs replicated)",
     "rowwise_split": "row-wise on a whole (replicated) input, each rank taking its slice of the input features",
     "norm": "a norm over hidden: replicated, or on sequence slices under sequence parallelism",

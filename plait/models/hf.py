@@ -267,12 +267,26 @@ class HFAdapter(ModelAdapter):
                 raise ConfigError(f"{self.family}: tensor-parallel style {style!r} of {pattern} is not supported; "
                                   f"use tp=1")
             block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style]
+        self._mark_key_values(block)
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
                               if s.startswith("colwise") and "." in name}):
             block.setdefault(parent, "gather_input")
         for name in self._block_norms():
             block.setdefault(name, "norm")
         return TensorPlan(block=block, root=self._root_plan())
+
+    def _mark_key_values(self, block_plan: dict[str, str]) -> None:
+        """Column-wise projections num_kv_heads heads wide (fewer than the query heads) become "colwise_kv", so that
+        a tp above num_kv_heads replicates their heads instead of splitting one."""
+        heads, kv = self.spec.num_heads, self.spec.num_kv_heads or self.spec.num_heads
+        if kv >= heads:
+            return
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        head_dim = self.spec.head_dim or self.spec.hidden_size // heads
+        for pattern, style in block_plan.items():
+            module = get_module(block, pattern)
+            if style == "colwise" and isinstance(module, nn.Linear) and module.out_features == kv * head_dim:
+                block_plan[pattern] = f"colwise_kv:{kv}"
 
     def _root_plan(self) -> dict[str, str]:
         """The modules around the blocks: the token embedding vocabulary-parallel, other embeddings (learned
@@ -292,6 +306,11 @@ class HFAdapter(ModelAdapter):
         return root
 
     def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
+        kv = self.spec.num_kv_heads or self.spec.num_heads
+        if kv < tp:  # one replicated kv head per rank now serves the rank's heads / tp query heads
+            for attention in self._attention_modules(block):
+                if hasattr(attention, "num_key_value_groups"):
+                    attention.num_key_value_groups = self.spec.num_heads // tp
         for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
             owner_path, _, attribute = path.rpartition(".")
             owner = get_module(block, owner_path)

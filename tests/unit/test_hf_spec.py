@@ -36,3 +36,23 @@ def test_measured_spec_agrees_with_the_closed_forms(name, tmp_path):
         closed_weights, closed_attention = layer_flops(closed, 1, seq_len)
         assert weights == pytest.approx(closed_weights, rel=0.01)
         assert attention == pytest.approx(closed_attention, rel=0.01)
+
+
+def test_replicated_key_values_are_priced():
+    """Multi-query attention under tp=2: each tensor rank computes the whole k and v projections (their one head is
+    replicated), so the layer's forward costs more than half of tp=1's, by exactly those projections."""
+    from plait.cost.compute import layer_cost, replicated_kv_flops
+    from plait.spec import ModelSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    mqa = ModelSpec(name="mqa", source="hf:/nowhere", arch="llama", num_layers=2, hidden_size=2048, num_heads=8,
+                    num_kv_heads=1, head_dim=256, ffn_hidden_size=8192, vocab_size=1000)
+    cluster = CLUSTER_PRESETS["a100-80g"]
+    tokens = 4 * 1024
+    extra = replicated_kv_flops(mqa, tokens, 2)
+    assert extra == 2.0 * tokens * 2048 * 2 * 256
+    assert replicated_kv_flops(mqa, tokens, 1) == 0.0
+    assert replicated_kv_flops(mqa.replace(source="plait"), tokens, 2) == 0.0  # plait's decoders refuse kv < tp
+    priced = layer_cost(mqa, cluster, 1024, 4, 2, False).fwd
+    split_evenly = layer_cost(mqa.replace(source="plait"), cluster, 1024, 4, 2, False).fwd
+    assert priced > split_evenly
