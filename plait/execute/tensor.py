@@ -216,8 +216,8 @@ def root_style(style: str, module: nn.Module, sequence_parallel: bool) -> Parall
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "position_embedding":
         return ReplicateParallel(between)  # [1, s, h] rows: sliced along the sequence under SP
-    if style == "final_norm":
-        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if style == "final_norm":  # local: the class's own forward may reshape it with the local length (GPT-2's view)
+        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
     if style == "output":  # logits stay a vocab-sharded DTensor for loss_parallel()
         return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
     return block_style(style, module, sequence_parallel)
