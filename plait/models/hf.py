@@ -199,7 +199,8 @@ class HFAdapter(ModelAdapter):
         """Every buffer as the class's own __init__ computes it (rotary tables, embedding scales, masks)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        reference = reference_buffers(self.spec.source, functools.partial(self.build, "cpu"))
+        reference = reference_buffers(f"{self.spec.source}@{_config_stamp(self.spec.source)}",
+                                      functools.partial(self.build, "cpu"))
         for name, buffer in list(module.named_buffers()):
             value = reference.get(name.replace("._checkpoint_wrapped_module", ""))
             if value is None:

@@ -198,13 +198,13 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_buffers(key: str, builder) -> dict[str, torch.Tensor]:
-    with parameters_on_meta():
-        model = builder()
-    return {name: buf.detach().clone() for name, buf in model.named_buffers()}
+_BUFFERS: dict[str, dict[str, torch.Tensor]] = {}
 
 
 def reference_buffers(key: str, builder) -> dict[str, torch.Tensor]:
     """{buffer name: value} of the model `builder()` makes (parameters on meta, buffers on CPU), cached by `key`."""
-    return _cached_buffers(key, builder)
+    if key not in _BUFFERS:
+        with parameters_on_meta():
+            model = builder()
+        _BUFFERS[key] = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    return _BUFFERS[key]
