@@ -127,8 +127,8 @@ def admit(directory: Path, plan: str) -> dict[str, Any] | None:
         return {"status": "REFUSED", "detail": str(error).splitlines()[0]}
     except Exception as error:  # planning itself failed: a crash, before any rank
         return {"status": "CRASH", "detail": f"planning: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-    if plan == "tp2" and not built.model.tp_plan:
-        problems = [legality.Violation("tp-needs-plan", "no tensor-parallel plan")]
+    if plan == "tp2" and built.model.source.startswith("hf:") and not built.model.tp_plan:
+        return {"status": "N/A", "detail": "no tensor-parallel plan"}
     if plan == "ep2" and not built.model.num_experts:
         return {"status": "N/A", "detail": "no experts"}
     if problems:

@@ -114,6 +114,8 @@ HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_gra
                 "rowwise_split_input": "rowwise_split"}
 """transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES).
 A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
+UNPLACED = "unplaced"
+"""ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
 PLAIT_STYLE = "plait:"
 """Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
 
@@ -125,6 +127,11 @@ def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     if not model.tp_plan:
         return [Violation("tp-needs-class-plan", f"tp={tp}: {model.name} declares no tensor-parallel plan "
                           f"(base_model_tp_plan); use tp=1")]
+    unplaced = [pattern for pattern, style in model.tp_plan.items() if style == UNPLACED]
+    if unplaced:
+        return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
+                          f"tensor-parallel plan places nowhere (a tensor rank could see part of its input and keep a "
+                          f"partial gradient); use tp=1")]
     unknown = [(pattern, style) for pattern, style in model.tp_plan.items()
                if style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
     if unknown:

@@ -131,6 +131,29 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     return measured[kind]
 
 
+def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere ({pattern: UNPLACED}): under
+    tp a rank may feed them part of their input and keep a partial gradient nobody sums, so legality refuses tp.
+    Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
+    class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
+    (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
+    from plait.legality import UNPLACED
+
+    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
+    leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
+    out = {}
+    for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
+        for path, module in block.named_modules():
+            if not path or not any(True for _ in module.parameters(recurse=False)):
+                continue
+            if any(path == p or path.startswith(p + ".") for p in placed):
+                continue
+            if "Norm" in type(module).__name__:
+                continue
+            out[f"{leaf}.*.{path}"] = UNPLACED
+    return out
+
+
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
     """The ModelSpec of the Hugging Face model in `directory` (config.json), its blocks measured on meta.
 
@@ -152,6 +175,8 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
 
     blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
+    if tp_plan:
+        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
