@@ -14,7 +14,7 @@ per case; results go to a JSON-lines file as they come, so a run resumes where i
 that dies marks its case CRASH and the launch restarts on the rest.
 
     python benchmarks/hf_families.py                                  # every type, every plan (long: hours)
-    python benchmarks/hf_families.py --families llama,olmo2 --plans dp2,pp2
+    python benchmarks/hf_families.py --families llama,olmo2 --plans dp2,pp2 --jobs 2
     nohup python benchmarks/hf_families.py --results /tmp/sweep.jsonl > /tmp/sweep.log 2>&1 &
 """
 
@@ -204,12 +204,30 @@ def _done(results: Path) -> dict[tuple[str, str], dict]:
 def _launch(cases: list[dict], results: Path, work: Path, timeout_s: float) -> int:
     from plait.launch import run_local
 
-    cases_file = work / f"cases-{os.getpid()}.jsonl"
+    cases_file = work / f"cases-{os.getpid()}-{id(cases)}.jsonl"
     cases_file.write_text("".join(json.dumps(c) + "\n" for c in cases))
     return run_local(2, [__file__, "--worker", str(cases_file), str(results)], module=None, timeout_s=timeout_s)
 
 
-def run(families: list[str], plans: list[str], results: Path, work: Path, timeout_s: float) -> None:
+def _launch_all(cases: list[dict], results: Path, work: Path, timeout_s: float, jobs: int) -> None:
+    """One launch of 2 ranks, or `jobs` of them side by side (each a process of its own: the launcher owns signals)."""
+    if jobs <= 1 or len(cases) < 2:
+        _launch(cases, results, work, timeout_s)
+        return
+    import subprocess
+
+    chunks = [cases[i::jobs] for i in range(jobs) if cases[i::jobs]]
+    procs = []
+    for i, chunk in enumerate(chunks):
+        chunk_file = work / f"chunk-{os.getpid()}-{i}.jsonl"
+        chunk_file.write_text("".join(json.dumps(c) + "\n" for c in chunk))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--launch", str(chunk_file), str(results), str(work),
+                                       str(timeout_s)]))
+    for proc in procs:
+        proc.wait()
+
+
+def run(families: list[str], plans: list[str], results: Path, work: Path, timeout_s: float, jobs: int = 1) -> None:
     done = _done(results)
     pending = []
     for family in families:
@@ -229,10 +247,10 @@ def run(families: list[str], plans: list[str], results: Path, work: Path, timeou
             else:
                 pending.append({"family": family, "plan": plan, "dir": str(directory)})
     while pending:
-        _launch(pending, results, work, timeout_s)
+        _launch_all(pending, results, work, timeout_s, jobs)
         rows = _done(results)
         started = [c for c in pending if rows.get((c["family"], c["plan"]), {}).get("status") == "STARTED"]
-        for case in started[:1]:  # the case a rank died in
+        for case in started[:jobs]:  # the cases a rank died in (one per launch at most)
             _append(results, {**case, "status": "CRASH", "detail": "a rank died or the launch timed out"})
         rows = _done(results)
         pending = [c for c in pending if (c["family"], c["plan"]) not in rows
@@ -276,12 +294,18 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(Path(sys.argv[2]), Path(sys.argv[3]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--launch":  # one of --jobs side-by-side launches
+        cases = [json.loads(line) for line in Path(sys.argv[2]).read_text().splitlines()]
+        _launch(cases, Path(sys.argv[3]), Path(sys.argv[4]), float(sys.argv[5]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated model types (default: every type with a pp plan)")
     parser.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {', '.join(PLANS)}")
     parser.add_argument("--results", default="hf_families.jsonl", help="JSON-lines results (resumed if present)")
     parser.add_argument("--work", default="/tmp/plait-hf-families", help="where the tiny configs are written")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for one launch of the ranks")
+    parser.add_argument("--jobs", type=int, default=1, help="launches of 2 ranks side by side (default 1: on 2 cores "
+                        "more only share them)")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the results file")
     args = parser.parse_args()
     families = args.families.split(",") if args.families else families_with_pp_plan()
@@ -292,7 +316,7 @@ def main() -> None:
     results, work = Path(args.results), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        run(families, plans, results, work, args.timeout)
+        run(families, plans, results, work, args.timeout, args.jobs)
     report(results, families, plans)
 
 
