@@ -83,6 +83,9 @@ def _register_attention() -> None:
         the causal mask plait passes no mask function for."""
         import sys
 
+        if getattr(module, "plait_attention", None) is not None:  # never attend to local keys only in silence
+            raise NotImplementedError(f"{type(module).__name__} runs its class's own eager attention, which context "
+                                      f"parallelism cannot swap; use cp=1")
         if attention_mask is None:
             q_len, k_len = query.shape[-2], key.shape[-2]
             allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
