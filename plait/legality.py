@@ -100,11 +100,45 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     slice into whole heads); the vocabulary may split unevenly."""
     sizes = {"num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
              "ffn_hidden_size": model.ffn_hidden_size}
+    if model.source.startswith("hf:") and tp % model.num_kv_heads == 0:
+        del sizes["num_kv_heads"]  # fewer kv heads than tp: each is replicated over tp / num_kv_heads ranks
     if model.num_experts:
         sizes["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
     return [Violation(f"tp-divides-{name}", f"{name}={value} is not divisible by tp={tp}; use a tp that "
                       f"divides it (divisors: {_divisors(value)})")
-            for name, value in sizes.items() if tp > 1 and value % tp]
+            for name, value in sizes.items() if tp > 1 and value % tp] + _class_tensor_problems(model, tp)
+
+
+HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
+                "packed_colwise": "colwise_packed:2", "colwise_gather_output": "colwise_gather",
+                "rowwise_split_input": "rowwise_split"}
+"""transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES).
+A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
+UNPLACED = "unplaced"
+"""ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
+PLAIT_STYLE = "plait:"
+"""Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
+
+
+def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
+    """A Hugging Face class (source "hf:") runs tensor parallelism as its own plan declares it (ModelSpec.tp_plan)."""
+    if tp == 1 or not model.source.startswith("hf:"):
+        return []
+    if not model.tp_plan:
+        return [Violation("tp-needs-class-plan", f"tp={tp}: {model.name} declares no tensor-parallel plan "
+                          f"(base_model_tp_plan); use tp=1")]
+    unplaced = [pattern for pattern, style in model.tp_plan.items() if style == UNPLACED]
+    if unplaced:
+        return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
+                          f"tensor-parallel plan places nowhere (a tensor rank could see part of its input and keep a "
+                          f"partial gradient); use tp=1")]
+    unknown = [(pattern, style) for pattern, style in model.tp_plan.items()
+               if style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
+    if unknown:
+        pattern, style = unknown[0]
+        return [Violation("tp-style-runs", f"tp={tp}: {model.name}'s module {pattern} has tensor-parallel style "
+                          f"{style!r}, which plait does not run (it runs {', '.join(HF_TP_STYLES)}); use tp=1")]
+    return []
 
 
 def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
@@ -150,6 +184,9 @@ def expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
     if not model.num_experts:
         return [Violation("ep-needs-experts", f"ep={ep} needs a mixture-of-experts model; {model.name} has no "
                           f"experts (use ep=1)")]
+    if model.source.startswith("hf:"):
+        return [Violation("ep-needs-plait-moe", f"ep={ep}: {model.name}'s experts run as its Hugging Face class wrote "
+                          f"them, which plait does not split over ranks yet; use ep=1")]
     if model.num_experts % ep:
         return [Violation("ep-divides-experts", f"num_experts={model.num_experts} is not divisible by ep={ep}; "
                           f"use an ep among {_divisors(model.num_experts)}")]

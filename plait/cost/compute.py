@@ -161,6 +161,15 @@ def layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, flo
     return 2.0 * tokens * weights, 4.0 * tokens * seq_len * q
 
 
+def replicated_kv_flops(model: ModelSpec, tokens: float, tp: int) -> float:
+    """Forward FLOPs of a layer's key and value projections where tp exceeds the kv heads of a Hugging Face class:
+    every tensor rank then computes them whole, replicating the heads (plait.execute.tensor.KeyValueParallel)."""
+    kv = model.num_kv_heads
+    if tp <= kv or tp % kv or not model.source.startswith("hf:"):
+        return 0.0
+    return 2.0 * tokens * model.hidden_size * 2 * model.kv_size
+
+
 def expert_weights(model: ModelSpec) -> int:
     """Weights of one expert (no biases: plait.models.moe.Experts)."""
     return (3 if model.gated_mlp else 2) * model.hidden_size * model.moe_ffn_hidden_size
@@ -269,6 +278,7 @@ def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micr
     attn_fwd, attn_bwd = (attn * factor for factor in passes)
     if cut.ep > 1:  # the busiest expert rank computes more than its share
         dense += (busiest_rank_load(model, cut.ep) - 1.0) * expert_flops(model, tokens)
+    dense += (tp - 1) * replicated_kv_flops(model, tokens, tp)  # each rank's whole k, v projections (dense / tp below)
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -151,6 +151,31 @@ class ProjectionParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
 
 
+class KeyValueParallel(ParallelStyle):
+    """The key or value projection of attention with `num_kv_heads` heads. Where tp divides them, column-wise like
+    any projection; where there are fewer than tp (multi-query and small-group attention), each kv head is kept
+    whole on the tp / num_kv_heads ranks whose query heads read it (Megatron-LM's replication): the weight is
+    replicated, every rank computes the projection and keeps its head's slice, and the weight's gradient is summed
+    over the tensor ranks (each rank's query heads add their share)."""
+
+    def __init__(self, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if self.num_kv_heads % tp == 0:
+            return ColwiseParallel()._apply(module, device_mesh)
+        head = device_mesh.get_local_rank() // (tp // self.num_kv_heads)  # the kv head this rank's queries read
+
+        def output_fn(mod, output: DTensor, mesh):
+            width = output.shape[-1] // self.num_kv_heads
+            local = output.to_local(grad_placements=[Partial()])
+            return local[..., head * width:(head + 1) * width]
+
+        return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
@@ -164,12 +189,18 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         if packed > 1 or _is_conv1d(module):
             return ProjectionParallel("colwise", packed, transposed=_is_conv1d(module))
         return ColwiseParallel()
+    if name == "colwise_kv":
+        return KeyValueParallel(int(arg))
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_split":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if name == "rowwise":
         if _is_conv1d(module):
             return ProjectionParallel("rowwise", output_layout=between, transposed=True)
         return RowwiseParallel(output_layouts=between)
-    if name == "norm":
-        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if name == "norm":  # local outputs: a norm may feed the residual sum (post-norms: Gemma 2, OLMo 2)
+        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
     if name == "head_norm":
         return HeadNormParallel()
     if name == "gather_input":
@@ -185,8 +216,8 @@ def root_style(style: str, module: nn.Module, sequence_parallel: bool) -> Parall
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "position_embedding":
         return ReplicateParallel(between)  # [1, s, h] rows: sliced along the sequence under SP
-    if style == "final_norm":
-        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if style == "final_norm":  # local: the class's own forward may reshape it with the local length (GPT-2's view)
+        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
     if style == "output":  # logits stay a vocab-sharded DTensor for loss_parallel()
         return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
     return block_style(style, module, sequence_parallel)

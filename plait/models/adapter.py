@@ -36,6 +36,10 @@ STYLES = {
     "colwise": "output features split over tp (Linear, or HF Conv1D)",
     "colwise_packed": "K fused projections (q|k|v, gate|up), each split over tp: 'colwise_packed:3'",
     "rowwise": "input features split over tp; outputs summed (all-reduce, or reduce-scatter under SP)",
+    "colwise_kv": "a key or value projection of N kv heads: 'colwise_kv:N'; column-wise, or each head replicated "
+                  "over the tp / N ranks that read it where N < tp (Megatron-LM's multi-query tensor parallelism)",
+    "colwise_gather": "column-wise, its output gathered whole on every tensor rank (what follows runs replicated)",
+    "rowwise_split": "row-wise on a whole (replicated) input, each rank taking its slice of the input features",
     "norm": "a norm over hidden: replicated, or on sequence slices under sequence parallelism",
     "head_norm": "a norm over head_dim of tp-sharded heads (Qwen3's q_norm / k_norm)",
     "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",
@@ -128,6 +132,11 @@ class ModelAdapter:
     def block_kwargs(self, stage: nn.Module, hidden: torch.Tensor, ctx: StageContext) -> dict[str, Any]:
         """Keyword arguments every block of the stage is called with (rotary tables, masks)."""
         return {}
+
+    def kwargs_of(self, kwargs: dict[str, Any], index: int) -> Any:
+        """What block `index` is called with, out of `block_kwargs` (the same for every block, unless an adapter
+        keeps them per block)."""
+        return kwargs
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         out = block(hidden, **kwargs)

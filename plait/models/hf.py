@@ -1,21 +1,23 @@
-"""The Hugging Face adapter: causal LMs from transformers, run unchanged (ModelSpec.source = "hf:<model dir>").
+"""The Hugging Face adapter: any transformers causal LM, run unchanged (ModelSpec.source = "hf:<model dir>").
 
-Families (model_type): llama, mistral, qwen2, qwen3, gemma (decoder layers under ``model.layers``, rotary
-tables computed once per stage by ``model.rotary_emb``) and gpt2 (``transformer.h``, learned positions,
-Conv1D projections, tied embeddings). The tensor-parallel plan of the llama-like families is the class's
-own ``base_model_tp_plan`` (norms and sequence-parallel gathers added from the module tree); GPT-2 has
-none, so it is written here.
+No family is written here. From the class (plait.models.hf_structure): the decoder layers (named by its
+``base_model_pp_plan``, or its one ModuleList of identical blocks), the modules before and after them, tied
+parameters, norms; each pipeline stage runs the class's own forward around its layers (so embedding scales,
+learned positions, rotary tables, soft-capped logits are the class's); the tensor-parallel plan is its
+``base_model_tp_plan`` (norms and sequence-parallel gathers added from the module tree), translated style by
+style (TP_STYLES); GPT-2, which declares none, has plait's written as data (WRITTEN_TP_PLANS).
 
 What plait changes when it builds a model, and why:
 
-* dropout off (``*_pdrop``, ``attention_dropout`` = 0): a parallel run then computes exactly what one
-  process does, and the cost model has no dropout term;
+* dropout off (every ``*dropout*`` / ``*_pdrop`` config value, every nn.Dropout): a parallel run then computes
+  exactly what one process does, and the cost model has no dropout term;
 * attention runs through ``"plait_sdpa"``, transformers' own SDPA function registered under a name of
   plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
   math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
-  exchange keys and values;
-* after `to_empty`, the non-persistent buffers (rotary ``inv_freq``, Gemma's embedding scale) are
-  computed again from the config (they hold garbage otherwise; the loss then differs by ~1e-4).
+  exchange keys and values; no mask function is registered under that name, so the class passes no mask and
+  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window);
+* after `to_empty`, every buffer is copied from the class's own construction with parameters on meta (they
+  hold garbage otherwise; the loss then differs by ~1e-4).
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.legality import HF_TP_STYLES, PLAIT_STYLE
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, register
+from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-FAMILIES = LLAMA_LIKE + ("gpt2",)
 ATTENTION = "plait_sdpa"
-_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
-              "packed_colwise": "colwise_packed:2"}
+EAGER = "plait_eager"
 
 
 def model_dir(source: str) -> Path:
@@ -77,53 +78,120 @@ def _register_attention() -> None:
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def plait_eager(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), given
+        the causal mask plait passes no mask function for."""
+        import sys
+
+        if getattr(module, "plait_attention", None) is not None:  # never attend to local keys only in silence
+            raise NotImplementedError(f"{type(module).__name__} runs its class's own eager attention, which context "
+                                      f"parallelism cannot swap; use cp=1")
+        if attention_mask is None:
+            q_len, k_len = query.shape[-2], key.shape[-2]
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+            attention_mask = torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device).masked_fill(
+                ~allowed, torch.finfo(query.dtype).min)[None, None]
+        own = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        fn = functools.partial(own, **kwargs)
+        if getattr(module, "plait_recompute", False):
+            return checkpoint(fn, module, query, key, value, attention_mask, use_reentrant=False)
+        return fn(module, query, key, value, attention_mask)
+
     AttentionInterface.register(ATTENTION, plait_sdpa)
+    AttentionInterface.register(EAGER, plait_eager)
+
+
+WRITTEN_TP_PLANS: dict[str, dict[str, Any]] = {
+    # GPT-2 declares no tensor-parallel plan; plait's, as data (plait's style names; norms and sequence-parallel
+    # gathers are added as for any class). Its attention splits the fused q|k|v output by split_size (the full
+    # hidden width): under tp each rank holds q, k and v slices hidden/tp wide.
+    "gpt2": {"block": {"attn.c_attn": "colwise_packed:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                       "mlp.c_proj": "rowwise"},
+             "divided_by_tp": ("attn.split_size",)},
+}
+TP_STYLES = HF_TP_STYLES  # the rule lives in plait.legality, which refuses other styles before ranks start
+
+
+def attention_for(config: Any) -> str:
+    """plait's SDPA attention, or the class's own "eager" one where the class says SDPA does not compute its
+    attention (soft-capped scores: Gemma 2); then selective recompute checkpoints nothing of it and context
+    parallelism cannot swap it."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return ATTENTION if getattr(model_class, "_supports_sdpa", True) else EAGER
+
+
+def tensor_plan_of(config: Any) -> dict[str, str]:
+    """The block entries of a class's tensor-parallel plan ("layers.*.self_attn.q_proj" -> "colwise"), or the one
+    plait writes for it, as transformers spells its styles."""
+    written = WRITTEN_TP_PLANS.get(getattr(config, "model_type", ""))
+    if written:
+        return {f"*.{k}": PLAIT_STYLE + v for k, v in written["block"].items()}
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    return {k: v for k, v in plan.items() if ".*." in k}
+
+
+def _no_dropout(config: Any) -> None:
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
 
 
 class HFAdapter(ModelAdapter):
-    """llama, mistral, qwen2, qwen3, gemma: embed_tokens -> layers -> norm -> lm_head."""
-
-    blocks_path = "model.layers"
-    pre = ("model.embed_tokens",)
-    post = ("model.norm", "lm_head")
-    shared = ("model.rotary_emb",)
-    residual_outputs = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    """Any transformers causal LM: the layout, the tensor-parallel plan and the buffers come from the class."""
 
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self.config_dict = read_config(spec.source)
-        self.family = self.config_dict.get("model_type")
-        if self.family not in FAMILIES:
-            raise ConfigError(f"Hugging Face model_type {self.family!r} is not supported; supported: "
-                              f"{', '.join(FAMILIES)}")
+        self.family = self.config_dict.get("model_type") or "?"
         self.init_std = float(self.config_dict.get("initializer_range", 0.02))
-        if spec.tied_embeddings:
-            self.tied = {"lm_head.weight": self.pre[0] + ".weight"}
+        structure = self.structure
+        self.blocks_path, self.pre, self.post = structure.blocks_path, structure.pre, structure.post
+        self.tied = dict(structure.tied)
+        self.residual_outputs = tuple(f"{p.split('*.', 1)[-1]}.weight" for p, s in tensor_plan_of(self.hf_config())
+                                      .items() if s.removeprefix(PLAIT_STYLE) == "rowwise")
 
     # ---- building ------------------------------------------------------------------------
     def hf_config(self):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(model_dir(self.spec.source)), local_files_only=True)
-        for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                    "summary_first_dropout"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
+        _no_dropout(config)
         config.use_cache = False
         _register_attention()
-        config._attn_implementation = ATTENTION
+        config._attn_implementation = attention_for(config)
+        # experts as a loop over the routed ones: any dtype (grouped_mm takes no float64), the class's reference
+        config._experts_implementation = "eager"
         return config
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=ATTENTION,
-                                                     dtype=torch.get_default_dtype())
+            config = self.hf_config()
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation,
+                                                     experts_implementation="eager", dtype=torch.get_default_dtype())
+        for sub in model.modules():
+            if isinstance(sub, nn.Dropout):
+                sub.p = 0.0
         if self.spec.attention == "math":
             for sub in self._attention_modules(model):
                 sub.plait_math = True
         return model
+
+    @functools.cached_property
+    def meta_model(self) -> nn.Module:
+        return self.build("meta")
+
+    @property
+    def structure(self) -> Structure:
+        return _structure(self.spec.source, self.spec.attention, _config_stamp(self.spec.source),
+                          lambda: discover(self.meta_model, self.hf_config()))
+
+    @functools.cached_property
+    def model_class(self) -> type:
+        return type(self.meta_model)
 
     @staticmethod
     def _attention_modules(root: nn.Module) -> list[nn.Module]:
@@ -131,32 +199,56 @@ class HFAdapter(ModelAdapter):
         return [sub for sub in root.modules() if hasattr(sub, "is_causal") and hasattr(sub, "config")]
 
     def reset_buffers(self, module: nn.Module) -> None:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        """Every buffer as the class's own __init__ computes it (rotary tables, embedding scales, masks)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        for sub in module.modules():
-            if type(sub).__name__.endswith("RotaryEmbedding"):
-                kind = getattr(sub, "rope_type", "default")
-                init = sub.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
-                device = sub.inv_freq.device
-                inv_freq, sub.attention_scaling = init(sub.config, device=device)
-                sub.inv_freq = inv_freq.to(device)
-                sub.original_inv_freq = inv_freq.clone().to(device)
-            if hasattr(sub, "scalar_embed_scale"):  # Gemma's scaled embedding
-                sub.embed_scale = torch.tensor(sub.scalar_embed_scale, device=sub.embed_scale.device)
+        reference = reference_buffers(f"{self.spec.source}@{_config_stamp(self.spec.source)}",
+                                      functools.partial(self.build, "cpu"))
+        for name, buffer in list(module.named_buffers()):
+            value = reference.get(name.replace("._checkpoint_wrapped_module", ""))
+            if value is None:
+                continue
+            owner_path, _, leaf = name.rpartition(".")
+            owner = get_module(module, owner_path) if owner_path else module
+            if isinstance(buffer, DTensor):
+                value = distribute_tensor(value.to(buffer.dtype), buffer.device_mesh, buffer.placements)
+            else:
+                value = value.to(device=buffer.device, dtype=buffer.dtype)
+            owner._buffers[leaf] = value
 
-    # ---- one stage -----------------------------------------------------------------------
+    # ---- one stage: the class's own forward around the layers -----------------------------
+    def _around(self, stage: nn.Module, ctx: StageContext, **kwargs):
+        return around_layers(self.model_class, stage, blocks_path=self.blocks_path, num_layers=self.num_layers,
+                             pre=self.pre, positions=ctx.positions, as_tuple=self.structure.layer_returns_tuple,
+                             **kwargs)
+
+    @functools.cached_property
+    def num_layers(self) -> int:
+        return len(get_module(self.meta_model, self.blocks_path))
+
     def embed(self, stage: nn.Module, tokens: torch.Tensor, ctx: StageContext) -> torch.Tensor:
-        return stage.model.embed_tokens(tokens)
+        calls, _ = self._around(stage, ctx, tokens=tokens, stop_at=0)
+        return calls[0][0]
 
     def block_kwargs(self, stage: nn.Module, hidden: torch.Tensor, ctx: StageContext) -> dict[str, Any]:
-        position_ids = ctx.positions[None]
-        # rotary tables of the whole sequence (global positions), though under SP `hidden` holds a slice
-        probe = hidden.new_empty(0) if hidden.is_floating_point() else torch.empty(0)
-        return {"position_embeddings": stage.model.rotary_emb(probe, position_ids=position_ids),
-                "position_ids": position_ids, "attention_mask": None}
+        """What the class passes each layer (rotary tables of the whole sequence, masks, position ids), by layer
+        index: found by running its forward around stubs on a stand-in of the full sequence (under sequence
+        parallelism `hidden` holds a slice)."""
+        full = hidden.new_zeros(hidden.shape[0], len(ctx.positions), hidden.shape[-1])
+        calls, _ = self._around(stage, ctx, hidden=full, stop_at=self.num_layers - 1)
+        return {index: (args, kwargs) for index, (_, args, kwargs) in calls.items()}
+
+    def kwargs_of(self, kwargs: dict[str, Any], index: int) -> Any:
+        return kwargs[index]
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, kwargs: Any) -> torch.Tensor:
+        args, kw = kwargs
+        out = block(hidden, *args, **kw)
+        return out[0] if isinstance(out, tuple) else out
 
     def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return stage.lm_head(stage.model.norm(hidden))
+        _, out = self._around(stage, stage.ctx, hidden=hidden)
+        return out.logits
 
     def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits
@@ -164,34 +256,74 @@ class HFAdapter(ModelAdapter):
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:
         config = self.hf_config()
-        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        plan = tensor_plan_of(config)
         if not plan:
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
+        blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
         block: dict[str, str] = {}
         for pattern, style in plan.items():
-            if not pattern.startswith("layers.*."):
+            if pattern.startswith("*."):
+                block[pattern[2:]] = style.removeprefix(PLAIT_STYLE)
                 continue
-            if style not in _TP_STYLES:
+            if not pattern.startswith(f"{blocks_leaf}.*."):
+                continue
+            if style not in TP_STYLES:
                 raise ConfigError(f"{self.family}: tensor-parallel style {style!r} of {pattern} is not supported; "
                                   f"use tp=1")
-            block[pattern.removeprefix("layers.*.")] = _TP_STYLES[style]
-        for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items() if s.startswith("colwise")}):
+            block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style]
+        self._mark_key_values(block)
+        for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
+                              if s.startswith("colwise") and "." in name}):
             block.setdefault(parent, "gather_input")
         for name in self._block_norms():
             block.setdefault(name, "norm")
-        root = {"model.embed_tokens": "embedding", "model.norm": "final_norm", "lm_head": "output"}
-        return TensorPlan(block=block, root=root)
+        return TensorPlan(block=block, root=self._root_plan())
+
+    def _mark_key_values(self, block_plan: dict[str, str]) -> None:
+        """Column-wise projections num_kv_heads heads wide (fewer than the query heads) become "colwise_kv", so that
+        a tp above num_kv_heads replicates their heads instead of splitting one."""
+        heads, kv = self.spec.num_heads, self.spec.num_kv_heads or self.spec.num_heads
+        if kv >= heads:
+            return
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        head_dim = self.spec.head_dim or self.spec.hidden_size // heads
+        for pattern, style in block_plan.items():
+            module = get_module(block, pattern)
+            if style == "colwise" and isinstance(module, nn.Linear) and module.out_features == kv * head_dim:
+                block_plan[pattern] = f"colwise_kv:{kv}"
+
+    def _root_plan(self) -> dict[str, str]:
+        """The modules around the blocks: the token embedding vocabulary-parallel, other embeddings (learned
+        positions) replicated, norms after the blocks, the output layer vocabulary-parallel."""
+        model, vocab = self.meta_model, self.spec.vocab_size
+        root = {}
+        for path in self.pre:
+            module = get_module(model, path)
+            if isinstance(module, nn.Embedding):
+                root[path] = "embedding" if module.num_embeddings == vocab else "position_embedding"
+        for path in self.post:
+            module = get_module(model, path)
+            if isinstance(module, nn.Linear) and module.out_features == vocab:
+                root[path] = "output"
+            elif "Norm" in type(module).__name__:
+                root[path] = "final_norm"
+        return root
+
+    def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
+        kv = self.spec.num_kv_heads or self.spec.num_heads
+        if kv < tp:  # one replicated kv head per rank now serves the rank's heads / tp query heads
+            for attention in self._attention_modules(block):
+                if hasattr(attention, "num_key_value_groups"):
+                    attention.num_key_value_groups = self.spec.num_heads // tp
+        for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
+            owner_path, _, attribute = path.rpartition(".")
+            owner = get_module(block, owner_path)
+            setattr(owner, attribute, getattr(owner, attribute) // tp)
 
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:
-        with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            config = self.hf_config()
-            config.num_hidden_layers = 1
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
-        block = get_module(model, self.blocks_path)[0]
-        return tuple(name for name, child in block.named_children() if type(child).__name__.endswith("Norm"))
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        return tuple(name for name, child in block.named_children() if "Norm" in type(child).__name__)
 
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names
@@ -207,53 +339,52 @@ class HFAdapter(ModelAdapter):
             sub.plait_recompute = True
         return len(marked)
 
+    # ---- weights -------------------------------------------------------------------------
     def is_norm(self, name: str) -> bool:
-        return name.rsplit(".", 2)[-2].endswith(("norm", "layernorm")) if "." in name else False
+        return self.canonical(name) in self.structure.norm_params
 
     def initial_tensor(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-        if self.family == "gemma" and self.is_norm(self.canonical(name)):
-            return torch.zeros(shape)  # Gemma's RMSNorm scales by (1 + weight)
+        """GPT-2's scheme (plait.models.adapter), but norms start as the class's own init makes them (ones, or
+        zeros where the norm scales by 1 + weight)."""
+        name = self.canonical(name)
+        if self.is_norm(name):
+            return self._norm_initial(name).reshape(shape).clone()
         return super().initial_tensor(name, shape, seed)
 
+    def _norm_initial(self, name: str) -> torch.Tensor:
+        import copy
 
-class GPT2Adapter(HFAdapter):
-    """GPT-2: wte + wpe -> h -> ln_f -> lm_head (tied to wte); Conv1D projections, fused q|k|v."""
+        owner_path, _, leaf = name.rpartition(".")
+        module = copy.deepcopy(get_module(self.meta_model, owner_path)).to_empty(device="cpu")
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                param.fill_(float("nan"))
+            self.meta_model._init_weights(module)
+        value = getattr(module, leaf).detach()
+        if torch.isnan(value).any():
+            return torch.ones_like(value) if leaf == "weight" else torch.zeros_like(value)
+        return value
 
-    blocks_path = "transformer.h"
-    pre = ("transformer.wte", "transformer.wpe", "transformer.drop")
-    post = ("transformer.ln_f", "lm_head")
-    shared = ()
-    residual_outputs = ("attn.c_proj.weight", "mlp.c_proj.weight")
 
-    def embed(self, stage: nn.Module, tokens: torch.Tensor, ctx: StageContext) -> torch.Tensor:
-        t = stage.transformer
-        return t.drop(t.wte(tokens) + t.wpe(ctx.positions[None]))
+def _config_stamp(source: str) -> float:
+    return (model_dir(source) / "config.json").stat().st_mtime
 
-    def block_kwargs(self, stage: nn.Module, hidden: torch.Tensor, ctx: StageContext) -> dict[str, Any]:
-        return {"attention_mask": None}
 
-    def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return stage.lm_head(stage.transformer.ln_f(hidden))
+@functools.lru_cache(maxsize=16)
+def _structure_cached(source: str, attention: str, stamp: float) -> list:
+    return []
 
-    def tp_plan(self) -> TensorPlan:
-        block = {"ln_1": "norm", "attn": "gather_input", "attn.c_attn": "colwise_packed:3", "attn.c_proj": "rowwise",
-                 "ln_2": "norm", "mlp": "gather_input", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
-        root = {"transformer.wte": "embedding", "transformer.wpe": "position_embedding",
-                "transformer.ln_f": "final_norm", "lm_head": "output"}
-        return TensorPlan(block=block, root=root)
 
-    def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
-        # GPT2Attention splits its fused projection's output by split_size = the full hidden size; each
-        # tensor rank holds its q, k and v slices side by side, hidden/tp wide each.
-        block.attn.split_size = block.attn.embed_dim // tp
-
-    def is_norm(self, name: str) -> bool:
-        return ".ln_" in f".{name}"
+def _structure(source: str, attention: str, stamp: float, find) -> Structure:
+    """One discovery per model directory and config.json version (it builds the model on meta)."""
+    slot = _structure_cached(source, attention, stamp)
+    if not slot:
+        slot.append(find())
+    return slot[0]
 
 
 def hf_adapter(spec) -> HFAdapter:
-    family = read_config(spec.source).get("model_type")
-    return GPT2Adapter(spec) if family == "gpt2" else HFAdapter(spec)
+    return HFAdapter(spec)
 
 
 register("hf", hf_adapter)

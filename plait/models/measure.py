@@ -12,7 +12,7 @@ these measurements, so the cost model prices each block as it is (they need not 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,7 +25,11 @@ SEQ_PROBES = (64, 128)
 """Sequence lengths at which each block's FLOPs are counted (two points fix the linear and quadratic parts)."""
 
 
-def _forward_cost(block: nn.Module, hidden: int, seq: int) -> tuple[float, float]:
+BlockCall = Callable[[nn.Module, torch.Tensor], Any]
+"""How a block is called on hidden states [1, s, h] (with whatever else its model passes it)."""
+
+
+def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None) -> tuple[float, float]:
     """(forward FLOPs, bytes saved for backward) of one block over one sequence of `seq` tokens, on meta."""
     x = torch.zeros(1, seq, hidden, device="meta", requires_grad=True)
     saved: dict[int, int] = {}
@@ -37,13 +41,13 @@ def _forward_cost(block: nn.Module, hidden: int, seq: int) -> tuple[float, float
 
     counter = FlopCounterMode(display=False)
     with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
+        out = block(x) if call is None else call(block, x)
         out = out[0] if isinstance(out, tuple) else out
     return float(counter.get_total_flops()), float(sum(saved.values()))
 
 
-def measure_block(block: nn.Module, hidden: int) -> BlockCost:
-    (f1, a1), (f2, _) = (_forward_cost(block, hidden, s) for s in SEQ_PROBES)
+def measure_block(block: nn.Module, hidden: int, call: BlockCall | None = None) -> BlockCost:
+    (f1, a1), (f2, _) = (_forward_cost(block, hidden, s, call) for s in SEQ_PROBES)
     s1, s2 = SEQ_PROBES
     per_position = max(0.0, (f2 / s2 - f1 / s1) / (s2 - s1))  # attention: FLOPs per token grow with s
     per_token = max(0.0, f1 / s1 - per_position * s1)

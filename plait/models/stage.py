@@ -55,8 +55,8 @@ class Stage(nn.Module):
             self.ctx.positions = self.ctx.positions.to(x.device)
         hidden = self.adapter.embed(self, x, self.ctx) if self.first else x
         kwargs = self.adapter.block_kwargs(self, hidden, self.ctx)
-        for block in self.stage_blocks().values():
-            hidden = self.adapter.run_block(block, hidden, kwargs)
+        for index, block in self.stage_blocks().items():
+            hidden = self.adapter.run_block(block, hidden, self.adapter.kwargs_of(kwargs, int(index)))
         return self.adapter.head(self, hidden) if self.last else hidden
 
 

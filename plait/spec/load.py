@@ -5,8 +5,10 @@ Accepted model inputs:
 * a preset name from plait.spec.models.MODEL_PRESETS (``gpt3-175b``, ``llama3-8b``, ...);
 * a plait model file (YAML or JSON) holding ModelSpec fields, optionally ``preset: NAME`` to
   start from a preset and override some fields;
-* a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 -> arch "llama"; GPT-2 -> arch "gpt"; the
-  mixture-of-experts Mixtral and Qwen3-MoE -> arch "llama" with experts), read offline: no network, no weights.
+* a Hugging Face ``config.json`` of any causal LM the installed transformers knows, read offline (no network, no
+  weights): its blocks measured on ``meta`` from the class itself (plait.models.hf_spec), the shape fields from
+  the cost model's closed forms where the family has them (Llama-like -> arch "llama"; GPT-2 -> arch "gpt"), read
+  generically from the config otherwise. Mixtral and Qwen3-MoE run as plait's MoE decoder of the same shape.
 
 Accepted cluster inputs: a preset name from plait.spec.clusters.CLUSTER_PRESETS, or a YAML/JSON
 file holding ClusterSpec fields (optionally ``preset: NAME`` plus overrides). Sizes may be plain
@@ -41,6 +43,8 @@ HF_MOE_TYPES = ("mixtral", "qwen3_moe")
 (plait.models.moe: top-k routing renormalized over the k, as both do) -- the Hugging Face adapter runs dense
 classes only."""
 HF_GPT_TYPES = ("gpt2",)
+HF_CLOSED_FORM_TYPES = HF_LLAMA_TYPES + HF_GPT_TYPES + HF_MOE_TYPES
+"""Families whose ModelSpec fields the cost model's closed forms describe (plait.models.hf_spec measures the rest)."""
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -70,8 +74,7 @@ def load_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
     path = _existing_file(text, "model")
     data = read_mapping(path)
     if _is_hf_config(data):
-        return model_from_hf_config(data, name=_hf_name(path, data), where=str(path),
-                                    source="hf:" + str(path.resolve().parent))
+        return _hf_spec(path, data)
     return _spec_from_mapping(ModelSpec, MODEL_PRESETS, data, "model", path, _default_name(path))
 
 
@@ -110,6 +113,10 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", w
     "hf:<dir>" the executor runs the Hugging Face class itself; "plait" runs plait's reference decoder of
     the same shape."""
     model_type = _hf_model_type(config, where)
+    if model_type not in HF_CLOSED_FORM_TYPES:
+        raise ConfigError(f"{where}: Hugging Face model type {model_type!r} has no closed form in plait's cost model "
+                          f"(those: {', '.join(HF_CLOSED_FORM_TYPES)}); give its model directory instead, and plait "
+                          f"measures the class on meta")
     if model_type in HF_MOE_TYPES:
         fields, source = _moe_fields(config, where, model_type), "plait"
     elif model_type in HF_LLAMA_TYPES:
@@ -238,14 +245,43 @@ def _hf_model_type(config: Mapping[str, Any], where: str) -> str:
             if arch in HF_ARCHITECTURES:
                 model_type = HF_ARCHITECTURES[arch]
                 break
-    supported = HF_LLAMA_TYPES + HF_GPT_TYPES + HF_MOE_TYPES
-    if model_type not in supported:
-        shown = model_type if model_type is not None else config.get("architectures")
-        raise ConfigError(
-            f"{where}: Hugging Face model type {shown!r} is not supported; supported model_type values: "
-            f"{', '.join(supported)} (or write a plait model file with ModelSpec fields)"
-        )
+    if model_type is None:
+        raise ConfigError(f"{where}: a Hugging Face config.json needs a 'model_type' (architectures "
+                          f"{config.get('architectures')!r} do not say it); add it")
     return str(model_type)
+
+
+def _hf_spec(path: Path, data: Mapping[str, Any]) -> ModelSpec:
+    """A Hugging Face model directory's ModelSpec: its blocks measured on meta (plait.models.hf_spec)."""
+    where = str(path)
+    model_type = _hf_model_type(data, where)
+    name, source = _hf_name(path, data), "hf:" + str(path.resolve().parent)
+    if model_type in HF_MOE_TYPES:
+        try:
+            return model_from_hf_config(data, name=name, where=where, source=source)
+        except ConfigError as error:  # a variant plait's MoE decoder does not compute: the class itself runs
+            if "not supported" not in str(error):
+                raise
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        import transformers
+
+        near = difflib.get_close_matches(model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+        raise ConfigError(f"{where}: model_type {model_type!r} is no causal language model of the installed "
+                          f"transformers {transformers.__version__}" + (f"; did you mean {', '.join(near)}?" if near
+                                                                         else ""))
+    closed = None
+    if model_type in HF_CLOSED_FORM_TYPES:
+        try:
+            closed = model_from_hf_config(data, name=name, where=where, source=source).to_dict()
+        except ConfigError as error:  # a variant the closed forms do not describe (biases, ...): read generically
+            if "not supported" not in str(error):
+                raise
+            closed = None
+    from plait.models.hf_spec import hf_model_spec
+
+    return hf_model_spec(path.parent, name=name, closed_form=closed)
 
 
 def _need(config: Mapping[str, Any], key: str, where: str) -> Any:

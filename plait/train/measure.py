@@ -381,6 +381,23 @@ class RouterLoad:
         self._layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         for moe in self._layers:
             moe.on_counts = self._counter(moe)
+        # transformers' experts (their classes carry `_is_expert_parallel`): each call gets the routed top-k ids
+        self._hooks = [m.register_forward_pre_hook(self._routed(m), with_kwargs=True) for part in model_parts
+                       for m in part.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+
+    def _routed(self, experts: Any):
+        """Counts per expert of a Hugging Face experts module, from the top_k_index its block passes it."""
+        import torch
+
+        count = self._counter(experts)
+
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if isinstance(index, torch.Tensor) and not index.is_meta:
+                ids = index.flatten()
+                count(torch.bincount(ids[ids < experts.num_experts], minlength=experts.num_experts))
+
+        return hook
 
     def _counter(self, moe: Any):
         import torch
@@ -410,6 +427,9 @@ class RouterLoad:
         for moe in self._layers:
             moe.on_counts = None
         self._layers.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
 
 def router_line(imbalance: dict[int, float], plan: Any) -> str:

@@ -84,3 +84,31 @@ def test_the_line_names_the_priced_value_and_how_to_plan_with_the_measured_one()
     line = router_line({2: 1.031, 4: 1.2}, plan)
     assert "ep2 1.031" in line and "ep4 1.200" in line and "priced with 1.25" in line
     assert "--router-imbalance" in line
+
+
+def hf_moe_block():
+    """The sparse MLP of a tiny Qwen3-MoE (transformers' own class) whose router reads the token itself."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=4, moe_intermediate_size=4, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True)
+    config._experts_implementation = "eager"
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.eye(4))
+        for p in block.experts.parameters():
+            p.normal_()
+    return block
+
+
+def test_a_hugging_face_moe_is_measured_as_plaits():
+    block = hf_moe_block()
+    meter = RouterLoad([block])
+    run(block, [A, B] * 8)
+    assert meter.take() == {2: pytest.approx(1.0), 4: pytest.approx(1.0)}
+    run(block, [A] * 16)
+    assert meter.take() == {2: pytest.approx(1.0), 4: pytest.approx(2.0)}
+    meter.remove()
+    run(block, [A] * 16)
+    assert meter.take() == {}

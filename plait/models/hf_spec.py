@@ -1,0 +1,185 @@
+"""The ModelSpec of a Hugging Face causal LM, measured on `meta` from the class itself (no weights, no compute).
+
+Each decoder layer is run on meta under FlopCounterMode with exactly what the class passes it (rotary tables,
+masks: plait.models.hf_structure.around_layers), at two sequence lengths (plait.models.measure): FLOPs per
+token, FLOPs per token and position (attention), parameters and the bytes saved for backward. Layers alike (same
+class, same entry of the config's ``layer_types``) are measured once. The shapes legality needs (heads, kv-heads,
+widths, vocabulary, experts) are read from the config. For the families the cost model has closed forms for
+(plait.spec.load.model_from_hf_config: Llama-like, GPT-2, Mixtral / Qwen3-MoE), those fields come from there and
+only the blocks are measured; tests/unit/test_hf_spec.py checks the two agree within 1%.
+
+What the measurement cannot see: FLOPs of operators torch's FlopCounterMode has no formula for (state-space
+scans, custom kernels) count as zero, so such a block is priced low; and a layer whose forward needs real data on
+meta (data-dependent expert loops) cannot be measured: it is priced from its config's closed form where there is
+one, else refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.models.adapter import get_module
+from plait.spec.model import BlockCost, ModelSpec
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys transformers' MoE classes name their routed experts by."""
+
+
+def _first(config: Any, *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        value = getattr(config, key, None)
+        if value is not None:
+            return value
+    return default
+
+
+def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, Any]:
+    """ModelSpec shape fields read from any transformers config (attribute_map spells GPT-2's n_embd hidden_size)."""
+    hidden = int(config.hidden_size)
+    heads = int(_first(config, "num_attention_heads", default=1))
+    head_dim = _first(config, "head_dim")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    learned = any(isinstance(get_module(meta_model, p), nn.Embedding) and p.rsplit(".", 1)[-1] != "embed_tokens"
+                  and get_module(meta_model, p).num_embeddings != config.vocab_size for p in structure.pre)
+    experts = int(_first(config, *EXPERT_KEYS, default=0) or 0)
+    fields = dict(arch="llama", num_layers=len(get_module(meta_model, structure.blocks_path)), hidden_size=hidden,
+                  num_heads=heads, num_kv_heads=_first(config, "num_key_value_heads", "multi_query_group_num"),
+                  head_dim=int(head_dim) if isinstance(head_dim, int) and head_dim * heads != hidden else None,
+                  ffn_hidden_size=_first(config, "intermediate_size", "n_inner", "ffn_hidden_size",
+                                         default=4 * hidden) or 4 * hidden,
+                  vocab_size=int(config.vocab_size), tied_embeddings=bool(structure.tied),
+                  max_seq_len=int(_first(config, "max_position_embeddings", default=2048) or 2048),
+                  positions="learned" if learned else "rope",
+                  sliding_window=int(window) if isinstance(window, int) and window > 0 else None)
+    if experts:
+        fields.update(num_experts=experts, experts_per_token=int(_first(config, "num_experts_per_tok", "top_k",
+                                                                        default=1)),
+                      moe_ffn_hidden_size=_first(config, "moe_intermediate_size", "intermediate_size"))
+    return fields
+
+
+def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
+    kinds = getattr(config, "layer_types", None)
+    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
+
+
+def measure_blocks(adapter) -> tuple[BlockCost, ...]:
+    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
+    from plait.models.hf_structure import around_layers
+
+    model, config = adapter.meta_model, adapter.hf_config()
+    blocks = list(get_module(model, adapter.blocks_path))
+    hidden = int(config.hidden_size)
+    arguments: dict[int, dict[int, tuple]] = {}
+
+    def call(index: int):
+        def run(block: nn.Module, x: torch.Tensor):
+            seq = x.shape[1]
+            if seq not in arguments:
+                calls, _ = around_layers(adapter.model_class, model, blocks_path=adapter.blocks_path,
+                                         num_layers=len(blocks), pre=adapter.pre,
+                                         positions=torch.arange(seq, device="meta"),
+                                         hidden=torch.zeros(1, seq, hidden, device="meta"), stop_at=len(blocks) - 1)
+                arguments[seq] = calls
+            _, args, kwargs = arguments[seq][index]
+            return block(x, *args, **kwargs)
+        return run
+
+    measured: dict[tuple, BlockCost] = {}
+    costs = []
+    with _experts_batched(model):
+        for index, block in enumerate(blocks):
+            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
+    return tuple(costs)
+
+
+@contextlib.contextmanager
+def _experts_batched(model: nn.Module):
+    """transformers' experts in their "batched_mm" form while measuring: each token's top-k experts' weights
+    gathered and multiplied, which runs on meta (the eager loop over routed experts needs real routing) and counts
+    exactly the routed FLOPs."""
+    configs = {id(sub.config): sub.config for sub in model.modules()
+               if hasattr(sub, "_is_expert_parallel") and hasattr(sub, "config")}
+    saved = {key: config._experts_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = saved[key]
+
+
+def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict) -> BlockCost:
+    """Layer `index` measured, or the measurement of an earlier layer of its kind."""
+    from plait.models.measure import measure_block
+
+    kind = _layer_kind(config, index, block)
+    if kind not in measured:
+        try:
+            measured[kind] = measure_block(block, hidden, call(index))
+        except Exception as error:  # a forward that needs real data
+            raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
+                              f"cannot run on meta to be measured "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
+    return measured[kind]
+
+
+def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere ({pattern: UNPLACED}): under
+    tp a rank may feed them part of their input and keep a partial gradient nobody sums, so legality refuses tp.
+    Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
+    class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
+    (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
+    from plait.legality import UNPLACED
+
+    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
+    leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
+    out = {}
+    for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
+        for path, module in block.named_modules():
+            if not path or not any(True for _ in module.parameters(recurse=False)):
+                continue
+            if any(path == p or path.startswith(p + ".") for p in placed):
+                continue
+            if "Norm" in type(module).__name__:
+                continue
+            out[f"{leaf}.*.{path}"] = UNPLACED
+    return out
+
+
+def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
+    """The ModelSpec of the Hugging Face model in `directory` (config.json), its blocks measured on meta.
+
+    `closed_form`: ModelSpec fields from the cost model's formulas for this family (shapes and features), used
+    instead of the generic reading of the config where given."""
+    from plait.models.hf import HFAdapter, tensor_plan_of
+
+    source = "hf:" + str(Path(directory).resolve())
+    # the adapter reads only the source of its spec until it runs
+    probe = HFAdapter(ModelSpec(name=name, source=source, num_layers=1, hidden_size=1, num_heads=1, vocab_size=1))
+    config = probe.hf_config()
+    structure, model = probe.structure, probe.meta_model
+    fields = closed_form or config_fields(config, structure, model)
+    aliases = {alias for alias, _ in structure.tied}
+
+    def params_of(paths: tuple[str, ...]) -> int:
+        return sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
+                   if n not in aliases and any(n.startswith(path + ".") for path in paths))
+
+    blocks = measure_blocks(probe)
+    tp_plan = tensor_plan_of(config)
+    if tp_plan:
+        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan))
+    try:
+        return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
+                            "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
+                            "tp_plan": tp_plan})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{directory}/config.json: {e}") from None
