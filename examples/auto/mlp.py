@@ -1,4 +1,4 @@
-"""A residual MLP regressor that is not a decoder, for automatic per-operator sharding (examples/auto/README.md).
+"""A residual MLP regressor that is not a decoder, for automatic per-operator sharding (README, "Any module").
 
     build() -> the module; its forward(x, y) returns the loss.
     batch(batch_size, generator) -> (x, y), the forward's arguments.

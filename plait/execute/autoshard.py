@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
-from plait.operators.strategies import placement_of
+from plait.operators.strategies import placement_of, register_replicated
 from plait.plan import Plan
 
 
@@ -66,14 +66,23 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> n
     out replicated; then fully_shard over dp when dp > 1."""
     sharding = plan.operators
     tp_mesh = mesh["tp"]
+    for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
+        register_replicated(call_name)
     for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         for leaf, param in list(module.named_parameters(recurse=False)):
-            name = f"{module_name}.{leaf}" if module_name else leaf
-            placement = placement_of(sharding.params.get(name, "R"))
-            shard = distribute_tensor(param.detach(), tp_mesh, [placement])
+            shard = distribute_tensor(param.detach(), tp_mesh, [placement_of(sharding.params.get(prefix + leaf, "R"))])
             module.register_parameter(leaf, nn.Parameter(shard, requires_grad=param.requires_grad))
         for leaf, buffer in list(module.named_buffers(recurse=False)):
-            module.register_buffer(leaf, distribute_tensor(buffer, tp_mesh, [Replicate()]))
+            placement = placement_of(sharding.params.get(prefix + leaf, "R"))
+            module.register_buffer(leaf, distribute_tensor(buffer, tp_mesh, [placement]),
+                                   persistent=leaf not in module._non_persistent_buffers_set)
+        reads = {leaf: placement_of(sharding.param_reads[prefix + leaf]) for leaf, _ in
+                 module.named_parameters(recurse=False) if prefix + leaf in sharding.param_reads}
+        if reads:
+            _read_parameters_as(module, tp_mesh, reads)
+        if module_name in sharding.inputs:
+            module.register_forward_pre_hook(_redistribute_input(tp_mesh, placement_of(sharding.inputs[module_name])))
         if module_name in sharding.outputs:
             module.register_forward_hook(_redistribute_output(tp_mesh, placement_of(sharding.outputs[module_name])))
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh))
@@ -93,6 +102,33 @@ def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
             return (output[0].redistribute(mesh, [placement]), *output[1:])
         return output
     return hook
+
+
+def _redistribute_input(mesh: DeviceMesh, placement) -> Callable:
+    def hook(module, args):
+        if args and isinstance(args[0], DTensor):
+            return (args[0].redistribute(mesh, [placement]), *args[1:])
+        return None
+    return hook
+
+
+def _read_parameters_as(module: nn.Module, mesh: DeviceMesh, reads: dict) -> None:
+    """Parameters kept in one placement and read in another (kept split, gathered for use): during the module's
+    forward its `_parameters` hold the redistributed tensors (autograd carries their gradients back to the kept
+    ones); DTensor's eager rules for some operators (convolution) do not redistribute a parameter themselves."""
+    kept: dict[str, nn.Parameter] = {}
+
+    def before(m, args):
+        for leaf, placement in reads.items():
+            kept[leaf] = m._parameters[leaf]
+            m._parameters[leaf] = kept[leaf].redistribute(mesh, [placement])
+
+    def after(m, args, output):
+        for leaf in reads:
+            m._parameters[leaf] = kept.pop(leaf)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def _replicate_inputs(mesh: DeviceMesh) -> Callable:

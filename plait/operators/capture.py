@@ -51,7 +51,7 @@ class Value:
 
     id: int
     kind: str
-    """"param", "input" or "op"."""
+    """"param", "buffer", "input", "const" or "op"."""
     name: str
     ref: TensorRef | None = None
     producer: int | None = None
@@ -85,8 +85,12 @@ class Graph:
     output: TensorRef | None = None
     params: dict[str, TensorRef] = field(default_factory=dict)
     """Parameter name -> its value (tied parameters: the first name)."""
+    buffers: dict[str, TensorRef] = field(default_factory=dict)
+    """Buffer name -> its value (BatchNorm's running statistics: placed like parameters, kept whole or split)."""
     module_outputs: dict[str, TensorRef] = field(default_factory=dict)
     """Module name -> the tensor its forward returned (the first tensor of a tuple)."""
+    module_inputs: dict[str, TensorRef] = field(default_factory=dict)
+    """Module name -> its forward's first tensor argument."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -124,6 +128,10 @@ class _Recorder(TorchDispatchMode):
         as_ref = lambda a: self.ref_of(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
         ref_args, ref_kwargs = tree_map(as_ref, args), tree_map(as_ref, kwargs)
         inputs = [a for a in tree_flatten((ref_args, ref_kwargs))[0] if isinstance(a, TensorRef)]
+        if not inputs:  # a factory (torch.empty, arange): a constant, replicated like any made inside forward
+            for t in tensors_out:
+                self.new_ref(t, "const", f"const{len(self.refs)}")
+            return out
         index = len(self.graph.calls)
         outputs = [self.new_ref(t, "op", f"op{index}.{i}", index, i) for i, t in enumerate(tensors_out)]
         self.graph.calls.append(OpCall(index, func, ref_args, ref_kwargs, inputs, outputs,
@@ -147,11 +155,13 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
     recorder = _Recorder(graph, refs, modules)
     for name, param in model.named_parameters():
         graph.params[name] = recorder.new_ref(param, "param", name)
+    for name, buffer in model.named_buffers():
+        graph.buffers[name] = recorder.new_ref(buffer, "buffer", name)
     for i, tensor in enumerate(batch):
         recorder.new_ref(tensor, "input", f"input{i}")
     hooks = []
     for name, module in model.named_modules():
-        hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: modules.append(n)))
+        hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))
         hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
     try:
         with recorder:
@@ -162,6 +172,15 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
     first = out[0] if isinstance(out, (tuple, list)) else out
     graph.output = refs.get(id(first))
     return graph
+
+
+def _input_hook(name: str, modules: list[str], graph: Graph, refs: dict[int, TensorRef]) -> Callable:
+    def hook(module: nn.Module, args: Any) -> None:
+        modules.append(name)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if name and first is not None and id(first) in refs and name not in graph.module_inputs:
+            graph.module_inputs[name] = refs[id(first)]
+    return hook
 
 
 def _output_hook(name: str, modules: list[str], graph: Graph, refs: dict[int, TensorRef]) -> Callable:

@@ -30,9 +30,14 @@ class OperatorSharding:
     axis: str = "tp"
     """The mesh axis the placements are on; data parallelism (fully_shard) runs over "dp" around them."""
     params: dict[str, str] = field(default_factory=dict)
-    """Parameter name -> placement on the axis: "R", "S<dim>"."""
+    """Parameter and buffer name -> placement on the axis: "R", "S<dim>"."""
     outputs: dict[str, str] = field(default_factory=dict)
     """Module name -> the placement its output is redistributed to ("R", "P", "S<dim>")."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Module name -> the placement its first tensor argument is redistributed to before its forward."""
+    param_reads: dict[str, str] = field(default_factory=dict)
+    """Parameter (or buffer) name -> the placement its module reads it in, where that differs from how it is kept
+    (kept split to save memory, gathered for use: ZeRO-3 on the axis)."""
     pins: dict[str, str] = field(default_factory=dict)
     """What the user pinned (parameter or module name -> placement), honoured by the solver."""
     step_time_s: float = 0.0

@@ -158,3 +158,22 @@ def strategy_oracle(axis_size: int) -> Iterator[StrategyOracle]:
         yield StrategyOracle(axis_size, init_device_mesh("cpu", (axis_size,), mesh_dim_names=("tp",)))
     finally:
         dist.destroy_process_group()
+
+
+def register_replicated(call_name: str) -> None:
+    """Give an ATen operator without a DTensor rule one (torch's public register_sharding): run it replicated,
+    every tensor argument gathered, as the planner priced it. `call_name` is a captured call's name
+    ("module:op.overload#index")."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    op_name = call_name.split(":", 1)[1].split("#")[0]
+    packet, _, overload = op_name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    num_outputs = len(op._schema.returns)
+
+    def replicated(*args, **kwargs):
+        flat = [a for a in args] + list(kwargs.values())
+        inputs = [Replicate() if isinstance(a, DTensorSpec) else None for a in flat]
+        return [([Replicate()] * num_outputs, inputs)]
+
+    register_sharding(op)(replicated)

@@ -75,7 +75,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     for value in graph.values.values():
         if value.kind == "op":
             continue
-        options = candidate_placements(value.ref, axis_size, partial=False) if value.kind == "param" else ["R"]
+        placed = value.kind in ("param", "buffer")
+        options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param":
@@ -83,7 +84,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
         else:
             costs.append([0.0] * len(options))
-            memory.append([0.0] * len(options))
+            memory.append([value.ref.nbytes / (axis_size if p.startswith("S") else 1) for p in options])
     call_node = {}
     for call in graph.calls:
         strategies, has_rule = oracle.strategies(call)
@@ -146,7 +147,7 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
 def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
     if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
         raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
-    ref = built.graph.params.get(name) or built.graph.module_outputs.get(name)
+    ref = built.graph.params.get(name) or built.graph.buffers.get(name) or built.graph.module_outputs.get(name)
     if ref is None:
         known = list(built.graph.params)[:4] + list(built.graph.module_outputs)[:4]
         raise ConfigError(f"pin {name!r} names no parameter or module of the model; e.g. {', '.join(known)}")
@@ -184,14 +185,24 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
              cluster: ClusterSpec, elapsed: float) -> OperatorSharding:
     choice = solution.choice
     group = comm.Group(tp, 1)
+    placed = {**built.graph.params, **built.graph.buffers}
     params = {name: built.nodes[built.value_node[ref.value]].strategies[choice[built.value_node[ref.value]]].outputs[0]
-              for name, ref in built.graph.params.items()}
+              for name, ref in placed.items()}
+    reads = _first_reads(built, choice)
+    # Only placements a user may redistribute to: R -> P is DTensor's internal business (its op rules read a
+    # replicated tensor as a pending sum themselves).
+    inputs = {module: reads[ref.value] for module, ref in built.graph.module_inputs.items()
+              if reads.get(ref.value, "P") != "P"}
+    param_reads = {name: reads[ref.value] for name, ref in placed.items()
+                   if reads.get(ref.value, "P") not in ("P", params[name])}
     outputs = {}
     for module, ref in built.graph.module_outputs.items():
         node = built.value_node[ref.value]
         if built.nodes[node].call is not None:
             index = [r.value for r in built.nodes[node].call.outputs].index(ref.value)
-            outputs[module] = _output_of(built.nodes[node], choice[node], index)
+            placement = _output_of(built.nodes[node], choice[node], index)
+            if placement != "P":  # a pending sum stays as the operator left it (see inputs below)
+                outputs[module] = placement
     per_call: dict[int, list] = {}
     counts: dict[str, int] = {}
     total_bytes = 0.0
@@ -221,12 +232,25 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm_s=float(sum(s for s, _ in per_call.get(node, []))),
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
-    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, pins=pins,
+    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
+                            param_reads=param_reads, pins=pins,
                             step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
                             costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+
+
+def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
+    """Value id -> the placement its first consumer's strategy reads it in (what the executor redistributes a
+    module's input or a parameter to, so that DTensor's eager dispatch runs the planned strategy)."""
+    reads: dict[int, str] = {}
+    for call in built.graph.calls:
+        node = built.call_node[call.index]
+        strategy = built.nodes[node].strategies[choice[node]]
+        for k, ref in enumerate(call.inputs):
+            reads.setdefault(ref.value, strategy.inputs[k])
+    return reads
 
 
 def data_parallel_time(built: Built, tp: int, dp: int, cluster: ClusterSpec) -> float:
@@ -244,6 +268,17 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return ""
+
+
+def _refuse_unsynchronised_batch_norm(model: nn.Module, dp: int) -> None:
+    """BatchNorm's statistics are over the batch each rank sees: the tensor-parallel ranks see the whole micro-batch
+    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks do not."""
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and not isinstance(m, nn.SyncBatchNorm)]
+    if norms and dp > 1:
+        raise ConfigError(f"{norms[0]} is a BatchNorm: its statistics would be over each of the dp={dp} ranks' "
+                          "share of the batch, not the whole (plait does not synchronise them); use dp=1 (tp splits "
+                          "the model over every device) or a model without BatchNorm")
 
 
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -270,6 +305,7 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
         model = load_factory(model_source)()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    _refuse_unsynchronised_batch_norm(model, dp)
     batch = meta_batch(batch_source, global_batch // dp)
     sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
                             solver=solver, memory_limit=memory_limit)

@@ -152,3 +152,23 @@ def test_plan_json_round_trips_the_per_operator_placements():
     back = Plan.from_json(plan.to_json())
     assert back.operators == plan.operators and back.operators.params["ups.0.weight"] == "S0"
     assert back.operators.costliest and back.operators.batch == "mlp:batch"
+
+
+def test_a_table_bigger_than_the_budget_is_split_and_a_pin_that_keeps_it_whole_is_refused():
+    import dlrm
+
+    budget = 10 * 2**20
+    table_state = 4 * dlrm.ROWS * dlrm.DIM * 4   # weights, gradients, AdamW's two moments, fp32
+    assert table_state >= 1.5 * budget
+    plan = auto_plan("dlrm:build", "dlrm:batch", CPU, global_batch=8, tp=2, memory_limit=budget)
+    assert plan.operators.params["table.weight"] in ("S0", "S1")
+    assert plan.operators.peak_memory_bytes <= budget
+    assert any("index" in name for name in plan.operators.replicated_ops)  # no DTensor rule: named, replicated
+    with pytest.raises(ConfigError, match="no placement fits .* with pins"):
+        auto_plan("dlrm:build", "dlrm:batch", CPU, global_batch=8, tp=2, memory_limit=budget,
+                  pins={"table.weight": "R"})
+
+
+def test_batch_norm_under_data_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="BatchNorm"):
+        auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
