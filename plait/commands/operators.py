@@ -25,6 +25,8 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
                             "module:factory --model whose forward returns the loss, plans per operator")
     group.add_argument("--pin", action="append", default=[], metavar="NAME=PLACEMENT",
                        help="pin a parameter's or module output's placement on tp (R, S0, S1, ...; repeatable)")
+    group.add_argument("--memory-budget", type=float, default=None, metavar="MIB",
+                       help="bytes per device the plan may use, in MiB (default: the cluster's device memory)")
     group.add_argument("--operator-solver", choices=("program", "propagation"), default="program",
                        help="the integer program (default) or the propagation heuristic")
 
@@ -42,6 +44,14 @@ def parse_pins(items: list[str]) -> dict[str, str]:
     return pins
 
 
+def _budget(mib: float | None) -> float | None:
+    if mib is None:
+        return None
+    if not mib > 0:
+        raise ConfigError(f"--memory-budget {mib:g} must be a positive number of MiB")
+    return mib * 2**20
+
+
 def plan_operators(args: argparse.Namespace) -> int:
     from plait.outputs import write_text
     from plait.report.console import output_console
@@ -57,7 +67,8 @@ def plan_operators(args: argparse.Namespace) -> int:
     if dp * tp != devices:
         raise ConfigError(f"--dp {dp} x --tp {tp} = {dp * tp} must equal --devices {devices}")
     plan = auto_plan(args.model, args.batch, cluster, global_batch=args.global_batch, dp=dp, tp=tp,
-                     pins=parse_pins(args.pin), solver=args.operator_solver)
+                     pins=parse_pins(args.pin), solver=args.operator_solver,
+                     memory_limit=_budget(args.memory_budget))
     console = output_console()
     from plait.report.operators import operators_table
 

@@ -43,6 +43,7 @@ class ShardingProblem:
         self.node_cost = [np.asarray(c, dtype=float) for c in self.node_cost]
         if self.node_memory is None:
             self.node_memory = [np.zeros_like(c) for c in self.node_cost]
+        self.node_memory = [np.asarray(m, dtype=float) for m in self.node_memory]
         if self.allowed is None:
             self.allowed = [np.ones(len(c), dtype=bool) for c in self.node_cost]
         for i, mask in enumerate(self.allowed):
@@ -196,6 +197,53 @@ def _milp(problem: ShardingProblem, time_limit: float) -> tuple[tuple[int, ...],
 
 # ---- the propagation heuristic ---------------------------------------------------------------
 def solve_propagation(problem: ShardingProblem, sweeps: int = 8, seeds: int = 3) -> Solution:
+    """The propagation heuristic under the memory limit: unconstrained first; when that breaks the limit, memory is
+    priced into every node's cost (a Lagrange multiplier, seconds per byte, raised 4x at a time and then bisected)
+    until the cheapest choice fits; the cheapest fitting choice by the true cost wins."""
+    best = _propagation(problem, sweeps, seeds)
+    if total_memory(problem, best.choice) <= problem.memory_limit:
+        return best
+    scale = max(sum(float(c.max()) for c in problem.node_cost), 1e-12) / \
+        max(sum(float(m.max()) for m in problem.node_memory), 1e-12)
+    low, high, fitting = 0.0, scale, None
+    for _ in range(40):  # raise the price of memory until a choice fits
+        fitting = _fitting(problem, high, sweeps, seeds)
+        if fitting is not None:
+            break
+        low, high = high, high * 4
+    if fitting is None:
+        return Solution(best.cost, _repair(problem, best.choice), "propagation")
+    for _ in range(8):  # then find the lowest price that still fits
+        middle = (low + high) / 2
+        candidate = _fitting(problem, middle, sweeps, seeds)
+        if candidate is None:
+            low = middle
+        else:
+            high = middle
+            fitting = min(fitting, candidate, key=lambda s: s.cost)
+    return fitting
+
+
+def _fitting(problem: ShardingProblem, price: float, sweeps: int, seeds: int) -> Solution | None:
+    priced = ShardingProblem([c + price * m for c, m in zip(problem.node_cost, problem.node_memory)], problem.edges,
+                             problem.node_memory, math.inf, problem.allowed)
+    choice = _propagation(priced, sweeps, seeds).choice
+    if total_memory(problem, choice) > problem.memory_limit:
+        return None
+    return Solution(total_cost(problem, choice), choice, "propagation")
+
+
+def _repair(problem: ShardingProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
+    n = problem.num_nodes
+    neighbours: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for u, v, m in problem.edges:
+        neighbours[u].append((v, m))
+        neighbours[v].append((u, m.T))
+    masked = [np.where(problem.allowed[i], problem.node_cost[i], np.inf) for i in range(n)]
+    return tuple(_repair_memory(problem, masked, neighbours, list(choice)))
+
+
+def _propagation(problem: ShardingProblem, sweeps: int, seeds: int) -> Solution:
     """Greedy propagation, then local improvement (MindSpore's sharding propagation, tried from a few starts).
     From a seed node (the few whose own cost varies most, each with every strategy it may take; a pinned node has
     one), each next node is the undecided neighbour of the decided set with the most edge cost at stake, and takes
@@ -219,11 +267,11 @@ def solve_propagation(problem: ShardingProblem, sweeps: int = 8, seeds: int = 3)
     for seed, strategy in [(None, None)] + starts:
         choice = list(first_allowed) if seed is None else _propagate(masked, neighbours, stake, order, seed, strategy)
         choice = _improve(masked, neighbours, choice, sweeps)
+        choice = _improve_pairs(problem, masked, neighbours, choice, sweeps)
         cost = total_cost(problem, tuple(choice))
         if best is None or cost < best[0]:
             best = (cost, choice)
-    choice = _repair_memory(problem, masked, neighbours, best[1])
-    return Solution(total_cost(problem, tuple(choice)), tuple(choice), "propagation",
+    return Solution(total_cost(problem, tuple(best[1])), tuple(best[1]), "propagation",
                     stats={"starts": len(starts)})
 
 
@@ -266,6 +314,24 @@ def _local_cost(masked, neighbours, choice, node) -> np.ndarray:
         if choice[other] >= 0:
             cost = cost + m[:, choice[other]]
     return cost
+
+
+def _improve_pairs(problem, masked, neighbours, choice: list[int], sweeps: int) -> list[int]:
+    """Moves of both ends of an edge at once: what single moves cannot reach when a placement change only pays
+    if the operator next to it changes too (a table and its lookup). Ends with single moves again."""
+    for _ in range(sweeps):
+        changed = False
+        for u, v, m in problem.edges:
+            cost_u = _local_cost(masked, neighbours, choice, u) - m[:, choice[v]]  # u's cost without the u-v edge
+            cost_v = _local_cost(masked, neighbours, choice, v) - m[choice[u], :]
+            joint = cost_u[:, None] + cost_v[None, :] + m
+            a, b = np.unravel_index(int(np.argmin(joint)), joint.shape)
+            if joint[a, b] < joint[choice[u], choice[v]] - 1e-15:
+                choice[u], choice[v], changed = int(a), int(b), True
+        choice = _improve(masked, neighbours, choice, sweeps)
+        if not changed:
+            break
+    return choice
 
 
 def _repair_memory(problem, masked, neighbours, choice) -> list[int]:
