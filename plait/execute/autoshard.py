@@ -14,6 +14,7 @@ called as function(batch_size, generator)).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -85,6 +86,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> n
             module.register_forward_pre_hook(_redistribute_input(tp_mesh, placement_of(sharding.inputs[module_name])))
         if module_name in sharding.outputs:
             module.register_forward_hook(_redistribute_output(tp_mesh, placement_of(sharding.outputs[module_name])))
+    model.forward = _with_constants_replicated(model.forward)
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh))
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
     if plan.dp > 1:
@@ -102,6 +104,18 @@ def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
             return (output[0].redistribute(mesh, [placement]), *output[1:])
         return output
     return hook
+
+
+def _with_constants_replicated(forward: Callable) -> Callable:
+    """Tensors the forward makes itself (RoPE tables, masks, positions) are plain; DTensor takes them as replicated
+    inside implicit_replication, as the planner captured them (constants, replicated)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with implicit_replication():
+            return forward(*args, **kwargs)
+    return run
 
 
 def _redistribute_input(mesh: DeviceMesh, placement) -> Callable:
