@@ -7,7 +7,7 @@ For each model and mesh (tp = 2, 4, 8 ranks, dp = 1; planned only: 64 and 512 de
 * solve: seconds for capture + strategies + the integer program (scipy milp / HiGHS), and the propagation
   heuristic's cost over the program's (the gap; target within 5%);
 * predicted: the plan's step time (per micro-batch, forward + backward + data-parallel sync) against the same
-  work under data parallelism alone over every device (plait.search.operators.data_parallel_time);
+  work under data parallelism alone over every device (plait.operators.planner.data_parallel_time);
 * measured bytes (meshes up to 8 only): one training step of the plan through the executor
   (plait.execute.autoshard.apply_operator_sharding) on rank 0 of a fake process group of the mesh's size, with
   every collective DTensor issues counted by torch's CommDebugMode and its bytes (the whole tensor a collective
@@ -66,7 +66,7 @@ def budget(model: str, tp: int, dp: int) -> float | None:
 
 
 def solve(model: str, dp: int, tp: int, solver: str):
-    from plait.search.operators import auto_plan
+    from plait.operators.planner import auto_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
     start = time.perf_counter()

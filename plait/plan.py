@@ -93,7 +93,7 @@ class Plan:
     cluster: ClusterSpec
     predicted: Prediction | None = None
     operators: OperatorSharding | None = None
-    """Per-operator placements chosen by plait.search.operators for a module of any shape (None: the model adapter's
+    """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
     tensor plan)."""
 
     def __post_init__(self) -> None:

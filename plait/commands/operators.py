@@ -1,4 +1,4 @@
-"""`plait plan --batch ...`: per-operator sharding of a module of any shape (plait.search.operators).
+"""`plait plan --batch ...`: per-operator sharding of a module of any shape (plait.operators.planner).
 
   plait plan --model module:mlp:build --batch mlp:batch --cluster local-cpu --devices 2 --tp 2 \\
              --global-batch 4 --seq-len 1 --pin ups.0.weight=S0 --json plan.json
@@ -55,7 +55,7 @@ def _budget(mib: float | None) -> float | None:
 def plan_operators(args: argparse.Namespace) -> int:
     from plait.outputs import write_text
     from plait.report.console import output_console
-    from plait.search.operators import auto_plan
+    from plait.operators.planner import auto_plan
     from plait.spec.load import load_cluster
 
     cluster = load_cluster(args.cluster)

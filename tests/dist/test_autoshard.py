@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.search.operators import auto_plan
+from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 pytestmark = pytest.mark.dist

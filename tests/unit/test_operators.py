@@ -19,7 +19,7 @@ from plait.operators.capture import capture
 from plait.operators.strategies import strategy_oracle
 from plait.plan import Plan
 from plait.search import sharding
-from plait.search.operators import auto_plan, plan_module
+from plait.operators.planner import auto_plan, plan_module
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
