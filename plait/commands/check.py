@@ -105,6 +105,9 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
 def _dry_run(args: argparse.Namespace) -> int:
     plan = _load(args, size_limit=False)  # before torch is imported: a malformed plan is refused at once
+    if plan.operators is not None:
+        raise ConfigError(f"--dry-run does not build per-operator plans yet; run `plait check --plan {args.plan}` "
+                          "without it (the plan's placements are shown by `plait plan --batch ...`)")
     from plait.execute.dryrun import dry_run
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table

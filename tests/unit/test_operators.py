@@ -172,3 +172,15 @@ def test_a_table_bigger_than_the_budget_is_split_and_a_pin_that_keeps_it_whole_i
 def test_batch_norm_under_data_parallelism_is_refused():
     with pytest.raises(ConfigError, match="BatchNorm"):
         auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
+
+
+def test_plan_command_shows_the_costliest_operators_and_writes_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = cli_main(["plan", "--model", "module:mlp:build", "--batch", "mlp:batch", "--cluster", "local-cpu",
+                     "--devices", "2", "--tp", "2", "--global-batch", "4", "--seq-len", "1",
+                     "--pin", "ups.0.weight=S0", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "costliest operators" in printed and "ups.0.weight" in printed
+    assert Plan.from_json(out).operators.params["ups.0.weight"] == "S0"
+    code = cli_main(["check", "--plan", str(out), "--dry-run"])
+    assert code == 2 and "--dry-run does not build per-operator plans" in capsys.readouterr().err
