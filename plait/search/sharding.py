@@ -147,8 +147,14 @@ def solve_program(problem: ShardingProblem, time_limit: float = 60.0) -> Solutio
 
 
 def _milp(problem: ShardingProblem, time_limit: float) -> tuple[tuple[int, ...], float, dict]:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_array
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
+    except ImportError:
+        from plait.errors import ConfigError
+
+        raise ConfigError("per-operator sharding's integer program needs scipy (pip install 'plait[auto]'), or "
+                          "use the propagation heuristic (--operator-solver propagation)") from None
 
     sizes = [len(c) for c in problem.node_cost]
     x_start = np.concatenate([[0], np.cumsum(sizes)])
