@@ -26,6 +26,7 @@ from typing import Any, Literal
 from plait.axes import ALL_AXES, Degrees
 from plait.errors import ConfigError
 from plait.legality import DataParallelMode, data_parallel_mode
+from plait.operators.solution import OperatorSharding
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec._dict import from_dict, to_dict
 
@@ -91,6 +92,9 @@ class Plan:
     train: TrainSpec
     cluster: ClusterSpec
     predicted: Prediction | None = None
+    operators: OperatorSharding | None = None
+    """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
+    tensor plan)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.degrees, Degrees):

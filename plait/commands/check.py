@@ -92,7 +92,8 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
     from plait.plan import Plan
 
     plan = Plan.from_json(args.plan)
-    legality.check(plan)
+    if plan.operators is None:  # a per-operator plan's placements were checked by its solver, not these rules
+        legality.check(plan)
     if size_limit and plan.model.num_params > MAX_CHECK_PARAMS:
         raise PlaitError(
             f"model {plan.model.name!r} has {plan.model.num_params / 1e6:,.0f}M parameters, too big to check on "
@@ -104,6 +105,9 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
 def _dry_run(args: argparse.Namespace) -> int:
     plan = _load(args, size_limit=False)  # before torch is imported: a malformed plan is refused at once
+    if plan.operators is not None:
+        raise ConfigError(f"--dry-run does not build per-operator plans yet; run `plait check --plan {args.plan}` "
+                          "without it (the plan's placements are shown by `plait plan --batch ...`)")
     from plait.execute.dryrun import dry_run
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table
@@ -156,6 +160,8 @@ def _worker(args: argparse.Namespace) -> int:
     from plait.launch import ending_together, init_distributed
 
     plan = _load(args)
+    if plan.operators is not None:
+        from plait.execute.autoshard import check_plan
     init_distributed(timeout_s=args.timeout)
     settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype)
     with ending_together():

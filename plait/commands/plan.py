@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: exact, but learned on a mixed cluster whose placements are too many to price)")
     how.add_argument("--time-limit", type=positive_float, metavar="S",
                      help="stop the search after S seconds and show the best plans found so far (said so)")
+    from plait.commands.operators import add_operator_arguments
+
+    add_operator_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
         output_file(args.json, "--json", "plans.json")
     if args.report:
         output_dir(args.report, "--report")
+    if args.batch:  # a module of any shape: per-operator sharding (plait/commands/operators.py)
+        from plait.commands.operators import plan_operators
+
+        return plan_operators(args)
     model = load_model(args.model)
     if args.router_imbalance is not None:
         if not model.num_experts:

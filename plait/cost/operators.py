@@ -1,0 +1,123 @@
+"""Costs of per-operator sharding on one mesh axis: compute, redistribution and memory of each captured call's
+strategies (plait.operators), as the numbers plait.search.sharding solves over.
+
+* Compute: the call's forward FLOPs (FlopCounterMode's formulas) plus twice that for its backward; a call with
+  no formula (elementwise, norms, views) counts one FLOP per output element forward and two backward. Divided
+  by the axis size when the strategy splits the work (an argument sharded), at the device's GEMM rate
+  (peak x efficiency.matmul).
+* Redistribution (plait.cost.comm's alpha-beta model over the axis's group): Partial -> Replicate all-reduce,
+  Shard -> Replicate all-gather, Partial -> Shard reduce-scatter, Shard(i) -> Shard(j) all-to-all of a shard,
+  Replicate -> Shard or Partial a local slice (free). Each forward redistribution has a backward image:
+  DTensor redistributes the gradient back to the producer's placement (Partial read as Replicate), and the
+  gradient arriving is Partial where the consumer read a replicated input into split work (the gradient of a
+  matmul's replicated input under a sharded weight: Megatron's backward all-reduce).
+* Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
+  sharded; each call's floating outputs, as what autograd may save for backward, over the axis when sharded
+  (an upper bound: views and outputs not saved count too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from plait.cost import comm
+from plait.spec.cluster import ClusterSpec
+
+if TYPE_CHECKING:
+    from plait.operators.capture import TensorRef
+
+BACKWARD_FLOPS = 2.0
+"""Backward FLOPs per forward FLOP of a call (a GEMM's two gradient GEMMs)."""
+ADAMW_COPIES = 4
+"""Parameter, gradient and AdamW's two moments."""
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    collective: str
+    """"all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "" (none, or a local slice)."""
+    seconds: float
+    nbytes: float
+    """Bytes of the whole tensor the collective produces or reduces (the logical payload)."""
+
+
+NONE = Redistribution("", 0.0, 0.0)
+
+
+def redistribution(src: str, dst: str, nbytes: float, group: comm.Group, cluster: ClusterSpec) -> Redistribution:
+    """What it takes to turn a tensor of `nbytes` placed `src` into `dst` on `group` (placements as
+    plait.operators.strategies names them: R, P, S<d>)."""
+    if src == dst or group.size <= 1 or dst == "P" and src == "R" or src == "R":
+        return NONE
+    if src == "P" and dst == "R":
+        return Redistribution("all_reduce", comm.all_reduce(nbytes, group, cluster), nbytes)
+    if src == "P":
+        return Redistribution("reduce_scatter", comm.reduce_scatter(nbytes, group, cluster), nbytes)
+    if dst == "R":
+        return Redistribution("all_gather", comm.all_gather(nbytes, group, cluster), nbytes)
+    if dst == "P":  # a shard read as a pending sum: gather it (DTensor has no cheaper path)
+        return Redistribution("all_gather", comm.all_gather(nbytes, group, cluster), nbytes)
+    return Redistribution("all_to_all", comm.all_to_all(nbytes / group.size, group, cluster), nbytes / group.size)
+
+
+def gradient_placement(strategy_inputs: Sequence[str], k: int) -> str:
+    """The placement of the gradient a call's backward returns for its k-th argument, given the placements its
+    strategy reads: Partial where a replicated argument feeds split work, Replicate for a Partial argument (the
+    gradient of a pending sum is the same on every rank), otherwise the argument's own."""
+    own = strategy_inputs[k]
+    if own == "R":
+        return "P" if any(p.startswith("S") for p in strategy_inputs) else "R"
+    return "R" if own == "P" else own
+
+
+def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group, cluster: ClusterSpec
+              ) -> tuple[float, Redistribution, Redistribution]:
+    """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions."""
+    forward = redistribution(src, dst, ref.nbytes, group, cluster)
+    backward = redistribution(grad, "R" if src == "P" else src, ref.nbytes, group, cluster) \
+        if ref.is_float else NONE
+    return forward.seconds + backward.seconds, forward, backward
+
+
+def is_split(strategy_inputs: Sequence[str]) -> bool:
+    return any(p.startswith("S") for p in strategy_inputs)
+
+
+def compute_time(flops: float, outputs: Sequence["TensorRef"], split: bool, axis_size: int,
+                 cluster: ClusterSpec) -> float:
+    """Forward + backward seconds of one call (see the module docstring)."""
+    work = flops * (1 + BACKWARD_FLOPS)
+    if flops == 0:
+        work = 3.0 * sum(_numel(ref) for ref in outputs)
+    if split:
+        work /= axis_size
+    return work / (cluster.peak_flops * cluster.efficiency.matmul)
+
+
+def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int) -> float:
+    return sum(ref.nbytes / (axis_size if p.startswith("S") else 1)
+               for ref, p in zip(outputs, placements) if ref.is_float)
+
+
+def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1) -> float:
+    """Per device: weights, gradients and AdamW moments, over the axis when sharded and over the data-parallel
+    ranks when fully_shard shards them further."""
+    return ADAMW_COPIES * ref.nbytes / (axis_size if placement.startswith("S") else 1) / dp_shards
+
+
+def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
+                       dp_group: comm.Group) -> float:
+    """Data-parallel cost of a parameter per step under fully_shard: all-gather of the weights (forward and
+    backward) and reduce-scatter of the gradients, of this rank's tensor-parallel shard."""
+    if dp <= 1:
+        return 0.0
+    local = ref.nbytes / (axis_size if placement.startswith("S") else 1)
+    return 2 * comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
+
+
+def _numel(ref: "TensorRef") -> int:
+    numel = 1
+    for size in ref.shape:
+        numel *= size
+    return numel

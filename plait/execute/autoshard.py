@@ -1,0 +1,205 @@
+"""Apply a per-operator plan (plan.operators) with DTensor, and prove it equal to one process.
+
+apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the
+plan chose; the module's batch arguments enter replicated on that axis; each module whose output placement the
+plan fixed redistributes its output there (a forward hook), so DTensor's eager dispatch, which picks each
+operator's strategy from its inputs' placements, runs the strategies that were priced; the loss leaves
+replicated. Then fully_shard over the data-parallel axis shards the (already tensor-parallel) parameters
+further, as for a hand-written tensor plan (2-D DTensors).
+
+The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
+tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
+called as function(batch_size, generator)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from plait.errors import ConfigError
+from plait.models.factory import load_factory
+from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.operators.strategies import placement_of, register_replicated
+from plait.plan import Plan
+
+
+def load_callable(source: str, what: str) -> Callable:
+    """`package.module:function` -> the function (plait.models.factory.load_factory's rules and errors)."""
+    return load_factory(source)
+
+
+def build_module(source: str, *, seed: int, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """The user's module with the seed's initial weights (every rank and the reference build the same)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = load_callable(source, "model")()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model.to(dtype) if device != "meta" else model
+
+
+def make_batch(source: str, batch_size: int, seed: int, step: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The global batch of `step`: the factory's tensors, floats cast to the run's dtype."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + step)
+    batch = load_callable(source, "batch")(batch_size, generator)
+    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def dp_slice(batch: tuple[torch.Tensor, ...], dp: int, dp_rank: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t.chunk(dp, dim=0)[dp_rank] for t in batch)
+
+
+def build_mesh(plan: Plan) -> DeviceMesh:
+    return init_device_mesh("cpu", (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
+    out replicated; then fully_shard over dp when dp > 1."""
+    sharding = plan.operators
+    tp_mesh = mesh["tp"]
+    for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
+        register_replicated(call_name)
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(param.detach(), tp_mesh, [placement_of(sharding.params.get(prefix + leaf, "R"))])
+            module.register_parameter(leaf, nn.Parameter(shard, requires_grad=param.requires_grad))
+        for leaf, buffer in list(module.named_buffers(recurse=False)):
+            placement = placement_of(sharding.params.get(prefix + leaf, "R"))
+            module.register_buffer(leaf, distribute_tensor(buffer, tp_mesh, [placement]),
+                                   persistent=leaf not in module._non_persistent_buffers_set)
+        reads = {leaf: placement_of(sharding.param_reads[prefix + leaf]) for leaf, _ in
+                 module.named_parameters(recurse=False) if prefix + leaf in sharding.param_reads}
+        if reads:
+            _read_parameters_as(module, tp_mesh, reads)
+        if module_name in sharding.inputs:
+            module.register_forward_pre_hook(_redistribute_input(tp_mesh, placement_of(sharding.inputs[module_name])))
+        if module_name in sharding.outputs:
+            module.register_forward_hook(_redistribute_output(tp_mesh, placement_of(sharding.outputs[module_name])))
+    model.forward = _with_constants_replicated(model.forward)
+    model.register_forward_pre_hook(_replicate_inputs(tp_mesh))
+    model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+    if plan.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
+    def hook(module, args, output):
+        if isinstance(output, DTensor):
+            return output.redistribute(mesh, [placement])
+        if isinstance(output, tuple) and output and isinstance(output[0], DTensor):
+            return (output[0].redistribute(mesh, [placement]), *output[1:])
+        return output
+    return hook
+
+
+def _with_constants_replicated(forward: Callable) -> Callable:
+    """Tensors the forward makes itself (RoPE tables, masks, positions) are plain; DTensor takes them as replicated
+    inside implicit_replication, as the planner captured them (constants, replicated)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with implicit_replication():
+            return forward(*args, **kwargs)
+    return run
+
+
+def _redistribute_input(mesh: DeviceMesh, placement) -> Callable:
+    def hook(module, args):
+        if args and isinstance(args[0], DTensor):
+            return (args[0].redistribute(mesh, [placement]), *args[1:])
+        return None
+    return hook
+
+
+def _read_parameters_as(module: nn.Module, mesh: DeviceMesh, reads: dict) -> None:
+    """Parameters kept in one placement and read in another (kept split, gathered for use): during the module's
+    forward its `_parameters` hold the redistributed tensors (autograd carries their gradients back to the kept
+    ones); DTensor's eager rules for some operators (convolution) do not redistribute a parameter themselves."""
+    kept: dict[str, nn.Parameter] = {}
+
+    def before(m, args):
+        for leaf, placement in reads.items():
+            kept[leaf] = m._parameters[leaf]
+            m._parameters[leaf] = kept[leaf].redistribute(mesh, [placement])
+
+    def after(m, args, output):
+        for leaf in reads:
+            m._parameters[leaf] = kept.pop(leaf)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _replicate_inputs(mesh: DeviceMesh) -> Callable:
+    def hook(module, args):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, torch.Tensor)
+                     and not isinstance(a, DTensor) else a for a in args)
+    return hook
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
+                dp_group=None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """K AdamW steps; (losses averaged over dp, first gradients, final parameters), full tensors."""
+    dtype = DTYPES[settings.dtype]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                  foreach=False)
+    losses, first = [], {}
+    for step in range(settings.steps):
+        batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
+        loss = model(*dp_slice(batch, dp, dp_rank))
+        loss.backward()
+        value = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(value, group=dp_group)
+            value /= dp
+        losses.append(value.item())
+        if step == 0:
+            first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    return losses, first, params
+
+
+def run_parallel(plan: Plan, settings: CheckSettings):
+    mesh = build_mesh(plan)
+    model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
+    model = apply_operator_sharding(model, plan, mesh)
+    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group())
+
+
+def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
+    """Collective: the parallel run on every rank; rank 0 runs one process's and compares (others: None)."""
+    losses, grads, params = run_parallel(plan, settings)
+    if dist.get_rank() != 0:
+        return None
+    reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
+    ref_losses, ref_grads, ref_params = train_steps(reference, plan, settings)
+    floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
+    grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
+                  if n in grads else math.inf for n, g in ref_grads.items()}
+    updates = {n: (params[n].double() - p.double()).norm().item() / (settings.lr * settings.steps * math.sqrt(p.numel()))
+               for n, p in ref_params.items()}
+    max_diff = max((params[n].double() - p.double()).abs().max().item() for n, p in ref_params.items())
+    return CheckResult(plan=plan.describe() + " auto", losses=losses, reference_losses=ref_losses,
+                       grad_rel_diffs=grad_diffs, update_rel_diffs=updates, max_param_diff=max_diff,
+                       runtime={"operators": plan.operators.describe()})

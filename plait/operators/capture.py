@@ -1,0 +1,192 @@
+"""Capture a module's operators: its forward at the plan's micro-batch shape, run on `meta` (no memory, no
+devices) under a TorchDispatchMode that records every ATen call DTensor would see.
+
+What is recorded per call: the operator, its arguments with tensors replaced by `TensorRef`s (shape, stride,
+dtype: what DTensor's rules need), which earlier value each tensor argument is (a parameter, a batch input or
+an earlier call's output), the innermost module that ran it, and its forward FLOPs
+(torch.utils.flop_counter's formulas). The backward is not traced op by op: the cost model derives it from
+the forward (plait.cost.operators: twice the FLOPs of a FLOP-counted op, and each redistribution's gradient
+image), which is what DTensor's autograd does with the placements the forward chose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+# Calls that do not compute anything worth a placement choice of their own.
+_SKIP = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten._to_copy.default}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor argument as DTensor's rules see it: shape, stride and dtype, and which value it is."""
+
+    value: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+@dataclass
+class Value:
+    """A tensor of the forward: a parameter, a batch input or the output of a call (`producer`, `index`)."""
+
+    id: int
+    kind: str
+    """"param", "buffer", "input", "const" or "op"."""
+    name: str
+    ref: TensorRef | None = None
+    producer: int | None = None
+    """Index of the producing OpCall (kind "op")."""
+    output_index: int = 0
+
+
+@dataclass
+class OpCall:
+    index: int
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    inputs: list[TensorRef]
+    """Tensor arguments in the order DTensor's OpSchema lists them (flattened args)."""
+    outputs: list[TensorRef]
+    module: str
+    flops: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.module or '<root>'}:{self.op.__name__}#{self.index}"
+
+
+@dataclass
+class Graph:
+    """The captured forward: its values and calls, in execution order, and what the module returned."""
+
+    values: dict[int, Value] = field(default_factory=dict)
+    calls: list[OpCall] = field(default_factory=list)
+    output: TensorRef | None = None
+    params: dict[str, TensorRef] = field(default_factory=dict)
+    """Parameter name -> its value (tied parameters: the first name)."""
+    buffers: dict[str, TensorRef] = field(default_factory=dict)
+    """Buffer name -> its value (BatchNorm's running statistics: placed like parameters, kept whole or split)."""
+    module_outputs: dict[str, TensorRef] = field(default_factory=dict)
+    """Module name -> the tensor its forward returned (the first tensor of a tuple)."""
+    module_inputs: dict[str, TensorRef] = field(default_factory=dict)
+    """Module name -> its forward's first tensor argument."""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: Graph, refs: dict[int, TensorRef], modules: list[str]) -> None:
+        super().__init__()
+        self.graph, self.refs, self.modules = graph, refs, modules
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the capture runs
+
+    def ref_of(self, t: torch.Tensor) -> TensorRef:
+        ref = self.refs.get(id(t))
+        if ref is None:  # a constant made inside forward (torch.arange, a mask): a value of its own
+            ref = self.new_ref(t, "const", f"const{len(self.refs)}")
+        return ref
+
+    def new_ref(self, t: torch.Tensor, kind: str, name: str, producer: int | None = None, index: int = 0) -> TensorRef:
+        ref = TensorRef(len(self.graph.values), tuple(t.shape), tuple(t.stride()), t.dtype)
+        self.refs[id(t)] = ref
+        self.keep.append(t)
+        self.graph.values[ref.value] = Value(ref.value, kind, name, ref, producer, index)
+        return ref
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_out, _ = tree_flatten(out)
+        tensors_out = [t for t in flat_out if isinstance(t, torch.Tensor)]
+        if not tensors_out:
+            return out
+        if func in _SKIP:  # an alias of its input: same value
+            flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            if flat_in:
+                self.refs[id(tensors_out[0])] = self.ref_of(flat_in[0])
+                self.keep.append(tensors_out[0])
+            return out
+        as_ref = lambda a: self.ref_of(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        ref_args, ref_kwargs = tree_map(as_ref, args), tree_map(as_ref, kwargs)
+        inputs = [a for a in tree_flatten((ref_args, ref_kwargs))[0] if isinstance(a, TensorRef)]
+        if not inputs:  # a factory (torch.empty, arange): a constant, replicated like any made inside forward
+            for t in tensors_out:
+                self.new_ref(t, "const", f"const{len(self.refs)}")
+            return out
+        index = len(self.graph.calls)
+        outputs = [self.new_ref(t, "op", f"op{index}.{i}", index, i) for i, t in enumerate(tensors_out)]
+        self.graph.calls.append(OpCall(index, func, ref_args, ref_kwargs, inputs, outputs,
+                                       self.modules[-1] if self.modules else "", _flops(func, args, kwargs, out)))
+        return out
+
+
+def _flops(func, args, kwargs, out) -> float:
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0.0
+    return float(formula(*args, **kwargs, out_val=out))  # the registry's wrapper reads the shapes
+
+
+def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
+    """The forward of `model` on `batch` (both on meta), call by call. The model's forward returns its loss (a
+    scalar tensor) or a tensor whose placement the plan leaves replicated."""
+    graph = Graph()
+    refs: dict[int, TensorRef] = {}
+    modules: list[str] = []
+    recorder = _Recorder(graph, refs, modules)
+    for name, param in model.named_parameters():
+        graph.params[name] = recorder.new_ref(param, "param", name)
+    for name, buffer in model.named_buffers():
+        graph.buffers[name] = recorder.new_ref(buffer, "buffer", name)
+    for i, tensor in enumerate(batch):
+        recorder.new_ref(tensor, "input", f"input{i}")
+    hooks = []
+    for name, module in model.named_modules():
+        hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))
+        hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
+    try:
+        with recorder:
+            out = model(*batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    graph.output = refs.get(id(first))
+    return graph
+
+
+def _input_hook(name: str, modules: list[str], graph: Graph, refs: dict[int, TensorRef]) -> Callable:
+    def hook(module: nn.Module, args: Any) -> None:
+        modules.append(name)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if name and first is not None and id(first) in refs and name not in graph.module_inputs:
+            graph.module_inputs[name] = refs[id(first)]
+    return hook
+
+
+def _output_hook(name: str, modules: list[str], graph: Graph, refs: dict[int, TensorRef]) -> Callable:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        modules.pop()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if name and isinstance(first, torch.Tensor) and id(first) in refs:
+            graph.module_outputs[name] = refs[id(first)]
+    return hook

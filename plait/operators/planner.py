@@ -1,0 +1,320 @@
+"""Plan per-operator sharding for a module of any shape: capture (plait.operators.capture), strategies
+(plait.operators.strategies), costs (plait.cost.operators), solve (plait.search.sharding), and the result as the
+Plan's OperatorSharding.
+
+The solve is on the tensor-parallel axis of a dp x tp mesh: data parallelism (fully_shard over dp) runs around
+it, and its per-parameter cost (gathering and reducing this rank's shard) is part of each parameter's price, so
+the solver trades splitting an operator against replicating it.
+
+Pins (semi-automatic mode) name a parameter ("fc1.weight": "S0") or a module ("fc1": "S1", the placement of
+its output); the solver keeps only the strategies they allow. A pin on a name that does not exist, a placement a
+shape cannot take, or pins that leave no strategy are refused with a ConfigError naming the pin.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait.cost import comm
+from plait.cost import operators as price
+from plait.errors import ConfigError
+from plait.operators.capture import Graph, TensorRef, capture
+from plait.operators.solution import OperatorCost, OperatorSharding
+from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
+from plait.search import sharding
+from plait.spec.cluster import ClusterSpec
+from plait.spec.model import BlockCost
+
+COSTLIEST = 10
+"""Operators the plan keeps for its report."""
+
+
+@dataclass
+class _Node:
+    name: str
+    strategies: list[Strategy]
+    ref: TensorRef | None = None
+    """A parameter's or input's value; None for a call."""
+    call: object | None = None
+
+
+@dataclass
+class Built:
+    """The problem and what its indices mean."""
+
+    graph: Graph
+    nodes: list[_Node]
+    value_node: dict[int, int]
+    """Value id -> node that produces it (with output index)."""
+    call_node: dict[int, int]
+    problem: sharding.ShardingProblem
+    edge_parts: list[tuple[int, int, int, TensorRef]]
+    """Per problem edge: (producer node, output index, consumer node, consumed tensor) ... argument index."""
+    unsupported: tuple[str, ...]
+
+
+def _output_of(node: _Node, strategy: int, index: int) -> str:
+    return node.strategies[strategy].outputs[index]
+
+
+def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
+                  oracle: StrategyOracle | None = None) -> Built:
+    if oracle is None:
+        with strategy_oracle(axis_size) as oracle:
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle)
+    group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
+    nodes: list[_Node] = []
+    value_node: dict[int, tuple[int, int]] = {}
+    costs, memory = [], []
+    unsupported = []
+    for value in graph.values.values():
+        if value.kind == "op":
+            continue
+        placed = value.kind in ("param", "buffer")
+        options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
+        value_node[value.id] = (len(nodes), 0)
+        nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
+        if value.kind == "param":
+            costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
+            memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
+        else:
+            costs.append([0.0] * len(options))
+            memory.append([value.ref.nbytes / (axis_size if p.startswith("S") else 1) for p in options])
+    call_node = {}
+    for call in graph.calls:
+        strategies, has_rule = oracle.strategies(call)
+        if not has_rule:
+            unsupported.append(call.name)
+        call_node[call.index] = len(nodes)
+        for i, ref in enumerate(call.outputs):
+            value_node[ref.value] = (len(nodes), i)
+        nodes.append(_Node(call.name, strategies, call=call))
+        costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
+                      for s in strategies])
+        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
+    edges, parts = [], []
+
+    def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]]) -> None:
+        producer, index = value_node[ref.value]
+        source = nodes[producer]
+        matrix = np.zeros((len(source.strategies), len(reads)))
+        for a, strategy in enumerate(source.strategies):
+            for b, (dst, grad) in enumerate(reads):
+                matrix[a, b] = price.edge_time(strategy.outputs[index], dst, grad, ref, group, cluster)[0]
+        edges.append((producer, consumer, matrix))
+        parts.append((producer, index, consumer, ref))
+
+    for call in graph.calls:
+        v = call_node[call.index]
+        for k, ref in enumerate(call.inputs):
+            reads = [(s.inputs[k], price.gradient_placement(s.inputs, k)) for s in nodes[v].strategies]
+            connect(ref, v, reads)
+    if graph.output is not None:  # the loss leaves replicated
+        sink = len(nodes)
+        nodes.append(_Node("<output>", [Strategy(("R",), ())]))
+        costs.append([0.0])
+        memory.append([0.0])
+        connect(graph.output, sink, [("R", "R")])
+    problem = sharding.ShardingProblem(costs, edges, memory,
+                                       memory_limit if memory_limit is not None else cluster.memory_bytes)
+    return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
+                 tuple(unsupported))
+
+
+def apply_pins(built: Built, pins: dict[str, str]) -> None:
+    """Mask the strategies pins forbid; ConfigError naming the pin when one cannot hold."""
+    masks = built.problem.allowed
+    by_node: dict[int, list[str]] = {}
+    for name, placement in pins.items():
+        node, index = _pinned_node(built, name, placement)
+        keep = np.array([s.outputs[index] == placement for s in built.nodes[node].strategies])
+        if not keep.any():
+            options = sorted({s.outputs[index] for s in built.nodes[node].strategies})
+            raise ConfigError(f"pin {name!r} = {placement!r}: its shape cannot take that placement on this axis; "
+                              f"it can take {', '.join(options)}")
+        by_node.setdefault(node, []).append(name)
+        masks[node] = masks[node] & keep
+        if not masks[node].any():
+            raise ConfigError(f"pins {' and '.join(repr(p) for p in by_node[node])} contradict each other: no "
+                              f"strategy of {built.nodes[node].name} satisfies both; drop one")
+
+
+def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
+    if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
+        raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
+    ref = built.graph.params.get(name) or built.graph.buffers.get(name) or built.graph.module_outputs.get(name)
+    if ref is None:
+        known = list(built.graph.params)[:4] + list(built.graph.module_outputs)[:4]
+        raise ConfigError(f"pin {name!r} names no parameter or module of the model; e.g. {', '.join(known)}")
+    node = built.value_node[ref.value]
+    index = next(i for i, r in enumerate(
+        built.nodes[node].call.outputs if built.nodes[node].call is not None else [ref]) if r.value == ref.value)
+    return node, index
+
+
+def solve(built: Built, solver: str = "program", time_limit: float = 60.0) -> sharding.Solution:
+    if solver == "propagation":
+        return sharding.solve_propagation(built.problem)
+    return sharding.solve_program(built.problem, time_limit)
+
+
+def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
+                cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
+                memory_limit: float | None = None) -> OperatorSharding:
+    """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta)."""
+    pins = dict(pins or {})
+    start = time.perf_counter()
+    graph = capture(model, batch)
+    built = build_problem(graph, tp, dp, cluster, memory_limit)
+    apply_pins(built, pins)
+    try:
+        solution = solve(built, solver)
+    except sharding.Infeasible as e:
+        raise ConfigError(f"no placement fits {cluster.memory_bytes / 2**30:.2f} GiB per device"
+                          + (f" with pins {pins}" if pins else "") + f": {e}") from None
+    elapsed = time.perf_counter() - start
+    return describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed)
+
+
+def describe(built: Built, solution: sharding.Solution, batch_source: str, pins: dict[str, str], tp: int, dp: int,
+             cluster: ClusterSpec, elapsed: float) -> OperatorSharding:
+    choice = solution.choice
+    group = comm.Group(tp, 1)
+    placed = {**built.graph.params, **built.graph.buffers}
+    params = {name: built.nodes[built.value_node[ref.value]].strategies[choice[built.value_node[ref.value]]].outputs[0]
+              for name, ref in placed.items()}
+    reads = _first_reads(built, choice)
+    # Only placements a user may redistribute to: R -> P is DTensor's internal business (its op rules read a
+    # replicated tensor as a pending sum themselves).
+    inputs = {module: reads[ref.value] for module, ref in built.graph.module_inputs.items()
+              if reads.get(ref.value, "P") != "P"}
+    param_reads = {name: reads[ref.value] for name, ref in placed.items()
+                   if reads.get(ref.value, "P") not in ("P", params[name])}
+    outputs = {}
+    for module, ref in built.graph.module_outputs.items():
+        node = built.value_node[ref.value]
+        if built.nodes[node].call is not None:
+            index = [r.value for r in built.nodes[node].call.outputs].index(ref.value)
+            placement = _output_of(built.nodes[node], choice[node], index)
+            if placement != "P":  # a pending sum stays as the operator left it (see inputs below)
+                outputs[module] = placement
+    per_call: dict[int, list] = {}
+    counts: dict[str, int] = {}
+    total_bytes = 0.0
+    for producer, index, consumer, ref in built.edge_parts:
+        src = _output_of(built.nodes[producer], choice[producer], index)
+        if not built.nodes[consumer].strategies[choice[consumer]].inputs:
+            continue
+        strategy = built.nodes[consumer].strategies[choice[consumer]]
+        k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
+                 if r.value == ref.value) if built.nodes[consumer].call else 0
+        seconds, fwd, bwd = price.edge_time(src, strategy.inputs[k], price.gradient_placement(strategy.inputs, k),
+                                            ref, group, cluster)
+        kinds = []
+        for direction, r in (("fwd", fwd), ("bwd", bwd)):
+            if r.collective:
+                counts[r.collective] = counts.get(r.collective, 0) + 1
+                total_bytes += r.nbytes
+                kinds.append(f"{r.collective} {_size(r.nbytes)} {direction}")
+        if kinds:
+            per_call.setdefault(consumer, []).append((seconds, ", ".join(kinds)))
+    ops = []
+    for node in built.call_node.values():
+        strategy = built.nodes[node].strategies[choice[node]]
+        ops.append(OperatorCost(name=built.nodes[node].name,
+                                placements=f"{','.join(strategy.inputs)} -> {','.join(strategy.outputs)}",
+                                compute_s=float(built.problem.node_cost[node][choice[node]]),
+                                comm_s=float(sum(s for s, _ in per_call.get(node, []))),
+                                comm="; ".join(c for _, c in per_call.get(node, []))))
+    ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
+    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
+                            param_reads=param_reads, pins=pins,
+                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
+                            comm_bytes=total_bytes, comm_counts=counts,
+                            peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
+                            solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
+                            costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+
+
+def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
+    """Value id -> the placement its first consumer's strategy reads it in (what the executor redistributes a
+    module's input or a parameter to, so that DTensor's eager dispatch runs the planned strategy)."""
+    reads: dict[int, str] = {}
+    for call in built.graph.calls:
+        node = built.call_node[call.index]
+        strategy = built.nodes[node].strategies[choice[node]]
+        for k, ref in enumerate(call.inputs):
+            reads.setdefault(ref.value, strategy.inputs[k])
+    return reads
+
+
+def data_parallel_time(built: Built, tp: int, dp: int, cluster: ClusterSpec) -> float:
+    """The same step under data parallelism alone over dp x tp devices: each call's replicated work on 1/tp of the
+    micro-batch, and every parameter's fully_shard traffic over the whole group."""
+    world = comm.Group(dp * tp, 1)
+    compute = sum(price.compute_time(c.flops, c.outputs, False, 1, cluster) for c in built.graph.calls) / tp
+    sync = sum(price.gradient_sync_time(ref, "R", 1, dp * tp, cluster, world) for ref in built.graph.params.values())
+    return compute + sync
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _refuse_unsynchronised_batch_norm(model: nn.Module, dp: int) -> None:
+    """BatchNorm's statistics are over the batch each rank sees: the tensor-parallel ranks see the whole micro-batch
+    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks do not."""
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and not isinstance(m, nn.SyncBatchNorm)]
+    if norms and dp > 1:
+        raise ConfigError(f"{norms[0]} is a BatchNorm: its statistics would be over each of the dp={dp} ranks' "
+                          "share of the batch, not the whole (plait does not synchronise them); use dp=1 (tp splits "
+                          "the model over every device) or a model without BatchNorm")
+
+
+def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """The factory's batch at `batch_size`, moved to meta for capture (the factory runs once on CPU: batches are
+    small next to the model)."""
+    from plait.models.factory import load_factory
+
+    batch = load_factory(batch_source)(batch_size, torch.Generator().manual_seed(0))
+    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    return tuple(t.to("meta") for t in batch)
+
+
+def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,
+              tp: int = 1, pins: dict[str, str] | None = None, solver: str = "program",
+              memory_limit: float | None = None):
+    """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved)."""
+    from plait.models.factory import load_factory
+    from plait.plan import Plan, Prediction
+    from plait.spec import ModelSpec, TrainSpec
+
+    if global_batch % dp:
+        raise ConfigError(f"global batch {global_batch} must divide by dp={dp}")
+    with torch.device("meta"):
+        model = load_factory(model_source)()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    _refuse_unsynchronised_batch_norm(model, dp)
+    batch = meta_batch(batch_source, global_batch // dp)
+    sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
+                            solver=solver, memory_limit=memory_limit)
+    num_params = sum(p.numel() for p in model.parameters())
+    name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
+    spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
+                     num_layers=1, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0, post_params=0,
+                     blocks=(BlockCost(params=num_params, flops_per_token=0.0),))
+    prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes)
+    return Plan.of(dp=dp, tp=tp, model=spec, train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
+                   cluster=cluster.with_devices(dp * tp), micro_batch=global_batch // dp, zero=3 if dp > 1 else 0,
+                   predicted=prediction, operators=sharding_)

@@ -1,0 +1,62 @@
+"""OperatorSharding: the per-operator plan, a field of the Plan (plan.operators), pure data that round-trips
+through JSON. The executor (plait.execute.autoshard) reads `params` and `outputs`; the rest is the planner's
+account of why (shown by `plait plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorCost:
+    """One captured call under the chosen strategy: what the plan's report shows."""
+
+    name: str
+    """module:op#index"""
+    placements: str
+    """The strategy: its arguments' placements -> its outputs', e.g. "R,S0 -> S1"."""
+    compute_s: float
+    comm_s: float
+    """Seconds of the redistributions into this call, forward and backward."""
+    comm: str = ""
+    """Which collectives, e.g. "all_reduce 64 KiB fwd"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorSharding:
+    batch: str
+    """The batch factory, "package.module:function": function(batch_size, generator) -> tuple of tensors, the
+    module's forward arguments (the forward returns the loss)."""
+    axis: str = "tp"
+    """The mesh axis the placements are on; data parallelism (fully_shard) runs over "dp" around them."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Parameter and buffer name -> placement on the axis: "R", "S<dim>"."""
+    outputs: dict[str, str] = field(default_factory=dict)
+    """Module name -> the placement its output is redistributed to ("R", "P", "S<dim>")."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Module name -> the placement its first tensor argument is redistributed to before its forward."""
+    param_reads: dict[str, str] = field(default_factory=dict)
+    """Parameter (or buffer) name -> the placement its module reads it in, where that differs from how it is kept
+    (kept split to save memory, gathered for use: ZeRO-3 on the axis)."""
+    pins: dict[str, str] = field(default_factory=dict)
+    """What the user pinned (parameter or module name -> placement), honoured by the solver."""
+    step_time_s: float = 0.0
+    """Predicted seconds of one micro-batch's forward and backward with the data-parallel synchronisation."""
+    data_parallel_step_time_s: float = 0.0
+    """The same work under data parallelism alone over every device (no operator split), for comparison."""
+    comm_bytes: float = 0.0
+    """Predicted bytes the axis's collectives carry per micro-batch (forward and backward, logical payload)."""
+    comm_counts: dict[str, int] = field(default_factory=dict)
+    """Predicted collectives per micro-batch on the axis, by kind (forward and backward)."""
+    peak_memory_bytes: float = 0.0
+    solver: str = "program"
+    solve_time_s: float = 0.0
+    lower_bound_s: float = 0.0
+    """What the program's relaxation proves no plan beats (0 when not computed)."""
+    costliest: tuple[OperatorCost, ...] = ()
+    replicated_ops: tuple[str, ...] = ()
+    """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+
+    def describe(self) -> str:
+        split = sum(1 for p in self.params.values() if p != "R")
+        return f"{split}/{len(self.params)} parameters split on {self.axis}"

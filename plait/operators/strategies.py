@@ -1,0 +1,179 @@
+"""Each captured call's candidate placements, from DTensor's own sharding-propagation rules.
+
+Every use of DTensor's private API lives here (torch 2.13: `DTensor._op_dispatcher.sharding_propagator`,
+`DTensorSpec`, `TensorMeta`, `OpSchema`); tests/unit/test_operators.py checks them against the installed torch.
+
+How: on a fake process group of the mesh axis's size (no processes), each call is asked of DTensor's eager
+propagator once per combination of its tensor arguments' placements (replicated, sharded on a dimension the
+axis divides, partial); the propagator answers with the placements it would run the op with (redistributing
+its arguments if needed) and the output's. The distinct answers are the op's strategies. This is the rule DTensor
+itself runs in eager mode, so the executor runs what was priced. Calls with the same operator, shapes and
+arguments share one answer (a repeated block is asked once). An operator without a rule (the propagator
+raises) gets one strategy, everything replicated, and is named in the plan's report; `register_sharding`
+(torch.distributed.tensor.experimental) adds a rule for a custom op, and this module then sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils._pytree import tree_flatten, tree_map
+
+from plait.operators.capture import OpCall, TensorRef
+
+MAX_COMBINATIONS = 400
+"""Placement combinations asked per call; beyond, only single-argument sharding is asked (ops of many inputs)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a call on the axis: the placement each tensor argument must have, and each output's."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def placement_name(placement: Placement) -> str:
+    """"R", "S0", "S1", ... or "P" (a pending sum)."""
+    if isinstance(placement, Shard):
+        return f"S{placement.dim}"
+    if isinstance(placement, Partial):
+        return "P"
+    return "R"
+
+
+def placement_of(name: str) -> Placement:
+    if name == "R":
+        return Replicate()
+    if name == "P":
+        return Partial()
+    if name.startswith("S") and name[1:].isdigit():
+        return Shard(int(name[1:]))
+    raise ValueError(f"placement {name!r} is not R, P or S<dim>")
+
+
+def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True) -> list[str]:
+    """Placements a tensor can hold on an axis of `axis_size`: whole dims the axis divides evenly (uneven shards
+    would make the executor's shapes differ from the reference's per rank), and P for floats."""
+    names = ["R"] + [f"S{d}" for d, size in enumerate(ref.shape) if size >= axis_size and size % axis_size == 0]
+    if partial and ref.is_float:
+        names.append("P")
+    return names
+
+
+class StrategyOracle:
+    """DTensor's answers for one mesh axis size, cached by (op, arguments)."""
+
+    def __init__(self, axis_size: int, mesh) -> None:
+        self.axis_size = axis_size
+        self.mesh = mesh
+        self.propagator = DTensor._op_dispatcher.sharding_propagator
+        self.cache: dict[tuple, tuple[list[Strategy], bool]] = {}
+
+    def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
+        """(strategies, has_rule); without a rule: [everything replicated], False."""
+        key = (call.op, _signature(call.args), _signature(call.kwargs))
+        if key not in self.cache:
+            self.cache[key] = self._ask(call)
+        return self.cache[key]
+
+    def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
+        replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
+        options = [candidate_placements(ref, self.axis_size) for ref in call.inputs]
+        combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
+        if len(combos) > MAX_COMBINATIONS:
+            combos = [tuple(o if i == j else "R" for j in range(len(options))) for i, opts in enumerate(options)
+                      for o in opts]
+        found: dict[Strategy, None] = {}
+        any_rule = False
+        for combo in combos:
+            strategy = self._propagate(call, combo)
+            if strategy is not None:
+                any_rule = True
+                found[strategy] = None
+        if not any_rule:
+            return [replicated], False
+        # A rule that cannot replicate still can (run it whole on every rank); replicated goes first, the solver's
+        # convention (plait.search.sharding.solve_propagation starts from it).
+        return [replicated] + [s for s in found if s != replicated], True
+
+    def _propagate(self, call: OpCall, combo: tuple[str, ...]) -> Strategy | None:
+        chosen = iter(combo)
+        to_spec = lambda a: self._spec(a, next(chosen)) if isinstance(a, TensorRef) else a  # noqa: E731
+        args, kwargs = tree_map(to_spec, call.args), tree_map(to_spec, call.kwargs)
+        try:
+            sharding = self.propagator.propagate_op_sharding(OpSchema(call.op, args, kwargs))
+        except Exception:  # noqa: BLE001 - no rule, or the rule refuses these placements
+            return None
+        needed = combo
+        if sharding.redistribute_schema is not None:
+            specs = [a for a in tree_flatten((sharding.redistribute_schema.args_schema,
+                                              sharding.redistribute_schema.kwargs_schema))[0]
+                     if isinstance(a, DTensorSpec)]
+            needed = tuple(placement_name(s.placements[0]) for s in specs)
+        outputs = [s for s in tree_flatten(sharding.output_spec)[0] if isinstance(s, DTensorSpec)]
+        if len(needed) != len(call.inputs) or len(outputs) < len(call.outputs):
+            return None
+        return Strategy(tuple(needed), tuple(placement_name(s.placements[0]) for s in outputs[:len(call.outputs)]))
+
+    def _spec(self, ref: TensorRef, placement: str) -> DTensorSpec:
+        meta = TensorMeta(torch.Size(ref.shape), ref.stride, ref.dtype)
+        return DTensorSpec(self.mesh, (placement_of(placement),), tensor_meta=meta)
+
+
+def _signature(tree) -> tuple:
+    flat, spec = tree_flatten(tree)
+    return tuple((r.shape, r.stride, r.dtype) if isinstance(r, TensorRef) else _hashable(r) for r in flat) + (str(spec),)
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+@contextmanager
+def strategy_oracle(axis_size: int) -> Iterator[StrategyOracle]:
+    """A StrategyOracle on a 1-D DeviceMesh of `axis_size` ranks over a fake process group (no processes), which
+    is destroyed on leaving, so planning leaves no process group behind (plait check --dry-run and the executor
+    start their own). Refuses to run inside an existing process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("per-operator planning starts its own fake process group; plan before "
+                           "init_process_group (in the planner's process)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=axis_size)
+    try:
+        yield StrategyOracle(axis_size, init_device_mesh("cpu", (axis_size,), mesh_dim_names=("tp",)))
+    finally:
+        dist.destroy_process_group()
+
+
+def register_replicated(call_name: str) -> None:
+    """Give an ATen operator without a DTensor rule one (torch's public register_sharding): run it replicated,
+    every tensor argument gathered, as the planner priced it. `call_name` is a captured call's name
+    ("module:op.overload#index")."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    op_name = call_name.split(":", 1)[1].split("#")[0]
+    packet, _, overload = op_name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    num_outputs = len(op._schema.returns)
+
+    def replicated(*args, **kwargs):
+        flat = [a for a in args] + list(kwargs.values())
+        inputs = [Replicate() if isinstance(a, DTensorSpec) else None for a in flat]
+        return [([Replicate()] * num_outputs, inputs)]
+
+    register_sharding(op)(replicated)

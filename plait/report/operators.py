@@ -1,0 +1,41 @@
+"""The per-operator plan as a person reads it: placements, the costliest operators and their communication."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from plait.plan import Plan
+from plait.report.tables import human_bytes, seconds_cell
+
+
+def operators_table(plan: Plan) -> RenderableType:
+    ops = plan.operators
+    split = {name: p for name, p in ops.params.items() if p != "R"}
+    header = Text(f"{plan.model.name}: dp{plan.dp} x tp{plan.tp}, {ops.describe()}; predicted "
+                  f"{seconds_cell(ops.step_time_s)} per micro-batch step vs {seconds_cell(ops.data_parallel_step_time_s)} "
+                  f"with data parallelism alone ({ops.data_parallel_step_time_s / max(ops.step_time_s, 1e-30):.2f}x); "
+                  f"{human_bytes(ops.comm_bytes)} on tp per step ({_counts(ops.comm_counts)}); peak "
+                  f"{human_bytes(ops.peak_memory_bytes)} per device; {ops.solver} solved in {ops.solve_time_s:.2f} s")
+    params = Table(title="split parameters (the rest replicated)")
+    params.add_column("parameter")
+    params.add_column("placement on tp")
+    for name, placement in split.items():
+        params.add_row(name, placement)
+    costly = Table(title="costliest operators")
+    for column in ("operator", "placements", "compute", "communication", "collectives"):
+        costly.add_column(column, justify="right" if column in ("compute", "communication") else "left")
+    for op in ops.costliest:
+        costly.add_row(op.name, op.placements, seconds_cell(op.compute_s), seconds_cell(op.comm_s), op.comm or "-")
+    parts: list[RenderableType] = [header, params, costly]
+    if ops.replicated_ops:
+        parts.append(Text(f"no DTensor rule, run replicated ({len(ops.replicated_ops)}): "
+                          + ", ".join(ops.replicated_ops[:8]) + " (add one with register_sharding)"))
+    if ops.pins:
+        parts.append(Text("pins honoured: " + ", ".join(f"{k}={v}" for k, v in ops.pins.items())))
+    return Group(*parts)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "no collectives"
