@@ -98,7 +98,7 @@ def score_layouts(pricer: Pricer, layouts: list[Layout], weights: dict[str, np.n
 
 class LearnedSolver:
     """Price only the `proposals` layouts the network scores highest (more where none of them fits); on a mixed
-    cluster, each with the device-group orderings the group policy proposes (its greedy one and `orderings` - 1
+    cluster, each with the device-group orderings the group policy proposes (its greedy one and up to `orderings`
     sampled; plait.search.groups) and `random_orderings` drawn uniformly (seeded): the policy alone does not
     transfer to every family of clusters it was not trained on (benchmarks/solvers.py measures both)."""
 
@@ -133,10 +133,14 @@ class LearnedSolver:
         if space.count_orderings(d) <= self.orderings + self.random_orderings + 1:
             orderings = space.orderings(d)
         else:
-            from plait.search.groups import propose, random_orderings
-
-            counts = space.group_counts(d)
-            orderings = propose(pricer, base, counts, self.orderings, weights=self.weights)
-            orderings += [o for o in random_orderings(counts, self.random_orderings) if o not in orderings]
+            orderings = self.placements(pricer, base, space.group_counts(d))
         results = [pricer.evaluate(dataclasses.replace(base, stage_groups=o) if o else base) for o in orderings]
         return any(r is not None for r in results)
+
+    def placements(self, pricer: Pricer, base: Layout, counts: dict[str, int]) -> list[tuple[str, ...]]:
+        """The device-group orderings priced for `base` (`counts` pipeline ranks per group): the policy's greedy
+        one, up to `orderings` sampled from it, and `random_orderings` drawn uniformly, distinct."""
+        from plait.search.groups import propose, random_orderings
+
+        out = propose(pricer, base, counts, self.orderings, weights=self.weights)
+        return out + [o for o in random_orderings(counts, self.random_orderings) if o not in out]
