@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-check", type=int, default=0, metavar="N",
                         help="also: on N small uniform problems (16-64 devices), how far exact search's --top 1 plan "
                              "is from the best of every feasible plan under the full schedule simulation")
+    parser.add_argument("--placements", type=int, default=0, metavar="N",
+                        help="also: for N layouts of each mixed family (pipelines of 20-5,000 placements), the best "
+                             "of the orderings each way proposes against the best of all of them")
     parser.add_argument("--json", help="also write the per-problem results here")
     return parser.parse_args()
 
@@ -157,8 +160,37 @@ def top_check(count: int, seed: int) -> None:
           f"{sum(g <= 1e-9 for g in gaps)}, mean gap {statistics.fmean(gaps):+.3%}, worst {max(gaps):+.3%}")
 
 
+def placements(count: int, families: list[str]) -> None:
+    """Per family: how far the best of the placement policy's orderings (greedy + 4 sampled), of 5 uniformly random
+    ones, and of the learned solver's (both: LearnedSolver.placements) are from the best ordering of a layout."""
+    from plait.search.groups import propose, random_orderings
+    from plait.search.learned import LearnedSolver
+    from plait.search.space import _multiset_permutations
+    from plait.search.training import group_problems
+
+    solver = LearnedSolver()
+    for family in families:
+        if family == "large":  # its pipelines have too many orderings to enumerate
+            continue
+        gaps: dict[str, list[float]] = {"policy": [], "random 5": [], "learned solver": []}
+        for p in group_problems(77, count, family):
+            best = min(p.time(o) for o in _multiset_permutations(p.counts))
+            if not math.isfinite(best):
+                continue
+            for name, ways in (("policy", propose(p.pricer, p.layout, p.counts, 4)),
+                               ("random 5", random_orderings(p.counts, 5, seed=1)),
+                               ("learned solver", solver.placements(p.pricer, p.layout, p.counts))):
+                gaps[name].append(min(p.time(o) for o in ways) / best - 1)
+        print(f"placements, {family} ({len(gaps['policy'])} layouts): " + ", ".join(
+            f"{name} mean {statistics.fmean(g):+.2%} worst {max(g):+.2%}" for name, g in gaps.items() if g)
+            + f"; policy worse than random 5 in {sum(a > b + 1e-9 for a, b in zip(gaps['policy'], gaps['random 5']))}",
+            flush=True)
+
+
 def main() -> None:
     args = parse_args()
+    if args.placements:
+        placements(args.placements, args.families)
     if args.top_check:
         top_check(args.top_check, args.seed)
     rows = []
