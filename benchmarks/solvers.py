@@ -25,7 +25,12 @@ Solvers: exact and dichotomy (stopped at `--limit`), learned with its default bu
 policy alone (random_orderings=0), learned with four times the budget (proposals 96, orderings 16, random 16):
 each an argument of the search (plait.search.plan_with_stats' solver_options), nothing patched.
 
+Also, on request: `--placements N` (the placement policy's orderings, random ones and the learned solver's, against
+the best ordering of N layouts per mixed family) and `--top-check N` (exact search with --top 1 against the full
+search, both under the full schedule simulation).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/solvers.py [--uniform 4] [--mixed 2] [--limit 30]
+        [--placements 16] [--top-check 8]
 """
 
 from __future__ import annotations

@@ -213,7 +213,6 @@ def keep_best(net: Network, data: list, mean: np.ndarray, std: np.ndarray, seed:
 PLACEMENT_FAMILIES = {
     # name: (device groups, nodes per group, stragglers' speed range); "train" alone is used in training
     "train": ((2,), (1, 2, 4), (0.4, 0.7)),
-    "wide-train": ((2, 3), (1, 2, 4), (0.4, 0.7)),
     "held-out": ((2, 3), (2, 4, 8), (0.4, 0.7)),
     "four-groups": ((4,), (1, 2, 4), (0.4, 0.7)),
     "slow-stragglers": ((2, 3), (1, 2, 4), (0.15, 0.35)),
