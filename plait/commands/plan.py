@@ -49,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--router-imbalance", type=load_ratio, metavar="R",
                       help="mixture-of-experts models: slots the busiest expert-parallel rank receives over the mean "
                            "(default: the model's router_imbalance, 1.25 unless set; `plait train` measures your "
-                           "router's in LOG_DIR/measured.json)")
+                           "router's in LOG_DIR/measured.json: see --from-run)")
+    what.add_argument("--from-run", metavar="LOG_DIR",
+                      help="mixture-of-experts models: price expert parallelism with the router balance a `plait "
+                           "train` run measured (LOG_DIR/measured.json) instead of --router-imbalance")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
@@ -99,12 +102,7 @@ def main(args: argparse.Namespace) -> int:
         from plait.commands.operators import plan_operators
 
         return plan_operators(args)
-    model = load_model(args.model)
-    if args.router_imbalance is not None:
-        if not model.num_experts:
-            raise ConfigError(f"--router-imbalance {args.router_imbalance:g} prices expert parallelism, but "
-                              f"{model.name} has no experts; leave it out for a dense model")
-        model = model.replace(router_imbalance=args.router_imbalance)
+    model = with_router_balance(load_model(args.model), args.router_imbalance, args.from_run)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
                        precision=args.precision or default_precision(cluster))
@@ -120,6 +118,31 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         _write_report(args.report, result)
     return 0
+
+
+def with_router_balance(model: Any, given: float | None, log_dir: str | None) -> Any:
+    """`model` priced with the router balance given (--router-imbalance) or measured by a run (--from-run), said
+    on stderr; ConfigError for a dense model or both at once."""
+    if given is None and log_dir is None:
+        return model
+    flag = "--router-imbalance" if log_dir is None else "--from-run"
+    if given is not None and log_dir is not None:
+        raise ConfigError(f"--router-imbalance {given:g} and --from-run {log_dir}: give one (--from-run reads the "
+                          f"figure the run measured)")
+    if not model.num_experts:
+        raise ConfigError(f"{flag} prices expert parallelism, but {model.name} has no experts; leave it out for a "
+                          "dense model")
+    if log_dir is None:
+        return model.replace(router_imbalance=given)
+    from plait.train.measure import run_router_imbalance
+
+    figure, how, trained = run_router_imbalance(log_dir)
+    if trained != model.name:
+        print(f"plait plan: warning: {log_dir} trained {trained}, not {model.name}: its router may balance "
+              "differently", file=sys.stderr)
+    print(f"plait plan: router balance {how}, measured by {log_dir} (was {model.router_imbalance:g})",
+          file=sys.stderr)
+    return model.replace(router_imbalance=figure)
 
 
 def default_precision(cluster: Any) -> str:

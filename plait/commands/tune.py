@@ -240,13 +240,22 @@ def from_run(log_dirs: list[str], cluster_name: str | None, out: Path, plot: Pat
 
 
 def run_observations(segments: list[Any], cluster: Any) -> list[Any]:
-    """Per segment (a plan a run trained with) and half of its measured steps: compute, waiting and optimizer."""
+    """Per segment (a plan a run trained with) and half of its measured steps: compute, waiting and optimizer; a
+    mixture-of-experts plan priced with the router balance its run measured."""
     from plait.plan import Plan
     from plait.profile.terms import Observation
+
+    from plait.train.measure import measured_router_imbalance
 
     observations = []
     for segment in segments:
         plan = Plan.from_dict(segment.plan).replace(cluster=cluster, predicted=None)
+        if plan.model.num_experts and (router := measured_router_imbalance([segment])):
+            # the experts' wait for the busiest rank is the router's, not a constant of the cluster: price it as
+            # measured, so the fit does not fold it into the GEMM efficiency
+            print(f"tune: priced {plan.describe()} with the router balance it measured: {router[1]} (planned with "
+                  f"{plan.model.router_imbalance:g})")
+            plan = plan.replace(model=plan.model.replace(router_imbalance=router[0]))
         for parts in segment.measured_chunks(2):
             observations += [Observation(plan=plan, measured_s=getattr(parts, part), part=part)
                              for part in ("compute", "waiting", "optimizer") if getattr(parts, part) > 0]

@@ -109,3 +109,18 @@ def propose(pricer: Pricer, layout: Layout, counts: dict[str, int], samples: int
         if ordering not in out:
             out.append(ordering)
     return out
+
+
+def random_orderings(counts: dict[str, int], count: int, seed: int = 0) -> list[tuple[str, ...]]:
+    """Up to `count` distinct orderings of the pipeline ranks over the groups (`counts` ranks each), uniformly
+    drawn (seeded): a placement that does not depend on the policy."""
+    rng = np.random.default_rng(seed)
+    ranks = [name for name, c in counts.items() for _ in range(c)]
+    out: list[tuple[str, ...]] = []
+    for _ in range(count * 3):
+        if len(out) >= count:
+            break
+        ordering = tuple(ranks[i] for i in rng.permutation(len(ranks)))
+        if ordering not in out:
+            out.append(ordering)
+    return out

@@ -25,11 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from plait.cost.layout import Layout
+from plait.errors import ConfigError
 from plait.plan import SCHEDULES
 from plait.search.pricing import Pricer
 from plait.search.space import Space
 
 WEIGHTS_FILE = "solver.npz"
+RANDOM_ORDERINGS = 4
+"""Uniformly drawn device-group orderings priced beside the policy's for each proposed layout of a mixed cluster."""
 LAYOUT_FEATURES = ("lower_bound_gap", "memory_frugal", "memory_none", "tp_comm_share", "p2p_share", "dp_share",
                    "bubble", "log_m_over_pp", "zero0", "zero1", "zero2",
                    "zero3", "sp", "interleave", *(f"schedule_{s}" for s in SCHEDULES), "bias")
@@ -95,12 +98,20 @@ def score_layouts(pricer: Pricer, layouts: list[Layout], weights: dict[str, np.n
 
 class LearnedSolver:
     """Price only the `proposals` layouts the network scores highest (more where none of them fits); on a mixed
-    cluster, each with the device-group orderings the group policy proposes (plait.search.groups)."""
+    cluster, each with the device-group orderings the group policy proposes (its greedy one and up to `orderings`
+    sampled; plait.search.groups) and `random_orderings` drawn uniformly (seeded): the policy alone does not
+    transfer to every family of clusters it was not trained on (benchmarks/solvers.py measures both)."""
 
     name = "learned"
 
-    def __init__(self, proposals: int = 24, orderings: int = 4, weights: dict[str, np.ndarray] | None = None) -> None:
-        self.proposals, self.orderings, self.weights = proposals, orderings, weights
+    def __init__(self, proposals: int = 24, orderings: int = 4, random_orderings: int = RANDOM_ORDERINGS,
+                 weights: dict[str, np.ndarray] | None = None) -> None:
+        for label, value, least in (("proposals", proposals, 1), ("orderings", orderings, 1),
+                                    ("random_orderings", random_orderings, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"learned solver option {label}={value!r} must be an integer >= {least}")
+        self.proposals, self.orderings, self.random_orderings = proposals, orderings, random_orderings
+        self.weights = weights
 
     def solve(self, space: Space, pricer: Pricer) -> None:
         bases = [(d, layout) for d in space.degrees for layout in space.base_layouts(d)]
@@ -119,11 +130,17 @@ class LearnedSolver:
 
         if not space.groups:
             return pricer.evaluate(base) is not None
-        if space.count_orderings(d) <= self.orderings + 1:
+        if space.count_orderings(d) <= self.orderings + self.random_orderings + 1:
             orderings = space.orderings(d)
         else:
-            from plait.search.groups import propose
-
-            orderings = propose(pricer, base, space.group_counts(d), self.orderings, weights=self.weights)
+            orderings = self.placements(pricer, base, space.group_counts(d))
         results = [pricer.evaluate(dataclasses.replace(base, stage_groups=o) if o else base) for o in orderings]
         return any(r is not None for r in results)
+
+    def placements(self, pricer: Pricer, base: Layout, counts: dict[str, int]) -> list[tuple[str, ...]]:
+        """The device-group orderings priced for `base` (`counts` pipeline ranks per group): the policy's greedy
+        one, up to `orderings` sampled from it, and `random_orderings` drawn uniformly, distinct."""
+        from plait.search.groups import propose, random_orderings
+
+        out = propose(pricer, base, counts, self.orderings, weights=self.weights)
+        return out + [o for o in random_orderings(counts, self.random_orderings) if o not in out]

@@ -17,7 +17,9 @@ layers exactly (with recompute per stage), prune by memory, rank by predicted st
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from plait import legality
 from plait.axes import ALL_AXES, Degrees
@@ -25,7 +27,7 @@ from plait.cost.layout import Setting
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import Plan
 from plait.search.pricing import EXACT_SHORTLIST, OutOfTime, Pricer
-from plait.search.solvers import SOLVER_NAMES, choose_solver, get_solver
+from plait.search.solvers import check_options, choose_solver, get_solver
 from plait.search.space import Pins, Space, check_pins, degree_choices, divisors, searched_v_schedules
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.load import load_cluster, load_model
@@ -59,17 +61,19 @@ def plan(model, cluster, train: TrainSpec, *, num_devices=None, top=None, **pins
 
 def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: TrainSpec, *,
                     num_devices: int | None = None, top: int | None = None, explain_infeasible: bool = True,
-                    solver: str = "auto", time_limit_s: float | None = None, **pins) -> SearchResult:
+                    solver: str = "auto", time_limit_s: float | None = None,
+                    solver_options: Mapping[str, Any] | None = None, **pins) -> SearchResult:
     """Search the joint space for `model` on `num_devices` devices of `cluster` (default: all of it).
 
     Pins (plait.search.space.PIN_NAMES): any axis degree (dp, tp, pp, cp, ep), zero, recompute (one mode
     or one per pipeline rank), micro_batch, schedule, interleave, sequence_parallel, allow_cross_node_tp.
     Any pin that is not None is fixed. `top` K keeps the K best plans (None: every feasible plan). `solver`
     chooses how the space is searched (plait.search.solvers: exact, dichotomy, learned, or auto: exact where
-    the space is small, learned beyond); `time_limit_s` stops the solver there (the result says so).
+    the space is small, learned beyond); `solver_options` set its budget (plait.search.solvers.SOLVER_OPTIONS,
+    e.g. {"proposals": 96} for the learned solver); `time_limit_s` stops the solver there (the result says so).
     Raises ConfigError for pins no plan can honour, NoFeasiblePlan when nothing fits in memory."""
-    if solver not in SOLVER_NAMES:
-        raise ConfigError(f"solver={solver!r} is not one of {', '.join(SOLVER_NAMES)}")
+    options = dict(solver_options or {})
+    check_options(solver, options)
     start = time.perf_counter()
     model, cluster = load_model(model), load_cluster(cluster)  # specs, preset names or files
     if not isinstance(train, TrainSpec):
@@ -91,12 +95,15 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     groups = tuple((g.name, g.num_devices) for g in cluster.groups) if cluster.mixed else ()
     space = Space(pins, degrees, train.global_batch, model.num_layers, groups, model, train.seq_len,
                   v_schedules=searched_v_schedules(cluster))
-    solver = choose_solver(space) if solver == "auto" else solver
+    if solver == "auto":
+        solver = choose_solver(space)
+        options = options if solver == "learned" else {}  # the learned solver's budget, where auto picks it
+    chosen = get_solver(solver, **options)
     if time_limit_s is not None:
         pricer.deadline = start + time_limit_s
     complete = True
     try:
-        get_solver(solver).solve(space, pricer)
+        chosen.solve(space, pricer)
     except OutOfTime:
         complete = False
     pricer.deadline = None

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Protocol
 
 from plait.axes import Degrees
+from plait.errors import ConfigError
 
 from plait.search.pricing import Pricer
 from plait.search.space import Space, family_key
@@ -107,11 +108,31 @@ class DichotomySolver:
         pricer.pruned += len(family) - len(cache)
 
 
-def get_solver(name: str) -> Solver:
+LEARNED_OPTIONS = ("proposals", "orderings", "random_orderings", "weights")
+SOLVER_OPTIONS: dict[str, tuple[str, ...]] = {"exact": (), "dichotomy": (), "learned": LEARNED_OPTIONS,
+                                              "auto": LEARNED_OPTIONS}
+"""What each solver lets a caller set (plait.search.plan_with_stats' `solver_options`; the learned solver's are
+plait.search.learned.LearnedSolver's arguments; `auto` passes them on where it picks the learned solver). A
+budget is an argument of the search, never a patch."""
+
+
+def check_options(name: str, options: dict) -> None:
+    """ConfigError naming an option solver `name` does not take (SOLVER_OPTIONS)."""
+    known = SOLVER_OPTIONS.get(name)
+    if known is None:
+        raise ConfigError(f"solver={name!r} is not one of {', '.join(SOLVER_NAMES)}")
+    if unknown := sorted(set(options) - set(known)):
+        takes = f"takes {', '.join(known)}" if known else "takes no options"
+        raise ConfigError(f"solver option {unknown[0]!r} is not one of the {name} solver's: it {takes}")
+
+
+def get_solver(name: str, **options) -> Solver:
+    """The solver `name` with `options` (SOLVER_OPTIONS[name]); ConfigError for an option it does not take."""
+    check_options(name, options)
     if name == "learned":
         from plait.search.learned import LearnedSolver
 
-        return LearnedSolver()
+        return LearnedSolver(**options)
     return {"exact": ExactSolver, "dichotomy": DichotomySolver}[name]()
 
 

@@ -210,19 +210,38 @@ def keep_best(net: Network, data: list, mean: np.ndarray, std: np.ndarray, seed:
 
 
 # ---- the device-group policy (mixed clusters) ----------------------------------------------------
+PLACEMENT_FAMILIES = {
+    # name: (device groups, nodes per group, stragglers' speed range); "train" alone is used in training
+    "train": ((2,), (1, 2, 4), (0.4, 0.7)),
+    "held-out": ((2, 3), (2, 4, 8), (0.4, 0.7)),
+    "four-groups": ((4,), (1, 2, 4), (0.4, 0.7)),
+    "slow-stragglers": ((2, 3), (1, 2, 4), (0.15, 0.35)),
+    "large": ((2, 3), (16, 32, 64), (0.4, 0.7)),
+}
+"""Families of mixed clusters: the placement policy trains on "train" only; the others are kept out of training
+(more device groups, more nodes so longer pipelines, slower stragglers, up to 1,536 devices) for
+benchmarks/solvers.py and the tests."""
+
+
 def mixed_cluster(rng: random.Random, family: str):
-    """Two (training) or two to three (held-out) device groups of public parts, or a part beside its stragglers
-    (the same part at 40-70% speed), in whole nodes of 8."""
+    """A cluster of `family` (PLACEMENT_FAMILIES): device groups of public parts, or a part beside its stragglers
+    (the same part slowed), in whole nodes of 8."""
     from plait.spec.cluster import ClusterSpec, DeviceGroup
 
+    if family not in PLACEMENT_FAMILIES:
+        raise ValueError(f"mixed-cluster family {family!r} is not one of {', '.join(PLACEMENT_FAMILIES)}")
+    group_counts, node_counts, speeds = PLACEMENT_FAMILIES[family]
     parts = ["h100-80g", "a100-80g", "a100-40g"]
-    count = 2 if family == "train" else rng.choice([2, 3])
-    chosen = rng.sample(parts, count) if rng.random() < 0.7 else [rng.choice(parts)] * count
+    count = 2 if family == "train" else rng.choice(group_counts)  # "train" draws as it did when the weights were made
+    if count > len(parts):  # more groups than parts: parts repeat, each repeat of the first a straggler
+        chosen = [rng.choice(parts) for _ in range(count)]
+    else:
+        chosen = rng.sample(parts, count) if rng.random() < 0.7 else [rng.choice(parts)] * count
     groups = []
     for i, name in enumerate(chosen):
         preset = CLUSTER_PRESETS[name]
-        slow = 1.0 if i == 0 or chosen[i] != chosen[0] else rng.uniform(0.4, 0.7)
-        nodes = rng.choice([1, 2, 4] if family == "train" else [2, 4, 8])
+        slow = 1.0 if i == 0 or chosen[i] != chosen[0] else rng.uniform(*speeds)
+        nodes = rng.choice(node_counts)
         groups.append(DeviceGroup(name=f"{name}-{i}", num_devices=8 * nodes, devices_per_node=8,
                                   memory_bytes=preset.memory_bytes, peak_flops=preset.peak_flops * slow,
                                   efficiency=preset.efficiency, intra_node=preset.intra_node,

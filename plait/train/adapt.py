@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.train.measure import WARMUP_STEPS, Segment
+from plait.train.measure import WARMUP_STEPS, Segment, measured_router_imbalance
 
 ADAPT_MARGIN = 0.25
 """A rank computing more than this much slower than the median rank (each against its own prediction) is a
@@ -169,6 +169,13 @@ def replan(plan: Any, base: Any, speeds: list[float], pins: dict[str, Any]) -> A
     return best
 
 
+def with_measured_router(plan: Any, segment: Segment) -> Any:
+    """`plan` with its model priced at the router balance this run measured (plait.train.measure.router_figure),
+    so that a re-plan weighs expert parallelism as the run found it; unchanged for a dense model."""
+    router = measured_router_imbalance([segment]) if plan.model.num_experts else None
+    return plan if router is None else plan.replace(model=plan.model.replace(router_imbalance=router[0]))
+
+
 def switch_cost(build_s: float, step_s: float) -> float:
     """Seconds a switch costs: a checkpoint save and load and the new plan's build (each about one build of the
     model as measured at the start, plus one step), and its warm-up steps; PLAIT_ADAPT_SWITCH_S where set."""
@@ -246,7 +253,7 @@ class Adaptation:
         """Rank 0's decision (see the module docstring), the speeds it found, and the refitted cluster."""
         from plait.plan import Plan
 
-        plan = Plan.from_dict(segment.plan)
+        plan = with_measured_router(Plan.from_dict(segment.plan), segment)
         relative, typical = rank_speeds(segment, self.speeds)
         speeds = [round(s * r, 1) if beyond_margin(r) else s for s, r in zip(self.speeds, relative)]
         measured = statistics.median([max(v) for v in zip(*(r.step_s[-WINDOW_STEPS:] for r in segment.ranks))])
@@ -271,6 +278,9 @@ class Adaptation:
         why = (", ".join(f"rank {r} computes {relative[r]:.2f}x the median rank" for r in slow) if slow
                else f"the step is {off:.2f}x its prediction")
         figures.update(refitted=what, typical_compute_vs_predicted=round(typical, 3), build_s=round(self.build_s, 3))
+        if plan.model.num_experts and (router := measured_router_imbalance([segment])):
+            figures.update(router_imbalance=router[0])
+            why += f"; router balance {router[1]}"
         new = replan(plan, base, speeds, dict(self.config.plan.pins))
         current = current_on_speeds(plan, base, speeds)
         from plait.cost import predict

@@ -432,6 +432,39 @@ class RouterLoad:
         self._hooks.clear()
 
 
+def router_figure(imbalance: dict[int, float]) -> tuple[float, str]:
+    """The one figure ModelSpec.router_imbalance takes, from a run's readings per ep (Segment.router_imbalance):
+    that of the largest ep measured -- the busiest share grows with the split, so it is the cautious one (the cost
+    model caps it at ep for smaller splits) -- and a line saying which it is."""
+    ep = max(imbalance)
+    value = round(max(1.0, imbalance[ep]), 3)
+    measured = ", ".join(f"ep{e} {v:.3f}" for e, v in imbalance.items())
+    return value, f"{value:g} (ep{ep}, the largest expert split measured; measured {measured})"
+
+
+def measured_router_imbalance(segments: list[Segment]) -> tuple[float, str] | None:
+    """The router balance the latest plan of a run with readings measured (router_figure), or None (a dense
+    model, or no step past the warm-up)."""
+    for segment in reversed(segments):
+        if imbalance := segment.router_imbalance():
+            return router_figure(imbalance)
+    return None
+
+
+def run_router_imbalance(log_dir: str | Path) -> tuple[float, str, str]:
+    """(figure, how chosen, the run's model name) from LOG_DIR/measured.json; ConfigError naming the file where
+    it holds no router readings."""
+    from plait.errors import ConfigError
+
+    segments = read_measured(log_dir)
+    found = measured_router_imbalance(segments)
+    if found is None:
+        raise ConfigError(f"{str(log_dir)!r}: its {MEASURED_FILE} holds no router balance (a dense model, or no step "
+                          f"past the {WARMUP_STEPS} warm-up steps); give the log.dir of a mixture-of-experts run")
+    model = segments[-1].plan.get("model", {})
+    return found[0], found[1], model if isinstance(model, str) else model.get("name", "?")
+
+
 def router_line(imbalance: dict[int, float], plan: Any) -> str:
     """The router's measured balance against what the plan was priced with, and how to plan with it."""
     measured = ", ".join(f"ep{ep} {value:.3f}" for ep, value in imbalance.items())

@@ -173,4 +173,7 @@ def test_resume_from_a_checkpoint_of_another_model() -> None:
     meta = {"plan": {**saved, "model": {**saved["model"], "hidden_size": 64}}}
     with pytest.raises(PlaitError, match="hidden_size=64") as refused:
         check_compatible(meta, plan, CKPT)
-    record("checkpoint of another model", 2, "", tree_digest(CKPT) != CKPT_DIGEST, "\n" not in str(refused.value))
+    changed = tree_digest(CKPT) != CKPT_DIGEST
+    record("checkpoint of another model", 2, "", changed, "\n" not in str(refused.value))
+    assert not changed, f"refusing the checkpoint changed {CKPT}"
+    assert "\n" not in str(refused.value)

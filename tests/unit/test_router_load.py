@@ -112,3 +112,62 @@ def test_a_hugging_face_moe_is_measured_as_plaits():
     meter.remove()
     run(block, [A] * 16)
     assert meter.take() == {}
+
+
+# ---- the measured balance flows back: plan --from-run, tune --from-run, --adapt --------------------------------
+def _moe_run(log_dir, model: str, readings: dict[int, float], steps: int = 6):
+    """A run's measured.json as `plait train` writes it: two ranks, `readings` per ep on every step."""
+    from plait.spec import TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.train.measure import write_measured
+
+    plan = Plan.of(dp=2, model=MODEL_PRESETS[model], cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2),
+                   train=TrainSpec(global_batch=2, seq_len=16, precision="fp32"))
+    records = []
+    for rank in range(2):
+        record = RankRecord(rank=rank, pp_rank=0, dp_rank=rank)
+        for step in range(1, steps + 1):
+            record.add(step, 1.0, 0.6, 0.5, 0.1, readings)
+        records.append(record)
+    segment = Segment(plan=plan.to_dict(), predicted=Parts(step=1.0, compute=0.5, waiting=0.1, optimizer=0.1),
+                      predicted_rank_compute=[0.5], ranks=records)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    write_measured(log_dir, [segment])
+    return plan, segment
+
+
+def test_a_measured_router_balance_changes_the_next_plan(tmp_path, capsys):
+    """Mixtral 8x7B on 64 H100s: priced at the assumed 1.25 plait keeps experts whole (tp2); a run that measured a
+    balanced router (ep8 1.02) makes `plait plan --from-run` pick expert parallelism, no number copied by hand."""
+    from plait.cli import main as cli_main
+
+    _moe_run(tmp_path / "run", "mixtral-8x7b", {2: 1.0, 4: 1.01, 8: 1.02})
+    argv = ["plan", "--model", "mixtral-8x7b", "--cluster", "h100-80g", "--devices", "64", "--global-batch", "256",
+            "--seq-len", "4096", "--top", "1"]
+    assert cli_main(argv + ["--json", str(tmp_path / "assumed.json")]) == 0
+    assert cli_main(argv + ["--json", str(tmp_path / "measured.json"), "--from-run", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "router balance 1.02 (ep8, the largest expert split measured" in err and "was 1.25" in err
+    assumed, measured = (Plan.from_json(tmp_path / f"{name}.json") for name in ("assumed", "measured"))
+    assert assumed.degrees.ep == 1 and measured.degrees.ep == 8
+    assert measured.model.router_imbalance == pytest.approx(1.02)
+    # a dense run has nothing to give, and both sources at once are refused
+    _moe_run(tmp_path / "dense", "tiny-gpt", {})
+    assert cli_main(argv + ["--from-run", str(tmp_path / "dense")]) == 2
+    assert "holds no router balance" in capsys.readouterr().err
+    assert cli_main(argv + ["--from-run", str(tmp_path / "run"), "--router-imbalance", "1.1"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_tune_and_adapt_price_a_moe_plan_with_the_balance_its_run_measured(tmp_path, capsys):
+    from plait.commands.tune import run_observations
+    from plait.train.adapt import with_measured_router
+
+    plan, segment = _moe_run(tmp_path, "tiny-moe", {2: 1.3, 4: 1.7})
+    assert plan.model.router_imbalance == 1.25
+    observations = run_observations([segment], plan.cluster)
+    assert observations and all(o.plan.model.router_imbalance == pytest.approx(1.7) for o in observations)
+    assert "router balance it measured: 1.7 (ep4" in capsys.readouterr().out
+    assert with_measured_router(plan, segment).model.router_imbalance == pytest.approx(1.7)
+    dense, dense_segment = _moe_run(tmp_path / "dense", "tiny-gpt", {})
+    assert with_measured_router(dense, dense_segment) is dense

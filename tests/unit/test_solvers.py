@@ -248,3 +248,47 @@ def test_solver_training_is_seeded():
     held_out = make_problems(seed=99, count=6, family="test")
     assert np.all(np.isfinite(proposal_gap(a, held_out)))
     assert np.all(proposal_gap(a, held_out) >= 0)
+    # the shipped weights decide the answer: on the same problems, random weights' proposals fall further short
+    # (a retraining that breaks the shipped file fails here)
+    from plait.search.learned import LAYOUT_FEATURES, load_weights
+    from plait.search.training import Network
+
+    shipped = load_weights()
+    randoms = [{**shipped, **{f"layout_{k}": v for k, v in Network(len(LAYOUT_FEATURES), seed).params.items()}}
+               for seed in range(3)]
+    assert proposal_gap(shipped, held_out).mean() <= 0.01
+    assert all(proposal_gap(shipped, held_out).mean() < proposal_gap(r, held_out).mean() for r in randoms)
+
+
+def test_solver_options_are_arguments_of_the_search():
+    """A budget is passed, not patched: four times the proposals prices more layouts and finds no worse a plan;
+    an option a solver does not take is a clear error."""
+    train = _train(64, 2048)
+    default = plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, top=1, solver="learned")
+    wider = plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, top=1, solver="learned",
+                            solver_options={"proposals": 96})
+    assert wider.candidates_evaluated > default.candidates_evaluated
+    assert wider.plans[0].predicted.step_time_s <= default.plans[0].predicted.step_time_s * (1 + 1e-9)
+    with pytest.raises(ConfigError, match="'proposals' is not one of the exact solver's: it takes no options"):
+        plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, solver="exact", solver_options={"proposals": 2})
+    with pytest.raises(ConfigError, match="budget.*random_orderings"):
+        plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, solver="learned", solver_options={"budget": 2})
+    with pytest.raises(ConfigError, match="proposals=0 must be an integer >= 1"):
+        plan_with_stats("gpt-7.5b", "a100-40g", train, num_devices=16, solver="learned", solver_options={"proposals": 0})
+
+
+def test_placements_on_families_kept_out_of_training_come_close_to_the_best_ordering():
+    """Slower stragglers than training saw (15-35% of the part's speed): the orderings the learned solver prices
+    for a layout (its policy's and random ones) come within 1% of the best of every ordering on average."""
+    from plait.search.learned import LearnedSolver
+    from plait.search.space import _multiset_permutations
+    from plait.search.training import group_problems
+
+    solver = LearnedSolver()
+    gaps = []
+    for p in group_problems(41, 6, "slow-stragglers"):
+        best = min(p.time(o) for o in _multiset_permutations(p.counts))
+        if math.isfinite(best):
+            gaps.append(min(p.time(o) for o in solver.placements(p.pricer, p.layout, p.counts)) / best - 1)
+    assert len(gaps) >= 4
+    assert np.mean(gaps) <= 0.01 and max(gaps) <= 0.05
