@@ -239,13 +239,19 @@ def _fitting(problem: ShardingProblem, price: float, sweeps: int, seeds: int) ->
     return Solution(total_cost(problem, choice), choice, "propagation")
 
 
-def _repair(problem: ShardingProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
-    n = problem.num_nodes
-    neighbours: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+def _adjacency(problem: ShardingProblem) -> tuple[list[list[tuple[int, np.ndarray]]], list[np.ndarray]]:
+    """Each node's neighbours with the edge cost matrix seen from its side, and its own cost with the strategies it
+    may not take at infinity."""
+    neighbours: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(problem.num_nodes)]
     for u, v, m in problem.edges:
         neighbours[u].append((v, m))
         neighbours[v].append((u, m.T))
-    masked = [np.where(problem.allowed[i], problem.node_cost[i], np.inf) for i in range(n)]
+    masked = [np.where(problem.allowed[i], problem.node_cost[i], np.inf) for i in range(problem.num_nodes)]
+    return neighbours, masked
+
+
+def _repair(problem: ShardingProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
+    neighbours, masked = _adjacency(problem)
     return tuple(_repair_memory(problem, masked, neighbours, list(choice)))
 
 
@@ -259,11 +265,7 @@ def _propagation(problem: ShardingProblem, sweeps: int, seeds: int) -> Solution:
     lost. One more start is every node's first allowed strategy (by convention its replicated one).
     """
     n = problem.num_nodes
-    neighbours: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for u, v, m in problem.edges:
-        neighbours[u].append((v, m))
-        neighbours[v].append((u, m.T))
-    masked = [np.where(problem.allowed[i], problem.node_cost[i], np.inf) for i in range(n)]
+    neighbours, masked = _adjacency(problem)
     stake = [float(np.ptp(np.where(np.isfinite(c), c, 0))) for c in masked]
     order = sorted(range(n), key=lambda i: -stake[i])
     free = [i for i in order if problem.allowed[i].sum() > 1] or order

@@ -21,3 +21,19 @@ def bad_input_root() -> Iterator[None]:
     os.chdir(previous)
     write_report()
     assert tree_digest(CKPT) == CKPT_DIGEST
+
+
+class Launched(Exception):
+    """The command got past its checks to the point of starting ranks."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch) -> type[Launched]:
+    """The local launcher raises Launched instead of starting ranks; the fixture's value is that exception."""
+    import plait.launch
+
+    def stub(*args, **kwargs):
+        raise Launched()
+
+    monkeypatch.setattr(plait.launch, "run_local", stub)
+    return Launched

@@ -9,21 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import plait.launch
 from plait.cli import main as cli_main
 from plait.errors import ConfigError
-
-
-class Launched(Exception):
-    """The command got past its checks to the point of starting ranks."""
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def stub(*args, **kwargs):
-        raise Launched()
-
-    monkeypatch.setattr(plait.launch, "run_local", stub)
 
 
 @pytest.fixture(scope="module")

@@ -47,20 +47,6 @@ def test_an_unknown_wandb_mode_is_refused(tmp_path: Path) -> None:
 
 
 # ---- fine-tune guards: a Hugging Face model's tokenizer and position limit --------------------------------------
-class Launched(Exception):
-    """The command got past its checks to the point of starting ranks."""
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    import plait.launch
-
-    def stub(*args, **kwargs):
-        raise Launched()
-
-    monkeypatch.setattr(plait.launch, "run_local", stub)
-
-
 def train_cli(tmp_path: Path, model_dir: Path, capsys, *, seq_len: int = 16, tokenizer: str | None = None):
     from plait.cli import main
     from plait.train.config import config_from_dict, dump_toml
@@ -91,7 +77,7 @@ def test_a_model_folder_without_a_tokenizer_is_refused_naming_byte(tmp_path: Pat
     model_dir = write_tiny_config("llama", tmp_path / "llama", vocab_size=256)
     code, lines = train_cli(tmp_path, model_dir, capsys)
     assert code == 2 and len(lines) == 1 and "no tokenizer.json" in lines[0] and 'tokenizer = "byte"' in lines[0]
-    with pytest.raises(Launched):  # asked for on purpose, bytes train
+    with pytest.raises(no_launch):  # asked for on purpose, bytes train
         train_cli(tmp_path, model_dir, capsys, tokenizer="byte")
 
 
@@ -122,7 +108,7 @@ def test_fresh_clears_the_checkpoints_of_an_earlier_run_and_says_so(tmp_path: Pa
                       f'[log]\ndir = "{tmp_path / "log"}"\n')
     assert main(["train", str(config)]) == 2  # a second run of the same config, without the flag
     assert "already holds checkpoints" in capsys.readouterr().err
-    with pytest.raises(Launched):
+    with pytest.raises(no_launch):
         main(["train", str(config), "--fresh"])
     err = capsys.readouterr().err
     assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt"]  # only what plait saved went
