@@ -153,11 +153,13 @@ def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
 def _sharded_state_bytes(setting: Setting, layout: Layout, shards: int) -> StateBytes:
     """fully_shard's bytes per parameter sharded over `shards` ranks: fp32 shards of the parameter, its moments and
     its gradient at the step; the gathered compute-dtype copy where not resharded after forward; the gradient
-    accumulated unsharded in fp32 between micro-batches."""
+    between micro-batches: unsharded in fp32 where reduced once a step, its shard where reduced after every
+    micro-batch (Layout.grad_sync)."""
     mode = layout.dp_mode
     gathered = 0.0 if mode.reshard_after_forward else setting.dtype_bytes
+    accumulated = FP32_BYTES / shards if layout.grad_sync == "micro_batch" else FP32_BYTES
     return StateBytes(params=FP32_BYTES / shards + gathered, optimizer=ADAM_STATE_BYTES / shards, buckets=0.0,
-                      accumulated_grads=FP32_BYTES, step_grads=FP32_BYTES / shards,
+                      accumulated_grads=accumulated, step_grads=FP32_BYTES / shards,
                       gathered_units=mode.reshard_after_forward)
 
 
@@ -315,8 +317,10 @@ class LayoutMemory:
         # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
         # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
         # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
-        gather, scatter = ((setting.dtype_bytes * self.n_layer, FP32_BYTES * self.n_layer)
-                           if states.gathered_units else (0.0, 0.0))
+        gather = setting.dtype_bytes * self.n_layer if states.gathered_units else 0.0
+        # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
+        per_micro_batch = layout.grad_sync == "micro_batch" and layout.dp_mode.carrier == "fully_shard"
+        scatter = FP32_BYTES * self.n_layer if states.gathered_units or per_micro_batch else 0.0
         # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
         # (and on the math path swaps its probabilities for their two gradients)
         backward = (gather + scatter + act["none"] - act[mode]

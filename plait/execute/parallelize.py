@@ -204,8 +204,10 @@ class ParallelModel:
         model = self.model_parts[0]
         keep = not self.plan.dp_mode.reshard_after_forward
         set_aux_scale(model, 1.0 / count)  # the balance loss weighs like the loss, divided by the micro-batches
+        every = self.plan.grad_sync == "micro_batch"  # reduce-scatter every micro-batch: sharded gradients
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
-            with gradient_sync(self.model_parts, enabled=index == count - 1, keep_gathered=keep):
+            last = index == count - 1
+            with gradient_sync(self.model_parts, enabled=every or last, keep_gathered=keep, last=last):
                 loss = self.adapter.loss(model(tok), tgt) / count
                 loss.backward()
             total += _scalar(loss.detach()).double()
