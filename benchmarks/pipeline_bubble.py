@@ -21,7 +21,7 @@ Theory with uniform stages, a backward twice the forward (F, B = 2F per stage):
   the figure the planner prices, on the same uniform stages.
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--nproc 2] [--micro-batches 2 4 8 16] \
-        [--schedules gpipe 1f1b zbv dualpipev] [--buffers pool torch]
+        [--schedules gpipe 1f1b interleaved zbv dualpipev] [--buffers pool torch]
 
 `--buffers pool torch` times each configuration under both ways of holding the pipeline's receive buffers
 (plait.execute.pipeline.PIPELINE_BUFFERS: plait's pool of what is in flight, torch's one per micro-batch), built
@@ -66,7 +66,7 @@ def make_plan(args, schedule: str, num_micro_batches: int):
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    p, v = args.nproc, 2 if schedule in ("zbv", "dualpipev") else 1
+    p, v = args.nproc, 2 if schedule in ("zbv", "dualpipev", "interleaved") else 1
     model = ModelSpec(name="uniform-gpt", arch="gpt", num_layers=args.layers_per_stage * p, hidden_size=args.hidden,
                       num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
     train = TrainSpec(global_batch=args.micro_batch * num_micro_batches, seq_len=args.seq_len, precision="fp32")
@@ -172,8 +172,11 @@ def report(args: argparse.Namespace, rows) -> None:
     for schedule, m, buffers, per_rank in rows:
         step = statistics.median(t for t, _ in per_rank)
         busy = statistics.mean(b for _, b in per_rank)
-        v = 2 if schedule in V_SCHEDULES else 1
-        theory = (p - 1) / (6 * m + p - 1) if v == 2 else (p - 1) / (m + p - 1)
+        v = 2 if schedule in (*V_SCHEDULES, "interleaved") else 1
+        if schedule in V_SCHEDULES:
+            theory = (p - 1) / (6 * m + p - 1)
+        else:  # GPipe and 1F1B (v = 1), interleaved with v chunks: (p - 1) / (v·m + p - 1)
+            theory = (p - 1) / (v * m + p - 1)
         sim = simulate([1.0] * (p * v), [2.0] * (p * v), p, m, schedule).bubble_fraction
         table.add_row(schedule, str(m), buffers, f"{step * 1e3:.0f} ms", " ".join(f"{b:.0%}" for _, b in per_rank),
                       f"{1 - busy:.1%}", f"{theory:.1%}", f"{sim:.1%}", f"{(1 - busy) - theory:+.1%}")

@@ -11,7 +11,10 @@ input after the backward (after its weight-gradient half where the backward is s
 gradient reads it), the gradient after the backward that takes it (after the weight half on the first stage, whose
 split backward runs in full there). The pool's size is plait.cost.live_set's count over the schedule's own order,
 the rule the cost model prices with. Under the multi-stage runtime the stage posts its own sends (the runtime would
-post them alone, unbatched, the same way) and lets each go as soon as it has completed.
+post them alone, unbatched, the same way) and lets each go as soon as it is known to have arrived: gloo marks a
+send complete only when waited on, and waiting on one the peer has not received yet could hang, so `SendLedger`
+reads the peer's order in the schedule: once this rank holds a tensor the peer sent after it consumed ours (the
+runtime has waited on that receive before computing with it), ours has arrived and its wait returns at once.
 """
 
 from __future__ import annotations
@@ -98,6 +101,51 @@ class RankBuffers:
         return self.inputs.tensors() + self.grads.tensors()
 
 
+_CONSUMER = {"SEND_F": ("F",), "SEND_B": ("B", "I")}
+"""What consumes a send on the receiving stage: a forward its input, a backward (or its input half) its gradient."""
+
+
+class SendLedger:
+    """When a send of this rank is known to have arrived (module docstring): built from the schedule's whole order
+    with its communication (torch's ``pipeline_order_with_comms``, every rank's), `done_by(peer, sent_index)` names
+    the sends to `peer` the peer consumed before its action `sent_index` (a send to this rank)."""
+
+    def __init__(self, orders: dict[int, list], rank_of_stage) -> None:
+        self.rank_of_stage = rank_of_stage
+        self.consumed_at: dict[int, dict[tuple[str, int, int], int]] = {}  # peer -> (kind, stage, mb) -> index
+        self.sent_at: dict[int, dict[tuple[str, int, int], int]] = {}
+        for rank, actions in orders.items():
+            consumed, sent = {}, {}
+            for index, action in enumerate(_flat(actions)):
+                kind = action.computation_type.name
+                key = (kind, action.stage_index, action.microbatch_index)
+                if kind in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT"):
+                    consumed[({"FORWARD": "F", "FULL_BACKWARD": "B"}.get(kind, "I"),) + key[1:]] = index
+                elif kind in ("SEND_F", "SEND_B"):
+                    sent[key] = index
+            self.consumed_at[rank], self.sent_at[rank] = consumed, sent
+
+    def consumer_index(self, send_kind: str, stage: int, mb: int) -> tuple[int, int]:
+        """(peer, index in its order of the compute that consumes this rank's send `send_kind` of `stage`, `mb`)."""
+        target = stage + 1 if send_kind == "SEND_F" else stage - 1
+        peer = self.rank_of_stage(target)
+        return peer, min(self.consumed_at[peer].get((k, target, mb), 1 << 60) for k in _CONSUMER[send_kind])
+
+    def sent_index(self, send_kind: str, stage: int, mb: int) -> tuple[int, int]:
+        """(peer, index in its order of its send `send_kind` of its `stage`, `mb`)."""
+        peer = self.rank_of_stage(stage)
+        return peer, self.sent_at[peer].get((send_kind, stage, mb), -1)
+
+
+def _flat(actions) -> list:
+    out = []
+    for action in actions:
+        if action is None:
+            continue
+        out += _flat(action.sub_actions) if action.sub_actions else [action]
+    return out
+
+
 class PoolMixin:
     """Receive buffers from `self.pools` and sends let go when done, for a torch PipelineStage subclass (module
     docstring). Call `use_pools` once after construction."""
@@ -106,7 +154,8 @@ class PoolMixin:
         """`own_sends`: post this stage's sends here and release them as they complete (the multi-stage runtime)."""
         self.pools = pools
         self.own_sends = own_sends
-        self.pending_sends: list[list[dist.Work]] = []
+        self.pending_sends: list[tuple[int, int, list[dist.Work]]] = []  # (peer, its consumer's index, works)
+        self.ledger: SendLedger | None = None
         self.templates: dict[str, tuple[torch.Tensor | None, ...]] = {}
         self.lent: dict[tuple[str, int], list[torch.Tensor]] = {}
 
@@ -176,13 +225,14 @@ class PoolMixin:
         self._return("grads", self.pools.grads, self.grad_recv_info.get(chunk, ()), chunk)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if not self.is_last and self.has_backward:
+            self._received("SEND_B", self.stage_index + 1, bwd_chunk_id)
         result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                             last_backward=last_backward)
         if full_backward or not self.is_first:  # the first stage's split backward reads the gradient again in W
             self._return_grads(bwd_chunk_id)
         if full_backward:
             self._return_inputs(bwd_chunk_id)
-        self._release_done_sends()
         return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
@@ -192,26 +242,47 @@ class PoolMixin:
         return result
 
     # ---- sends: let go once done ----------------------------------------------------------------------------------
-    def _post(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        if not self.own_sends or not ops:
+    def use_ledger(self, ledger: SendLedger) -> None:
+        self.ledger = ledger
+
+    def _post(self, kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        if not self.own_sends or not ops or self.ledger is None:
             return ops
-        self.pending_sends.append([op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
-                                   for op in ops])
-        self._release_done_sends()
+        peer, consumer = self.ledger.consumer_index(kind, self.stage_index, chunk)
+        works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+        self.pending_sends.append((peer, consumer, works))
         return []
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._post(super().get_fwd_send_ops(fwd_chunk_id))
+        return self._post("SEND_F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._post(super().get_bwd_send_ops(bwd_chunk_id))
+        return self._post("SEND_B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
 
-    def _release_done_sends(self) -> None:
-        self.pending_sends = [works for works in self.pending_sends if not all(w.is_completed() for w in works)]
+    def _received(self, send_kind: str, stage: int, chunk: int) -> None:
+        """This rank holds what `stage` (on a peer) sent for `chunk`: wait on (and so let go) every send of this stage
+        that peer consumed before sending it -- arrived, so the wait returns at once."""
+        if not self.pending_sends or self.ledger is None:
+            return
+        peer, sent = self.ledger.sent_index(send_kind, stage, chunk)
+        kept = []
+        for pending in self.pending_sends:
+            to, consumer, works = pending
+            if to == peer and consumer < sent:
+                for work in works:
+                    work.wait()
+            else:
+                kept.append(pending)
+        self.pending_sends = kept
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if not self.is_first:
+            self._received("SEND_F", self.stage_index - 1, fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def wait_sends(self) -> None:
         """Wait for every send this stage posted (the step's end)."""
-        for works in self.pending_sends:
+        for _, _, works in self.pending_sends:
             for work in works:
                 work.wait()
         self.pending_sends = []

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from plait.cost.live_set import LiveBuffers, peak_buffers, with_receives
-from plait.execute.buffers import PoolMixin, RankBuffers
+from plait.execute.buffers import PoolMixin, RankBuffers, SendLedger
 from plait.models import ModelAdapter, Stage, build_stage
 from plait.plan import Plan
 
@@ -159,5 +159,9 @@ def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_
     if pooled:
         live = live_buffers_of(plan, schedule, position)
         pools.inputs.capacity, pools.grads.capacity = live.inputs, live.grads
+        if not single:  # the multi-stage runtime: its whole order says when a send has arrived
+            ledger = SendLedger(schedule.pipeline_order_with_comms, lambda s: schedule.stage_index_to_group_rank[s])
+            for stage in stages:
+                stage.use_ledger(ledger)
     schedule.buffer_pools = pools if pooled else None
     return schedule
