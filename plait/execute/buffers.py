@@ -156,6 +156,7 @@ class PoolMixin:
         self.own_sends = own_sends
         self.pending_sends: list[tuple[int, int, list[dist.Work]]] = []  # (peer, its consumer's index, works)
         self.ledger: SendLedger | None = None
+        self.most_pending = 0  # the most sends held at once (tests check it does not grow with the micro-batches)
         self.templates: dict[str, tuple[torch.Tensor | None, ...]] = {}
         self.lent: dict[tuple[str, int], list[torch.Tensor]] = {}
 
@@ -251,6 +252,7 @@ class PoolMixin:
         peer, consumer = self.ledger.consumer_index(kind, self.stage_index, chunk)
         works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
         self.pending_sends.append((peer, consumer, works))
+        self.most_pending = max(self.most_pending, len(self.pending_sends))
         return []
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:

@@ -42,7 +42,8 @@ WORKER = textwrap.dedent("""
                 left = sum(info.buffer is not None for stage in stages
                            for infos in list(stage.args_recv_info.values()) + list(stage.grad_recv_info.values())
                            for info in infos if not info.is_root_arg)
-                row = {"losses": losses, "left_in_records": left}
+                row = {"losses": losses, "left_in_records": left,
+                       "most_pending_sends": max(getattr(stage, "most_pending", 0) for stage in stages)}
                 pools = model.schedule.buffer_pools
                 if pools is not None:
                     row |= {kind: [p.capacity, p.high_water, p.overflow, len(p.tensors())]
@@ -76,6 +77,11 @@ def test_the_pool_holds_what_the_live_set_counts(ranks, schedule):
             assert row["left_in_records"] == 0  # every buffer went back to the pool after its backward
         if schedule != "gpipe":  # GPipe keeps every micro-batch in flight by design
             assert rows[f"{schedule}/4/pool"]["inputs"][0] == rows[f"{schedule}/8/pool"]["inputs"][0]
+            # the sends a stage holds (the multi-stage runtime's; torch's single-stage loops wait their own)
+            held = [rows[f"{schedule}/{m}/pool"]["most_pending_sends"] for m in (4, 8)]
+            assert held[1] <= max(held[0], 2), held  # torch's runtime held 2m at its step's end
+            if schedule not in ("gpipe", "1f1b"):
+                assert held[1] >= 1  # the stages post their own sends under the multi-stage runtime
     receiving = ranks[1][f"{schedule}/8/pool"]
     assert receiving["inputs"][0] >= 1  # the second rank receives: the check above counted real buffers
 
