@@ -23,6 +23,10 @@ rank's predicted and measured buffers against m, and the m = 64 figure against m
 (ZB-V, DualPipeV) are left out: their split backward runs torch.autograd.grad, which MemTracker's module hooks refuse
 in torch 2.13 ("A leaf node was passed to _will_engine_execute_node ..."); tests/dist/test_pipeline_buffers.py
 checks their pool against the live set instead.
+
+`--grid llama2-13b`: torchtitan's Llama 2 13B row (FSDP, local batch 2, seq 4096, no recompute) scaled down to run
+here: two blocks at 1/20 of the width (h 256, ffn 688: 13B's ratio 2.7; head_dim 128, so 2 heads), the full 32,000
+vocabulary, ZeRO-3 over 2 CPU ranks, fp32; its rows check the activation estimate behind the full-size row.
 """
 
 from __future__ import annotations
@@ -141,6 +145,17 @@ def pipeline_grid(nproc: int, quick: bool = False) -> list[Plan]:
     return plans
 
 
+def llama2_13b_grid(nproc: int, quick: bool = False) -> list[Plan]:
+    """The scaled-down Llama 2 13B row (module docstring)."""
+    model = ModelSpec(name="mem-llama2-13b-scaled", arch="llama", num_layers=2, hidden_size=256, num_heads=2,
+                      num_kv_heads=2, ffn_hidden_size=688, vocab_size=32000, max_seq_len=4096)
+    return [Plan.of(model=model, train=TrainSpec(global_batch=2 * nproc, seq_len=4096, precision="fp32"), dp=nproc,
+                    zero=3, micro_batch=2, num_micro_batches=1, cluster=CLUSTER_PRESETS["local-cpu"].with_devices(nproc))]
+
+
+GRIDS = {"main": grid, "pipeline": pipeline_grid, "llama2-13b": llama2_13b_grid}
+
+
 def buffers_table(rows: list[dict]) -> Table:
     """Per schedule, world and pipeline rank: the buffers part (predicted / measured MiB) at each m, and m = 64
     against m = 8."""
@@ -231,8 +246,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every row (predicted and measured parts) to this file")
     parser.add_argument("--quick", action="store_true", help="a few plans per world size (a smoke test)")
     parser.add_argument("--match", default="", help="only the plans whose model name contains this (e.g. mem-moe)")
-    parser.add_argument("--grid", choices=("main", "pipeline"), default="main",
-                        help="the plans: the main grid, or every schedule at m = 4..64 (module docstring)")
+    parser.add_argument("--grid", choices=tuple(GRIDS), default="main",
+                        help="the plans: the main grid, pipelines at m = 4..64, or Llama 2 13B scaled down (docstring)")
     parser.add_argument("--cuda-single", action="store_true",
                         help="one GPU: the single-rank plans in bf16 with fused attention, measured by max_memory_allocated")
     args = parser.parse_args()
@@ -240,7 +255,7 @@ def main() -> None:
     rows: list[dict] = []
     sizes = [1] if args.cuda_single else args.nproc
     for nproc in sizes:
-        plans = pipeline_grid(nproc, args.quick) if args.grid == "pipeline" else grid(nproc, args.quick)
+        plans = GRIDS[args.grid](nproc, args.quick)
         plans = [plan for plan in plans if args.match in plan.model.name]
         if args.cuda_single:
             plans = [make_plan(1, precision="bf16", device="h100-80g", recompute=p.recompute, micro_batch=p.micro_batch,
