@@ -1,6 +1,6 @@
 """Predicted against measured peak memory per rank, by part, over a grid of plans.
 
-    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick] [--match mem-moe]
+    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick] [--match mem-moe] [--grid pipeline]
 
 Every plan of the grid (data parallelism on DDP and ZeRO-1, fully_shard ZeRO-2 and ZeRO-3, tensor parallelism
 with and without sequence parallelism, pipelines under GPipe, 1F1B and interleaved 1F1B, each recompute mode,
@@ -15,6 +15,18 @@ and tensor-parallel peers) and the relative error, and the parts of both peaks. 
 median within 5%.
 
 On CUDA (one GPU here) the grid runs its single-rank plans in bf16 with fused attention (--cuda-single).
+
+`--grid pipeline`: GPipe, 1F1B and interleaved 1F1B on 2 and 4 ranks at m = 4, 8, 16, 32 and 64 micro-batches (an
+8-block Llama). The executor holds the receive buffers in flight only (plait/execute/buffers.py), so past the warm-up
+the buffers part stays flat in m (GPipe's grows: it keeps every micro-batch by design); a second table gives each
+rank's predicted and measured buffers against m, and the m = 64 figure against m = 8's. The zero-bubble V schedules
+(ZB-V, DualPipeV) are left out: their split backward runs torch.autograd.grad, which MemTracker's module hooks refuse
+in torch 2.13 ("A leaf node was passed to _will_engine_execute_node ..."); tests/dist/test_pipeline_buffers.py
+checks their pool against the live set instead.
+
+`--grid llama2-13b`: torchtitan's Llama 2 13B row (FSDP, local batch 2, seq 4096, no recompute) scaled down to run
+here: two blocks at 1/20 of the width (h 256, ffn 688: 13B's ratio 2.7; head_dim 128, so 2 heads), the full 32,000
+vocabulary, ZeRO-3 over 2 CPU ranks, fp32; its rows check the activation estimate behind the full-size row.
 """
 
 from __future__ import annotations
@@ -39,23 +51,24 @@ MiB = 2**20
 PART_COLUMNS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
 
 
-def model(arch: str, attention: str = "fused") -> ModelSpec:
+def model(arch: str, attention: str = "fused", num_layers: int = 4) -> ModelSpec:
     """Small decoders whose activations, states and logits all matter: 4 blocks of width 128, a byte vocabulary;
     Llama-style with grouped-query attention (2 kv heads of 4), or GPT-style (LayerNorm, GeLU, biases); "moe": the
     Llama with 4 experts of width 128, top-2, in place of its MLP."""
     experts = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_size=128) if arch == "moe" else {}
     base = "llama" if arch == "moe" else arch
-    return ModelSpec(name=f"mem-{arch}" + ("-math" if attention == "math" else ""), arch=base, num_layers=4,
+    name = f"mem-{arch}" + ("-math" if attention == "math" else "") + (f"-{num_layers}l" if num_layers != 4 else "")
+    return ModelSpec(name=name, arch=base, num_layers=num_layers,
                      hidden_size=128, num_heads=4, num_kv_heads=2 if base == "llama" else None, ffn_hidden_size=256,
                      vocab_size=256, max_seq_len=4096, attention=attention, **experts)
 
 
 def make_plan(nproc: int, arch: str = "llama", seq: int = 128, attention: str = "fused", precision: str = "fp32",
-              device: str = "local-cpu", **fields) -> Plan:
+              device: str = "local-cpu", num_layers: int = 4, **fields) -> Plan:
     fields.setdefault("micro_batch", 2)
     fields.setdefault("num_micro_batches", 1)
     batch = fields.get("dp", 1) * fields["micro_batch"] * fields["num_micro_batches"]
-    return Plan.of(model=model(arch, attention), train=TrainSpec(global_batch=batch, seq_len=seq, precision=precision),
+    return Plan.of(model=model(arch, attention, num_layers), train=TrainSpec(global_batch=batch, seq_len=seq, precision=precision),
                    cluster=CLUSTER_PRESETS[device].with_devices(nproc), **fields)
 
 
@@ -84,6 +97,9 @@ def grid(nproc: int, quick: bool = False) -> list[Plan]:
         plans += [make_plan(2, dp=2, micro_batch=1, num_micro_batches=4),            # micro-batches: size and count
                   make_plan(2, dp=2, zero=3, micro_batch=4),
                   make_plan(2, dp=2, zero=2, micro_batch=1, num_micro_batches=4),
+                  # ZeRO-3 accumulating 4 micro-batches: gradients reduced once (whole, fp32) or every time (sharded)
+                  make_plan(2, dp=2, zero=3, micro_batch=1, num_micro_batches=4),
+                  make_plan(2, dp=2, zero=3, micro_batch=1, num_micro_batches=4, grad_sync="micro_batch"),
                   make_plan(2, pp=2, schedule="1f1b", micro_batch=1, num_micro_batches=8),
                   make_plan(2, dp=2, seq=512),                                          # sequence lengths
                   make_plan(2, tp=2, sequence_parallel=True, seq=512, recompute=("selective",)),
@@ -109,6 +125,55 @@ def grid(nproc: int, quick: bool = False) -> list[Plan]:
                 make_plan(4, arch="moe", dp=4, ep=2, zero=2),
                 make_plan(4, arch="moe", dp=4, ep=4, zero=1)][: 2 if quick else 7]
     raise SystemExit(f"--nproc {nproc}: the grid has plans for 1, 2 and 4 ranks")
+
+
+PIPELINE_MICRO_BATCHES = (4, 8, 16, 32, 64)
+PIPELINE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # the V schedules: see the module docstring
+
+
+def pipeline_grid(nproc: int, quick: bool = False) -> list[Plan]:
+    """Every schedule at every m of PIPELINE_MICRO_BATCHES that it runs on `nproc` pipeline ranks."""
+    from plait import legality
+
+    plans = []
+    for schedule, v in PIPELINE_SCHEDULES.items():
+        for m in PIPELINE_MICRO_BATCHES[:2] if quick else PIPELINE_MICRO_BATCHES:
+            plan = make_plan(nproc, pp=nproc, schedule=schedule, interleave=v, micro_batch=1, num_micro_batches=m,
+                             num_layers=8)
+            if not legality.plan_problems(plan):  # DualPipeV needs m >= 2p
+                plans.append(plan)
+    return plans
+
+
+def llama2_13b_grid(nproc: int, quick: bool = False) -> list[Plan]:
+    """The scaled-down Llama 2 13B row (module docstring)."""
+    model = ModelSpec(name="mem-llama2-13b-scaled", arch="llama", num_layers=2, hidden_size=256, num_heads=2,
+                      num_kv_heads=2, ffn_hidden_size=688, vocab_size=32000, max_seq_len=4096)
+    return [Plan.of(model=model, train=TrainSpec(global_batch=2 * nproc, seq_len=4096, precision="fp32"), dp=nproc,
+                    zero=3, micro_batch=2, num_micro_batches=1, cluster=CLUSTER_PRESETS["local-cpu"].with_devices(nproc))]
+
+
+GRIDS = {"main": grid, "pipeline": pipeline_grid, "llama2-13b": llama2_13b_grid}
+
+
+def buffers_table(rows: list[dict]) -> Table:
+    """Per schedule, world and pipeline rank: the buffers part (predicted / measured MiB) at each m, and m = 64
+    against m = 8."""
+    t = Table(title="Pipeline buffers by micro-batches: predicted / measured MiB (flat in m: the pool)")
+    for col in ("schedule", "p", "rank", *(f"m={m}" for m in PIPELINE_MICRO_BATCHES), "m=64 / m=8 (measured)"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    series: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        if r.get("schedule"):
+            series.setdefault((r["schedule"], r["pp"], r["pp_rank"]), {})[r["num_micro_batches"]] = r
+    for (schedule, pp, rank), by_m in series.items():
+        cells = [f"{by_m[m]['predicted_parts']['buffers'] / MiB:.2f}/{by_m[m]['measured_parts']['buffers'] / MiB:.2f}"
+                 if m in by_m else "" for m in PIPELINE_MICRO_BATCHES]
+        ratio = ""
+        if 8 in by_m and 64 in by_m and by_m[8]["measured_parts"]["buffers"] > 0:
+            ratio = f"{by_m[64]['measured_parts']['buffers'] / by_m[8]['measured_parts']['buffers']:.2f}"
+        t.add_row(schedule, str(pp), str(rank), *cells, ratio)
+    return t
 
 
 def measure(plans: list[Plan], nproc: int) -> list[list[dict]]:
@@ -144,6 +209,8 @@ def rows_of(plan: Plan, peaks: list[dict]) -> list[dict]:
         parts = rank_memory(setting, layout, pp_rank, plan.recompute[pp_rank]).parts(layers)
         predicted = prediction.memory_per_stage[pp_rank] - parts["reserve"]
         rows.append({"plan": plan.describe(), "model": plan.model.name, "seq_len": plan.train.seq_len,
+                     "schedule": plan.schedule if plan.pp > 1 else None, "pp": plan.pp,
+                     "num_micro_batches": plan.num_micro_batches,
                      "pp_rank": pp_rank, "predicted": predicted, "measured": measured["total"],
                      "error": predicted / measured["total"] - 1, "predicted_parts": parts,
                      "measured_parts": measured["parts"]})
@@ -179,6 +246,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every row (predicted and measured parts) to this file")
     parser.add_argument("--quick", action="store_true", help="a few plans per world size (a smoke test)")
     parser.add_argument("--match", default="", help="only the plans whose model name contains this (e.g. mem-moe)")
+    parser.add_argument("--grid", choices=tuple(GRIDS), default="main",
+                        help="the plans: the main grid, pipelines at m = 4..64, or Llama 2 13B scaled down (docstring)")
     parser.add_argument("--cuda-single", action="store_true",
                         help="one GPU: the single-rank plans in bf16 with fused attention, measured by max_memory_allocated")
     args = parser.parse_args()
@@ -186,7 +255,8 @@ def main() -> None:
     rows: list[dict] = []
     sizes = [1] if args.cuda_single else args.nproc
     for nproc in sizes:
-        plans = [plan for plan in grid(nproc, args.quick) if args.match in plan.model.name]
+        plans = GRIDS[args.grid](nproc, args.quick)
+        plans = [plan for plan in plans if args.match in plan.model.name]
         if args.cuda_single:
             plans = [make_plan(1, precision="bf16", device="h100-80g", recompute=p.recompute, micro_batch=p.micro_batch,
                                seq=p.train.seq_len) for p in plans]
@@ -194,6 +264,8 @@ def main() -> None:
             rows += rows_of(plan, peaks)
     console.print(table(rows, "Peak memory per rank: predicted (plait.cost.memory) / measured (PyTorch's trackers)"))
     console.print(summary(rows))
+    if args.grid == "pipeline":
+        console.print(buffers_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1))
         console.print(f"wrote {args.json}")

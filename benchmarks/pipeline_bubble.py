@@ -21,7 +21,12 @@ Theory with uniform stages, a backward twice the forward (F, B = 2F per stage):
   the figure the planner prices, on the same uniform stages.
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--nproc 2] [--micro-batches 2 4 8 16] \
-        [--schedules gpipe 1f1b zbv dualpipev]
+        [--schedules gpipe 1f1b interleaved zbv dualpipev] [--buffers pool torch]
+
+`--buffers pool torch` times each configuration under both ways of holding the pipeline's receive buffers
+(plait.execute.pipeline.PIPELINE_BUFFERS: plait's pool of what is in flight, torch's one per micro-batch), built
+side by side in the same launch and stepped alternately (pool, torch, pool, ...), so that load on the machine
+falls on both alike; a second table gives the ratio of their median step times.
 
 On a machine with fewer cores than ranks the stages share cores while they run, which
 stretches busy time and makes the bubble look smaller than it is; quote figures run with
@@ -50,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    parser.add_argument("--buffers", nargs="+", default=["pool"], choices=["pool", "torch"],
+                        help="how the pipeline holds its receive buffers; both: timed alternately in one launch")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -59,7 +66,7 @@ def make_plan(args, schedule: str, num_micro_batches: int):
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    p, v = args.nproc, 2 if schedule in ("zbv", "dualpipev") else 1
+    p, v = args.nproc, 2 if schedule in ("zbv", "dualpipev", "interleaved") else 1
     model = ModelSpec(name="uniform-gpt", arch="gpt", num_layers=args.layers_per_stage * p, hidden_size=args.hidden,
                       num_heads=args.hidden // 64, vocab_size=256, max_seq_len=args.seq_len)
     train = TrainSpec(global_batch=args.micro_batch * num_micro_batches, seq_len=args.seq_len, precision="fp32")
@@ -93,24 +100,27 @@ class StageClock:
         return run
 
 
-def measure(model, tokens, targets, steps: int) -> tuple[float, float]:
-    """Median step time and median busy fraction of this rank over `steps` timed steps."""
+def measure(models: list, tokens, targets, steps: int) -> list[tuple[float, float]]:
+    """Per model, the median step time and median busy fraction of this rank over `steps` timed steps, the models
+    stepped in turn."""
     import torch.distributed as dist
 
-    clock = StageClock(model.schedule)
-    times, fractions = [], []
+    clocks = [StageClock(model.schedule) for model in models]
+    times: list[list[float]] = [[] for _ in models]
+    fractions: list[list[float]] = [[] for _ in models]
     for i in range(steps + 1):  # the first step builds the schedule's buffers: not timed
-        dist.barrier()
-        clock.busy = 0.0
-        began = time.perf_counter()
-        model.train_step(tokens, targets)
-        elapsed = time.perf_counter() - began
-        for p in model.parameters():
-            p.grad = None
-        if i:
-            times.append(elapsed)
-            fractions.append(clock.busy / elapsed)
-    return statistics.median(times), statistics.median(fractions)
+        for model, clock, mine, busy in zip(models, clocks, times, fractions):
+            dist.barrier()
+            clock.busy = 0.0
+            began = time.perf_counter()
+            model.train_step(tokens, targets)
+            elapsed = time.perf_counter() - began
+            for p in model.parameters():
+                p.grad = None
+            if i:
+                mine.append(elapsed)
+                busy.append(clock.busy / elapsed)
+    return [(statistics.median(t), statistics.median(f)) for t, f in zip(times, fractions)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -133,13 +143,15 @@ def worker(args: argparse.Namespace) -> None:
                 legality.check(plan, world)  # e.g. 1F1B needs at least p micro-batches
             except ConfigError:
                 continue
-            model = parallelize(plan, seed=0, device="cpu")
+            models = [parallelize(plan, seed=0, device="cpu", pipeline_buffers=b) for b in args.buffers]
             tokens = torch.randint(0, 256, (args.micro_batch * m, args.seq_len),
                                    generator=torch.Generator().manual_seed(0))
-            step, busy = measure(model, tokens, tokens.roll(-1, dims=1), args.steps)
-            gathered = [torch.zeros(2) for _ in range(world)]
-            dist.all_gather(gathered, torch.tensor([step, busy]))
-            rows.append((schedule, m, [tuple(t.tolist()) for t in gathered]))
+            for buffers, (step, busy) in zip(args.buffers, measure(models, tokens, tokens.roll(-1, dims=1),
+                                                                   args.steps)):
+                gathered = [torch.zeros(2) for _ in range(world)]
+                dist.all_gather(gathered, torch.tensor([step, busy]))
+                rows.append((schedule, m, buffers, [tuple(t.tolist()) for t in gathered]))
+            del models
     if rank == 0:
         report(args, rows)
     dist.destroy_process_group()
@@ -154,18 +166,44 @@ def report(args: argparse.Namespace, rows) -> None:
                         f"micro-batch {args.micro_batch}x{args.seq_len}, median of {args.steps} steps")
     from plait.cost.schedule import V_SCHEDULES, simulate
 
-    for column in ("schedule", "m", "step T", "busy per rank", "measured bubble", "closed form", "sim",
+    for column in ("schedule", "m", "buffers", "step T", "busy per rank", "measured bubble", "closed form", "sim",
                    "measured - closed form"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
-    for schedule, m, per_rank in rows:
+    for schedule, m, buffers, per_rank in rows:
         step = statistics.median(t for t, _ in per_rank)
         busy = statistics.mean(b for _, b in per_rank)
-        v = 2 if schedule in V_SCHEDULES else 1
-        theory = (p - 1) / (6 * m + p - 1) if v == 2 else (p - 1) / (m + p - 1)
+        v = 2 if schedule in (*V_SCHEDULES, "interleaved") else 1
+        if schedule in V_SCHEDULES:
+            theory = (p - 1) / (6 * m + p - 1)
+        else:  # GPipe and 1F1B (v = 1), interleaved with v chunks: (p - 1) / (v·m + p - 1)
+            theory = (p - 1) / (v * m + p - 1)
         sim = simulate([1.0] * (p * v), [2.0] * (p * v), p, m, schedule).bubble_fraction
-        table.add_row(schedule, str(m), f"{step * 1e3:.0f} ms", " ".join(f"{b:.0%}" for _, b in per_rank),
+        table.add_row(schedule, str(m), buffers, f"{step * 1e3:.0f} ms", " ".join(f"{b:.0%}" for _, b in per_rank),
                       f"{1 - busy:.1%}", f"{theory:.1%}", f"{sim:.1%}", f"{(1 - busy) - theory:+.1%}")
-    Console(width=140).print(table)
+    Console(width=150).print(table)
+    if {"pool", "torch"} <= set(args.buffers):
+        Console(width=150).print(buffers_table(rows))
+
+
+def buffers_table(rows):
+    """Per schedule and m: the median step time (the slowest rank's) under the pool and under torch's buffers."""
+    from rich.table import Table
+
+    steps = {(s, m, b): max(t for t, _ in per_rank) for s, m, b, per_rank in rows}
+    table = Table(title="the pool against torch's buffers, same launch, stepped alternately (median step)")
+    for column in ("schedule", "m", "pool", "torch", "pool / torch"):
+        table.add_column(column, justify="left" if column == "schedule" else "right")
+    ratios = []
+    for (schedule, m, buffers), pool in steps.items():
+        if buffers != "pool" or (schedule, m, "torch") not in steps:
+            continue
+        torch_step = steps[(schedule, m, "torch")]
+        ratios.append(pool / torch_step)
+        table.add_row(schedule, str(m), f"{pool * 1e3:.0f} ms", f"{torch_step * 1e3:.0f} ms",
+                      f"{pool / torch_step:.3f}")
+    if ratios:
+        table.add_row("median", "", "", "", f"{statistics.median(ratios):.3f}")
+    return table
 
 
 def main() -> int:

@@ -257,6 +257,13 @@ def carrier_problems(degrees: Degrees, zero: int, carrier: str) -> list[Violatio
     return []
 
 
+def grad_sync_problems(pp: int, grad_sync: str) -> list[Violation]:
+    if grad_sync == "micro_batch" and pp > 1:
+        return [Violation("grad-sync-under-pipeline", f"grad_sync='micro_batch' with pp={pp}: torch's pipeline "
+                          "schedules reduce the gradients once, after the last micro-batch; use grad_sync='step'")]
+    return []
+
+
 def group_problems(plan: "Plan") -> list[Violation]:
     """On a mixed cluster every pipeline rank names its device group, and each group's devices are all used by the
     pipeline ranks on it (dp x cp x tp of them each)."""
@@ -307,6 +314,7 @@ def plan_problems(plan: "Plan", world_size: int | None = None) -> list[Violation
     out += stage_problems(model.num_layers, d.pp, plan.interleave, plan.layers_per_stage)
     out += schedule_problems(plan.schedule, d.pp, plan.num_micro_batches, plan.interleave)
     out += carrier_problems(d, plan.zero, plan.data_parallel)
+    out += grad_sync_problems(d.pp, plan.grad_sync)
     out += group_problems(plan)
     return out
 

@@ -34,6 +34,7 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+GRAD_SYNCS: tuple[str, ...] = ("step", "micro_batch")
 V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 """Zero-bubble schedules on a V: pipeline rank r holds virtual stages r and 2·pp - 1 - r (Qi et al. 2024, ZB-V;
 DeepSeek's DualPipeV), so the first and last stage share rank 0."""
@@ -79,6 +80,12 @@ class Plan:
     """Micro-batches per step per data-parallel replica (pipeline micro-batches, or gradient accumulation)."""
     context_parallel: Literal["all_gather", "all_to_all"] = "all_gather"
     """How context-parallel ranks see each other's keys and values (plait/execute/context.py); ignored when cp = 1."""
+    grad_sync: Literal["step", "micro_batch"] = "step"
+    """When data-parallel gradients are reduced under accumulation (num_micro_batches > 1, no pipeline): "step", once
+    after the last micro-batch (DDP's no_sync; fully_shard accumulates the whole model's gradients unsharded in fp32
+    until then); "micro_batch", after every one (fully_shard keeps them sharded, ZeRO's memory, for m reduce-scatters
+    a step). Under a pipeline torch's schedule reduces once ("step"). A plan without it: "step", as plait ran
+    before the field."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule; ignored when pp == 1."""
     interleave: int = 1
@@ -108,6 +115,8 @@ class Plan:
         mode = data_parallel_mode(self.degrees, self.zero)
         if self.data_parallel is None or mode.carrier == "none":
             object.__setattr__(self, "data_parallel", mode.carrier)
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync={self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.interleave > 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
@@ -205,6 +214,8 @@ class Plan:
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.interleave})" if self.interleave > 1 else ""))
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        if self.grad_sync != "step":
+            parts.append(f"sync={self.grad_sync}")
         if self.stage_groups:
             parts.append("groups=" + "|".join(self.stage_groups))
         modes = sorted(set(self.recompute))

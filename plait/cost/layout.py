@@ -56,12 +56,16 @@ class Layout:
     """As Plan.stage_groups: each pipeline rank's device group on a mixed cluster."""
     context_parallel: str = "all_gather"
     """As Plan.context_parallel: how context-parallel ranks exchange keys and values (one value when cp = 1)."""
+    grad_sync: str = "step"
+    """As Plan.grad_sync: data-parallel gradients reduced once a step, or after every micro-batch."""
 
     def __post_init__(self) -> None:
         if self.data_parallel is None or self.degrees.dp * self.degrees.cp == 1:
             object.__setattr__(self, "data_parallel", data_parallel_mode(self.degrees, self.zero).carrier)
         if self.degrees.cp == 1:
             object.__setattr__(self, "context_parallel", "all_gather")
+        if self.num_micro_batches == 1 or self.degrees.dp * self.degrees.cp == 1:  # nothing to choose: one value
+            object.__setattr__(self, "grad_sync", "step")
 
     @cached_property
     def slicing(self) -> Slicing:
@@ -138,4 +142,4 @@ class Layout:
         return cls(degrees=plan.degrees, sp=plan.sequence_parallel and plan.tp > 1, zero=plan.zero,
                    micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches, schedule=schedule,
                    interleave=plan.interleave, data_parallel=plan.data_parallel, stage_groups=plan.stage_groups,
-                   context_parallel=plan.context_parallel)
+                   context_parallel=plan.context_parallel, grad_sync=plan.grad_sync)

@@ -27,9 +27,9 @@ Parts, named as PyTorch's memory tracker names them (benchmarks/memory_accuracy.
   warm-up count), the embedding's token ids and the head's saved tensors;
 * temporaries: the loss's gradients, a block's backward, fully_shard's all-gather and reduce-scatter
   buffers of one unit;
-* buffers: DDP's gradient buckets (as large as the gradients), torch.distributed.pipelining's receive
-  buffers (one per micro-batch and direction per virtual stage) and the stage outputs it keeps until
-  their backward;
+* buffers: DDP's gradient buckets (as large as the gradients), the pipeline's receive buffers (the executor's
+  pool holds those in flight: plait.cost.live_set, one rule with plait/execute/buffers.py) and the stage outputs
+  kept until their backward;
 * reserve: the caching allocator's fragmentation and the runtime's context (RESERVE_FRACTION).
 
 `model_state_bytes` keeps the ZeRO paper's accounting (2Ψ + 2Ψ + KΨ, Rajbhandari et al. 2020, section 5)
@@ -48,6 +48,7 @@ from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_
                                     stage_input_is_kept)
 from plait.cost.compute import block_weights, expert_weights
 from plait.cost.layout import Layout, Setting
+from plait.cost.live_set import live_buffers
 from plait.cost.schedule import V_SCHEDULES, rank_actions
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
@@ -152,11 +153,13 @@ def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
 def _sharded_state_bytes(setting: Setting, layout: Layout, shards: int) -> StateBytes:
     """fully_shard's bytes per parameter sharded over `shards` ranks: fp32 shards of the parameter, its moments and
     its gradient at the step; the gathered compute-dtype copy where not resharded after forward; the gradient
-    accumulated unsharded in fp32 between micro-batches."""
+    between micro-batches: unsharded in fp32 where reduced once a step, its shard where reduced after every
+    micro-batch (Layout.grad_sync)."""
     mode = layout.dp_mode
     gathered = 0.0 if mode.reshard_after_forward else setting.dtype_bytes
+    accumulated = FP32_BYTES / shards if layout.grad_sync == "micro_batch" else FP32_BYTES
     return StateBytes(params=FP32_BYTES / shards + gathered, optimizer=ADAM_STATE_BYTES / shards, buckets=0.0,
-                      accumulated_grads=FP32_BYTES, step_grads=FP32_BYTES / shards,
+                      accumulated_grads=accumulated, step_grads=FP32_BYTES / shards,
                       gathered_units=mode.reshard_after_forward)
 
 
@@ -292,8 +295,9 @@ class LayoutMemory:
         self.head = self.last * head_saved_bytes(model, self.tokens, tp, sp, self.dtypes)
         self.ids = self.first * self.tokens * INDEX_BYTES  # the embedding keeps the token ids
         self.loss = self.last * loss_backward_bytes(model, self.tokens, tp)
+        # torch's GPipe loop waits on its gradient sends only when the step ends (plait/execute/buffers.py)
         self.sent = (layout.num_micro_batches - 1) * _stage_hidden_bytes(setting, layout, self.dtypes) * (
-            1 - self.first) if pp > 1 else self.zeros
+            1 - self.first) if pp > 1 and layout.schedule == "gpipe" else self.zeros
         self._moments: dict[str, tuple[list, list]] = {}
 
     def layer_grads(self, which: str) -> float:
@@ -313,8 +317,10 @@ class LayoutMemory:
         # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
         # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
         # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
-        gather, scatter = ((setting.dtype_bytes * self.n_layer, FP32_BYTES * self.n_layer)
-                           if states.gathered_units else (0.0, 0.0))
+        gather = setting.dtype_bytes * self.n_layer if states.gathered_units else 0.0
+        # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
+        per_micro_batch = layout.grad_sync == "micro_batch" and layout.dp_mode.carrier == "fully_shard"
+        scatter = FP32_BYTES * self.n_layer if states.gathered_units or per_micro_batch else 0.0
         # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
         # (and on the math path swaps its probabilities for their two gradients)
         backward = (gather + scatter + act["none"] - act[mode]
@@ -438,25 +444,27 @@ def states_overflow(setting: Setting, layout: Layout) -> float:
 
 def _pipeline_buffers(setting: Setting, layout: Layout, first: np.ndarray, last: np.ndarray, flight: np.ndarray,
                       dtypes: Dtypes) -> tuple[np.ndarray, np.ndarray]:
-    """torch.distributed.pipelining's buffers on every rank (`first`, `last`: whether it holds the first and last
-    virtual stage; `flight`: its micro-batches in flight): per virtual stage, a receive buffer per micro-batch for
-    its input (all but the first stage) and for its output's gradient (all but the last), and each in-flight
-    micro-batch's output until its backward (the logits on the last stage). The interleaved schedule's runtime
-    waits on its sends only when the step ends, so every output and every gradient it has sent stays held until
-    then: at its last peak, every micro-batch's output and the gradients of those already done (m - in flight).
+    """The executor's pipeline buffers on every rank (`first`, `last`: whether it holds the first and last virtual
+    stage; `flight`: its micro-batches in flight): the receive buffers its pool holds at their peak
+    (plait.cost.live_set.live_buffers: stage inputs from the receive to the backward, output gradients from the
+    receive to the backward that consumes them), each in-flight micro-batch's output until its backward (the logits
+    on the last stage). Sends are let go as they complete (plait/execute/buffers.py), but torch's GPipe loop waits
+    on its gradient sends when the step ends (priced at the last micro-batch's backward: LayoutMemory.sent).
     Returns (the buffers, the received inputs among them that the first block keeps anyway -- the same tensors,
     to subtract where the recompute mode keeps the block input: activations.stage_input_is_kept)."""
     if layout.pp == 1:
         return np.zeros(1), np.zeros(1)
-    model, tokens, m = setting.model, layout.micro_batch * setting.seq_len / layout.cp, layout.num_micro_batches
+    model, tokens = setting.model, layout.micro_batch * setting.seq_len / layout.cp
     hidden = _stage_hidden_bytes(setting, layout, dtypes)
-    interleaved = layout.schedule == "interleaved"
+    live = live_buffers(layout.schedule, layout.pp, layout.num_micro_batches, layout.interleave)
+    inputs = np.array([b.inputs for b in live], dtype=float)
+    grads = np.array([b.grads for b in live], dtype=float)
     receiving = layout.interleave - first  # this rank's stages that receive an input (all but the first stage)
     sending = layout.interleave - last  # ... and that send an output (all but the last stage)
-    total = receiving * (m * hidden + (m - flight if interleaved else 0.0) * hidden)  # receive buffers, grads sent
-    total += sending * (m * hidden + (m if interleaved else flight) * hidden)  # gradient receive buffers, outputs
+    total = (inputs + grads) * hidden  # the pool's receive buffers
+    total += sending * flight * hidden  # outputs kept until their backward
     total += last * flight * tokens * model.vocab_size / layout.tp * dtypes.compute  # the logits of the last stage
-    return total, receiving * flight * hidden
+    return total, np.minimum(receiving * flight, inputs) * hidden
 
 
 def _stage_hidden_bytes(setting: Setting, layout: Layout, dtypes: Dtypes) -> float:

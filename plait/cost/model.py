@@ -195,18 +195,20 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
     gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
     cluster, m = setting.cluster, layout.num_micro_batches
+    syncs = m if layout.grad_sync == "micro_batch" else 1  # reductions a step: after every micro-batch, or the last
     if layout.dp_mode.carrier == "ddp":
         group, grad_bytes = comm.axis_group(layout.degrees, "dp_cp"), params * FP32_BYTES
         full = comm.all_reduce(grad_bytes, group, cluster)
         last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
         sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
-        return full + sync, max(full - bwd_mb, last) + sync
+        return syncs * full + sync, syncs * max(full - bwd_mb, last) + sync
     volumes = _fsdp_volumes(setting, layout, params, "dp_cp", layout.shard_degree, units)
     if experts and layout.expert_shards > 1:
         volumes = [a + b for a, b in zip(volumes, _fsdp_volumes(setting, layout, experts, "edp_cp",
                                                                   layout.expert_shards, max(units - 1, 1)))]
     gather, scatter, unit_gather, unit_scatter = volumes
-    scatter_exposed = max(scatter - bwd_mb, unit_scatter)
+    scatter_exposed = syncs * max(scatter - bwd_mb, unit_scatter)
+    scatter *= syncs
     if layout.dp_mode.reshard_after_forward:
         exposed = m * (max(gather - fwd_mb, 0.0) + max(gather - bwd_mb, 0.0)) + unit_gather + scatter_exposed
         return 2 * m * gather + scatter, exposed

@@ -138,17 +138,21 @@ FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @contextmanager
-def gradient_sync(parts: list[nn.Module], enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
-    """Skip the data-parallel gradient reduction for all but the last accumulation micro-batch.
+def gradient_sync(parts: list[nn.Module], enabled: bool, keep_gathered: bool = False, last: bool | None = None
+                  ) -> Iterator[None]:
+    """Reduce the data-parallel gradients of this accumulation micro-batch where `enabled` (the last one; every one
+    under Plan.grad_sync "micro_batch": fully_shard then accumulates its reduce-scattered shards), skip it elsewhere.
 
     `keep_gathered` (ZeRO 0-2 on fully_shard, whose parameters are not sharded between forward and
-    backward anyway): keep the gathered parameters until the last micro-batch's backward, so the step
-    gathers each unit once instead of once per micro-batch (as torch's pipeline schedules do)."""
+    backward anyway): keep the gathered parameters until the `last` micro-batch's backward (default: the one
+    `enabled`), so the step gathers each unit once instead of once per micro-batch (as torch's pipeline schedules
+    do)."""
     saved = []
+    last = enabled if last is None else last
     for part in parts:
         if isinstance(part, FSDPModule):
             part.set_requires_gradient_sync(enabled)
-            part.set_reshard_after_backward(enabled or not keep_gathered)
+            part.set_reshard_after_backward(last or not keep_gathered)
         elif isinstance(part, DistributedDataParallel) and not enabled:
             context = part.no_sync()
             context.__enter__()

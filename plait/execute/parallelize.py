@@ -115,7 +115,8 @@ class ParallelModel:
     device."""
 
     def __init__(self, plan: Plan, adapter: ModelAdapter, mesh: Meshes, model_parts: list[nn.Module],
-                 stage_ids: list[int], device: torch.device, mixed_precision: torch.dtype | None) -> None:
+                 stage_ids: list[int], device: torch.device, mixed_precision: torch.dtype | None,
+                 pipeline_buffers: str = "pool") -> None:
         self.plan = plan
         self.adapter = adapter
         self.mesh = mesh
@@ -132,7 +133,8 @@ class ParallelModel:
         self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())
         self.schedule = None
         if plan.pp > 1:
-            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, adapter.loss)
+            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, adapter.loss,
+                                           buffers=pipeline_buffers)
 
     # ---- ranks ------------------------------------------------------------------
     @property
@@ -204,8 +206,10 @@ class ParallelModel:
         model = self.model_parts[0]
         keep = not self.plan.dp_mode.reshard_after_forward
         set_aux_scale(model, 1.0 / count)  # the balance loss weighs like the loss, divided by the micro-batches
+        every = self.plan.grad_sync == "micro_batch"  # reduce-scatter every micro-batch: sharded gradients
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
-            with gradient_sync(self.model_parts, enabled=index == count - 1, keep_gathered=keep):
+            last = index == count - 1
+            with gradient_sync(self.model_parts, enabled=every or last, keep_gathered=keep, last=last):
                 loss = self.adapter.loss(model(tok), tgt) / count
                 loss.backward()
             total += _scalar(loss.detach()).double()
@@ -358,7 +362,8 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 
 def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None = None,
                 timeout_s: float = 120.0, precision: str | None = None, dtype: torch.dtype | None = None,
-                initial_state: dict[str, torch.Tensor] | None = None, weights: str | None = None) -> ParallelModel:
+                initial_state: dict[str, torch.Tensor] | None = None, weights: str | None = None,
+                pipeline_buffers: str = "pool") -> ParallelModel:
     """Build this rank's share of `plan.model`, parallelized as `plan` says, starting from the
     single-process initial weights for `seed` (or `initial_state`, full tensors, or the Hugging Face checkpoint
     in the directory `weights`, each rank reading only its own shards: plait/execute/hf_checkpoint.py).
@@ -367,7 +372,9 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     when running under torchrun and not yet done) with world size == plan.num_devices. Refuses with
     ConfigError (plait.legality), before any work, a plan that cannot run. `device` defaults to this
     rank's accelerator, or CPU; `precision` overrides the plan's ("fp32" forces full precision, as
-    check does); `dtype` builds the parameters in that dtype (check runs float64)."""
+    check does); `dtype` builds the parameters in that dtype (check runs float64); `pipeline_buffers`: "pool" holds
+    the pipeline's receive buffers in flight only, "torch" leaves them to torch (plait.execute.pipeline.PIPELINE_BUFFERS,
+    for the benchmarks' before-and-after)."""
     if not dist.is_initialized():
         if not in_torchrun():
             raise ConfigError("torch.distributed is not initialized; run under torchrun or plait.launch.run_local, "
@@ -391,7 +398,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
         _materialize(part, adapter, plan, seed, device, initial_state, weights)
     apply_throttle([b for part in parts for b in part.stage_blocks().values()], planned_throttle(dist.get_rank(), plan, pp_rank))
     parts = [apply_ddp_if(part, mesh["dp"], plan.dp_mode) for part in parts]
-    return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed)
+    return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed, pipeline_buffers)
 
 
 def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None) -> nn.Module:

@@ -30,8 +30,15 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from plait.cost.live_set import LiveBuffers, peak_buffers, with_receives
+from plait.execute.buffers import PoolMixin, RankBuffers, SendLedger
 from plait.models import ModelAdapter, Stage, build_stage
 from plait.plan import Plan
+
+PIPELINE_BUFFERS = ("pool", "torch")
+"""How the executor holds pipeline receive buffers: "pool", as many as are in flight (plait/execute/buffers.py);
+"torch", torch.distributed.pipelining's own (one per micro-batch and stage, for the life of the schedule; sends kept
+until the step ends): the reference benchmarks/pipeline_bubble.py and memory_accuracy.py compare against."""
 
 SCHEDULE_CLASSES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -75,19 +82,86 @@ class PlacedStage(PipelineStage):
         return ops
 
 
+class PooledStage(PoolMixin, PlacedStage):
+    """A PlacedStage whose receive buffers come from its rank's pool (plait/execute/buffers.py)."""
+
+
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
+                "RECV_F": "RF", "RECV_B": "RB"}
+
+
+def torch_order(actions) -> list[tuple[str, int, int]]:
+    """A torch schedule's actions (one rank's ``pipeline_order_with_comms``) as plait.cost.live_set reads them: its
+    computes and receives, an overlapped forward + backward as its two halves."""
+    out: list[tuple[str, int, int]] = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.sub_actions:
+            out += torch_order(action.sub_actions)
+        elif action.computation_type.name in _TORCH_KINDS:
+            out.append((_TORCH_KINDS[action.computation_type.name], action.stage_index, action.microbatch_index))
+    return out
+
+
+def live_buffers_of(plan: Plan, schedule, position: int) -> LiveBuffers:
+    """The receive buffers this rank's pool is sized for: plait.cost.live_set's count over the order torch runs --
+    the multi-stage runtime's own ``pipeline_order_with_comms``; the single-stage loops post each receive right
+    before its compute, as plait.cost.live_set.with_receives lowers them."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is not None:
+        return peak_buffers(torch_order(order[position]))
+    return peak_buffers(with_receives(plan.schedule, plan.pp, plan.num_micro_batches, plan.interleave)[position])
+
+
+def _waiting_sends(schedule_class: type) -> type:
+    """`schedule_class` whose step waits, at its end, for the sends its stages posted themselves."""
+
+    class Pooled(schedule_class):
+        def step(self, *args, **kwargs):
+            result = super().step(*args, **kwargs)
+            for stage in self._stages:
+                stage.wait_sends()
+            return result
+
+    Pooled.__name__ = Pooled.__qualname__ = schedule_class.__name__  # reported as the schedule it runs
+    return Pooled
+
+
 def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn: Callable) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """PipelineStages over the mesh's "pp" group and the plan's schedule.
+                   device: torch.device, loss_fn: Callable, buffers: str = "pool"
+                   ) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """PipelineStages over the mesh's "pp" group and the plan's schedule; `buffers` one of PIPELINE_BUFFERS.
 
     scale_grads=True: the schedule divides gradients by the number of micro-batches, so with a
     per-micro-batch mean loss the gradient is that of the mean over the whole batch."""
+    if buffers not in PIPELINE_BUFFERS:
+        raise ValueError(f"pipeline buffers {buffers!r}: expected one of {', '.join(PIPELINE_BUFFERS)}")
     group = pp_mesh.get_group()
     position_ranks = [int(r) for r in pp_mesh.mesh.tolist()]
     position = position_ranks.index(torch.distributed.get_rank())
-    stages = [PlacedStage(part, stage_id, plan.num_stages, device, group=group, position=position,
-                          position_ranks=position_ranks)
-              for stage_id, part in zip(stage_ids, parts)]
     schedule_class = SCHEDULE_CLASSES[plan.schedule]
-    if issubclass(schedule_class, PipelineScheduleSingle):
-        return schedule_class(stages[0], n_microbatches=plan.num_micro_batches, loss_fn=loss_fn, scale_grads=True)
-    return schedule_class(stages, n_microbatches=plan.num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+    single = issubclass(schedule_class, PipelineScheduleSingle)
+    pooled = buffers == "pool"
+    pools = RankBuffers.sized(LiveBuffers(0, 0))
+    stages = []
+    for stage_id, part in zip(stage_ids, parts):
+        stage = (PooledStage if pooled else PlacedStage)(part, stage_id, plan.num_stages, device, group=group,
+                                                          position=position, position_ranks=position_ranks)
+        if pooled:
+            stage.use_pools(pools, own_sends=not single)
+        stages.append(stage)
+    kwargs = dict(n_microbatches=plan.num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+    if single:
+        schedule = schedule_class(stages[0], **kwargs)
+    else:
+        schedule = (_waiting_sends(schedule_class) if pooled else schedule_class)(stages, **kwargs)
+    if pooled:
+        live = live_buffers_of(plan, schedule, position)
+        pools.inputs.capacity, pools.grads.capacity = live.inputs, live.grads
+        if not single:  # the multi-stage runtime: its whole order says when a send has arrived
+            ledger = SendLedger(schedule.pipeline_order_with_comms, lambda s: schedule.stage_index_to_group_rank[s])
+            for stage in stages:
+                stage.use_ledger(ledger)
+    schedule.buffer_pools = pools if pooled else None
+    return schedule

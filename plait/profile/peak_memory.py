@@ -123,9 +123,11 @@ class _Buckets:
 
 
 def _pipeline_buffers(model) -> list:
-    """torch.distributed.pipelining's receive buffers: activations in and gradients in, per micro-batch."""
+    """The pipeline's receive buffers: activations in and gradients in -- the pool's (plait/execute/buffers.py), or
+    torch's own per micro-batch."""
     stages = getattr(model.schedule, "_stages", None) or ([model.schedule._stage] if model.schedule else [])
-    out = []
+    pools = getattr(model.schedule, "buffer_pools", None)
+    out = pools.tensors() if pools is not None else []
     for stage in stages:
         for infos in list(stage.args_recv_info.values()) + list(stage.grad_recv_info.values()):
             out += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]

@@ -5,6 +5,7 @@ and the Plan a candidate becomes. Solvers (plait.search.solvers) differ only in 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -20,7 +21,7 @@ from plait.cost.model import predict_layout, rank_capacities, step_time
 from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
-from plait.search.space import Pins
+from plait.search.space import Pins, grad_syncs
 
 EXACT_SHORTLIST = 2
 """With `top` K, the best 2K candidates by the closed-form estimate are priced exactly before ranking."""
@@ -109,7 +110,24 @@ class Pricer:
         return -self.best[0]
 
     def evaluate(self, layout: Layout) -> float | None:
-        """Split, price and keep one layout; its estimated step time, or None when nothing fits."""
+        """Split, price and keep one layout, with each of its gradient reductions (plait.search.space.grad_syncs);
+        the estimated step time of the faster that fits, or None when nothing fits. The variants take one place
+        in the shortlist: they are the same layout but for when gradients are reduced."""
+        start = len(self.candidates)
+        for sync in grad_syncs(layout):
+            self._evaluate_one(dataclasses.replace(layout, grad_sync=sync))
+        if len(self.candidates) == start:
+            return None
+        kept = min(self.candidates[start:], key=lambda c: c.estimate)
+        self.candidates[start:] = [kept]
+        best = kept.estimate
+        if self.shortlist is not None:
+            heapq.heappush(self.best, -best)
+            if len(self.best) > self.shortlist:
+                heapq.heappop(self.best)
+        return best
+
+    def _evaluate_one(self, layout: Layout) -> float | None:
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise OutOfTime()
         self.evaluated += 1
@@ -128,10 +146,6 @@ class Pricer:
         layers, recompute, peak = split
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
-        if self.shortlist is not None:
-            heapq.heappush(self.best, -est.total)
-            if len(self.best) > self.shortlist:
-                heapq.heappop(self.best)
         self.points.append((est.total, peak))
         return est.total
 
@@ -243,7 +257,8 @@ class Pricer:
         plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
                     recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
                     schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
-                    stage_groups=layout.stage_groups, context_parallel=layout.context_parallel, model=s.model,
+                    stage_groups=layout.stage_groups, context_parallel=layout.context_parallel,
+                    grad_sync=layout.grad_sync, model=s.model,
                     train=s.train, cluster=s.cluster)
         pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
         return plan.replace(predicted=pred)

@@ -257,7 +257,7 @@ def family_key(layout) -> tuple:
     """Everything of a layout but its micro-batch size (a family of layouts: the dichotomy solver bisects over b,
     the exact one skips a family's larger b once a smaller one missed memory)."""
     return (layout.degrees, layout.sp, layout.zero, layout.schedule, layout.interleave, layout.stage_groups,
-            layout.context_parallel)
+            layout.context_parallel, layout.grad_sync)
 
 
 def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: int,
@@ -404,6 +404,20 @@ class Space:
 
     def all_layouts(self) -> list["Any"]:
         return [layout for d in self.degrees for layout in self.layouts(d)]
+
+
+def grad_syncs(layout) -> list[str]:
+    """When a layout's gradients may be reduced (Plan.grad_sync): a choice where ZeRO-3 accumulates several
+    micro-batches (fully_shard, no pipeline) -- reduced once, the whole model's fp32 gradients held; after every
+    micro-batch, their shards, for m reduce-scatters. The pricer prices both and keeps the faster that fits, in one
+    place of the shortlist (plait.search.pricing.Pricer.evaluate). DDP holds whole gradients either way, so reducing
+    every micro-batch only costs it time: never searched; nor under ZeRO 0-2 on fully_shard, where it would pay the
+    same way (a plan may say so: the executor and the cost model run and price it), because its good closed-form
+    estimates crowd the exactly priced shortlist of `--top` (tests/unit/test_moe_cp_cost.py's pruned search)."""
+    if (layout.num_micro_batches > 1 and layout.pp == 1 and layout.zero == 3
+            and layout.dp_mode.carrier == "fully_shard"):
+        return ["step", "micro_batch"]
+    return [layout.grad_sync]
 
 
 def distinct_zeros(d: Degrees) -> list[int]:

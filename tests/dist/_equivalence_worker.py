@@ -25,7 +25,7 @@ parallelize_module = sys.modules["plait.execute.parallelize"]  # the module (pla
 def dropped_gradient_sync():
     """Every micro-batch's backward skips the data-parallel reduction: replicas train on their own rows only."""
     real = parallelize_module.gradient_sync
-    parallelize_module.gradient_sync = lambda parts, enabled, keep_gathered=False: real(parts, False, keep_gathered)
+    parallelize_module.gradient_sync = lambda parts, enabled, keep_gathered=False, **kw: real(parts, False, keep_gathered, **kw)
     try:
         yield
     finally:

@@ -75,6 +75,9 @@ CASES: list[dict] = [
     _case("zero1", "gpt", 2, dp=2, zero=1),
     _case("zero2", "llama", 2, dp=2, zero=2),
     _case("zero3-fsdp", "gpt", 2, dp=2, zero=3, micro_batch=2),
+    # gradients reduced after every accumulation micro-batch (Plan.grad_sync): sharded on fully_shard, DDP in full
+    _case("zero3-sync-every-micro-batch", "llama", 2, dp=2, zero=3, num_micro_batches=3, grad_sync="micro_batch"),
+    _case("ddp-sync-every-micro-batch", "gpt", 2, clip=False, dp=2, num_micro_batches=3, grad_sync="micro_batch"),
     _case("zero1-selective", "llama", 2, dp=2, zero=1, recompute=["selective"]),
     _case("zero2-full", "gpt", 2, dp=2, zero=2, recompute=["full"]),
     _case("zero3-selective", "llama", 2, dp=2, zero=3, recompute=["selective"]),

@@ -15,7 +15,8 @@ from plait.plan import Plan
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny-gpt", "--cluster", "local-cpu", "--devices", "4", "--global-batch", "8", "--seq-len", "128"]
 PLAN_KEYS = {"degrees", "data_parallel", "sequence_parallel", "zero", "recompute", "micro_batch", "num_micro_batches",
-             "schedule", "interleave", "layers_per_stage", "stage_groups", "context_parallel", "model", "train", "cluster", "predicted"}
+             "schedule", "interleave", "layers_per_stage", "stage_groups", "context_parallel", "grad_sync", "model", "train",
+             "cluster", "predicted"}
 
 
 def plait_plan(*args: str) -> subprocess.CompletedProcess:

@@ -20,17 +20,16 @@ def test_megatron_tflops_within_10_percent(row):
     assert abs(predicted / row.tflops - 1) <= 0.10, f"{row.params_b}B: {predicted:.1f} vs {row.tflops} TFLOP/s"
 
 
-def test_megatron_rows_fit_in_memory_but_for_torch_pipelining_buffers():
-    """The paper ran them on 80 GB GPUs, and as plait's executor would run them they fit too, but for the receive
-    buffers torch.distributed.pipelining keeps for every micro-batch (Megatron keeps one per micro-batch in flight):
-    on the 310B-1T rows (m = 144-512 micro-batches, v = 2-3 chunks) those alone exceed the device."""
+def test_megatron_rows_fit_in_memory_with_buffers_for_what_is_in_flight():
+    """The paper ran them on 80 GB GPUs, and as plait's executor runs them they fit: its pipeline holds receive
+    buffers for the micro-batches in flight only (plait.cost.live_set), as Megatron does. Before, torch's one buffer
+    per micro-batch and stage alone exceeded half the device on the 310B-1T rows (m = 144-512, v = 2-3 chunks)."""
     from plait.cost import predict
 
     for row in MEGATRON_ROWS:
         prediction = predict(megatron_plan(row, A100))
-        assert prediction.peak_memory_bytes - prediction.memory_parts["buffers"] <= A100.memory_bytes, row
-        if row.params_b > 300:
-            assert prediction.memory_parts["buffers"] > A100.memory_bytes / 2, row
+        assert prediction.peak_memory_bytes <= A100.memory_bytes, row
+        assert prediction.memory_parts["buffers"] < A100.memory_bytes / 4, row
 
 
 @pytest.mark.parametrize("name,sp,mode,fwd,bwd,combined", LAYER_22B_ROWS, ids=[r[0] for r in LAYER_22B_ROWS])

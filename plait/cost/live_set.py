@@ -1,0 +1,151 @@
+"""What a pipeline rank holds at once, read from the schedule's own action order: one rule for the executor's
+receive-buffer pool (plait/execute/buffers.py sizes its pool with it) and the cost model (plait/cost/memory.py
+prices the buffers with it).
+
+A rank's order with its communication, per action ``(kind, virtual stage, micro-batch)``: the compute kinds of
+plait.cost.schedule ("F", "B", "I", "W") and "RF" / "RB", where the rank posts the receive of a stage's input or of
+its output's gradient (a buffer is taken then). The input's buffer is the leaf the stage's autograd graph starts at,
+so it is held until the micro-batch's backward is done (its weight-gradient half "W" where the backward is split:
+the first block's weight gradient reads it); the gradient's buffer until the backward that consumes it ("B" or
+"I"). Stages of one rank that are neighbours (the turn of a V) hand tensors over without a receive.
+
+Where torch.distributed.pipelining posts the receives:
+
+* GPipe and 1F1B (torch's single-stage schedules): right before the compute that consumes them;
+* the multi-stage runtime (interleaved, ZB-V, DualPipeV): where its lowering (torch's ``_add_send_recv``) puts
+  them: the ranks are stepped in lockstep, rank by rank, each running its next compute action once its input has
+  been produced, and the receive is posted on the receiving rank as soon as the sender has sent -- possibly well
+  before the compute that needs it. `with_receives` lowers plait's action lists the same way; tests check it
+  against torch's own ``pipeline_order_with_comms``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Sequence
+
+from plait.cost.schedule import Action, rank_actions, stage_rank
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+"""Schedules torch runs with its single-stage loop (receives posted right before their compute)."""
+
+
+@dataclass(frozen=True)
+class LiveBuffers:
+    """A rank's receive buffers at their peak, counted in one stage's input tensors (micro-batch hidden states)."""
+
+    inputs: int
+    """Input receive buffers held at once (taken at "RF", returned after the micro-batch's backward)."""
+    grads: int
+    """Gradient receive buffers held at once (taken at "RB", returned after the backward that consumes them)."""
+
+
+def _needs_receive(kind: str, stage: int, num_stages: int, rank_of: Callable[[int], int]) -> bool:
+    """Whether compute action (kind, stage) takes its input from another rank."""
+    if kind == "F":
+        return stage > 0 and rank_of(stage - 1) != rank_of(stage)
+    if kind in ("B", "I"):
+        return stage < num_stages - 1 and rank_of(stage + 1) != rank_of(stage)
+    return False
+
+
+def _receive_of(kind: str) -> str:
+    return "RF" if kind == "F" else "RB"
+
+
+def receives_before_compute(compute: Sequence[Sequence[Action]], num_stages: int,
+                            rank_of: Callable[[int], int]) -> tuple[tuple[Action, ...], ...]:
+    """Each receive posted right before the compute that consumes it (torch's GPipe and 1F1B loops)."""
+    out = []
+    for actions in compute:
+        order: list[Action] = []
+        for kind, stage, mb in actions:
+            if _needs_receive(kind, stage, num_stages, rank_of):
+                order.append((_receive_of(kind), stage, mb))
+            order.append((kind, stage, mb))
+        out.append(tuple(order))
+    return tuple(out)
+
+
+def receives_in_lockstep(compute: Sequence[Sequence[Action]], num_stages: int,
+                         rank_of: Callable[[int], int]) -> tuple[tuple[Action, ...], ...]:
+    """Receives where torch's multi-stage runtime posts them (module docstring): round after round, every rank in
+    order runs its next compute action if its input is there (received, or produced by a stage of its own), and a
+    compute whose output goes to another rank posts that rank's receive at once."""
+    queues = [list(actions) for actions in compute]
+    orders: list[list[Action]] = [[] for _ in compute]
+    seen: list[set[Action]] = [set() for _ in compute]
+    produced = ("F", "B", "I")  # kinds whose output a neighbour stage consumes
+
+    def ready(rank: int, kind: str, stage: int, mb: int) -> bool:
+        if kind == "F" and stage > 0:
+            return ("RF", stage, mb) in seen[rank] or ("F", stage - 1, mb) in seen[rank]
+        if kind in ("B", "I") and stage < num_stages - 1:
+            return (("RB", stage, mb) in seen[rank] or ("B", stage + 1, mb) in seen[rank]
+                    or ("I", stage + 1, mb) in seen[rank])
+        return True
+
+    while any(queues):
+        progress = False
+        for rank, queue in enumerate(queues):
+            if not queue or not ready(rank, *queue[0]):
+                continue
+            kind, stage, mb = queue.pop(0)
+            orders[rank].append((kind, stage, mb))
+            seen[rank].add((kind, stage, mb))
+            if kind in produced:
+                peer_stage = stage + 1 if kind == "F" else stage - 1
+                if 0 <= peer_stage < num_stages and rank_of(peer_stage) != rank:
+                    receive = (_receive_of(kind), peer_stage, mb)
+                    orders[rank_of(peer_stage)].append(receive)
+                    seen[rank_of(peer_stage)].add(receive)
+            progress = True
+        if not progress:
+            raise ValueError("the schedule's actions cannot be ordered: an input is never produced")
+    return tuple(tuple(order) for order in orders)
+
+
+@lru_cache(maxsize=1024)
+def with_receives(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Action, ...], ...]:
+    """Per pipeline rank, its actions with the receives where torch.distributed.pipelining posts them."""
+    compute = rank_actions(schedule, pp, num_micro_batches, interleave)
+    num_stages = pp * interleave
+
+    def rank_of(stage: int) -> int:
+        return stage_rank(schedule, pp, stage)
+
+    lower = receives_before_compute if schedule in SINGLE_STAGE_SCHEDULES else receives_in_lockstep
+    return lower(compute, num_stages, rank_of)
+
+
+def peak_buffers(order: Sequence[Action]) -> LiveBuffers:
+    """The most input and gradient receive buffers one rank's `order` (with its "RF" / "RB") holds at once."""
+    inputs: set[tuple[int, int]] = set()
+    grads: set[tuple[int, int]] = set()
+    split = {(stage, mb) for kind, stage, mb in order if kind == "W"}  # backward split: the input lives until W
+    peak_inputs = peak_grads = 0
+    for kind, stage, mb in order:
+        key = (stage, mb)
+        if kind == "RF":
+            inputs.add(key)
+            peak_inputs = max(peak_inputs, len(inputs))
+        elif kind == "RB":
+            grads.add(key)
+            peak_grads = max(peak_grads, len(grads))
+        elif kind in ("B", "I"):
+            grads.discard(key)
+            if key not in split:
+                inputs.discard(key)
+        elif kind == "W":
+            inputs.discard(key)
+    return LiveBuffers(inputs=peak_inputs, grads=peak_grads)
+
+
+@lru_cache(maxsize=1024)
+def live_buffers(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[LiveBuffers, ...]:
+    """Per pipeline rank, its receive buffers at their peak: what the executor's pool holds and the cost model
+    prices."""
+    if pp == 1:
+        return (LiveBuffers(0, 0),)
+    return tuple(peak_buffers(order) for order in with_receives(schedule, pp, num_micro_batches, interleave))
