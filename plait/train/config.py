@@ -268,6 +268,9 @@ INPUT_PATHS = (("model", "file"), ("model", "path"), ("data", "path"), ("data", 
 """Keys naming files the run reads. A relative one is looked up next to the config file first, then in the working
 directory (where the examples' paths, written from the repository root, are); outputs (log.dir, checkpoint.dir,
 ...) and --set values stay relative to the working directory."""
+INPUT_WORDS = {("plan", "file"): ("auto",), ("data", "tokenizer"): ("byte",)}
+"""Values of an input key that are words, not paths: never looked up next to the config file (examples/auto is a
+folder, and `file = "auto"` in examples/hf-finetune.toml still means "plan here")."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -287,9 +290,20 @@ def resolve_inputs(data: dict[str, Any], folder: Path) -> None:
         value = table.get(key) if isinstance(table, dict) else None
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             continue
+        if value in INPUT_WORDS.get((section, key), ()) or _is_preset(section, key, value):
+            continue
         beside = folder / value
         if folder != Path(".") and beside.exists():
             table[key] = str(beside)
+
+
+def _is_preset(section: str, key: str, value: str) -> bool:
+    """A cluster preset's name is a word too (the loader takes presets before files)."""
+    if (section, key) != ("plan", "cluster"):
+        return False
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    return value in CLUSTER_PRESETS
 
 
 def read_toml(path: Path) -> dict[str, Any]:

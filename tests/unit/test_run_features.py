@@ -95,6 +95,15 @@ def test_input_paths_resolve_next_to_the_config_file_first(tmp_path: Path, monke
     assert config.model.file == "also-absent.json" and config.log.dir == "runs/x"  # --set values and outputs: as given
 
 
+def test_words_and_presets_are_not_paths_even_where_a_file_of_that_name_sits_beside_the_config(tmp_path: Path) -> None:
+    """examples/auto is a folder beside examples/*.toml: `file = "auto"` must still mean "plan here"."""
+    for name in ("auto", "byte", "local-cpu"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "run.toml").write_text('[plan]\nfile = "auto"\ncluster = "local-cpu"\n[data]\ntokenizer = "byte"\n')
+    config = load_config(tmp_path / "run.toml")
+    assert (config.plan.file, config.plan.cluster, config.data.tokenizer) == ("auto", "local-cpu", "byte")
+
+
 def test_fresh_clears_the_checkpoints_of_an_earlier_run_and_says_so(tmp_path: Path, capsys, no_launch) -> None:
     from plait.cli import main
 
