@@ -44,7 +44,8 @@ from functools import lru_cache
 import numpy as np
 
 from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_bytes, head_saved_bytes,
-                                    layer_backward_bytes, loss_backward_bytes, probabilities_bytes)
+                                    layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
+                                    stage_input_is_kept)
 from plait.cost.compute import block_weights, expert_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
@@ -326,8 +327,8 @@ class LayoutMemory:
                     + layer_backward_bytes(model, s, self.tokens, tp, sp, self.dtypes, cp, kind, ep))
         released = self.head + probabilities_bytes(model, s, self.tokens, tp, self.dtypes, cp)
         base = dict(self.base)
-        # the first block's norm keeps the received input itself, in every mode and dtype (plait.models.reference)
-        base["buffers"] = base["buffers"] - self.kept_inputs
+        if stage_input_is_kept(model, mode, self.dtypes):  # the first block keeps the received input itself
+            base["buffers"] = base["buffers"] - self.kept_inputs
         ids, head, ends, steady = self.ids, self.head, self.ends, self.flight < m
         # the rank's largest in-flight count recurs after its first backward (a steady state), so earlier
         # micro-batches' gradients are there; not where every forward comes first (GPipe, one micro-batch, a short
@@ -450,7 +451,7 @@ def _pipeline_buffers(setting: Setting, layout: Layout, first: np.ndarray, last:
     on the last stage). Sends are let go as they complete (plait/execute/buffers.py), but torch's GPipe loop waits
     on its gradient sends when the step ends (priced at the last micro-batch's backward: LayoutMemory.sent).
     Returns (the buffers, the received inputs among them that the first block keeps anyway -- the same tensors,
-    to subtract: the first block's norm keeps its input in every mode)."""
+    to subtract where the recompute mode keeps the block input: activations.stage_input_is_kept)."""
     if layout.pp == 1:
         return np.zeros(1), np.zeros(1)
     model, tokens = setting.model, layout.micro_batch * setting.seq_len / layout.cp
