@@ -26,7 +26,10 @@ checks their pool against the live set instead.
 
 `--grid llama2-13b`: torchtitan's Llama 2 13B row (FSDP, local batch 2, seq 4096, no recompute) scaled down to run
 here: two blocks at 1/20 of the width (h 256, ffn 688: 13B's ratio 2.7; head_dim 128, so 2 heads), the full 32,000
-vocabulary, ZeRO-3 over 2 CPU ranks, fp32; its rows check the activation estimate behind the full-size row.
+vocabulary, ZeRO-3 over 2 CPU ranks, fp32; its rows check the activation estimate behind the full-size row. A first
+table runs the same blocks in one process with fp32 and with bf16 parameters (a GPU run's blocks under fully_shard's
+mixed precision: plait's CPU ranks keep fp32 parameters and autocast) and compares what they keep for backward with
+the estimate (`--blocks-only`: that table alone).
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
 from plait.cost import predict
+from plait.cost.activations import Dtypes, activation_bytes
+from plait.models.reference import TransformerBlock, rope_tables
 from plait.plan import Plan
 from plait.spec import ModelSpec, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -154,6 +162,44 @@ def llama2_13b_grid(nproc: int, quick: bool = False) -> list[Plan]:
 
 
 GRIDS = {"main": grid, "pipeline": pipeline_grid, "llama2-13b": llama2_13b_grid}
+BLOCK_DTYPES = {"fp32": (torch.float32, Dtypes(compute=4, residual=4)),
+                "bf16": (torch.bfloat16, Dtypes(compute=2, residual=2))}  # fully_shard's mixed precision on a GPU
+
+
+def measure_blocks(spec: ModelSpec, dtype: torch.dtype, micro_batch: int, seq: int) -> float:
+    """Bytes plait's reference blocks keep for backward after a forward pass, as MemTracker counts them: every
+    block of `spec` with parameters in `dtype` (what fully_shard's MixedPrecisionPolicy gives a GPU run's blocks;
+    plait's CPU runs keep fp32 parameters and autocast instead), less the last block's output (the next one's
+    input). The first block's input is made inside the tracker and only the blocks hold it."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(TransformerBlock(spec) for _ in range(spec.num_layers)).to(dtype)
+    rope = rope_tables(torch.arange(seq), spec.head_dim, spec.rope_theta)
+    source = torch.randn(micro_batch, seq, spec.hidden_size, dtype=dtype, requires_grad=True)
+    tracker = MemTracker()
+    tracker.track_external(blocks, source, *rope)
+    with tracker:
+        before = tracker.get_tracker_snapshot()
+        y = source * 1.0  # saves nothing: the blocks alone decide whether their input stays
+        for block in blocks:
+            y = block(y, rope)
+        after = tracker.get_tracker_snapshot()
+    device = next(iter(after))
+    return after[device]["Total"] - before[device].get("Total", 0) - y.nbytes
+
+
+def blocks_table(spec: ModelSpec, micro_batch: int, seq: int) -> Table:
+    """The scaled-down Llama 2 13B's blocks in fp32 and bf16: what they keep for backward, predicted
+    (plait.cost.activations, no recompute) against MemTracker."""
+    t = Table(title=f"{spec.name}: {spec.num_layers} blocks, micro-batch {micro_batch} x {seq}, kept for backward")
+    for col in ("dtype", "predicted MiB", "measured MiB", "error", "predicted bytes / token / hidden unit"):
+        t.add_column(col, justify="right")
+    for name, (dtype, dtypes) in BLOCK_DTYPES.items():
+        predicted = spec.num_layers * activation_bytes(spec, micro_batch, seq, 1, False, "none", dtypes)
+        measured = measure_blocks(spec, dtype, micro_batch, seq)
+        per_unit = predicted / (spec.num_layers * micro_batch * seq * spec.hidden_size)
+        t.add_row(name, f"{predicted / MiB:.2f}", f"{measured / MiB:.2f}", f"{predicted / measured - 1:+.2%}",
+                  f"{per_unit:.2f}")
+    return t
 
 
 def buffers_table(rows: list[dict]) -> Table:
@@ -250,8 +296,15 @@ def main() -> None:
                         help="the plans: the main grid, pipelines at m = 4..64, or Llama 2 13B scaled down (docstring)")
     parser.add_argument("--cuda-single", action="store_true",
                         help="one GPU: the single-rank plans in bf16 with fused attention, measured by max_memory_allocated")
+    parser.add_argument("--blocks-only", action="store_true",
+                        help="--grid llama2-13b: only the blocks' table (fp32 and bf16, one process), not the plan")
     args = parser.parse_args()
     console = Console(width=220)
+    if args.grid == "llama2-13b":
+        plan = llama2_13b_grid(2)[0]
+        console.print(blocks_table(plan.model, plan.micro_batch, plan.train.seq_len))
+        if args.blocks_only:
+            return
     rows: list[dict] = []
     sizes = [1] if args.cuda_single else args.nproc
     for nproc in sizes:

@@ -13,7 +13,10 @@ blocks keep the same tensors) and is checked against the tensors autograd really
   and keys and values repeated to every query head;
 * no dropout (plait trains without it): no masks;
 * the norms: LayerNorm keeps its input and two fp32 statistics; plait's RMSNorm (like transformers') keeps
-  its input upcast to fp32, the normalized tensor and one fp32 statistic; the norm's output is kept by the
+  its fp32 input, the normalized tensor and one fp32 statistic; from a 16-bit input transformers' keeps its
+  fp32 upcast, plait's reference model only that input (it recomputes its fp32 internals in backward, as fused
+  kernels do: dtype classes "fp32 over residual" and "fp32 over compute", 4 bytes where that class is fp32,
+  else 0); the norm's output is kept by the
   linear layers it feeds. Under sequence parallelism that output is all-gathered first, and the linear
   keeps the gathered copy: two whole b·s·h tensors per layer (Megatron keeps the shard and gathers again in
   backward, which Korthikanti's 34/t assumes);
@@ -65,7 +68,10 @@ class Dtypes:
     residual: int
 
     def bytes(self, kind: str) -> int:
-        return {"compute": self.compute, "residual": self.residual, "fp32": FP32_BYTES, "index": INDEX_BYTES}[kind]
+        return {"compute": self.compute, "residual": self.residual, "fp32": FP32_BYTES, "index": INDEX_BYTES,
+                # an RMSNorm's fp32 internals: kept where its input is fp32, recomputed from a 16-bit input
+                "fp32 over residual": FP32_BYTES if self.residual >= FP32_BYTES else 0,
+                "fp32 over compute": FP32_BYTES if self.compute >= FP32_BYTES else 0}[kind]
 
 
 @dataclass(frozen=True)
@@ -78,14 +84,23 @@ class Saved:
     split: str
 
 
+def recomputes_upcast(model: ModelSpec) -> bool:
+    """Whether the model's RMSNorm keeps a 16-bit input alone and recomputes its fp32 upcast in backward: plait's
+    reference model does (plait.models.reference.RMSNorm); a Hugging Face or user module keeps the upcast."""
+    return model.source == "plait"
+
+
 def _norm(model: ModelSpec, where: str) -> list[Saved]:
     """What a norm over the hidden size keeps, and its output kept by the linear layers it feeds."""
     h = model.hidden_size
     if model.norm == "layernorm":
         kept = [Saved(f"{where} input", h, "residual", "sp"), Saved(f"{where} mean, rstd", 2, "fp32", "sp")]
     else:
-        kept = [Saved(f"{where} input (fp32)", h, "fp32", "sp"), Saved(f"{where} normalized", h, "residual", "sp"),
-                Saved(f"{where} rstd", 1, "fp32", "sp")]
+        kept = [Saved(f"{where} input", h, "residual", "sp"), Saved(f"{where} normalized", h, "fp32 over residual", "sp"),
+                Saved(f"{where} rstd", 1, "fp32 over residual", "sp")]
+        if not recomputes_upcast(model):  # transformers' RMSNorm keeps its fp32 upcast whatever the input
+            kept = [Saved(f"{where} input (fp32)", h, "fp32", "sp"), Saved(f"{where} normalized", h, "residual", "sp"),
+                    Saved(f"{where} rstd", 1, "fp32", "sp")]
     return kept + [Saved(f"{where} output (linear input, gathered under SP)", h, "compute", "whole")]
 
 
@@ -95,8 +110,13 @@ def _attention(model: ModelSpec, math: bool, cp: int = 1, cp_kind: str = "all_ga
     q, kv, a = model.q_size, model.kv_size, model.num_heads
     kept = []
     if model.qk_norm:  # Qwen3: an RMSNorm over head_dim on q and k
-        kept += [Saved("q/k norm input (fp32)", q + kv, "fp32", "tp"), Saved("q/k normalized", q + kv, "compute", "tp"),
-                 Saved("q/k norm rstd", a + model.num_kv_heads, "fp32", "tp")]
+        if recomputes_upcast(model):
+            kept += [Saved("q/k norm input", q + kv, "compute", "tp"),
+                     Saved("q/k normalized", q + kv, "fp32 over compute", "tp"),
+                     Saved("q/k norm rstd", a + model.num_kv_heads, "fp32 over compute", "tp")]
+        else:
+            kept += [Saved("q/k norm input (fp32)", q + kv, "fp32", "tp"), Saved("q/k normalized", q + kv, "compute", "tp"),
+                     Saved("q/k norm rstd", a + model.num_kv_heads, "fp32", "tp")]
     if cp > 1:  # gathered keys of the whole sequence, or keys swapped for heads: at the query width either way
         keys = q * cp if cp_kind == "all_gather" else q
     else:
@@ -215,7 +235,7 @@ def stage_input_is_kept(model: ModelSpec, mode: str, dtypes: Dtypes) -> bool:
     activation, which torch.distributed.pipelining keeps in a buffer of its own, is that same tensor."""
     if mode == "full" or (mode == "selective" and model.attention == "fused"):
         return True
-    return model.norm == "layernorm" or dtypes.residual == FP32_BYTES
+    return model.norm == "layernorm" or dtypes.residual == FP32_BYTES or recomputes_upcast(model)
 
 
 def head_saved_bytes(model: ModelSpec, tokens: int, tp: int, sp: bool, dtypes: Dtypes) -> float:

@@ -17,12 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from plait.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 for stability."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 for stability.
+
+    On a 16-bit input the fp32 upcast would be kept for backward (two bytes more per element than the input),
+    so there the norm keeps its input alone and recomputes the rest in backward (torch.utils.checkpoint: the
+    same ops, so the same numerics), as fused RMSNorm kernels do (torchtitan's Triton one, which its published
+    Llama 2 runs used; torch's CUDA rms_norm). fp32 and float64 inputs run unchanged."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -30,6 +36,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype.itemsize < 4 and torch.is_grad_enabled():
+            return checkpoint(self._norm, x, use_reentrant=False)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(_at_least_fp32(x.dtype))
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight

@@ -10,7 +10,7 @@ layers exactly (with recompute per stage), prune by memory, rank by predicted st
 * Pricing: the cost model's closed-form schedule (plait.cost.model, exact=False); the shortlist
   is then priced exactly (simulated schedule) and re-ranked.
 * With `top` K: layouts are priced best-first by a lower bound on their step time (the work spread
-  evenly, no recompute), stopping once the bound cannot beat the 2K-th best estimate; a layout
+  evenly, no recompute), stopping once the bound cannot beat the 3K-th best estimate; a layout
   whose smaller micro-batch missed memory is skipped for larger ones.
 """
 
