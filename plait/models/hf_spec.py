@@ -126,8 +126,8 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
             measured[kind] = measure_block(block, hidden, call(index))
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
-                              f"cannot run on meta to be measured "
-                              f"({type(error).__name__}: {str(error).splitlines()[0][:120]})") from None
+                              f"cannot run on meta to be measured ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:120]}) [rule hf-layer-measured-on-meta]") from None
     return measured[kind]
 
 

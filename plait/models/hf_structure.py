@@ -123,7 +123,7 @@ def _blocks_of(model: nn.Module, config: Any) -> str:
         found = ", ".join(lists) or "none"
         raise ConfigError(f"Hugging Face model type {family!r}: its decoder layers are ambiguous (no "
                           f"base_model_pp_plan, and ModuleLists of identical blocks under the base model: {found}); "
-                          f"plait needs exactly one")
+                          f"plait needs exactly one [rule hf-one-layer-list]")
     return prefix + lists[0]
 
 

@@ -69,5 +69,5 @@ def test_a_class_without_one_layer_list_is_refused():
         def base_model(self):
             return self.model
 
-    with pytest.raises(ConfigError, match=r"decoder layers are ambiguous .*: a, b\); plait needs exactly one"):
+    with pytest.raises(ConfigError, match=r"decoder layers are ambiguous .*: a, b\); plait needs exactly one \[rule hf-one-layer-list\]"):
         discover(Model(), type("Config", (), {"model_type": "two-lists"})())
