@@ -91,6 +91,24 @@ def set_module(root: nn.Module, path: str, value: nn.Module | None) -> None:
     setattr(parent, name, value)
 
 
+def tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(alias, first name) for every parameter registered under more than one name (tied embeddings)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            pairs.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return tuple(pairs)
+
+
+def norm_parameters(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters held directly by norm modules (any class whose name contains "Norm")."""
+    return frozenset(f"{path}.{leaf}" if path else leaf for path, module in model.named_modules()
+                     if "Norm" in type(module).__name__ for leaf, _ in module.named_parameters(recurse=False))
+
+
 def _name_seed(seed: int, name: str) -> int:
     """A stable 63-bit seed from (seed, name); Python's hash() is salted per process, so not that."""
     value = (seed * 1_000_003) & (2**63 - 1)

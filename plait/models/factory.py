@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, register
+from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, norm_parameters, register, tied_parameters
 
 
 def load_factory(source: str):
@@ -82,18 +82,8 @@ def _structure(source: str) -> tuple[type, tuple[str, ...], tuple[str, ...], tup
     finally:
         for hook in hooks:
             hook.remove()
-    params: dict[int, str] = {}
-    tied = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in params:
-            tied.append((name, params[id(param)]))
-        else:
-            params[id(param)] = name
-    norms = frozenset(f"{module_name}.{leaf}" if module_name else leaf
-                      for module_name, module in model.named_modules() if "Norm" in type(module).__name__
-                      for leaf, _ in module.named_parameters(recurse=False))
     return (type(model), tuple(sorted(touched["embed"])), tuple(sorted(touched["head"] - touched["embed"])),
-            tuple(tied), norms)
+            tied_parameters(model), norm_parameters(model))
 
 
 class FactoryAdapter(ModelAdapter):

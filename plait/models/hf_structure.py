@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import get_module, set_module
+from plait.models.adapter import get_module, norm_parameters, set_module, tied_parameters
 
 
 class _Stop(Exception):
@@ -160,24 +160,8 @@ def discover(model: nn.Module, config: Any) -> Structure:
     calls, _ = run(stop_at=min(1, num_layers - 1))
     first, second = calls.get(0), calls.get(1)
     as_tuple = bool(first and second and second[0].shape != first[0].shape)
-    return Structure(blocks_path=blocks_path, pre=pre, post=post, tied=_tied(model), norm_params=_norm_params(model),
+    return Structure(blocks_path=blocks_path, pre=pre, post=post, tied=tied_parameters(model), norm_params=norm_parameters(model),
                      layer_returns_tuple=as_tuple)
-
-
-def _tied(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    first: dict[int, str] = {}
-    pairs = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            pairs.append((name, first[id(param)]))
-        else:
-            first[id(param)] = name
-    return tuple(pairs)
-
-
-def _norm_params(model: nn.Module) -> frozenset[str]:
-    return frozenset(f"{path}.{leaf}" if path else leaf for path, module in model.named_modules()
-                     if "Norm" in type(module).__name__ for leaf, _ in module.named_parameters(recurse=False))
 
 
 @contextlib.contextmanager
