@@ -200,10 +200,79 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
              p2p: float = 0.0, keep_events: bool = False) -> Timeline:
     """Run the schedule on stage times `fwd[k]`, `bwd[k]` (per micro-batch, len = pp·v)."""
     stages = len(fwd)
-    v = stages // pp
     m = num_micro_batches
-    queues = rank_actions(schedule, pp, m, v)
     ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
+    if keep_events:
+        return _simulate_traced(fwd, bwd, pp, m, schedule, p2p, ranks)
+    plan = _compiled(schedule, pp, m, stages)
+    # Durations and hops looked up by index: (kind code, stage) and crossing (0 or 1), as `_duration` and
+    # `_input_time` define them (adding a 0.0 hop is exact, so the times are those of the traced form).
+    durations = list(fwd) + list(bwd) + [b * (1.0 - WEIGHT_GRAD_SHARE) for b in bwd] + \
+        [b * WEIGHT_GRAD_SHARE for b in bwd]
+    hops = (0.0, p2p)
+    done = [-1.0] * (2 * stages * m + 1)
+    done[-1] = 0.0  # the slot a first stage's forward "waits" for: its input is there at once
+    waiter = [-1] * len(done)  # the rank blocked on each slot, woken when the slot is produced
+    free = [0.0] * pp
+    pos = [0] * pp
+    runnable = list(range(pp))
+    while runnable:  # each action runs once, when its rank reaches it and its input exists
+        r = runnable.pop()
+        queue, i, now = plan[r], pos[r], free[r]
+        n = len(queue)
+        while i < n:
+            needs, cross, duration_at, produces = queue[i]
+            ready = done[needs]
+            if ready < 0:
+                waiter[needs] = r
+                break
+            ready += hops[cross]
+            now = (now if now > ready else ready) + durations[duration_at]
+            if produces >= 0:
+                done[produces] = now
+                if waiter[produces] >= 0:
+                    runnable.append(waiter[produces])
+            i += 1
+        pos[r], free[r] = i, now
+    if any(i < len(queue) for i, queue in zip(pos, plan)):
+        raise ValueError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, stages={stages}")
+    return Timeline(makespan=max(free), busy=_busy(fwd, bwd, pp, m, ranks))
+
+
+_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
+@lru_cache(maxsize=256)
+def _compiled(schedule: str, pp: int, m: int, stages: int) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+    """`rank_actions` as index arithmetic for `simulate`: per action (slot it waits for, whether its input
+    crosses ranks, index of its duration, slot it produces or -1). Slots: forward of (k, mb) at k·m + mb,
+    backward (or input gradient) at (stages + k)·m + mb, the last slot always 0.0."""
+    ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
+    first = 2 * stages * m
+
+    def compile_one(kind: str, k: int, mb: int) -> tuple[int, int, int, int]:
+        if not 0 <= mb < m:
+            raise ValueError(f"schedule {schedule!r} with pp={pp} needs more than m={m} micro-batches")
+        if kind == "W":
+            needs, cross = (stages + k) * m + mb, 0
+        elif kind == "F":
+            needs, cross = (first, 0) if k == 0 else ((k - 1) * m + mb, int(ranks[k - 1] != ranks[k]))
+        elif k == stages - 1:
+            needs, cross = k * m + mb, 0
+        else:
+            needs, cross = (stages + k + 1) * m + mb, int(ranks[k + 1] != ranks[k])
+        produces = -1 if kind == "W" else (k if kind == "F" else stages + k) * m + mb
+        return needs, cross, _KIND_CODE[kind] * stages + k, produces
+
+    return tuple(tuple(compile_one(*action) for action in queue)
+                 for queue in rank_actions(schedule, pp, m, stages // pp))
+
+
+def _simulate_traced(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int, schedule: str, p2p: float,
+                     ranks: Sequence[int]) -> Timeline:
+    """`simulate` keeping every action's (rank, kind, stage, micro-batch, start, end): the readable form."""
+    stages = len(fwd)
+    queues = rank_actions(schedule, pp, m, stages // pp)
     done_f = [[-1.0] * m for _ in range(stages)]
     done_b = [[-1.0] * m for _ in range(stages)]
     free = [0.0] * pp
@@ -223,8 +292,7 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], pp: int, num_micro_batc
                 end = max(free[r], ready) + duration
                 if kind != "W":  # a weight gradient produces nothing another stage waits for
                     (done_f if kind == "F" else done_b)[k][mb] = end
-                if keep_events:
-                    events.append((r, kind, k, mb, end - duration, end))
+                events.append((r, kind, k, mb, end - duration, end))
                 free[r] = end
                 i += 1
                 remaining -= 1
