@@ -234,7 +234,14 @@ def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ..
     hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
     (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
     rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
-    costs = {r: rank_costs(setting.at(layout, r), layout) for r in set(rank_of.values())}
+    costs, priced = {}, []  # ranks on the same hardware cost the same: all of them on a uniform cluster
+    for r in set(rank_of.values()):
+        at = setting.at(layout, r)
+        same = next((cost for seen, cost in priced if seen is at or seen == at), None)
+        if same is None:
+            same = rank_costs(at, layout)
+            priced.append((at, same))
+        costs[r] = same
     per_stage = [costs[rank_of[k]] for k in range(len(layers))]
     modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
     loads = block_loads(setting.model, setting.seq_len, layers)
