@@ -5,7 +5,7 @@ real construction in this one process: a `fake` process group of the plan's worl
 meshes of any size on it), the model built on `meta` by its adapter, the pipeline split, tensor
 parallelism, activation checkpointing and fully_shard -- the very functions `parallelize` runs. One
 micro-batch's forward and backward through the tensor-parallel stage is traced on `meta` under
-CommDebugMode, which counts the collectives DTensor issues; what fully_shard, DDP and the pipeline
+`CollectiveCounter`, which counts the collectives DTensor issues; what fully_shard, DDP and the pipeline
 schedule add is one message per unit per step (or per micro-batch) and is counted from the plan.
 
 Nothing is materialized: a 175B-parameter model on 1,024 ranks checks in seconds.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait import legality
 from plait.plan import Plan
@@ -28,7 +29,35 @@ COLLECTIVE_NAMES = {
     "all_reduce": "all-reduce", "allreduce_": "all-reduce", "all_gather_into_tensor": "all-gather",
     "_allgather_base_": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
     "_reduce_scatter_base_": "reduce-scatter", "all_to_all_single": "all-to-all", "broadcast": "broadcast",
+    "allgather_": "all-gather", "alltoall_base_": "all-to-all", "broadcast_": "broadcast",
+    "shard_dim_alltoall": "all-to-all", "all_reduce_coalesced": "all-reduce", "allreduce_coalesced_": "all-reduce",
+    "all_gather_into_tensor_coalesced": "all-gather", "reduce_scatter_tensor_coalesced": "reduce-scatter",
+    "alltoall_": "all-to-all", "reduce_scatter_": "reduce-scatter",
 }
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
+"""Where torch's collectives live as operators (functional, autograd-functional, in-place c10d, DTensor's own)."""
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives DTensor issues, by operator name. torch's CommDebugMode counts the same but also
+    tracks modules, and its tracker fails (an empty parent list) on a Hugging Face stage, whose class forward runs
+    stub layers; counting needs no module tracking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower the call into local ops and collectives first
+        name = func._overloadpacket.__name__
+        if func.namespace in COLLECTIVE_NAMESPACES and name in COLLECTIVE_NAMES:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -54,7 +83,6 @@ class StageReport:
 def _trace_tensor_parallel(plan: Plan, parts: list, pp_rank: int) -> dict[str, int]:
     """Collectives of one micro-batch's forward and backward through this rank's stages (meta tensors)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
     counts: dict[str, int] = {}
@@ -66,7 +94,7 @@ def _trace_tensor_parallel(plan: Plan, parts: list, pp_rank: int) -> dict[str, i
             x = torch.zeros(b, s, dtype=torch.long, device="meta")
         else:
             x = torch.zeros(b, s // plan.tp if plan.sequence_parallel else s, h, device="meta", requires_grad=True)
-        with CommDebugMode() as comm, (loss_parallel() if part.last else nullcontext()), warnings.catch_warnings():
+        with CollectiveCounter() as comm, (loss_parallel() if part.last else nullcontext()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a first stage's token input has no gradient: backward hooks say so
             out = part(x)
             if part.last:
@@ -75,8 +103,8 @@ def _trace_tensor_parallel(plan: Plan, parts: list, pp_rank: int) -> dict[str, i
             else:
                 loss = (out.to_local() if isinstance(out, DTensor) else out).sum()
             loss.backward()
-        for op, n in comm.get_comm_counts().items():
-            name = COLLECTIVE_NAMES.get(getattr(op, "__name__", str(op)).split(".")[-1], str(op))
+        for op, n in comm.counts.items():
+            name = COLLECTIVE_NAMES[op]
             counts[f"tp {name}"] = counts.get(f"tp {name}", 0) + n * plan.num_micro_batches
     return counts
 
