@@ -72,9 +72,23 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
         stage.experts_replicated = set(experts)
         ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}
     for block in stage.stage_blocks().values():
+        for unit in _other_dtype_modules(block, ignored):
+            fully_shard(unit, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
         fully_shard(block, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(stage, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     return stage
+
+
+def _other_dtype_modules(block: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """Modules of `block` whose own parameters all have another dtype than most of the block's (transformers' routers
+    kept in float32 whatever the model's dtype: DeepSeek-V3's): fully_shard wants one dtype per unit, so each is a unit
+    of its own."""
+    dtypes = [p.dtype for p in block.parameters() if p not in ignored]
+    if len(set(dtypes)) < 2:
+        return []
+    main = max(set(dtypes), key=dtypes.count)
+    return [m for m in block.modules() if (own := [p for p in m.parameters(recurse=False) if p not in ignored])
+            and all(p.dtype != main for p in own)]
 
 
 def _hidden_width(experts: nn.Module):

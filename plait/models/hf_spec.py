@@ -137,11 +137,15 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
     Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
     class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
-    from plait.legality import UNPLACED
+    from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_experts import MOE_REPLICATE, moe_tensor_styles
 
     placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
-    out = {}
+    # inside a MoE block activations are whole: what the plan leaves there (the router) is kept whole
+    moe = moe_tensor_styles(list(blocks), placed)
+    out = {f"{leaf}.*.{path}": PLAIT_STYLE + style for path, style in moe.items()}
+    placed += [path for path, style in moe.items() if style == MOE_REPLICATE]
     for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
         for path, module in block.named_modules():
             if not path or not any(True for _ in module.parameters(recurse=False)):
@@ -152,6 +156,21 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
                 continue
             out[f"{leaf}.*.{path}"] = UNPLACED
     return out
+
+
+def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
+    """The block entries of a class's expert-parallel plan ("layers.*.mlp.experts" -> "ep_dispatch_experts"); a
+    dispatch onto a module that is no transformers experts module (plait.models.hf_experts) is written as that
+    reason, which legality refuses."""
+    from plait.models.hf_experts import is_class_experts
+
+    plan = {k: v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items() if ".*." in k}
+    for pattern, style in plan.items():
+        path = pattern.split(".*.", 1)[1]
+        if style == "ep_dispatch_experts" and not any(is_class_experts(m) for b in blocks
+                                                      if (m := get_module(b, path)) is not None):
+            plan[pattern] = "ep_dispatch_experts onto no transformers experts module"
+    return plan
 
 
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
@@ -175,11 +194,12 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
 
     blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
+    layers = get_module(model, structure.blocks_path)
     if tp_plan:
-        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan))
+        tp_plan.update(unplaced_modules(layers, tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
-                            "tp_plan": tp_plan})
+                            "tp_plan": tp_plan, "ep_plan": expert_plan_of(config, layers)})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{directory}/config.json: {e}") from None

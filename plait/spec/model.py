@@ -141,6 +141,10 @@ class ModelSpec:
     tp_plan: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
     """Tensor-parallel plan of a module:factory model (plait.models.adapter.STYLES): "blocks.*.attn.q":
     "colwise", ..., "embed": "embedding"; the other adapters derive theirs."""
+    ep_plan: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    """Expert-parallel plan of a Hugging Face class (its base_model_ep_plan's entries inside a block: "layers.*.mlp.
+    experts": "ep_dispatch_experts", ...; a style plait cannot run is written as the reason), checked by
+    plait.legality under ep > 1."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
