@@ -72,11 +72,23 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
         stage.experts_replicated = set(experts)
         ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}
     for block in stage.stage_blocks().values():
+        ignored |= _frozen_other_dtype(block, ignored)
         for unit in _other_dtype_modules(block, ignored):
             fully_shard(unit, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
         fully_shard(block, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(stage, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     return stage
+
+
+def _frozen_other_dtype(block: nn.Module, ignored: set[nn.Parameter]) -> set[nn.Parameter]:
+    """Parameters of `block` that never train (requires_grad=False) and have another dtype than most of the block's
+    (AFMoE's float32 routing bias inside its MoE block): left whole outside fully_shard, which wants one dtype per
+    unit; they get no gradient to reduce."""
+    dtypes = [p.dtype for p in block.parameters() if p not in ignored]
+    if len(set(dtypes)) < 2:
+        return set()
+    main = max(set(dtypes), key=dtypes.count)
+    return {p for p in block.parameters() if not p.requires_grad and p.dtype != main}
 
 
 def _other_dtype_modules(block: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:

@@ -129,11 +129,48 @@ def apply_class_experts(stage: nn.Module, meshes, names: set[str], modules: list
 
 
 class MoeBlockParallel(ParallelStyle):
-    """A module holding class experts, under sequence parallelism: its input gathered over the sequence (it routes
-    whole tokens, its experts' outputs are summed whole), and its output -- whole and equal on every tensor rank --
-    handed on as this rank's slice of the sequence (no communication; the backward gathers the slices' gradients)."""
+    """A module holding class experts. Its own parameters (AFMoE's routing bias) are kept whole on every tensor rank,
+    replicated DTensors its forward sees as local tensors (everything in the block is whole: their gradients are
+    too). Under sequence parallelism its input is gathered over the sequence (it routes whole tokens, its experts'
+    outputs are summed whole), and its output -- whole and equal on every tensor rank -- handed on as this rank's
+    slice of the sequence (no communication; the backward gathers the slices' gradients)."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._replicate_own(module, device_mesh)
+        if self.sequence_parallel:
+            self._slice_sequence(module, device_mesh)
+        return module
+
+    @staticmethod
+    def _replicate_own(module: nn.Module, device_mesh: DeviceMesh) -> None:
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if not own:
+            return
+        for name in own:
+            param = module._parameters[name]
+            whole = distribute_tensor(param, device_mesh, [Replicate()])
+            module.register_parameter(name, nn.Parameter(whole, requires_grad=param.requires_grad))
+        saved: dict[str, torch.Tensor] = {}
+
+        def to_local(mod: nn.Module, args: tuple) -> None:
+            for name in own:
+                saved[name] = mod._parameters[name]
+                if isinstance(saved[name], DTensor):
+                    mod._parameters[name] = saved[name].to_local()
+
+        def restore(mod: nn.Module, args: tuple, output):
+            mod._parameters.update(saved)
+            return output
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+
+    @staticmethod
+    def _slice_sequence(module: nn.Module, device_mesh: DeviceMesh) -> None:
         GatherSequence()._apply(module, device_mesh)
 
         def slice_output(mod: nn.Module, args: tuple, output):
@@ -143,4 +180,3 @@ class MoeBlockParallel(ParallelStyle):
             return (local, *output[1:]) if isinstance(output, tuple) else local
 
         module.register_forward_hook(slice_output)
-        return module

@@ -217,9 +217,9 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         from plait.execute.hf_experts import MoeBlockParallel
         from plait.models.hf_experts import class_experts
 
-        if not sequence_parallel:
-            return None
-        return MoeBlockParallel() if class_experts(module) else GatherSequence()
+        if class_experts(module):
+            return MoeBlockParallel(sequence_parallel)
+        return GatherSequence() if sequence_parallel else None
     raise ValueError(f"style {style!r} does not apply inside a block ({type(module).__name__})")
 
 

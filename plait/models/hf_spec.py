@@ -148,7 +148,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
     placed += [path for path, style in moe.items() if style == MOE_REPLICATE]
     for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
         for path, module in block.named_modules():
-            if not path or not any(True for _ in module.parameters(recurse=False)):
+            if not path or path in moe or not any(True for _ in module.parameters(recurse=False)):
                 continue
             if any(path == p or path.startswith(p + ".") for p in placed):
                 continue
