@@ -54,7 +54,7 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     copy has seen. Where `expert_mesh` has one rank they stay out (ReplicatedGradients divides them)."""
     from plait.execute.state import clean_name
 
-    ignored = unshardable(stage)
+    ignored = unshardable(stage) | other_dtype(stage)
     # names, not objects: to_empty replaces the parameter objects
     stage.dp_replicated = {clean_name(name) for name, p in stage.named_parameters() if p in ignored}
     kwargs = {"reshard_after_forward": reshard_after_forward}
@@ -72,35 +72,22 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
         stage.experts_replicated = set(experts)
         ignored |= {p for name, p in stage.named_parameters() if clean_name(name) in experts}
     for block in stage.stage_blocks().values():
-        ignored |= _frozen_other_dtype(block, ignored)
-        for unit in _other_dtype_modules(block, ignored):
-            fully_shard(unit, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
         fully_shard(block, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(stage, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     return stage
 
 
-def _frozen_other_dtype(block: nn.Module, ignored: set[nn.Parameter]) -> set[nn.Parameter]:
-    """Parameters of `block` that never train (requires_grad=False) and have another dtype than most of the block's
-    (AFMoE's float32 routing bias inside its MoE block): left whole outside fully_shard, which wants one dtype per
-    unit; they get no gradient to reduce."""
-    dtypes = [p.dtype for p in block.parameters() if p not in ignored]
-    if len(set(dtypes)) < 2:
-        return set()
-    main = max(set(dtypes), key=dtypes.count)
-    return {p for p in block.parameters() if not p.requires_grad and p.dtype != main}
-
-
-def _other_dtype_modules(block: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
-    """Modules of `block` whose own parameters all have another dtype than most of the block's (transformers' routers
-    kept in float32 whatever the model's dtype: DeepSeek-V3's): fully_shard wants one dtype per unit, so each is a unit
-    of its own."""
-    dtypes = [p.dtype for p in block.parameters() if p not in ignored]
-    if len(set(dtypes)) < 2:
-        return []
-    main = max(set(dtypes), key=dtypes.count)
-    return [m for m in block.modules() if (own := [p for p in m.parameters(recurse=False) if p not in ignored])
-            and all(p.dtype != main for p in own)]
+def other_dtype(stage: nn.Module) -> set[nn.Parameter]:
+    """Parameters of a block whose dtype is not most of the block's (transformers' routers, attention sinks and
+    routing biases kept in float32 whatever the model's dtype: DeepSeek-V3, GPT-OSS-like sinks, AFMoE): fully_shard
+    wants one dtype per unit, so they stay whole on every dp rank; ReplicatedGradients averages their gradients."""
+    out: set[nn.Parameter] = set()
+    for block in stage.stage_blocks().values():
+        dtypes = [p.dtype for p in block.parameters()]
+        if len(set(dtypes)) > 1:
+            main = max(set(dtypes), key=dtypes.count)
+            out |= {p for p in block.parameters() if p.dtype != main}
+    return out
 
 
 def _hidden_width(experts: nn.Module):
