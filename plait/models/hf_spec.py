@@ -65,8 +65,11 @@ def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, An
 
 
 def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
+    """Layers alike: one class, one entry of `layer_types`, the same parameters (DeepSeek-V3's first layers hold a
+    dense MLP where the others hold experts, in one class)."""
     kinds = getattr(config, "layer_types", None)
-    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
+    shapes = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None, shapes)
 
 
 def measure_blocks(adapter) -> tuple[BlockCost, ...]:
@@ -123,12 +126,30 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = measure_block(block, hidden, call(index))
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "
                               f"{str(error).splitlines()[0][:120]}) [rule hf-layer-measured-on-meta]") from None
     return measured[kind]
+
+
+def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
+    """`cost` with the part of it that is the block's routed experts (transformers' experts modules): their
+    parameters, and 2 FLOPs per weight of each token's top-k experts -- what the measurement counted for them
+    (the batched form runs exactly the routed slots), which the cost model splits over ep and stretches by the
+    router's imbalance (plait.cost.compute.expert_flops)."""
+    import dataclasses
+
+    from plait.models.hf_experts import class_experts
+
+    experts = [module for _, module in class_experts(block)]
+    if not experts:
+        return cost
+    params = sum(p.numel() for module in experts for p in module.parameters())
+    top_k = int(_first(config, "num_experts_per_tok", "top_k", default=1))
+    flops = sum(2.0 * top_k * sum(p.numel() for p in m.parameters()) / m.num_experts for m in experts)
+    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
 
 
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:

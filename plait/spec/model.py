@@ -64,11 +64,18 @@ class BlockCost:
     """Bytes the block keeps for backward per token, at the measured precision (fp32 on meta)."""
     tensors: int = 0
     """Parameter tensors of the block."""
+    expert_params: int = 0
+    """Of `params`, the routed experts' (a mixture-of-experts block): what expert parallelism splits."""
+    expert_flops_per_token: float = 0.0
+    """Of `flops_per_token`, the routed experts' (k experts per token): what the router's imbalance stretches."""
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
                 or self.activation_bytes_per_token < 0:
             raise ValueError("block costs must be >= 0")
+        if not 0 <= self.expert_params <= self.params or not 0 <= self.expert_flops_per_token <= self.flops_per_token:
+            raise ValueError("a block's experts are part of it: 0 <= expert_params <= params and 0 <= "
+                             "expert_flops_per_token <= flops_per_token")
 
 
 NOT_THE_MODULE = ("name", "router_imbalance")

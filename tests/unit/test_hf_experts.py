@@ -118,3 +118,39 @@ def test_experts_saved_one_by_one_are_fused_as_transformers_fuses_them(qwen3_moe
         fused = _stacked_experts(f"model.layers.1.mlp.experts.{leaf}", files, read)
         assert fused is not None and fused.equal(getattr(experts, leaf).detach()), leaf
     assert _stacked_experts("model.layers.1.mlp.gate.weight", files, read) is None
+
+
+def test_the_planner_prices_the_class_experts_as_plait_prices_its_own(qwen3_moe):
+    """The measured ModelSpec of a transformers MoE class: its experts' share of each block (what ep splits and the
+    router's imbalance stretches) equals the closed forms plait prices its own MoE decoder with."""
+    from plait.cost.compute import Slicing, expert_flops, sliced_layer_cost
+    from plait.cost.memory import expert_params, layer_params
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    _, _, spec = qwen3_moe
+    closed = spec.replace(blocks=(), pre_params=None, post_params=None)
+    weights = 4 * 3 * 32 * 16  # E experts of gate, up [I, h] and down [h, I]
+    assert all(b.expert_params == weights for b in spec.blocks)
+    assert expert_flops(spec, 10) == expert_flops(closed, 10) == 10 * 2 * 2 * weights / 4  # top-2 of 4 per token
+    for tp, ep in ((1, 2), (2, 2), (1, 4)):
+        assert expert_params(spec, tp, ep) == expert_params(closed, tp, ep) == weights / tp / ep
+        assert layer_params(spec, 1, 1) - layer_params(spec, 1, ep) == pytest.approx(weights * (1 - 1 / ep))
+    cluster = CLUSTER_PRESETS["local-cpu"]
+
+    def forward(model, imbalance):
+        return sliced_layer_cost(model.replace(router_imbalance=imbalance), cluster, 16, 1, Slicing(ep=2)).fwd
+
+    # the busiest expert rank's extra slots cost what they cost plait's own MoE of the same shape
+    assert forward(spec, 2.0) > forward(spec, 1.0)
+    assert (forward(spec, 2.0) - forward(spec, 1.0)) == pytest.approx(forward(closed, 2.0) - forward(closed, 1.0))
+
+
+def test_layers_of_one_class_with_and_without_experts_are_measured_apart():
+    """DeepSeek-V3's first layers hold a dense MLP, the others experts, in one class: each measured as it is."""
+    from plait.models.hf_spec import _layer_kind
+
+    model = meta_model("deepseek_v3", n_routed_experts=4, first_k_dense_replace=1, num_hidden_layers=3, n_group=1,
+                       topk_group=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                       v_head_dim=8)
+    kinds = [_layer_kind(model.config, i, layer) for i, layer in enumerate(model.model.layers)]
+    assert kinds[0] != kinds[1] == kinds[2]
