@@ -76,6 +76,10 @@ class ClassExpertsParallel:
 
     def _run(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         with local_weights(self.experts):
+            if hidden.is_meta:  # tracing shapes (plait check --dry-run): the class's batched form runs on meta
+                from transformers.integrations.moe import batched_mm_experts_forward
+
+                return batched_mm_experts_forward(self.experts, hidden, index, weights)
             return self.own_forward(hidden, index, weights)
 
     def _dispatched(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -83,8 +87,8 @@ class ClassExpertsParallel:
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
         token_of = order // index.shape[-1]
-        if flat.is_meta:  # tracing shapes (plait check --dry-run): as many rows come back as go out
-            return torch.zeros_like(hidden)
+        if flat.is_meta:  # tracing shapes (plait check --dry-run): no routing to exchange by
+            return self._run(hidden, index.remainder(1), weights)
         counts = torch.bincount(flat, minlength=self.num_experts)
         out = self.dispatch(self._grouped, hidden[token_of], counts)  # [T·k, h], in `order`
         slot_weights = weights.reshape(-1)[order, None].to(out.dtype)
