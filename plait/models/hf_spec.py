@@ -65,8 +65,11 @@ def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, An
 
 
 def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
+    """Layers alike: one class, one entry of `layer_types`, the same parameters (DeepSeek-V3's first layers hold a
+    dense MLP where the others hold experts, in one class)."""
     kinds = getattr(config, "layer_types", None)
-    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
+    shapes = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None, shapes)
 
 
 def measure_blocks(adapter) -> tuple[BlockCost, ...]:
@@ -123,12 +126,30 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = measure_block(block, hidden, call(index))
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "
                               f"{str(error).splitlines()[0][:120]}) [rule hf-layer-measured-on-meta]") from None
     return measured[kind]
+
+
+def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
+    """`cost` with the part of it that is the block's routed experts (transformers' experts modules): their
+    parameters, and 2 FLOPs per weight of each token's top-k experts -- what the measurement counted for them
+    (the batched form runs exactly the routed slots), which the cost model splits over ep and stretches by the
+    router's imbalance (plait.cost.compute.expert_flops)."""
+    import dataclasses
+
+    from plait.models.hf_experts import class_experts
+
+    experts = [module for _, module in class_experts(block)]
+    if not experts:
+        return cost
+    params = sum(p.numel() for module in experts for p in module.parameters())
+    top_k = int(_first(config, "num_experts_per_tok", "top_k", default=1))
+    flops = sum(2.0 * top_k * sum(p.numel() for p in m.parameters()) / m.num_experts for m in experts)
+    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
 
 
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:
@@ -137,14 +158,18 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
     Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
     class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
-    from plait.legality import UNPLACED
+    from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_experts import MOE_REPLICATE, moe_tensor_styles
 
     placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
-    out = {}
+    # inside a MoE block activations are whole: what the plan leaves there (the router) is kept whole
+    moe = moe_tensor_styles(list(blocks), placed)
+    out = {f"{leaf}.*.{path}": PLAIT_STYLE + style for path, style in moe.items()}
+    placed += [path for path, style in moe.items() if style == MOE_REPLICATE]
     for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
         for path, module in block.named_modules():
-            if not path or not any(True for _ in module.parameters(recurse=False)):
+            if not path or path in moe or not any(True for _ in module.parameters(recurse=False)):
                 continue
             if any(path == p or path.startswith(p + ".") for p in placed):
                 continue
@@ -152,6 +177,21 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
                 continue
             out[f"{leaf}.*.{path}"] = UNPLACED
     return out
+
+
+def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
+    """The block entries of a class's expert-parallel plan ("layers.*.mlp.experts" -> "ep_dispatch_experts"); a
+    dispatch onto a module that is no transformers experts module (plait.models.hf_experts) is written as that
+    reason, which legality refuses."""
+    from plait.models.hf_experts import is_class_experts
+
+    plan = {k: v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items() if ".*." in k}
+    for pattern, style in plan.items():
+        path = pattern.split(".*.", 1)[1]
+        if style == "ep_dispatch_experts" and not any(is_class_experts(m) for b in blocks
+                                                      if (m := get_module(b, path)) is not None):
+            plan[pattern] = "ep_dispatch_experts onto no transformers experts module"
+    return plan
 
 
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
@@ -175,11 +215,12 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
 
     blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
+    layers = get_module(model, structure.blocks_path)
     if tp_plan:
-        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan))
+        tp_plan.update(unplaced_modules(layers, tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
-                            "tp_plan": tp_plan})
+                            "tp_plan": tp_plan, "ep_plan": expert_plan_of(config, layers)})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{directory}/config.json: {e}") from None
