@@ -233,7 +233,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
     return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
-                            param_reads=param_reads, pins=pins,
+                            param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
                             step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
@@ -250,6 +250,25 @@ def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
         strategy = built.nodes[node].strategies[choice[node]]
         for k, ref in enumerate(call.inputs):
             reads.setdefault(ref.value, strategy.inputs[k])
+    return reads
+
+
+def _function_reads(built: Built, choice: tuple[int, ...]) -> dict[str, dict[str, str]]:
+    """Per torch-level call of the forward (its capture.FunctionKeys key), the placement each tensor argument is read in: the
+    strategy of the first ATen call inside it that reads the value (what the executor redistributes to, so that
+    DTensor's eager dispatch runs the planned strategies and the backward carries the planned gradients). A
+    pending sum (P) is left to DTensor: it reads a replicated tensor as one itself."""
+    first: dict[tuple[int, int], str] = {}
+    for call in built.graph.calls:
+        strategy = built.nodes[built.call_node[call.index]].strategies[choice[built.call_node[call.index]]]
+        for k, ref in enumerate(call.inputs):
+            first.setdefault((call.function, ref.value), strategy.inputs[k])
+    reads = {}
+    for index, function in enumerate(built.graph.functions):
+        placed = {str(pos): first[index, value] for pos, value in function.args.items()
+                  if first.get((index, value), "P") != "P"}
+        if placed:
+            reads[function.key] = placed
     return reads
 
 
