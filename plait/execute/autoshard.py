@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_replicated
 from plait.plan import Plan
@@ -69,11 +70,14 @@ def build_mesh(plan: Plan) -> DeviceMesh:
     return init_device_mesh("cpu", (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0) -> nn.Module:
     """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
-    out replicated; then fully_shard over dp when dp > 1."""
+    out replicated; then fully_shard over dp when dp > 1. Fused tables (plan.operators.fused_tables) update their
+    rows in the lookup's backward at `lr` (model.fused_tables.lr, which a training loop sets each step) and stay
+    out of fully_shard."""
     sharding = plan.operators
     tp_mesh = mesh["tp"]
+    fused = use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
     by_function = bool(sharding.function_reads)
@@ -95,8 +99,16 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> n
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"], ignored_params=fused.parameters(model) or None)
     return model
+
+
+def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None) -> FusedTables:
+    """Route the plan's fused tables through their fused lookup (the parallel run and one process's alike)."""
+    fused = FusedTables(lr, dp_group)
+    fused.apply(model, tables)
+    model.fused_tables = fused
+    return fused
 
 
 def _redistribute_at_module_boundaries(module: nn.Module, prefix: str, module_name: str, sharding, mesh) -> None:
@@ -237,7 +249,7 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
 def run_parallel(plan: Plan, settings: CheckSettings):
     mesh = build_mesh(plan)
     model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    model = apply_operator_sharding(model, plan, mesh)
+    model = apply_operator_sharding(model, plan, mesh, settings.lr)
     return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group())
 
 
@@ -247,6 +259,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     if dist.get_rank() != 0:
         return None
     reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
+    use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
     ref_losses, ref_grads, ref_params = train_steps(reference, plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))

@@ -40,3 +40,41 @@ def test_executor_issues_the_planned_backward_collectives_of_a_batch_split_cnn()
     plan = auto_plan("resnet:build", "resnet:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, tp=2)
     nbytes, counts, _ = step_collectives(plan)
     assert counts == plan.operators.comm_counts and nbytes == plan.operators.comm_bytes
+
+
+def test_a_fused_table_is_priced_as_its_weights_alone_and_fits_at_five_times_a_ranks_budget():
+    """The 4 MiB table on 8 ranks under 0.75 MiB each: with AdamW (weights, gradient, two moments) no placement
+    fits; with the fused row-wise SGD a rank holds an eighth of the weights and nothing else for the table."""
+    from plait.errors import ConfigError
+
+    cluster, limit = CLUSTER_PRESETS["local-cpu"], 0.75 * 2**20
+    with pytest.raises(ConfigError, match="no placement fits 0.75 MiB per device.*--table-optimizer sgd"):
+        auto_plan("dlrm:build", "dlrm:batch", cluster, global_batch=8, tp=8, memory_limit=limit)
+    plan = auto_plan("dlrm:build", "dlrm:batch", cluster, global_batch=8, tp=8, memory_limit=limit,
+                     table_optimizer="sgd")
+    table = 32768 * 32 * 4
+    assert plan.operators.fused_tables == {"table.weight": "sgd"} and plan.operators.params["table.weight"] != "R"
+    assert table / 8 < plan.operators.peak_memory_bytes <= limit < table / 5
+
+
+def test_the_fused_lookup_updates_rows_as_dense_sgd_does():
+    """One process: the fused lookup's in-place row update (duplicate ids included) equals autograd's dense
+    gradient of nn.Embedding followed by SGD; the table keeps no gradient."""
+    import torch
+
+    from plait.execute.tables import FusedTables
+
+    torch.manual_seed(0)
+    dense, fused = torch.nn.Embedding(50, 6).double(), torch.nn.Embedding(50, 6).double()
+    fused.load_state_dict(dense.state_dict())
+    before = dense.weight.detach().clone()
+    FusedTables(lr=0.1).apply(torch.nn.ModuleDict({"t": fused}), {"t.weight": "sgd"})
+    ids = torch.tensor([[1, 7, 7], [3, 1, 49]])
+    target = torch.randn(2, 3, 6, dtype=torch.float64)
+    ((dense(ids) - target) ** 2).sum().backward()
+    ((fused(ids) - target) ** 2).sum().backward()
+    torch.optim.SGD(dense.parameters(), lr=0.1).step()
+    assert fused.weight.grad is None
+    assert torch.allclose(fused.weight, dense.weight, rtol=0, atol=1e-12)
+    moved = (fused.weight.detach() != before).any(dim=1)
+    assert moved[[1, 3, 7, 49]].all() and moved.sum() == 4  # the looked-up rows, and only they
