@@ -83,8 +83,6 @@ def main() -> None:
     for model in args.models.split(","):
         meshes = [(1, tp) for tp in MEASURED_TP] + list(PLANNED)
         for dp, tp in meshes:
-            if model == "resnet" and dp > 1:  # BatchNorm: dp is refused (examples/auto/resnet.py)
-                continue
             plan, seconds = solve(model, dp, tp, "program")
             heuristic, _ = solve(model, dp, tp, "propagation")
             ops = plan.operators

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_replicated
@@ -99,6 +100,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
+        synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
         fully_shard(model, mesh=mesh["dp"], ignored_params=fused.parameters(model) or None)
     return model
 

@@ -192,7 +192,7 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
                           + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
-                               fused_tables=fused)
+                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
@@ -317,15 +317,13 @@ def _size(nbytes: float) -> str:
     return ""
 
 
-def _refuse_unsynchronised_batch_norm(model: nn.Module, dp: int) -> None:
+def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
     """BatchNorm's statistics are over the batch each rank sees: the tensor-parallel ranks see the whole micro-batch
-    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks do not."""
-    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and not isinstance(m, nn.SyncBatchNorm)]
-    if norms and dp > 1:
-        raise ConfigError(f"{norms[0]} is a BatchNorm: its statistics would be over each of the dp={dp} ranks' "
-                          "share of the batch, not the whole (plait does not synchronise them); use dp=1 (tp splits "
-                          "the model over every device) or a model without BatchNorm")
+    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks a share,
+    so over dp > 1 every BatchNorm sums its statistics over the dp ranks (plait.execute.batchnorm)."""
+    if dp <= 1:
+        return ()
+    return tuple(name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
 
 
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -352,7 +350,6 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
         model = load_factory(model_source)()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
-    _refuse_unsynchronised_batch_norm(model, dp)
     batch = meta_batch(batch_source, global_batch // dp)
     sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
                             solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)

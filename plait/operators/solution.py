@@ -48,6 +48,9 @@ class OperatorSharding:
     fused_tables: dict[str, str] = field(default_factory=dict)
     """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
     no gradient, no optimizer state, kept whole over dp (plait.execute.tables)."""
+    synchronised_norms: tuple[str, ...] = ()
+    """BatchNorm modules whose training statistics are summed over the data-parallel ranks (plait.execute.batchnorm):
+    every BatchNorm when dp > 1; the tensor-parallel ranks see the whole micro-batch already."""
     pins: dict[str, str] = field(default_factory=dict)
     """What the user pinned (parameter or module name -> placement), honoured by the solver."""
     step_time_s: float = 0.0

@@ -1,6 +1,7 @@
-"""Per-operator sharding end to end: a plan of a module that is not a decoder, `plait check` on its ranks (dp2 x
-tp2: tensor-parallel placements from the solver, fully_shard over dp), EQUAL to one process. (The other examples'
-runs on 2 and 4 ranks are in the README; one launch here keeps the suite's time.)"""
+"""Per-operator sharding end to end: plans of modules that are not decoders, `plait check` on their ranks (DLRM
+dp2 x tp2: tensor-parallel placements from the solver, fully_shard over dp, a fused table; ResNet dp2: BatchNorm
+synchronised over dp), EQUAL to one process. (The other examples' runs on 2 and 4 ranks are in the README; two
+launches here keep the suite's time.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def test_check_proves_the_split_fused_table_equal_under_fully_shard(tmp_path, mo
     assert plan.operators.params["table.weight"] != "R" and plan.operators.replicated_ops
     assert plan.operators.fused_tables == {"table.weight": "sgd"}
     assert plan.operators.peak_memory_bytes <= 2.3 * 2**20 and "dp2 tp2" in plan.describe()
+    check_equal(plan, tmp_path)
+
+
+def test_check_proves_batch_norm_synchronised_over_data_parallel_ranks_equal(tmp_path, monkeypatch):
+    """ResNet on dp2: each BatchNorm's statistics summed over both ranks' halves of the batch (forward and
+    backward), so two ranks equal one process over the whole batch (unsynchronised: loss 1e-3 apart)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    plan = auto_plan("resnet:build", "resnet:batch", CLUSTER_PRESETS["local-cpu"], global_batch=16, dp=2, tp=1)
+    assert len(plan.operators.synchronised_norms) == 5
     check_equal(plan, tmp_path)
 
 
