@@ -78,3 +78,22 @@ def test_the_fused_lookup_updates_rows_as_dense_sgd_does():
     assert torch.allclose(fused.weight, dense.weight, rtol=0, atol=1e-12)
     moved = (fused.weight.detach() != before).any(dim=1)
     assert moved[[1, 3, 7, 49]].all() and moved.sum() == 4  # the looked-up rows, and only they
+
+
+@pytest.mark.parametrize("settings, message", [
+    (['data.batch="dlrm:batch"'], "set model.module"),
+    (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={schedule=\"1f1b\"}"],
+     "plan.pins key 'schedule' does not apply to a per-operator run"),
+    (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={tp=3}"], "tp = 3 must be a whole number"),
+])
+def test_plait_train_refuses_a_bad_per_operator_config_in_one_line(tmp_path, capsys, settings, message):
+    from plait.cli import main as cli_main
+
+    config = tmp_path / "run.toml"
+    config.write_text("")
+    argv = ["train", str(config), "--set", f'log.dir="{tmp_path}"']
+    for item in settings:
+        argv += ["--set", item]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
