@@ -24,7 +24,8 @@ def synchronise_batch_norms(model: nn.Module, names: tuple[str, ...], dp_group) 
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise ValueError(f"{name} is a {type(module).__name__}, not a BatchNorm; the plan was made for another model")
+            raise ValueError(f"{name} is a {type(module).__name__}, not a BatchNorm: the plan was made for another "
+                             "model")
         module.forward = _synchronised_forward(module, dp_group)
 
 

@@ -282,10 +282,10 @@ def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
 
 
 def _function_reads(built: Built, choice: tuple[int, ...]) -> dict[str, dict[str, str]]:
-    """Per torch-level call of the forward (its capture.FunctionKeys key), the placement each tensor argument is read in: the
-    strategy of the first ATen call inside it that reads the value (what the executor redistributes to, so that
-    DTensor's eager dispatch runs the planned strategies and the backward carries the planned gradients). A
-    pending sum (P) is left to DTensor: it reads a replicated tensor as one itself."""
+    """Per torch-level call of the forward (its capture.FunctionKeys key), the placement each tensor argument is
+    read in: the strategy of the first ATen call inside it that reads the value (what the executor redistributes
+    to, so that DTensor's eager dispatch runs the planned strategies and the backward carries the planned
+    gradients). A pending sum (P) is left to DTensor: it reads a replicated tensor as one itself."""
     first: dict[tuple[int, int], str] = {}
     for call in built.graph.calls:
         strategy = built.nodes[built.call_node[call.index]].strategies[choice[built.call_node[call.index]]]

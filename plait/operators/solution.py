@@ -42,9 +42,10 @@ class OperatorSharding:
     """Parameter (or buffer) name -> the placement its module reads it in, where that differs from how it is kept
     (kept split to save memory, gathered for use: ZeRO-3 on the axis)."""
     function_reads: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Torch-level call of the forward ("name(shapes)#occurrence", plait.operators.capture.FunctionKeys) -> {position of a
-    tensor argument in tree_flatten((args, kwargs)): the placement the planned strategy reads it in}. The executor
-    redistributes there before each call (above autograd), which subsumes `inputs`, `outputs` and `param_reads`."""
+    """Torch-level call of the forward ("name(shapes)#occurrence", plait.operators.capture.FunctionKeys) ->
+    {position of a tensor argument in tree_flatten((args, kwargs)): the placement the planned strategy reads it
+    in}. The executor redistributes there before each call (above autograd), which subsumes `inputs`, `outputs`
+    and `param_reads`."""
     fused_tables: dict[str, str] = field(default_factory=dict)
     """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
     no gradient, no optimizer state, kept whole over dp (plait.execute.tables)."""

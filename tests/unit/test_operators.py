@@ -173,7 +173,8 @@ def test_batch_norm_under_data_parallelism_is_synchronised_over_dp():
     """The plan says which BatchNorms sum their statistics over the dp ranks: all of them under dp > 1, none when
     the tp ranks alone split the work (they see the whole micro-batch)."""
     names = ("bn", "blocks.0.bn1", "blocks.0.bn2", "blocks.1.bn1", "blocks.1.bn2")
-    assert auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1).operators.synchronised_norms == names
+    planned = auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
+    assert planned.operators.synchronised_norms == names
     assert auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, tp=2).operators.synchronised_norms == ()
 
 
