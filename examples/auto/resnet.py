@@ -5,8 +5,8 @@ sharding.
     batch(batch_size, generator) -> (images [b, 3, 16, 16], labels [b]).
 
 BatchNorm: its statistics are over the batch each rank sees. Tensor-parallel ranks see the whole micro-batch
-(the batch enters replicated on tp), so they agree with one process; over data-parallel ranks they would not,
-and plait refuses dp > 1 for a module with BatchNorm (the plan says why) rather than train different statistics.
+(the batch enters replicated on tp), so they agree with one process; over data-parallel ranks plait sums them
+over the dp ranks (plan.operators.synchronised_norms, plait.execute.batchnorm), so dp > 1 equals one process too.
 """
 
 import torch

@@ -16,6 +16,7 @@ import json
 import sys
 
 from plait.errors import ConfigError
+from plait.operators.solution import FUSED_OPTIMIZERS
 
 
 def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
                        help="pin a parameter's or module output's placement on tp (R, S0, S1, ...; repeatable)")
     group.add_argument("--memory-budget", type=float, default=None, metavar="MIB",
                        help="bytes per device the plan may use, in MiB (default: the cluster's device memory)")
+    group.add_argument("--table-optimizer", choices=FUSED_OPTIMIZERS, default=None,
+                       help="train every nn.Embedding with this fused row-wise optimizer (its lookup's backward "
+                            "updates the rows it touched: the table costs its weights alone); default: AdamW")
     group.add_argument("--operator-solver", choices=("program", "propagation"), default="program",
                        help="the integer program (default) or the propagation heuristic")
 
@@ -68,7 +72,7 @@ def plan_operators(args: argparse.Namespace) -> int:
         raise ConfigError(f"--dp {dp} x --tp {tp} = {dp * tp} must equal --devices {devices}")
     plan = auto_plan(args.model, args.batch, cluster, global_batch=args.global_batch, dp=dp, tp=tp,
                      pins=parse_pins(args.pin), solver=args.operator_solver,
-                     memory_limit=_budget(args.memory_budget))
+                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer)
     console = output_console()
     from plait.report.operators import operators_table
 

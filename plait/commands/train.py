@@ -98,6 +98,13 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if args.fresh:
         start_fresh(config, resuming=args.resume or args.start_over, under_torchrun=in_torchrun())
+    if config.data.batch is not None:  # a module that returns its loss, planned per operator
+        from plait.train.auto import launch_per_operator, run_auto
+
+        if in_torchrun():
+            run_auto(config)
+            return 0
+        return launch_per_operator(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
     if in_torchrun():
         from plait.train.loop import run
 

@@ -31,6 +31,8 @@ BACKWARD_FLOPS = 2.0
 """Backward FLOPs per forward FLOP of a call (a GEMM's two gradient GEMMs)."""
 ADAMW_COPIES = 4
 """Parameter, gradient and AdamW's two moments."""
+FUSED_TABLE_COPIES = 1
+"""An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,21 @@ def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], 
                for ref, p in zip(outputs, placements) if ref.is_float)
 
 
-def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1) -> float:
-    """Per device: weights, gradients and AdamW moments, over the axis when sharded and over the data-parallel
-    ranks when fully_shard shards them further."""
-    return ADAMW_COPIES * ref.nbytes / (axis_size if placement.startswith("S") else 1) / dp_shards
+def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1,
+                    copies: int = ADAMW_COPIES) -> float:
+    """Per device: weights, gradients and AdamW moments (`copies`), over the axis when sharded and over the
+    data-parallel ranks when fully_shard shards them further."""
+    return copies * ref.nbytes / (axis_size if placement.startswith("S") else 1) / dp_shards
+
+
+def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
+                          dp_group: comm.Group) -> float:
+    """Data-parallel cost of a fused table per step: the all-gather of each rank's looked-up rows' gradients
+    (`rows_bytes`, this micro-batch's lookups in full; a column split gathers its columns only)."""
+    if dp <= 1:
+        return 0.0
+    local = rows_bytes / (axis_size if placement == "S1" else 1)
+    return comm.all_gather(local * dp, dp_group, cluster)
 
 
 def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,

@@ -1,11 +1,14 @@
 """Apply a per-operator plan (plan.operators) with DTensor, and prove it equal to one process.
 
 apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the
-plan chose; the module's batch arguments enter replicated on that axis; each module whose output placement the
-plan fixed redistributes its output there (a forward hook), so DTensor's eager dispatch, which picks each
-operator's strategy from its inputs' placements, runs the strategies that were priced; the loss leaves
+plan chose; the module's batch arguments enter replicated on that axis; during the forward, each torch-level call
+(F.linear, torch.cat, ...) gets its tensor arguments redistributed to the placements the plan's strategies read
+them in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispatch, which picks each
+operator's strategy from its inputs' placements, runs the strategies that were priced, and the backward carries
+each redistribution's gradient image (the communication step_collectives measures is the plan's); the loss leaves
 replicated. Then fully_shard over the data-parallel axis shards the (already tensor-parallel) parameters
-further, as for a hand-written tensor plan (2-D DTensors).
+further, as for a hand-written tensor plan (2-D DTensors). A plan written before function_reads redistributes at
+module boundaries only (its inputs, outputs and param_reads).
 
 The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
 tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
@@ -23,10 +26,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.execute.batchnorm import synchronise_batch_norms
+from plait.execute.tables import FusedTables
+from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_replicated
 from plait.plan import Plan
 
@@ -62,13 +71,17 @@ def build_mesh(plan: Plan) -> DeviceMesh:
     return init_device_mesh("cpu", (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0) -> nn.Module:
     """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
-    out replicated; then fully_shard over dp when dp > 1."""
+    out replicated; then fully_shard over dp when dp > 1. Fused tables (plan.operators.fused_tables) update their
+    rows in the lookup's backward at `lr` (model.fused_tables.lr, which a training loop sets each step) and stay
+    out of fully_shard."""
     sharding = plan.operators
     tp_mesh = mesh["tp"]
+    fused = use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
+    by_function = bool(sharding.function_reads)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, param in list(module.named_parameters(recurse=False)):
@@ -78,22 +91,71 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> n
             placement = placement_of(sharding.params.get(prefix + leaf, "R"))
             module.register_buffer(leaf, distribute_tensor(buffer, tp_mesh, [placement]),
                                    persistent=leaf not in module._non_persistent_buffers_set)
-        reads = {leaf: placement_of(sharding.param_reads[prefix + leaf]) for leaf, _ in
-                 module.named_parameters(recurse=False) if prefix + leaf in sharding.param_reads}
-        if reads:
-            _read_parameters_as(module, tp_mesh, reads)
-        if module_name in sharding.inputs:
-            module.register_forward_pre_hook(_redistribute_input(tp_mesh, placement_of(sharding.inputs[module_name])))
-        if module_name in sharding.outputs:
-            module.register_forward_hook(_redistribute_output(tp_mesh, placement_of(sharding.outputs[module_name])))
-    model.forward = _with_constants_replicated(model.forward)
+        if not by_function:  # a plan written before function_reads: redistribute at module boundaries only
+            _redistribute_at_module_boundaries(module, prefix, module_name, sharding, tp_mesh)
+    model.forward = _with_constants_replicated(model.forward, PlannedReads(tp_mesh, sharding.function_reads)
+                                               if by_function else None)
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh))
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=mesh["dp"])
+        synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
+        fully_shard(model, mesh=mesh["dp"], ignored_params=fused.parameters(model) or None)
     return model
+
+
+def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None) -> FusedTables:
+    """Route the plan's fused tables through their fused lookup (the parallel run and one process's alike)."""
+    fused = FusedTables(lr, dp_group)
+    fused.apply(model, tables)
+    model.fused_tables = fused
+    return fused
+
+
+def _redistribute_at_module_boundaries(module: nn.Module, prefix: str, module_name: str, sharding, mesh) -> None:
+    reads = {leaf: placement_of(sharding.param_reads[prefix + leaf]) for leaf, _ in
+             module.named_parameters(recurse=False) if prefix + leaf in sharding.param_reads}
+    if reads:
+        _read_parameters_as(module, mesh, reads)
+    if module_name in sharding.inputs:
+        module.register_forward_pre_hook(_redistribute_input(mesh, placement_of(sharding.inputs[module_name])))
+    if module_name in sharding.outputs:
+        module.register_forward_hook(_redistribute_output(mesh, placement_of(sharding.outputs[module_name])))
+
+
+class PlannedReads(TorchFunctionMode):
+    """During the forward, redistributes each torch-level call's tensor arguments to the placements the plan's
+    strategies read them in (plan.operators.function_reads, keyed as capture keyed the calls), so DTensor's eager
+    dispatch, which picks an operator's strategy from its inputs' placements, runs the planned one. The
+    redistributions are DTensor.redistribute, above autograd: the backward sends each gradient back to the
+    producer's placement, the image the cost model prices. `matched` counts the planned calls the last forward
+    met (a call the plan names and the forward does not make is only communication DTensor then picks itself:
+    the numerics do not depend on placements)."""
+
+    def __init__(self, mesh: DeviceMesh, function_reads: dict[str, dict[str, str]]) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.reads = {key: {int(pos): placement_of(p) for pos, p in placed.items()}
+                      for key, placed in function_reads.items()}
+        self.keys = FunctionKeys()
+        self.matched = 0
+
+    def start(self) -> None:
+        self.keys, self.matched = FunctionKeys(), 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        planned = self.reads.get(self.keys.next(func, flat))
+        if planned is not None:
+            self.matched += 1
+            for position, placement in planned.items():
+                arg = flat[position] if position < len(flat) else None
+                if isinstance(arg, DTensor) and arg.placements[0] != placement:
+                    flat[position] = arg.redistribute(self.mesh, [placement])
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
 
 
 def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
@@ -106,15 +168,21 @@ def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
     return hook
 
 
-def _with_constants_replicated(forward: Callable) -> Callable:
+def _with_constants_replicated(forward: Callable, planned: PlannedReads | None = None) -> Callable:
     """Tensors the forward makes itself (RoPE tables, masks, positions) are plain; DTensor takes them as replicated
-    inside implicit_replication, as the planner captured them (constants, replicated)."""
+    inside implicit_replication, as the planner captured them (constants, replicated). With `planned`, its reads
+    hold for the forward (numbered from the forward's first call, as capture numbered them)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         with implicit_replication():
-            return forward(*args, **kwargs)
+            if planned is None:
+                return forward(*args, **kwargs)
+            planned.start()
+            with planned:
+                return forward(*args, **kwargs)
+    run.planned = planned  # type: ignore[attr-defined] - for checks that the run followed the plan
     return run
 
 
@@ -183,7 +251,7 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
 def run_parallel(plan: Plan, settings: CheckSettings):
     mesh = build_mesh(plan)
     model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    model = apply_operator_sharding(model, plan, mesh)
+    model = apply_operator_sharding(model, plan, mesh, settings.lr)
     return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group())
 
 
@@ -193,6 +261,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     if dist.get_rank() != 0:
         return None
     reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
+    use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
     ref_losses, ref_grads, ref_params = train_steps(reference, plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
@@ -203,3 +272,49 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     return CheckResult(plan=plan.describe() + " auto", losses=losses, reference_losses=ref_losses,
                        grad_rel_diffs=grad_diffs, update_rel_diffs=updates, max_param_diff=max_diff,
                        runtime={"operators": plan.operators.describe()})
+
+
+_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes of every functional collective issued while active: DTensor's redistributions, forward and backward,
+    explicit or inside its op dispatch. Bytes are the whole tensor a collective produces or reduces (a shard for
+    all-to-all), as the plan's comm_bytes counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0.0
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):  # let DTensor desugar first: its redistributions inside an op are
+            return NotImplemented             # local collectives this mode then sees (CommDebugMode's way)
+        out = func(*args, **(kwargs or {}))
+        kind = _COLLECTIVES.get(func._overloadpacket.__name__)
+        if kind is not None and func.namespace == "_c10d_functional":
+            tensor = out if kind == "all_gather" else args[0]
+            self.nbytes += tensor.numel() * tensor.element_size()
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        return out
+
+
+def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
+    """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on rank
+    0 of a fake process group of tp ranks: what the executor asks the tensor-parallel axis to carry, against the
+    plan's comm_bytes. The fake group moves no data. Starts and destroys its own process group."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
+    try:
+        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+        model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
+        batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
+        counter, debug = CollectiveBytes(), CommDebugMode()
+        with debug, counter:
+            model(*batch).backward()
+        return counter.nbytes, counter.counts, debug.get_total_counts()
+    finally:
+        dist.destroy_process_group()

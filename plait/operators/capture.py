@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -70,6 +71,8 @@ class OpCall:
     outputs: list[TensorRef]
     module: str
     flops: float
+    function: int = -1
+    """Index of the torch-level call (Graph.functions) this ATen call ran inside; -1: none."""
 
     @property
     def name(self) -> str:
@@ -91,12 +94,28 @@ class Graph:
     """Module name -> the tensor its forward returned (the first tensor of a tuple)."""
     module_inputs: dict[str, TensorRef] = field(default_factory=dict)
     """Module name -> its forward's first tensor argument."""
+    functions: list[Function] = field(default_factory=list)
+    """The forward's torch-level calls (F.linear, torch.cat, Tensor.__matmul__, ...) in order: where the executor
+    redistributes each argument to the placement the plan's strategy reads it in (plait.execute.autoshard), above
+    autograd, so the backward carries each redistribution's gradient as the cost model prices it."""
+
+
+@dataclass(frozen=True)
+class Function:
+    """One torch-level call of the forward: its key (FunctionKeys) and which value each flattened tensor argument
+    is."""
+
+    key: str
+    args: dict[int, int]
+    """Position in tree_flatten((args, kwargs)) -> value id."""
 
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, graph: Graph, refs: dict[int, TensorRef], modules: list[str]) -> None:
         super().__init__()
         self.graph, self.refs, self.modules = graph, refs, modules
+        self.function = -1
+        """The torch-level call running now (set by _Functions)."""
         self.keep: list[torch.Tensor] = []  # ids stay unique while the capture runs
 
     def ref_of(self, t: torch.Tensor) -> TensorRef:
@@ -135,8 +154,52 @@ class _Recorder(TorchDispatchMode):
         index = len(self.graph.calls)
         outputs = [self.new_ref(t, "op", f"op{index}.{i}", index, i) for i, t in enumerate(tensors_out)]
         self.graph.calls.append(OpCall(index, func, ref_args, ref_kwargs, inputs, outputs,
-                                       self.modules[-1] if self.modules else "", _flops(func, args, kwargs, out)))
+                                       self.modules[-1] if self.modules else "", _flops(func, args, kwargs, out),
+                                       self.function))
         return out
+
+
+class FunctionKeys:
+    """Names a forward's torch-level calls so capture and the executor agree on which call is which: the callable's
+    name (a property's own: `T`, not `__get__`), its tensor arguments' shapes (global shapes, which a DTensor
+    keeps), and how many calls with that name and shapes came before. Calls that are not the model's (a hook's,
+    a debugging mode's) then shift no other call's key."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def next(self, func, flat: list) -> str:
+        name = getattr(func, "__name__", type(func).__name__)
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        shapes = ",".join("x".join(map(str, a.shape)) for a in flat if isinstance(a, torch.Tensor))
+        base = f"{name}({shapes})"
+        count = self.seen.get(base, 0)
+        self.seen[base] = count + 1
+        return f"{base}#{count}"
+
+
+class _Functions(TorchFunctionMode):
+    """Numbers the forward's torch-level calls (a mode sees only the outermost: it is popped while one runs) and
+    tells the recorder which one its ATen calls belong to."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.keys = FunctionKeys()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        refs = self.recorder.refs
+        values = {i: refs[id(a)].value for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and id(a) in refs}
+        graph = self.recorder.graph
+        graph.functions.append(Function(self.keys.next(func, flat), values))
+        outer, self.recorder.function = self.recorder.function, len(graph.functions) - 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.recorder.function = outer
 
 
 def _flops(func, args, kwargs, out) -> float:
@@ -164,7 +227,7 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
         hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))
         hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
     try:
-        with recorder:
+        with recorder, _Functions(recorder):
             out = model(*batch)
     finally:
         for hook in hooks:

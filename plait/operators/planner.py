@@ -13,6 +13,7 @@ shape cannot take, or pins that leave no strategy are refused with a ConfigError
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
 from plait.operators.capture import Graph, TensorRef, capture
-from plait.operators.solution import OperatorCost, OperatorSharding
+from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
@@ -63,10 +64,12 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
-                  oracle: StrategyOracle | None = None) -> Built:
+                  oracle: StrategyOracle | None = None, fused: frozenset[str] = frozenset()) -> Built:
+    """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer: weights alone, kept whole
+    over dp (plait.execute.tables)."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
-            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle)
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
     nodes: list[_Node] = []
     value_node: dict[int, tuple[int, int]] = {}
@@ -79,7 +82,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
-        if value.kind == "param":
+        if value.kind == "param" and value.name in fused:
+            rows = sum(out.nbytes for call in graph.calls if value.ref in call.inputs for out in call.outputs)
+            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group) for p in options])
+            memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.FUSED_TABLE_COPIES)
+                           for p in options])
+        elif value.kind == "param":
             costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
         else:
@@ -165,20 +173,40 @@ def solve(built: Built, solver: str = "program", time_limit: float = 60.0) -> sh
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
                 cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
-                memory_limit: float | None = None) -> OperatorSharding:
-    """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta)."""
+                memory_limit: float | None = None, table_optimizer: str | None = None) -> OperatorSharding:
+    """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
+    (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer."""
     pins = dict(pins or {})
+    fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = capture(model, batch)
-    built = build_problem(graph, tp, dp, cluster, memory_limit)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
     try:
         solution = solve(built, solver)
     except sharding.Infeasible as e:
-        raise ConfigError(f"no placement fits {cluster.memory_bytes / 2**30:.2f} GiB per device"
-                          + (f" with pins {pins}" if pins else "") + f": {e}") from None
+        limit = memory_limit if memory_limit is not None else cluster.memory_bytes
+        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+        raise ConfigError(f"no placement fits {limit / 2**20:.2f} MiB per device"
+                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
     elapsed = time.perf_counter() - start
-    return describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed)
+    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
+                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
+
+
+def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
+    """{table weight name: optimizer} for every nn.Embedding of `model` (none without an optimizer)."""
+    if optimizer is None:
+        return {}
+    if optimizer not in FUSED_OPTIMIZERS:
+        raise ConfigError(f"table optimizer {optimizer!r} is not one plait runs fused; use "
+                          f"{', '.join(FUSED_OPTIMIZERS)}")
+    tables = {f"{name}.weight" if name else "weight": optimizer for name, m in model.named_modules()
+              if isinstance(m, nn.Embedding)}
+    if not tables:
+        raise ConfigError(f"table optimizer {optimizer!r}: the model has no nn.Embedding to train with it")
+    return tables
 
 
 def describe(built: Built, solution: sharding.Solution, batch_source: str, pins: dict[str, str], tp: int, dp: int,
@@ -233,7 +261,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
     return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
-                            param_reads=param_reads, pins=pins,
+                            param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
                             step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
@@ -250,6 +278,25 @@ def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
         strategy = built.nodes[node].strategies[choice[node]]
         for k, ref in enumerate(call.inputs):
             reads.setdefault(ref.value, strategy.inputs[k])
+    return reads
+
+
+def _function_reads(built: Built, choice: tuple[int, ...]) -> dict[str, dict[str, str]]:
+    """Per torch-level call of the forward (its capture.FunctionKeys key), the placement each tensor argument is
+    read in: the strategy of the first ATen call inside it that reads the value (what the executor redistributes
+    to, so that DTensor's eager dispatch runs the planned strategies and the backward carries the planned
+    gradients). A pending sum (P) is left to DTensor: it reads a replicated tensor as one itself."""
+    first: dict[tuple[int, int], str] = {}
+    for call in built.graph.calls:
+        strategy = built.nodes[built.call_node[call.index]].strategies[choice[built.call_node[call.index]]]
+        for k, ref in enumerate(call.inputs):
+            first.setdefault((call.function, ref.value), strategy.inputs[k])
+    reads = {}
+    for index, function in enumerate(built.graph.functions):
+        placed = {str(pos): first[index, value] for pos, value in function.args.items()
+                  if first.get((index, value), "P") != "P"}
+        if placed:
+            reads[function.key] = placed
     return reads
 
 
@@ -270,15 +317,13 @@ def _size(nbytes: float) -> str:
     return ""
 
 
-def _refuse_unsynchronised_batch_norm(model: nn.Module, dp: int) -> None:
+def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
     """BatchNorm's statistics are over the batch each rank sees: the tensor-parallel ranks see the whole micro-batch
-    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks do not."""
-    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and not isinstance(m, nn.SyncBatchNorm)]
-    if norms and dp > 1:
-        raise ConfigError(f"{norms[0]} is a BatchNorm: its statistics would be over each of the dp={dp} ranks' "
-                          "share of the batch, not the whole (plait does not synchronise them); use dp=1 (tp splits "
-                          "the model over every device) or a model without BatchNorm")
+    (it enters replicated on tp; DTensor's rule splits BatchNorm by channels only), data-parallel ranks a share,
+    so over dp > 1 every BatchNorm sums its statistics over the dp ranks (plait.execute.batchnorm)."""
+    if dp <= 1:
+        return ()
+    return tuple(name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
 
 
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -293,7 +338,7 @@ def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
 
 def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,
               tp: int = 1, pins: dict[str, str] | None = None, solver: str = "program",
-              memory_limit: float | None = None):
+              memory_limit: float | None = None, table_optimizer: str | None = None):
     """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved)."""
     from plait.models.factory import load_factory
     from plait.plan import Plan, Prediction
@@ -305,10 +350,9 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
         model = load_factory(model_source)()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
-    _refuse_unsynchronised_batch_norm(model, dp)
     batch = meta_batch(batch_source, global_batch // dp)
     sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
-                            solver=solver, memory_limit=memory_limit)
+                            solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
     num_params = sum(p.numel() for p in model.parameters())
     name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
     spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FUSED_OPTIMIZERS = ("sgd",)
+"""Fused row-wise optimizers for embedding tables (plait.execute.tables runs them; the planner prices them)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class OperatorCost:
@@ -38,6 +41,17 @@ class OperatorSharding:
     param_reads: dict[str, str] = field(default_factory=dict)
     """Parameter (or buffer) name -> the placement its module reads it in, where that differs from how it is kept
     (kept split to save memory, gathered for use: ZeRO-3 on the axis)."""
+    function_reads: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Torch-level call of the forward ("name(shapes)#occurrence", plait.operators.capture.FunctionKeys) ->
+    {position of a tensor argument in tree_flatten((args, kwargs)): the placement the planned strategy reads it
+    in}. The executor redistributes there before each call (above autograd), which subsumes `inputs`, `outputs`
+    and `param_reads`."""
+    fused_tables: dict[str, str] = field(default_factory=dict)
+    """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
+    no gradient, no optimizer state, kept whole over dp (plait.execute.tables)."""
+    synchronised_norms: tuple[str, ...] = ()
+    """BatchNorm modules whose training statistics are summed over the data-parallel ranks (plait.execute.batchnorm):
+    every BatchNorm when dp > 1; the tensor-parallel ranks see the whole micro-batch already."""
     pins: dict[str, str] = field(default_factory=dict)
     """What the user pinned (parameter or module name -> placement), honoured by the solver."""
     step_time_s: float = 0.0

@@ -32,6 +32,9 @@ def operators_table(plan: Plan) -> RenderableType:
     if ops.replicated_ops:
         parts.append(Text(f"no DTensor rule, run replicated ({len(ops.replicated_ops)}): "
                           + ", ".join(ops.replicated_ops[:8]) + " (add one with register_sharding)"))
+    if ops.fused_tables:
+        parts.append(Text("fused row-wise optimizer (weights alone, no gradient or optimizer state): "
+                          + ", ".join(f"{k} {v}" for k, v in ops.fused_tables.items())))
     if ops.pins:
         parts.append(Text("pins honoured: " + ", ".join(f"{k}={v}" for k, v in ops.pins.items())))
     return Group(*parts)

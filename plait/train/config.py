@@ -98,6 +98,9 @@ class DataConfig:
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
     cache_dir: str | None = None
     """Where tokenized files are kept, keyed by the file's content and the tokenizer; None: <log.dir>/tokens."""
+    batch: str | None = None
+    """A per-operator run's batch factory, "package.module:function" (function(batch_size, generator) -> the
+    tensors model.module's forward takes; it returns the loss): no tokens, plait.train.auto."""
 
 
 @dataclass(frozen=True, kw_only=True)

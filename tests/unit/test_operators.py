@@ -169,9 +169,13 @@ def test_a_table_bigger_than_the_budget_is_split_and_a_pin_that_keeps_it_whole_i
                   pins={"table.weight": "R"})
 
 
-def test_batch_norm_under_data_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="BatchNorm"):
-        auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
+def test_batch_norm_under_data_parallelism_is_synchronised_over_dp():
+    """The plan says which BatchNorms sum their statistics over the dp ranks: all of them under dp > 1, none when
+    the tp ranks alone split the work (they see the whole micro-batch)."""
+    names = ("bn", "blocks.0.bn1", "blocks.0.bn2", "blocks.1.bn1", "blocks.1.bn2")
+    planned = auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
+    assert planned.operators.synchronised_norms == names
+    assert auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, tp=2).operators.synchronised_norms == ()
 
 
 def test_plan_command_shows_the_costliest_operators_and_writes_the_plan(tmp_path, capsys):
