@@ -89,7 +89,14 @@ class Run:
     plan: str
     predicted_s: float
     measured_s: float
-    advice: str | None
+    fastest_s: float
+    """The fastest timed step (of the slowest rank): the one least disturbed by other work on the cores."""
+    advice: list[str] | None
+    parts: dict[str, tuple[float, float]]
+    """(predicted, measured) seconds of the step's compute, waiting and optimizer parts (plait.train.measure)."""
+    load: float
+    """The machine's 1-minute load average at the end of the run (its cores: os.cpu_count()): the other work
+    sharing the cores, which no cost model sees."""
 
     @property
     def ratio(self) -> float:
@@ -151,15 +158,20 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     output = plait([*args, *(a for o in overrides for a in ("--set", o))], REPO)
     segment = read_measured(log_dir)[-1]
     measured = segment.measured()
+    ranks = [r for r in segment.measured_window() if r.steps]
+    fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
-               measured_s=measured.step, advice=advice_commands(output))
+               measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
+               parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
 def advice_commands(output: str) -> list[str] | None:
     """The commands the run's end note names (profile, then tune --from-run), or None when it names none."""
-    note = " ".join(output.split())
-    if "is not calibrated for this machine" not in note:
+    text = " ".join(output.split())
+    start = text.find("is not calibrated for this machine")
+    if start < 0:
         return None
+    note = text[start:text.find("plait:", start) if "plait:" in text[start:] else len(text)]
     return [c for c in re.findall(r"`(plait [^`]+)`", note) if "--model M" not in c]
 
 
@@ -175,6 +187,28 @@ def calibrate(case: Case, commands: list[str], root: Path) -> Path:
             continue
         plait([a.replace("cluster.tuned.yaml", tuned) for a in args], folder)
     return folder / tuned
+
+
+PARTS = ("compute", "waiting", "optimizer")
+
+
+def parts_table(results: list[dict]) -> Table:
+    """Where the residual is: measured / predicted of each part of the step, medians over rounds."""
+    out = Table(title="measured / predicted by part of the step (compute: layers and TP collectives; waiting: bubble, "
+                      "pipeline transfers, exposed DP communication; optimizer: clipping, step, fixed host time)",
+                title_justify="left")
+    for name in ("case", "planned on", *(f"{p} pred / meas s" for p in PARTS), *(f"{p} ratio" for p in PARTS)):
+        out.add_column(name, justify="left" if name in ("case", "planned on") else "right")
+    for result in results:
+        for when in RUNS:
+            runs = result[when]
+            if not runs:
+                continue
+            pairs = {p: (statistics.median(r["parts"][p][0] for r in runs),
+                         statistics.median(r["parts"][p][1] for r in runs)) for p in PARTS}
+            out.add_row(result["case"], when, *(f"{a:.4f} / {b:.4f}" for a, b in pairs.values()),
+                        *(f"{b / a:.2f}" if a > 0 else "-" for a, b in pairs.values()))
+    return out
 
 
 RUNS = ("preset", "quick profile", "after")
@@ -204,14 +238,17 @@ def median_run(runs: list[dict]) -> dict | None:
         return None
     ratio = statistics.median(r["measured_s"] / r["predicted_s"] for r in runs)
     return {"plan": runs[0]["plan"], "predicted_s": statistics.median(r["predicted_s"] for r in runs),
-            "measured_s": statistics.median(r["measured_s"] for r in runs), "ratio": ratio}
+            "measured_s": statistics.median(r["measured_s"] for r in runs), "ratio": ratio,
+            "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
+            "load": statistics.median(r["load"] for r in runs)}
 
 
 def table(results: list[dict]) -> Table:
     out = Table(title=f"measured / predicted step: planned on the local-cpu preset, on the run's own quick profile, "
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
-    for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within"):
+    for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
+                 "fastest step / predicted", "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -221,7 +258,8 @@ def table(results: list[dict]) -> Table:
             ratio = row["ratio"]
             within = max(ratio, 1 / ratio) <= TARGET
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
-                        f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no")
+                        f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
+                        f"{row['fastest_ratio']:.2f}", f"{row['load']:.1f}")
     return out
 
 
@@ -247,6 +285,8 @@ def main() -> int:
         return 2
     results = [run_case(chosen[name], root, args.steps, args.rounds) for name in args.cases]
     Console(width=200).print(table(results))
+    Console(width=200).print(parts_table(results))
+    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
