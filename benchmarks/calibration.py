@@ -135,12 +135,18 @@ def cases(root: Path, base: Path, mixtral: Path) -> list[Case]:
             Case("mixtral", 2, write("mixtral", mixtral, "{}"))]
 
 
+class Refused(Exception):
+    """A command that refused its input (exit 2), e.g. `plait tune` when the run's timings identify nothing."""
+
+
 def plait(args: list[str], cwd: Path) -> str:
-    """Run `plait ARGS` in `cwd`; its output (stdout and stderr), or exit with it when the command fails."""
+    """Run `plait ARGS` in `cwd`; its output (stdout and stderr). Refused on exit 2, exits on any other failure."""
     command = [sys.executable, "-m", "plait", *args]
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "400"})
     output = done.stdout + done.stderr
+    if done.returncode == 2:
+        raise Refused(output.strip().splitlines()[-1] if output.strip() else "exit 2")
     if done.returncode != 0:
         sys.exit(f"calibration: `{shlex.join(command)}` failed (exit {done.returncode}):\n{output[-3000:]}")
     return output
@@ -217,19 +223,23 @@ RUNS = ("preset", "quick profile", "after")
 
 def run_case(case: Case, root: Path, steps: int, rounds: int) -> dict:
     runs: dict[str, list[Run]] = {name: [] for name in RUNS}
-    tuned = None
+    tuned, refusal = None, None
     for index in range(rounds):
         folder = root / "runs" / f"{case.name}-{index}"
         runs["preset"].append(train(case, folder / "preset", steps))
         runs["quick profile"].append(train(case, folder / "quick", steps, profile=True))
         advice = runs["preset"][0].advice
-        if tuned is None and advice:
-            tuned = calibrate(case, advice, root)
+        if tuned is None and advice and refusal is None:
+            try:
+                tuned = calibrate(case, advice, root)
+            except Refused as e:  # what the user would read: no tuned file, and what would help
+                refusal = str(e)
+                print(f"  {case.name}: {refusal}", flush=True)
         if tuned is not None:
             runs["after"].append(train(case, folder / "after", steps, cluster=tuned))
         print(f"  {case.name} round {index + 1}: " + ", ".join(f"{name} {values[-1].ratio:.2f}x"
                                                            for name, values in runs.items() if values), flush=True)
-    return {"case": case.name, "nproc": case.nproc, "tuned": str(tuned) if tuned else None,
+    return {"case": case.name, "nproc": case.nproc, "tuned": str(tuned) if tuned else None, "refusal": refusal,
             **{name: [asdict(r) for r in values] for name, values in runs.items()}}
 
 
@@ -283,12 +293,18 @@ def main() -> int:
     if unknown:
         print(f"calibration: unknown case(s) {', '.join(unknown)}; choose from {', '.join(chosen)}", file=sys.stderr)
         return 2
-    results = [run_case(chosen[name], root, args.steps, args.rounds) for name in args.cases]
+    results = []
+    for name in args.cases:
+        results.append(run_case(chosen[name], root, args.steps, args.rounds))
+        if args.json:  # after each case: a long benchmark cut short keeps what it measured
+            args.json.write_text(json.dumps(results, indent=1))
     Console(width=200).print(table(results))
     Console(width=200).print(parts_table(results))
     print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    for result in results:
+        if result["refusal"]:
+            print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "
+                  f"({result['refusal']})")
     return 0
 
 
