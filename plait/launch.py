@@ -298,6 +298,11 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def rank_threads(nproc: int) -> int:
+    """The OMP threads each of `nproc` local ranks runs: PLAIT_OMP_THREADS, else the cores split between them."""
+    return int(os.environ.get("PLAIT_OMP_THREADS", threads_per_rank(nproc)))
+
+
 def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, module: str | None = "plait",
               max_restarts: int = 0) -> int:
     """Run `python -m <module> <argv>` (`python <argv>` when module is None) on `nproc` local ranks (torch's elastic launcher, standalone
@@ -316,7 +321,7 @@ def run_local(nproc: int, argv: list[str], *, timeout_s: float | None = None, mo
         monitor_interval=0.2,  # how fast a dead rank is noticed and the others stopped
     )
     saved_env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", FAILURE_DIR_ENV)}
-    os.environ["OMP_NUM_THREADS"] = os.environ.get("PLAIT_OMP_THREADS", str(threads_per_rank(nproc)))
+    os.environ["OMP_NUM_THREADS"] = str(rank_threads(nproc))
     os.environ["PYTHONUNBUFFERED"] = "1"
     notes = tempfile.mkdtemp(prefix="plait-failures-")
     os.environ[FAILURE_DIR_ENV] = notes

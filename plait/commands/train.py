@@ -21,9 +21,6 @@ from pathlib import Path
 
 from plait.errors import Interrupted
 
-UNCALIBRATED_PRESET = "local-cpu"
-"""plait's generic CPU preset: its figures are nobody's machine in particular."""
-
 # Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
 FLAG_KEYS: dict[str, str] = {
     "steps": "train.steps",
@@ -61,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapt", action="store_true",
                         help="re-plan from the run's own timings (a straggler rank, a step far off its prediction) and "
                              "switch to a faster plan where that pays for the switch (plan.adapt); off by default")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="plan on the uncalibrated local-cpu preset rather than a quick profile of this machine "
+                             "(plan.profile = false)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart all local ranks up to K times when one dies; they resume from the "
                              "newest checkpoint (torchrun's --max-restarts)")
@@ -83,6 +83,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
         items.append("plan.adapt=true")
     if getattr(args, "fresh", False):
         items.append("checkpoint.export_overwrite=true")
+    if getattr(args, "no_profile", False):
+        items.append("plan.profile=false")
     return items
 
 
@@ -110,8 +112,24 @@ def main(args: argparse.Namespace) -> int:
 
         run(config)
         return 0
+    config, overrides = _on_quick_profile(config, overrides, args.nproc)
     return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout,
                   max_restarts=args.max_restarts)
+
+
+def _on_quick_profile(config, overrides: list[str], nproc: int | None):
+    """The config and overrides planning on this machine's quick profile where the run wants one (the ranks get
+    the same cluster, so a restart that re-plans plans on it too)."""
+    import sys
+
+    from plait.train.calibration import with_quick_profile
+    from plait.train.resolve import DEFAULT_DEVICES
+
+    devices = nproc or config.plan.devices or DEFAULT_DEVICES
+    profiled = with_quick_profile(config, devices, lambda line: print(line, file=sys.stderr, flush=True))
+    if profiled is config:
+        return config, overrides
+    return profiled, [*overrides, f"plan.cluster={_toml_value(profiled.plan.cluster)}"]
 
 
 def start_fresh(config, *, resuming: bool, under_torchrun: bool) -> None:
@@ -138,6 +156,7 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from rich.console import Console
 
     from plait.launch import run_local
+    from plait.train.calibration import uncalibrated_note
     from plait.train.checkpoint import check_launch, plan_for_launch
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
@@ -154,10 +173,9 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
                   f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
-    if plan.cluster.name == UNCALIBRATED_PRESET:
-        console.print(f"plait train: note: the plan's predictions use the {UNCALIBRATED_PRESET!r} preset, not measured on "
-                      f"this machine (uncalibrated: expect them off by several times); `plait profile` writes a cluster "
-                      f"file of this machine to plan with", highlight=False, soft_wrap=True)
+    note = uncalibrated_note(plan)
+    if note:
+        console.print(note, highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]

@@ -31,6 +31,9 @@ from torch import nn
 
 from plait.spec import ModelSpec
 
+IGNORE_INDEX = -100
+"""A target the loss skips (torch's cross_entropy default): chat mode's untrained tokens (plait.train.chat)."""
+
 STYLES = {
     # inside a block (patterns relative to the block)
     "colwise": "output features split over tp (Linear, or HF Conv1D)",
@@ -173,6 +176,10 @@ class ModelAdapter:
         """Mean next-token cross-entropy of one (micro-)batch; logits [b, s, V], targets [b, s]."""
         # at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if not bool((targets != IGNORE_INDEX).any()):
+            # every target masked (a chat window with no assistant token): the mean would be 0/0 = NaN and poison the
+            # gradients; a zero with the graph attached trains nothing instead (plait.train.chat counts such windows)
+            return logits.sum() * 0.0
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     # ---- parallelism as data -------------------------------------------------------------

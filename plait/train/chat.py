@@ -22,12 +22,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.models.adapter import IGNORE_INDEX
 
 NO_LOSS = np.uint32(1 << 31)
 """Flag on a token that is input only (never a trained target)."""
 ID_BITS = np.uint32((1 << 31) - 1)
-IGNORE_INDEX = -100
-"""What torch's cross_entropy skips (its default ignore_index)."""
 
 
 def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
@@ -112,3 +111,14 @@ def split_flags(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ids = rows & int(ID_BITS)
     targets = np.where(flagged[:, 1:], IGNORE_INDEX, ids[:, 1:])
     return ids[:, :-1], targets
+
+
+def unanswered(rows: np.ndarray) -> int:
+    """Windows (rows of seq_len + 1 tokens) of a flagged stream none of whose targets is trained: a window that falls
+    wholly inside prompts, whose loss is 0 rather than the NaN of a mean over no token."""
+    return int((rows[:, 1:] >= NO_LOSS).all(axis=1).sum()) if rows.dtype == np.uint32 else 0
+
+
+def unanswered_note(count: int) -> str:
+    return (f"{count} window(s) trained on held no assistant token (prompts only): their loss counted 0, not NaN; a "
+            f"longer train.seq_len, or shorter prompts, puts answers in every window")

@@ -470,6 +470,7 @@ def _meta(state: Any) -> dict[str, Any]:
 
     return {"format": FORMAT_VERSION, "step": state.step, "tokens": state.tokens,
             "world_size": dist.get_world_size(), "loader": state.loader.state_dict(),
+            "best_val_loss": state.best_val_loss,
             "plan": json.loads(state.plan.to_json()), "config": state.config.to_dict()}
 
 
@@ -540,6 +541,7 @@ def load_checkpoint(directory: str | Path, state: Any) -> None:
     _load_plain_state(state.model, state.optimizer, plain, to_layout)
     state.loader.load_state_dict(meta["loader"])
     state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+    state.best_val_loss = lowest(meta.get("best_val_loss"), best_kept_loss(directory.parent))
     same_layout = meta["world_size"] == dist.get_world_size() and _layout(meta["plan"]) == _layout(
         json.loads(state.plan.to_json()))
     if same_layout:
@@ -548,6 +550,20 @@ def load_checkpoint(directory: str | Path, state: Any) -> None:
         # Nothing in plait's training step draws random numbers (no dropout; data order is
         # seeded by (seed, epoch)), so the losses do not depend on them; say so all the same.
         warn(f"{directory.name} was saved under another layout; random states were not restored")
+
+
+def best_kept_loss(root: Path) -> float | None:
+    """The validation loss of the best checkpoint kept in root/best (eval.keep_best), None when there is none: it may
+    be newer than the checkpoint a run resumes from, and must not be overwritten by a worse one."""
+    from plait.train.evaluate import BEST_DIR
+
+    kept = complete_dirs(root / BEST_DIR)
+    return read_meta(kept[-1][1]).get("best_val_loss") if kept else None
+
+
+def lowest(*losses: float | None) -> float | None:
+    known = [loss for loss in losses if loss is not None]
+    return min(known) if known else None
 
 
 _LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "interleave", "layers_per_stage")

@@ -168,6 +168,9 @@ class PlanConfig:
     """Devices "auto" plans for; None: --nproc, else 2."""
     pins: dict[str, Any] = field(default_factory=dict)
     """Pins passed to the search with "auto", e.g. {tp = 2, schedule = "1f1b"}."""
+    profile: bool = True
+    """With file = "auto" and cluster = "local-cpu": plan on a quick profile of this machine instead, measured once per
+    machine and rank count and cached (plait/train/calibration.py); false: plan on the preset (`--no-profile`)."""
     adapt: bool = False
     """Re-plan from the run's own timings (a straggler, a step far off its prediction) and switch plans where it
     pays, exactly as a resume does (plait/train/adapt.py); `plait train --adapt`."""

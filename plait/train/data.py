@@ -511,6 +511,9 @@ class BatchLoader:
         self.steps_per_epoch = self.num_windows // global_batch
         self.position = LoaderPosition()
         self._order: tuple[int, np.ndarray, int] | None = None  # (epoch, window order, shift)
+        self.unanswered_windows = 0
+        """Windows of the global batches so far with no trained target (chat mode: no assistant token); their loss
+        counts 0 (plait.models.adapter)."""
 
     # -- iteration --
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -525,8 +528,9 @@ class BatchLoader:
         mine = rows[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]  # [per_rank, seq_len + 1]
         self.position = self._advance(self.position)
         if mine.dtype == np.uint32:  # may carry chat mode's no-loss flags: flagged targets are ignored by the loss
-            from plait.train.chat import split_flags
+            from plait.train.chat import split_flags, unanswered
 
+            self.unanswered_windows += unanswered(rows)
             tokens, targets = split_flags(mine)
             return torch.from_numpy(np.ascontiguousarray(tokens)), torch.from_numpy(np.ascontiguousarray(targets))
         batch = torch.from_numpy(mine.astype(np.int64))

@@ -8,7 +8,6 @@ forward is as parallel as the training step); rank 0 writes the result to every 
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,10 @@ class Evaluator:
                                   seq_len=config.train.seq_len, seed=config.train.seed,
                                   dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
         self.batches = min(config.eval.batches, self.loader.steps_per_epoch)
-        self.best = math.inf
 
     def for_model(self, plan: Any, model: Any) -> "Evaluator":
-        """The same evaluation (and best loss so far) for a model switched to another plan."""
-        switched = Evaluator(self.config, plan, model)
-        switched.best = self.best
-        return switched
+        """The same evaluation for a model switched to another plan (the best loss so far lives in the run's state)."""
+        return Evaluator(self.config, plan, model)
 
     def due(self, step: int, final: bool) -> bool:
         return self.every > 0 and (final or step % self.every == 0)
@@ -61,8 +57,8 @@ class Evaluator:
         if dist.get_rank() == 0:
             sinks.evaluation(state.step, {"val_loss": loss})
             print(f"plait: step {state.step}: validation loss {loss:.4f}", file=sys.stderr, flush=True)
-        if loss < self.best:
-            self.best = loss
+        if state.best_val_loss is None or loss < state.best_val_loss:
+            state.best_val_loss = loss  # before the save: the best checkpoint's meta.json records its own loss
             if self.config.eval.keep_best:
                 from plait.train.checkpoint import save_checkpoint
 

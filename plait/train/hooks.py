@@ -33,6 +33,9 @@ class TrainState:
     """Optimizer steps done."""
     tokens: int = 0
     """Tokens trained on so far."""
+    best_val_loss: float | None = None
+    """The lowest validation loss so far (None: no evaluation yet); saved with every checkpoint, so a resumed run
+    keeps a better best checkpoint rather than overwriting it (plait.train.evaluate)."""
 
 
 class CheckpointHooks(Protocol):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait.launch import note_progress
 from plait.plan import Plan
+from plait.train.chat import unanswered_note
 from plait.train.checkpoint import export_at_end, pretrained_dir
 from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, rank_tokens
@@ -99,6 +100,8 @@ def _train(config: Config, plan: Plan) -> RunResult:
     losses = _steps(state, hooks, metrics, measured, device, adaptation, evaluator)
     metrics.close()
     _report_measured(measured.finish(), log_dir)
+    if rank == 0 and state.loader.unanswered_windows:
+        print(f"plait: note: {unanswered_note(state.loader.unanswered_windows)}", file=sys.stderr, flush=True)
     export_at_end(state)
     model_path = _save_full_model(state, log_dir) if config.log.save_model else None
     plot_path = _plot(metrics.path) if rank == 0 and losses else None

@@ -91,3 +91,31 @@ def test_chat_mode_needs_a_chat_template(tmp_path: Path, tokenizer_dir) -> None:
     path.write_text(json.dumps({"messages": CHAT}) + "\n")
     with pytest.raises(ConfigError, match="needs a chat template"):
         cached_tokens(path, "jsonl", load_tokenizer(str(plain)), tmp_path / "cache", text_key="messages", chat=True)
+
+
+def test_a_window_with_no_assistant_token_trains_nothing_and_is_counted(tmp_path: Path, tokenizer_dir) -> None:
+    from plait.models import adapter_for
+    from plait.spec.models import MODEL_PRESETS
+    from plait.train.chat import IGNORE_INDEX
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    stream = np.asarray(cached_tokens(path, "jsonl", load_tokenizer(str(tokenizer_dir)), tmp_path / "cache",
+                                      text_key="messages", chat=True))
+    loader = BatchLoader(stream, global_batch=1, seq_len=3)  # windows of 3: several fall inside the prompts
+    adapter = adapter_for(MODEL_PRESETS["tiny-gpt"])
+    empty = 0
+    for _ in range(loader.steps_per_epoch):
+        _, targets = loader.next_batch()
+        logits = torch.randn(1, targets.shape[1], 300, requires_grad=True)
+        loss = adapter.loss(logits, targets)
+        loss.backward()
+        kept = targets[0] != IGNORE_INDEX
+        if kept.any():
+            assert loss.item() == pytest.approx(
+                torch.nn.functional.cross_entropy(logits[0, kept], targets[0, kept]).item())
+        else:
+            empty += 1
+            assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0  # not NaN: nothing to learn
+        assert torch.isfinite(logits.grad).all()
+    assert empty > 0 and loader.unanswered_windows == empty
