@@ -103,10 +103,16 @@ def tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def is_norm_module(module: nn.Module) -> bool:
+    """A norm: any class whose name contains "Norm", but not an embedding or projection that normalizes its output
+    (Inkling's InklingNormedEmbedding is an nn.Embedding, initialized as weights are)."""
+    return "Norm" in type(module).__name__ and not isinstance(module, (nn.Embedding, nn.Linear))
+
+
 def norm_parameters(model: nn.Module) -> frozenset[str]:
-    """Names of the parameters held directly by norm modules (any class whose name contains "Norm")."""
+    """Names of the parameters held directly by norm modules (is_norm_module)."""
     return frozenset(f"{path}.{leaf}" if path else leaf for path, module in model.named_modules()
-                     if "Norm" in type(module).__name__ for leaf, _ in module.named_parameters(recurse=False))
+                     if is_norm_module(module) for leaf, _ in module.named_parameters(recurse=False))
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -32,8 +32,8 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.legality import HF_TP_STYLES, PLAIT_STYLE
-from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, register
-from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers
+from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
+from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers, untrained_parameters
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
@@ -165,7 +165,7 @@ class HFAdapter(ModelAdapter):
         config._experts_implementation = "eager"
         return config
 
-    def build(self, device: str | torch.device = "meta") -> nn.Module:
+    def build(self, device: str | torch.device = "meta", freeze_untrained: bool = True) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
@@ -175,6 +175,10 @@ class HFAdapter(ModelAdapter):
         for sub in model.modules():
             if isinstance(sub, nn.Dropout):
                 sub.p = 0.0
+        if freeze_untrained:
+            for name, param in model.named_parameters():
+                if name in self.untrained_parameters:
+                    param.requires_grad_(False)
         if self.spec.attention == "math":
             for sub in self._attention_modules(model):
                 sub.plait_math = True
@@ -182,7 +186,13 @@ class HFAdapter(ModelAdapter):
 
     @functools.cached_property
     def meta_model(self) -> nn.Module:
-        return self.build("meta")
+        return self.build("meta", freeze_untrained=False)
+
+    @functools.cached_property
+    def untrained_parameters(self) -> frozenset[str]:
+        """Parameters a text-only forward never reaches (a multimodal class's image and audio encoders): frozen,
+        as they would get no gradient; data parallelism would otherwise wait for their gradients forever."""
+        return untrained_parameters(self.meta_model, self.structure)
 
     @property
     def structure(self) -> Structure:
@@ -305,7 +315,7 @@ class HFAdapter(ModelAdapter):
             module = get_module(model, path)
             if isinstance(module, nn.Linear) and module.out_features == vocab:
                 root[path] = "output"
-            elif "Norm" in type(module).__name__:
+            elif is_norm_module(module):
                 root[path] = "final_norm"
         return root
 
@@ -323,7 +333,7 @@ class HFAdapter(ModelAdapter):
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:
         block = get_module(self.meta_model, self.blocks_path)[0]
-        return tuple(name for name, child in block.named_children() if "Norm" in type(child).__name__)
+        return tuple(name for name, child in block.named_children() if is_norm_module(child))
 
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names
@@ -356,7 +366,8 @@ class HFAdapter(ModelAdapter):
 
         owner_path, _, leaf = name.rpartition(".")
         module = copy.deepcopy(get_module(self.meta_model, owner_path)).to_empty(device="cpu")
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a class whose init draws a norm's values draws the same ones on every rank
             for param in module.parameters(recurse=False):
                 param.fill_(float("nan"))
             self.meta_model._init_weights(module)

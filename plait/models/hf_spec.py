@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import get_module
+from plait.models.adapter import get_module, is_norm_module
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -148,7 +148,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str
                 continue
             if any(path == p or path.startswith(p + ".") for p in placed):
                 continue
-            if "Norm" in type(module).__name__:
+            if is_norm_module(module):
                 continue
             out[f"{leaf}.*.{path}"] = UNPLACED
     return out

@@ -127,6 +127,23 @@ def _blocks_of(model: nn.Module, config: Any) -> str:
     return prefix + lists[0]
 
 
+def untrained_parameters(model: nn.Module, structure: Structure) -> frozenset[str]:
+    """Names of the parameters around the layers that get no gradient from a forward over token ids (found on meta:
+    the model's forward with its layers stood in for, then autograd over logits)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad
+             and not n.startswith(structure.blocks_path + ".")]
+    params = [model.get_parameter(n) for n in names]
+    if not params:
+        return frozenset()
+    num_layers = len(get_module(model, structure.blocks_path))
+    _, out = around_layers(type(model), model, blocks_path=structure.blocks_path, num_layers=num_layers, pre=(),
+                           positions=torch.arange(4, device="meta"),
+                           tokens=torch.zeros(1, 4, dtype=torch.long, device="meta"),
+                           as_tuple=structure.layer_returns_tuple)
+    grads = torch.autograd.grad(out.logits.sum(), params, allow_unused=True)
+    return frozenset(n for n, g in zip(names, grads) if g is None)
+
+
 def discover(model: nn.Module, config: Any) -> Structure:
     """The Structure of `model` (built on meta), found by running its own forward with the layers stood in for."""
     blocks_path = _blocks_of(model, config)
