@@ -71,8 +71,6 @@ def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
 
 def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
-    from plait.models.hf_structure import around_layers
-
     model, config = adapter.meta_model, adapter.hf_config()
     blocks = list(get_module(model, adapter.blocks_path))
     hidden = int(config.hidden_size)
@@ -82,7 +80,7 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
         def run(block: nn.Module, x: torch.Tensor):
             seq = x.shape[1]
             if seq not in arguments:
-                calls, _ = around_layers(adapter.model_class, model, blocks_path=adapter.blocks_path,
+                calls, _ = _layer_arguments(adapter.model_class, model, blocks_path=adapter.blocks_path,
                                          num_layers=len(blocks), pre=adapter.pre,
                                          positions=torch.arange(seq, device="meta"),
                                          hidden=torch.zeros(1, seq, hidden, device="meta"), stop_at=len(blocks) - 1)
@@ -97,6 +95,22 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
         for index, block in enumerate(blocks):
             costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
     return tuple(costs)
+
+
+class LayerInputsFromTokens(Exception):
+    """The class's forward cannot compute its layers' inputs from hidden states alone."""
+
+
+def _layer_arguments(*args, **kwargs):
+    """What the class passes its layers, found as a pipeline stage finds it: its forward with the modules before the
+    layers left out and hidden states handed in. A class whose layers take inputs computed from the token ids
+    (Gemma 3n's and Gemma 4's per-layer embeddings) fails here: plait's stages pass on hidden states only."""
+    from plait.models.hf_structure import around_layers
+
+    try:
+        return around_layers(*args, **kwargs)
+    except Exception as error:
+        raise LayerInputsFromTokens(f"{type(error).__name__}: {str(error).splitlines()[0][:120]}") from error
 
 
 @contextlib.contextmanager
@@ -124,6 +138,11 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     if kind not in measured:
         try:
             measured[kind] = measure_block(block, hidden, call(index))
+        except LayerInputsFromTokens as error:
+            raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot hand layer {index} "
+                              f"({type(block).__name__}) its inputs from hidden states alone ({error}): its layers "
+                              f"take inputs computed from the token ids, and plait's stages pass on hidden states "
+                              f"only [rule hf-layer-inputs-from-tokens]") from None
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "
