@@ -176,6 +176,41 @@ class KeyValueParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
 
 
+class ShardedInputParallel(ParallelStyle):
+    """A module with parameters of its own run on a column-wise projection's output (an activation with learned
+    parameters after up_proj: Apertus' xIELU): its input is taken as split along the last dim, its parameters
+    replicated; DTensor computes it exactly (gathering where an op needs the whole dim) and sums the parameters'
+    gradients over the tensor ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False), *inputs[1:])
+
+        def output_fn(mod, output: DTensor, mesh):
+            return output.redistribute(mesh, [Shard(output.dim() - 1)]).to_local()
+
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+class LatentKeyValueParallel(ParallelStyle):
+    """Multi-head latent attention's kv_a_proj_with_mqa (DeepSeek-V2, MiniCPM3; transformers' 'mla_kv_a_proj'):
+    replicated on the whole input. Its output's first part feeds the column-wise kv_b_proj, whose input gradient
+    is summed whole; its last `rope_dim` features (the rotary key shared by every head) go straight to the rank's
+    heads, so their gradient is partial and is summed over the tensor ranks."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod, output: DTensor, mesh):
+            latent, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([latent.to_local(), rope.to_local(grad_placements=[Partial()])], dim=-1)
+
+        return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
@@ -207,6 +242,10 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return GatherSequence() if sequence_parallel else None
     if name == "replicate":
         return ReplicateParallel()
+    if name == "sharded_input":
+        return ShardedInputParallel()
+    if name == "mla_kv_a":
+        return LatentKeyValueParallel(int(arg))
     raise ValueError(f"style {style!r} does not apply inside a block ({type(module).__name__})")
 
 

@@ -45,6 +45,8 @@ STYLES = {
     "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",
     "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
     "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
+    "sharded_input": "parameters replicated, run on a column-wise output split along its last dim (gradients summed)",
+    "mla_kv_a": "latent attention's kv_a_proj: replicated, its last N (rotary) features' gradient summed: 'mla_kv_a:N'",
     # around the blocks (paths from the root)
     "embedding": "vocabulary-parallel embedding (rows split over tp, any vocabulary size)",
     "position_embedding": "learned positions: replicated (sliced along the sequence under SP)",

@@ -266,7 +266,8 @@ class HFAdapter(ModelAdapter):
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:
         config = self.hf_config()
-        plan = tensor_plan_of(config)
+        plan = {**tensor_plan_of(config), **{k: v for k, v in (self.spec.tp_plan or {}).items()
+                                             if v.startswith(PLAIT_STYLE)}}  # hf_spec's styles for unplaced modules
         if not plan:
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
@@ -277,10 +278,13 @@ class HFAdapter(ModelAdapter):
                 continue
             if not pattern.startswith(f"{blocks_leaf}.*."):
                 continue
+            if style.startswith(PLAIT_STYLE):
+                block[pattern.removeprefix(f"{blocks_leaf}.*.")] = style.removeprefix(PLAIT_STYLE)
+                continue
             if style not in TP_STYLES:
                 raise ConfigError(f"{self.family}: tensor-parallel style {style!r} of {pattern} is not supported; "
                                   f"use tp=1")
-            block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style]
+            block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style].format(**vars(config))
         self._mark_key_values(block)
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
                               if s.startswith("colwise") and "." in name}):

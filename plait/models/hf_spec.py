@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import get_module, is_norm_module
+from plait.models.adapter import get_module
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -69,11 +69,11 @@ def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
     return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
 
 
-def measure_blocks(adapter) -> tuple[BlockCost, ...]:
-    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
-    model, config = adapter.meta_model, adapter.hf_config()
-    blocks = list(get_module(model, adapter.blocks_path))
-    hidden = int(config.hidden_size)
+def block_caller(adapter) -> Callable[[int], Callable[[nn.Module, torch.Tensor], Any]]:
+    """call(index)(block, x): layer `index` run on hidden states `x` (on meta) with what its class passes it."""
+    model = adapter.meta_model
+    blocks = get_module(model, adapter.blocks_path)
+    hidden = int(adapter.hf_config().hidden_size)
     arguments: dict[int, dict[int, tuple]] = {}
 
     def call(index: int):
@@ -81,14 +81,23 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
             seq = x.shape[1]
             if seq not in arguments:
                 calls, _ = _layer_arguments(adapter.model_class, model, blocks_path=adapter.blocks_path,
-                                         num_layers=len(blocks), pre=adapter.pre,
-                                         positions=torch.arange(seq, device="meta"),
-                                         hidden=torch.zeros(1, seq, hidden, device="meta"), stop_at=len(blocks) - 1)
+                                            num_layers=len(blocks), pre=adapter.pre,
+                                            positions=torch.arange(seq, device="meta"),
+                                            hidden=torch.zeros(1, seq, hidden, device="meta"),
+                                            stop_at=len(blocks) - 1)
                 arguments[seq] = calls
             _, args, kwargs = arguments[seq][index]
             return block(x, *args, **kwargs)
         return run
+    return call
 
+
+def measure_blocks(adapter) -> tuple[BlockCost, ...]:
+    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
+    model, config = adapter.meta_model, adapter.hf_config()
+    blocks = list(get_module(model, adapter.blocks_path))
+    hidden = int(config.hidden_size)
+    call = block_caller(adapter)
     measured: dict[tuple, BlockCost] = {}
     costs = []
     with _experts_batched(model):
@@ -150,27 +159,36 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     return measured[kind]
 
 
-def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:
-    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere ({pattern: UNPLACED}): under
-    tp a rank may feed them part of their input and keep a partial gradient nobody sums, so legality refuses tp.
-    Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
-    class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
-    (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
-    from plait.legality import UNPLACED
+def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:
+    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere, each with the style it can
+    run under ({pattern: "plait:replicate" | "plait:sharded_input" | UNPLACED}; plait.models.hf_flow finds which
+    is exact from one forward on meta, with `call` from block_caller). An UNPLACED one could see part of its input
+    and keep a partial gradient nobody sums, so legality refuses tp. Norms are taken as placed: the block's own
+    ones (over the whole hidden states) get plait's "norm" style, and a class's plan marks a norm over sharded
+    heads (replicated_with_grad_allreduce), so an unmarked one reads whole (gathered) projections (OLMo 2's
+    q_norm after colwise_gather_output)."""
+    from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_flow import unplaced_styles
 
-    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
-    out = {}
-    for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
-        for path, module in block.named_modules():
-            if not path or not any(True for _ in module.parameters(recurse=False)):
-                continue
-            if any(path == p or path.startswith(p + ".") for p in placed):
-                continue
-            if is_norm_module(module):
-                continue
-            out[f"{leaf}.*.{path}"] = UNPLACED
+    styles = {pattern.split("*.", 1)[-1]: style for pattern, style in tp_plan.items()}
+    out: dict[str, str] = {}
+    for index, block in enumerate(blocks):  # layers of one class may differ (hybrids: linear or full attention)
+        def run(module: nn.Module, index: int = index):
+            return call(index)(module, torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
+
+        found = unplaced_styles(block, styles, run if call is not None else _no_run, UNPLACED)
+        for path, style in found.items():
+            pattern = f"{leaf}.*.{path}"
+            mark = style if style == UNPLACED else PLAIT_STYLE + style
+            if out.get(pattern, mark) != mark:  # layers disagree: nothing is proven for the pattern
+                mark = UNPLACED
+            out[pattern] = mark
     return out
+
+
+def _no_run(module: nn.Module):
+    raise RuntimeError("no forward to read the data flow from")
 
 
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
@@ -195,7 +213,8 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
     blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
     if tp_plan:
-        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan))
+        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan, block_caller(probe),
+                                        int(config.hidden_size)))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),

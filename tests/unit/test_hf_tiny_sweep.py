@@ -83,3 +83,61 @@ def test_an_embedding_that_normalizes_is_no_norm():
         assert not is_norm_module(InklingNormedEmbedding(10, 8, padding_idx=0, norm_eps=1e-6))
         assert is_norm_module(InklingRMSNorm(8))
         assert not is_norm_module(nn.Linear(2, 2))
+
+
+class _Toy(nn.Module):
+    """up (column-wise) -> scale (parameters, on up's output) -> down (row-wise); `side` (parameters) reads the
+    whole input and feeds `gate` (column-wise); `leak` (parameters) reads the whole input and adds into the split
+    width, where a rank would keep a partial gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.up, self.mlp.gate, self.mlp.down = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+        self.mlp.side, self.mlp.leak = nn.Linear(4, 4), nn.Linear(4, 8)
+        self.mlp.scale = _Scale()
+
+    def forward(self, x):
+        m = self.mlp
+        return m.down(m.scale(m.up(x)) * m.gate(m.side(x)) + m.leak(x))
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.alpha
+
+
+def test_unplaced_modules_replicated_only_where_exact():
+    from plait.models.hf_flow import unplaced_styles
+
+    styles = {"mlp.up": "colwise", "mlp.gate": "colwise", "mlp.down": "rowwise"}
+    found = unplaced_styles(_Toy(), styles, lambda block: block(torch.zeros(2, 4, requires_grad=True)), "unplaced")
+    assert found == {"mlp.side": "replicate", "mlp.scale": "sharded_input", "mlp.leak": "unplaced"}
+    experts = {**styles, "mlp.experts": "moe_tp_experts"}  # a style the walk does not know proves nothing
+    found = unplaced_styles(_Toy(), experts, lambda block: block(torch.zeros(2, 4, requires_grad=True)), "unplaced")
+    assert set(found.values()) == {"unplaced"}
+
+
+@pytest.mark.parametrize("family,path,style", [("minicpm3", "layers.*.self_attn.q_a_proj", "plait:replicate"),
+                                               ("apertus", "layers.*.mlp.act_fn", "plait:sharded_input")])
+def test_classes_unplaced_modules_admitted_under_tp(sweep, tmp_path, family, path, style):
+    from plait.legality import tensor_problems
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny(family, tmp_path) is None
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan[path] == style and "unplaced" not in spec.tp_plan.values()
+    assert not tensor_problems(spec, 2)
+
+
+def test_a_replicated_attention_outside_a_gathered_parent_stays_refused(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("youtu", tmp_path) is None  # its plan places no attention module
+    (problem,) = tensor_problems(load_model(str(tmp_path)), 2)
+    assert problem.rule == "tp-places-parameters" and "self_attn" in str(problem)

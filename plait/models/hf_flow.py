@@ -1,0 +1,115 @@
+"""Where a Hugging Face block's tensors are split over the tensor ranks, read from one forward of it on meta: which
+modules a class's tensor-parallel plan leaves unplaced can run replicated and stay exact.
+
+Under a class's plan, the tensors between a column-wise projection's output and a row-wise projection's input are
+split over the tensor ranks (the *sharded region*: heads, MLP width); everything else in a block is whole on every
+rank (the input, after a row-wise sum, after a gathered column-wise projection). The region is found in autograd's
+graph of one forward on meta: every node reached walking back from a row-wise input, stopping at column-wise
+outputs. A module whose parameters the plan places nowhere is then
+
+* ``replicate``: its input and its output both lie outside the region (an MLA ``q_a_proj`` feeding a column-wise
+  ``q_b_proj``; a linear-attention block between gathered projections). Every rank computes it whole on the same
+  input; the column-wise projections after it all-reduce their input gradients, so its gradient is whole too;
+* ``sharded_input``: its input is exactly a column-wise projection's output (an activation with learned
+  parameters after ``up_proj``: Apertus' xIELU). Its input is declared split along the last dim and its
+  parameters replicated: DTensor computes it exactly and sums their gradients over the ranks;
+* left unplaced otherwise (its output mixes into the region outside a column-wise projection, like an MLA key's
+  rotary part, or its input is split some other way): legality's ``tp-places-parameters`` refuses tp.
+
+Under sequence parallelism a module sees the whole sequence only inside a parent that gathers it (one with a
+column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input"); a module outside such a parent stays
+unplaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plait.models.adapter import is_norm_module
+
+ROW_SINKS = ("rowwise",)
+"""Styles whose input is split over the tensor ranks (their output is summed whole)."""
+UNDERSTOOD = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+              "mla_kv_a_proj")
+"""The styles whose boundaries the walk knows; a block whose plan holds another (experts split over tensor ranks,
+whose routing weights meet partial outputs) proves nothing."""
+
+
+def _node(value: Any):
+    """autograd's node of the first tensor in `value` (a tensor, or a tuple / list starting with one)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return value.grad_fn if isinstance(value, torch.Tensor) else None
+
+
+def module_flow(block: nn.Module, run: Callable[[nn.Module], Any]) -> dict[str, tuple]:
+    """{module path: (node of its input, node of its output)} of one forward `run(block)` (on meta)."""
+    seen: dict[str, tuple] = {}
+
+    def hook(path: str):
+        def record(module, args, kwargs, output):
+            first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+            seen.setdefault(path, (_node(first), _node(output)))
+        return record
+
+    hooks = [module.register_forward_hook(hook(path), with_kwargs=True)
+             for path, module in block.named_modules() if path]
+    try:
+        run(block)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return seen
+
+
+def sharded_region(flow: dict[str, tuple], styles: dict[str, str]) -> set:
+    """The autograd nodes between column-wise outputs and row-wise inputs (see the module docstring). The walk
+    stops at every placed module's output: its style owns what lies behind it."""
+    stops = {flow[p][1] for p in styles if p in flow and flow[p][1] is not None}
+    stack = [flow[p][0] for p, s in styles.items() if s in ROW_SINKS and p in flow and flow[p][0] is not None]
+    region: set = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in region:
+            continue
+        region.add(node)
+        if node not in stops:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return region
+
+
+def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.Module], Any],
+                    unplaced: str) -> dict[str, str]:
+    """{path: style} for each module of `block` holding parameters the plan `styles` ({block-relative path: style})
+    places nowhere: "replicate", "sharded_input", or `unplaced` (see the module docstring)."""
+    placed = list(styles)
+    candidates = [path for path, module in block.named_modules()
+                  if path and any(True for _ in module.parameters(recurse=False)) and not is_norm_module(module)
+                  and not any(path == p or path.startswith(p + ".") for p in placed)]
+    if not candidates:
+        return {}
+    if any(style not in UNDERSTOOD for style in styles.values()):
+        return {path: unplaced for path in candidates}
+    try:
+        flow = module_flow(block, run)
+    except Exception:  # a block that does not run on meta: nothing is proven
+        return {path: unplaced for path in candidates}
+    region = sharded_region(flow, styles)
+    column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
+    gathered = {p.rsplit(".", 1)[0] for p, s in styles.items() if "colwise" in s and "." in p}
+    out = {}
+    for path in candidates:
+        entry, exit_ = flow.get(path, (None, None))
+        inside_gather = any(path.startswith(parent + ".") for parent in gathered)
+        if path not in flow or not inside_gather:
+            out[path] = unplaced
+        elif entry not in region and exit_ not in region:
+            out[path] = "replicate"
+        elif entry in column_outputs and entry is not None:
+            out[path] = "sharded_input"
+        else:
+            out[path] = unplaced
+    return out
