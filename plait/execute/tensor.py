@@ -211,6 +211,33 @@ class LatentKeyValueParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
 
 
+def split_local_parameter(owner: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    """transformers' "local_params": a bare parameter of `owner` (attention sinks, one per head) split along its
+    first dim over the tensor ranks, and read as the rank's local slice while `owner` runs (its heads are the
+    rank's heads), its gradient flowing back to the slice."""
+    param = owner._parameters[name]
+    if not isinstance(param, DTensor):
+        owner.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                    requires_grad=param.requires_grad))
+    split = owner.__dict__.setdefault("_plait_local_parameters", [])
+    if split:  # the forward is wrapped once; it swaps every split parameter
+        split.append(name)
+        return
+    split.append(name)
+    original = owner.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        whole = {key: owner._parameters[key] for key in split}
+        try:
+            for key, value in whole.items():
+                owner._parameters[key] = value.to_local()
+            return original(*args, **kwargs)
+        finally:
+            owner._parameters.update(whole)
+
+    owner.forward = forward
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
@@ -270,14 +297,20 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             for path, style in plan.root.items() if get_module(stage, path) is not None}
     parallelize_module(stage, tp_mesh, root)
     for block in stage.stage_blocks().values():
-        styles = {}
+        styles, local = {}, []
         for pattern, style in plan.block.items():
             module = get_module(block, pattern)
             if module is None:
+                continue
+            if style == "local_param":
+                local.append(pattern)
                 continue
             parallel = block_style(style, module, sequence_parallel)
             if parallel is not None:
                 styles[pattern] = parallel
         parallelize_module(block, tp_mesh, styles)
+        for path in local:
+            owner_path, _, leaf = path.rpartition(".")
+            split_local_parameter(get_module(block, owner_path), leaf, tp_mesh)
         adapter.after_tensor_parallel(block, tp_mesh.size())
     stage.retie()  # distributing replaced the parameters, which unties an output layer from its embedding

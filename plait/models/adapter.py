@@ -46,6 +46,8 @@ STYLES = {
     "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
     "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
     "sharded_input": "parameters replicated, run on a column-wise output split along its last dim (gradients summed)",
+    "local_param": "a bare parameter of a module (attention sinks, per head) split along its first dim, read as the "
+                   "rank's slice while its module runs (transformers' 'local_params')",
     "mla_kv_a": "latent attention's kv_a_proj: replicated, its last N (rotary) features' gradient summed: 'mla_kv_a:N'",
     # around the blocks (paths from the root)
     "embedding": "vocabulary-parallel embedding (rows split over tp, any vocabulary size)",

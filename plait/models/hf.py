@@ -285,6 +285,7 @@ class HFAdapter(ModelAdapter):
                 raise ConfigError(f"{self.family}: tensor-parallel style {style!r} of {pattern} is not supported; "
                                   f"use tp=1")
             block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style].format(**vars(config))
+        self._local_parameters(block)
         self._mark_key_values(block)
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
                               if s.startswith("colwise") and "." in name}):
@@ -292,6 +293,23 @@ class HFAdapter(ModelAdapter):
         for name in self._block_norms():
             block.setdefault(name, "norm")
         return TensorPlan(block=block, root=self._root_plan())
+
+    def _local_parameters(self, block_plan: dict[str, str]) -> None:
+        """transformers' "local_params" on a module whose bare parameters its plan splits (attention sinks, one per
+        head, "colwise"): each such parameter becomes "local_param" (split along its first dim; the module reads
+        its rank's slice, as its heads are the rank's), and the module itself keeps its other roles (gathered
+        input under sequence parallelism)."""
+        owners = [path for path, style in block_plan.items() if style == "local_params"]
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        for path, style in list(block_plan.items()):
+            if isinstance(get_module(block, path), nn.Parameter):
+                owner = path.rpartition(".")[0]
+                if owner not in owners or style != "colwise":
+                    raise ConfigError(f"{self.family}: its tensor-parallel plan gives parameter {path} style {style!r}"
+                                      f" outside a 'local_params' module, which plait does not run; use tp=1")
+                block_plan[path] = "local_param"
+        for owner in owners:
+            del block_plan[owner]
 
     def _mark_key_values(self, block_plan: dict[str, str]) -> None:
         """Column-wise projections num_kv_heads heads wide (fewer than the query heads) become "colwise_kv", so that

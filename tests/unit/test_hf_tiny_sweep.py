@@ -141,3 +141,15 @@ def test_a_replicated_attention_outside_a_gathered_parent_stays_refused(sweep, t
     assert sweep.write_tiny("youtu", tmp_path) is None  # its plan places no attention module
     (problem,) = tensor_problems(load_model(str(tmp_path)), 2)
     assert problem.rule == "tp-places-parameters" and "self_attn" in str(problem)
+
+
+def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("granite_swa", tmp_path) is None  # "self_attn": local_params, "self_attn.sinks": colwise
+    spec = load_model(str(tmp_path))
+    assert not tensor_problems(spec, 2)
+    block = adapter_for(spec).tp_plan().block
+    assert block["self_attn.sinks"] == "local_param" and block["self_attn"] == "gather_input"
