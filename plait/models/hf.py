@@ -230,7 +230,25 @@ class HFAdapter(ModelAdapter):
     def _around(self, stage: nn.Module, ctx: StageContext, **kwargs):
         return around_layers(self.model_class, stage, blocks_path=self.blocks_path, num_layers=self.num_layers,
                              pre=self.pre, positions=ctx.positions, as_tuple=self.structure.layer_returns_tuple,
-                             **kwargs)
+                             causal_mask=self.needs_causal_mask, **kwargs)
+
+    @functools.cached_property
+    def needs_causal_mask(self) -> bool:
+        """Whether the class's layers fail without a mask and run with a 4-D causal one (DeepSeek-V3.2-style sparse
+        attention, whose indexer reads the mask itself): then plait hands its forward one. Others get none, and
+        attention runs SDPA's causal path."""
+        from plait.models.hf_spec import block_caller, experts_batched
+
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        x = torch.zeros(1, 8, int(self.hf_config().hidden_size), device="meta")
+        for masked in (False, True):
+            try:
+                with experts_batched(self.meta_model):
+                    block_caller(self, causal_mask=masked)(0)(block, x)
+                return masked
+            except Exception:
+                continue
+        return False
 
     @functools.cached_property
     def num_layers(self) -> int:

@@ -69,8 +69,10 @@ def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
     return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
 
 
-def block_caller(adapter) -> Callable[[int], Callable[[nn.Module, torch.Tensor], Any]]:
-    """call(index)(block, x): layer `index` run on hidden states `x` (on meta) with what its class passes it."""
+def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Callable[[nn.Module, torch.Tensor], Any]]:
+    """call(index)(block, x): layer `index` run on hidden states `x` (on meta) with what its class passes it (with a
+    4-D causal mask where the class needs one: HFAdapter.needs_causal_mask)."""
+    masked = adapter.needs_causal_mask if causal_mask is None else causal_mask
     model = adapter.meta_model
     blocks = get_module(model, adapter.blocks_path)
     hidden = int(adapter.hf_config().hidden_size)
@@ -84,7 +86,7 @@ def block_caller(adapter) -> Callable[[int], Callable[[nn.Module, torch.Tensor],
                                             num_layers=len(blocks), pre=adapter.pre,
                                             positions=torch.arange(seq, device="meta"),
                                             hidden=torch.zeros(1, seq, hidden, device="meta"),
-                                            stop_at=len(blocks) - 1)
+                                            stop_at=len(blocks) - 1, causal_mask=masked)
                 arguments[seq] = calls
             _, args, kwargs = arguments[seq][index]
             return block(x, *args, **kwargs)
@@ -100,7 +102,7 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     call = block_caller(adapter)
     measured: dict[tuple, BlockCost] = {}
     costs = []
-    with _experts_batched(model):
+    with experts_batched(model):
         for index, block in enumerate(blocks):
             costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
     return tuple(costs)
@@ -123,7 +125,7 @@ def _layer_arguments(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def _experts_batched(model: nn.Module):
+def experts_batched(model: nn.Module):
     """transformers' experts in their "batched_mm" form while measuring: each token's top-k experts' weights
     gathered and multiplied, which runs on meta (the eager loop over routed experts needs real routing) and counts
     exactly the routed FLOPs."""

@@ -71,7 +71,8 @@ def swapped(root: nn.Module, replacements: dict[str, nn.Module | None]) -> Itera
 
 def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_layers: int, pre: tuple[str, ...],
                   positions: torch.Tensor, tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                  stop_at: int | None = None, as_tuple: bool = False) -> tuple[dict[int, tuple], Any]:
+                  stop_at: int | None = None, as_tuple: bool = False,
+                  causal_mask: bool = False) -> tuple[dict[int, tuple], Any]:
     """Run `model_class.forward` on `root` (the model, or a Stage holding its modules) with its layers stood in for.
 
     With `tokens`, the model embeds them itself; with `hidden` ([b, s, h]), its pre-layer modules add nothing and
@@ -84,6 +85,12 @@ def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_l
     if tokens is None:
         replacements.update({path: ZeroStandIn() for path in pre})
     inputs = {"input_ids": tokens} if tokens is not None else {"inputs_embeds": torch.zeros_like(hidden)}
+    if causal_mask:  # a class whose layers read the mask themselves (sparse-attention indexers): a 4-D one, which
+        # transformers' mask builders hand on as it is
+        length = positions.shape[-1]
+        batch = (tokens if tokens is not None else hidden).shape[0]
+        allowed = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+        inputs["attention_mask"] = allowed.expand(batch, 1, length, length)
     with swapped(root, replacements):
         try:
             out = model_class.forward(root, **inputs, position_ids=positions[None], use_cache=False)

@@ -153,3 +153,13 @@ def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp
     assert not tensor_problems(spec, 2)
     block = adapter_for(spec).tp_plan().block
     assert block["self_attn.sinks"] == "local_param" and block["self_attn"] == "gather_input"
+
+
+def test_a_class_whose_layers_read_the_mask_gets_a_causal_one(sweep, tmp_path):
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("deepseek_v32", tmp_path / "dsa") is None  # its indexer slices the mask it is given
+    assert sweep.write_tiny("qwen3", tmp_path / "qwen3") is None
+    assert adapter_for(load_model(str(tmp_path / "dsa"))).needs_causal_mask
+    assert not adapter_for(load_model(str(tmp_path / "qwen3"))).needs_causal_mask  # SDPA's causal path, no mask
