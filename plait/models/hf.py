@@ -15,7 +15,10 @@ What plait changes when it builds a model, and why:
   plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
   math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
   exchange keys and values; no mask function is registered under that name, so the class passes no mask and
-  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window);
+  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window), except
+  for a class whose layers read the mask themselves (HFAdapter.needs_causal_mask: a 4-D causal one);
+* parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
+  (HFAdapter.untrained_parameters);
 * after `to_empty`, every buffer is copied from the class's own construction with parameters on meta (they
   hold garbage otherwise; the loss then differs by ~1e-4).
 """
