@@ -36,7 +36,8 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.legality import HF_TP_STYLES, PLAIT_STYLE
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
-from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers, untrained_parameters
+from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
+                                      untrained_parameters)
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
@@ -193,9 +194,12 @@ class HFAdapter(ModelAdapter):
 
     @functools.cached_property
     def untrained_parameters(self) -> frozenset[str]:
-        """Parameters a text-only forward never reaches (a multimodal class's image and audio encoders): frozen,
-        as they would get no gradient; data parallelism would otherwise wait for their gradients forever."""
-        return untrained_parameters(self.meta_model, self.structure)
+        """Parameters the loss never reaches (a multimodal class's image and audio encoders in a text-only forward;
+        a sparse-attention indexer, whose top-k selection passes no gradient): frozen, as they would get no
+        gradient anyway; data parallelism would otherwise wait for their gradients forever."""
+        from plait.models.hf_spec import untrained_block_parameters
+
+        return untrained_parameters(self.meta_model, self.structure) | untrained_block_parameters(self)
 
     @property
     def structure(self) -> Structure:
@@ -282,6 +286,9 @@ class HFAdapter(ModelAdapter):
         return out.logits
 
     def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        if self.needs_causal_mask:
+            return model(input_ids=tokens, attention_mask=causal_mask(tokens.shape[0], tokens.shape[1],
+                                                                       tokens.device)).logits
         return model(input_ids=tokens).logits
 
     # ---- parallelism as data -------------------------------------------------------------

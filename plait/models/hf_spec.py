@@ -94,6 +94,31 @@ def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Ca
     return call
 
 
+def untrained_block_parameters(adapter) -> frozenset[str]:
+    """Names of the layers' parameters that get no gradient from a layer's output (a sparse-attention indexer: its
+    top-k picks positions, no gradient flows back), found on meta, one layer of each kind."""
+    model, config = adapter.meta_model, adapter.hf_config()
+    blocks = list(get_module(model, adapter.blocks_path))
+    hidden = int(config.hidden_size)
+    call, first_of_kind, out = block_caller(adapter), {}, set()
+    for index, block in enumerate(blocks):
+        first_of_kind.setdefault(_layer_kind(config, index, block), index)
+    for index in first_of_kind.values():
+        named = [(n, p) for n, p in blocks[index].named_parameters() if p.requires_grad]
+        try:
+            with experts_batched(model):
+                result = call(index)(blocks[index], torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
+            result = result[0] if isinstance(result, tuple) else result
+            grads = torch.autograd.grad(result.sum(), [p for _, p in named], allow_unused=True)
+        except Exception:  # a layer that does not run on meta: nothing is frozen
+            continue
+        unused = {n for (n, _), g in zip(named, grads) if g is None}
+        for other, block in enumerate(blocks):
+            if _layer_kind(config, other, block) == _layer_kind(config, index, blocks[index]):
+                out.update(f"{adapter.blocks_path}.{other}.{n}" for n in unused)
+    return frozenset(out)
+
+
 def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
     model, config = adapter.meta_model, adapter.hf_config()

@@ -69,6 +69,12 @@ def swapped(root: nn.Module, replacements: dict[str, nn.Module | None]) -> Itera
             set_module(root, path, module)
 
 
+def causal_mask(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """A 4-D boolean causal mask [batch, 1, length, length], which transformers' mask builders hand on as it is."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return allowed.expand(batch, 1, length, length)
+
+
 def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_layers: int, pre: tuple[str, ...],
                   positions: torch.Tensor, tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                   stop_at: int | None = None, as_tuple: bool = False,
@@ -85,12 +91,9 @@ def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_l
     if tokens is None:
         replacements.update({path: ZeroStandIn() for path in pre})
     inputs = {"input_ids": tokens} if tokens is not None else {"inputs_embeds": torch.zeros_like(hidden)}
-    if causal_mask:  # a class whose layers read the mask themselves (sparse-attention indexers): a 4-D one, which
-        # transformers' mask builders hand on as it is
-        length = positions.shape[-1]
-        batch = (tokens if tokens is not None else hidden).shape[0]
-        allowed = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
-        inputs["attention_mask"] = allowed.expand(batch, 1, length, length)
+    if causal_mask:  # a class whose layers read the mask themselves (sparse-attention indexers)
+        inputs["attention_mask"] = globals()["causal_mask"]((tokens if tokens is not None else hidden).shape[0],
+                                                            positions.shape[-1], positions.device)
     with swapped(root, replacements):
         try:
             out = model_class.forward(root, **inputs, position_ids=positions[None], use_cache=False)

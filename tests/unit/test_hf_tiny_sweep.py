@@ -161,5 +161,8 @@ def test_a_class_whose_layers_read_the_mask_gets_a_causal_one(sweep, tmp_path):
 
     assert sweep.write_tiny("deepseek_v32", tmp_path / "dsa") is None  # its indexer slices the mask it is given
     assert sweep.write_tiny("qwen3", tmp_path / "qwen3") is None
-    assert adapter_for(load_model(str(tmp_path / "dsa"))).needs_causal_mask
+    dsa = adapter_for(load_model(str(tmp_path / "dsa")))
+    assert dsa.needs_causal_mask
+    frozen = dsa.untrained_parameters  # its indexer's top-k passes no gradient back: frozen, not waited for
+    assert frozen and all(".self_attn.indexer." in name for name in frozen)
     assert not adapter_for(load_model(str(tmp_path / "qwen3"))).needs_causal_mask  # SDPA's causal path, no mask
