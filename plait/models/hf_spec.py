@@ -134,13 +134,14 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
 
 
 class LayerInputsFromTokens(Exception):
-    """The class's forward cannot compute its layers' inputs from hidden states alone."""
+    """The class's forward cannot run around its layers with only hidden states passed between them."""
 
 
 def _layer_arguments(*args, **kwargs):
     """What the class passes its layers, found as a pipeline stage finds it: its forward with the modules before the
     layers left out and hidden states handed in. A class whose layers take inputs computed from the token ids
-    (Gemma 3n's and Gemma 4's per-layer embeddings) fails here: plait's stages pass on hidden states only."""
+    (Gemma 3n's and Gemma 4's per-layer embeddings) or hand values on to the next layer (GLM-MoE-DSA's top-k
+    indices) fails here: plait's stages pass on hidden states only."""
     from plait.models.hf_structure import around_layers
 
     try:
@@ -175,10 +176,11 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
         try:
             measured[kind] = measure_block(block, hidden, call(index))
         except LayerInputsFromTokens as error:
-            raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot hand layer {index} "
-                              f"({type(block).__name__}) its inputs from hidden states alone ({error}): its layers "
-                              f"take inputs computed from the token ids, and plait's stages pass on hidden states "
-                              f"only [rule hf-layer-inputs-from-tokens]") from None
+            raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
+                              f"layers ({type(block).__name__}) with only hidden states passed between them "
+                              f"({error}): its layers take or hand on more (inputs computed from the token ids, "
+                              f"values passed from layer to layer), and plait's stages pass on hidden states only "
+                              f"[rule hf-layers-pass-hidden-states]") from None
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "

@@ -1,7 +1,7 @@
 """The sweep's tiny configs (benchmarks/hf_families.py) and what the adapter does with the classes they opened up:
 per-layer lists cut to a layer of each kind, sizes a class leaves None filled, transformers' heterogeneous
 per_layer_config shrunk; a multimodal class's encoders that a text forward never reaches frozen; an embedding that
-normalizes its output is no norm; a class whose layers take inputs computed from the token ids refused by rule."""
+normalizes its output is no norm; a class whose layers take more than hidden states refused by rule."""
 
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def test_heterogeneous_config_shrunk_and_run_by_transformers(sweep, tmp_path):
     assert all(v <= 64 for overrides in per_layer.values() for v in overrides.values() if isinstance(v, int))
 
 
-def test_inputs_from_tokens_are_refused_by_rule(sweep, tmp_path):
+def test_layers_taking_more_than_hidden_states_are_refused_by_rule(sweep, tmp_path):
     from plait.spec.load import load_model
 
     assert sweep.write_tiny("gemma4_text", tmp_path) is None
-    with pytest.raises(ConfigError, match=r"hf-layer-inputs-from-tokens"):
+    with pytest.raises(ConfigError, match=r"hf-layers-pass-hidden-states"):
         load_model(str(tmp_path))
 
 
