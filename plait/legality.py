@@ -112,7 +112,7 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
 HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
                 "packed_colwise": "colwise_packed:2", "colwise_gather_output": "colwise_gather",
                 "rowwise_split_input": "rowwise_split", "mla_kv_a_proj": "mla_kv_a:{qk_rope_head_dim}",
-                "local_params": "local_params"}
+                "local_params": "local_params", "moe_tp_experts": "experts"}
 """transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES;
 "{key}" is the config's value of key).
 A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
@@ -120,6 +120,16 @@ UNPLACED = "unplaced"
 """ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
 PLAIT_STYLE = "plait:"
 """Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
+HF_EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+"""transformers' expert-parallel styles plait runs (plait/execute/hf_experts.py): the experts' weights split by
+expert, the tokens dispatched to them."""
+
+
+def under_class_experts(plan: dict[str, str]) -> set[str]:
+    """The patterns of a class's tensor plan inside its experts module (style moe_tp_experts): the experts' own
+    weights, which plait splits itself, Megatron's way, whatever the plan names them (plait/execute/hf_experts.py)."""
+    experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
+    return {pattern for pattern in plan if any(pattern.startswith(e + ".") for e in experts)}
 
 
 def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
@@ -134,8 +144,9 @@ def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
         return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
                           f"tensor-parallel plan places nowhere (a tensor rank could see part of its input and keep a "
                           f"partial gradient); use tp=1")]
-    unknown = [(pattern, style) for pattern, style in model.tp_plan.items()
-               if style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
+    inside_experts = under_class_experts(model.tp_plan)
+    unknown = [(pattern, style) for pattern, style in model.tp_plan.items() if pattern not in inside_experts
+               and style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
     if unknown:
         pattern, style = unknown[0]
         return [Violation("tp-style-runs", f"tp={tp}: {model.name}'s module {pattern} has tensor-parallel style "
@@ -187,11 +198,26 @@ def expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
         return [Violation("ep-needs-experts", f"ep={ep} needs a mixture-of-experts model; {model.name} has no "
                           f"experts (use ep=1)")]
     if model.source.startswith("hf:"):
-        return [Violation("ep-needs-plait-moe", f"ep={ep}: {model.name}'s experts run as its Hugging Face class wrote "
-                          f"them, which plait does not split over ranks yet; use ep=1")]
+        problems = _class_expert_problems(model, ep)
+        if problems:
+            return problems
     if model.num_experts % ep:
         return [Violation("ep-divides-experts", f"num_experts={model.num_experts} is not divisible by ep={ep}; "
                           f"use an ep among {_divisors(model.num_experts)}")]
+    return []
+
+
+def _class_expert_problems(model: "ModelSpec", ep: int) -> list[Violation]:
+    """A Hugging Face class splits its experts over ep as its own expert-parallel plan declares (ModelSpec.ep_plan):
+    the experts' weights by expert, the tokens dispatched to them; any other style is refused."""
+    if not model.ep_plan:
+        return [Violation("ep-needs-class-plan", f"ep={ep}: {model.name} declares no expert-parallel plan "
+                          f"(base_model_ep_plan) for its experts; use ep=1")]
+    unknown = [(pattern, style) for pattern, style in model.ep_plan.items() if style not in HF_EP_STYLES]
+    if unknown:
+        pattern, style = unknown[0]
+        return [Violation("ep-style-runs", f"ep={ep}: {model.name}'s module {pattern} has expert-parallel style "
+                          f"{style!r}, which plait does not run (it runs {', '.join(HF_EP_STYLES)}); use ep=1")]
     return []
 
 

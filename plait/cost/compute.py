@@ -176,6 +176,16 @@ def replicated_kv_flops(model: ModelSpec, tokens: float, tp: int) -> float:
     return 2.0 * tokens * replicated_kv_weights(model, tp)
 
 
+def layer_expert_weights(model: ModelSpec) -> float:
+    """Weights of one layer's routed experts: the closed form, or the mean measured block's (a Hugging Face class,
+    whose dense layers hold none)."""
+    if not model.num_experts:
+        return 0.0
+    if model.blocks:
+        return sum(b.expert_params for b in model.blocks) / len(model.blocks)
+    return model.num_experts * expert_weights(model)
+
+
 def expert_weights(model: ModelSpec) -> int:
     """Weights of one expert (no biases: plait.models.moe.Experts)."""
     return (3 if model.gated_mlp else 2) * model.hidden_size * model.moe_ffn_hidden_size
@@ -184,8 +194,10 @@ def expert_weights(model: ModelSpec) -> int:
 def expert_flops(model: ModelSpec, tokens: float) -> float:
     """Forward FLOPs of the experts over `tokens` tokens (k experts each): the part of layer_flops that expert
     parallelism moves and the router's imbalance stretches."""
-    if not model.num_experts or model.blocks:
+    if not model.num_experts:
         return 0.0
+    if model.blocks:  # measured (a Hugging Face class's experts): the mean block's
+        return tokens * sum(b.expert_flops_per_token for b in model.blocks) / len(model.blocks)
     return 2.0 * tokens * model.experts_per_token * expert_weights(model)
 
 

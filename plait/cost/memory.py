@@ -46,7 +46,7 @@ import numpy as np
 from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_bytes, head_saved_bytes,
                                     layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
                                     stage_input_is_kept)
-from plait.cost.compute import block_weights, expert_weights, replicated_kv_weights
+from plait.cost.compute import block_weights, layer_expert_weights, replicated_kv_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
 from plait.cost.schedule import V_SCHEDULES, rank_actions
@@ -69,7 +69,7 @@ def layer_params(model: ModelSpec, tp: int, ep: int = 1) -> float:
     """Parameters of one layer on one device: weights split by tp, the two norms replicated, the experts split over
     ep too; key and value projections whole on every tensor rank where tp exceeds their heads."""
     norms = 2 * model.norm_params
-    experts = model.num_experts * expert_weights(model) if model.num_experts and not model.blocks else 0
+    experts = layer_expert_weights(model)
     replicated = replicated_kv_weights(model, tp) * (1 - 1 / tp)  # held whole, not the 1/tp counted above
     return (model.params_per_layer - norms - experts) / tp + norms + experts / tp / ep + replicated
 
@@ -79,9 +79,9 @@ def expert_params(model: ModelSpec, tp: int, ep: int) -> float:
     their width, where expert or tensor parallelism makes them DTensors (plait/execute/expert.py) that the carrier
     shards over their own copies (`expert_state_bytes`); 0 where they are plain parameters the carrier shards like
     the rest (ep = tp = 1) or the model has no experts."""
-    if not model.num_experts or model.blocks or (ep == 1 and tp == 1):
+    if not model.num_experts or (ep == 1 and tp == 1):
         return 0.0
-    return model.num_experts * expert_weights(model) / tp / ep
+    return layer_expert_weights(model) / tp / ep
 
 
 def first_stage_params(model: ModelSpec, tp: int) -> float:

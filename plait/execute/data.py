@@ -54,7 +54,7 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     copy has seen. Where `expert_mesh` has one rank they stay out (ReplicatedGradients divides them)."""
     from plait.execute.state import clean_name
 
-    ignored = unshardable(stage)
+    ignored = unshardable(stage) | other_dtype(stage)
     # names, not objects: to_empty replaces the parameter objects
     stage.dp_replicated = {clean_name(name) for name, p in stage.named_parameters() if p in ignored}
     kwargs = {"reshard_after_forward": reshard_after_forward}
@@ -75,6 +75,19 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
         fully_shard(block, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(stage, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     return stage
+
+
+def other_dtype(stage: nn.Module) -> set[nn.Parameter]:
+    """Parameters of a block whose dtype is not most of the block's (transformers' routers, attention sinks and
+    routing biases kept in float32 whatever the model's dtype: DeepSeek-V3, GPT-OSS-like sinks, AFMoE): fully_shard
+    wants one dtype per unit, so they stay whole on every dp rank; ReplicatedGradients averages their gradients."""
+    out: set[nn.Parameter] = set()
+    for block in stage.stage_blocks().values():
+        dtypes = [p.dtype for p in block.parameters()]
+        if len(set(dtypes)) > 1:
+            main = max(set(dtypes), key=dtypes.count)
+            out |= {p for p in block.parameters() if p.dtype != main}
+    return out
 
 
 def _hidden_width(experts: nn.Module):

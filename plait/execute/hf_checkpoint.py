@@ -80,12 +80,16 @@ def load_hf_weights(parts: list[nn.Module], tied: dict[str, str], directory: str
         for part in parts:
             for name, param in plain_named_parameters(part, remove_duplicate=False):
                 key = _stored_name(name, files, tied)
-                if key is None:
-                    raise ConfigError(f"{directory}: the checkpoint has no tensor {name!r} (nor a tied one); is it "
-                                      f"a checkpoint of this model?")
-                if files[key] not in handles:
-                    handles[files[key]] = safe_open(str(files[key]), framework="pt")
-                full = handles[files[key]].get_tensor(key)
+
+                def read(stored: str) -> torch.Tensor:
+                    if files[stored] not in handles:
+                        handles[files[stored]] = safe_open(str(files[stored]), framework="pt")
+                    return handles[files[stored]].get_tensor(stored)
+
+                full = read(key) if key is not None else _stacked_experts(name, files, read)
+                if full is None:
+                    raise ConfigError(f"{directory}: the checkpoint has no tensor {name!r} (nor a tied one, nor its "
+                                      f"experts one by one); is it a checkpoint of this model?")
                 _copy_into(param, full, name)
     finally:
         handles.clear()
@@ -99,6 +103,27 @@ def _stored_name(name: str, files: dict[str, Path], tied: dict[str, str]) -> str
         for key in (candidate, candidate.partition(".")[2]):
             if key in files:
                 return key
+    return None
+
+
+PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+"""A transformers experts weight [E, ...] -> the per-expert Linear weights `save_pretrained` writes for it
+(`experts.<e>.gate_proj.weight`, ...; transformers fuses them when it loads), concatenated in this order."""
+
+
+def _stacked_experts(name: str, files: dict[str, Path], read) -> torch.Tensor | None:
+    """A fused experts weight (`...experts.gate_up_proj`) assembled from its experts one by one, as save_pretrained
+    writes Qwen2/3-MoE, OLMoE, DeepSeek-V3 and their kin; None where the file holds neither."""
+    prefix, _, leaf = name.rpartition(".")
+    for base in (prefix, prefix.partition(".")[2]):
+        parts = []
+        for projection in PER_EXPERT.get(leaf, ()):
+            experts = []
+            while (key := f"{base}.{len(experts)}.{projection}.weight") in files:
+                experts.append(read(key))
+            parts.append(torch.stack(experts) if experts else None)
+        if parts and all(p is not None for p in parts):
+            return torch.cat(parts, dim=1)
     return None
 
 

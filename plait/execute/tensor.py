@@ -65,6 +65,10 @@ class ReplicateParallel(ParallelStyle):
         return tuple(_to_replicated(x, device_mesh) for x in inputs)
 
     def _output_fn(self, module: nn.Module, output: DTensor, device_mesh: DeviceMesh):
+        if isinstance(output, tuple):  # a router's (logits, weights, expert ids)
+            return tuple(self._output_fn(module, item, device_mesh) for item in output)
+        if not isinstance(output, DTensor):
+            return output
         if output.placements != (self.output_layout,):
             output = output.redistribute(device_mesh, [self.output_layout])
         return output.to_local()
@@ -273,6 +277,15 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return ShardedInputParallel()
     if name == "mla_kv_a":
         return LatentKeyValueParallel(int(arg))
+    if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)
+        return None
+    if name == "moe_block":  # a pattern the class's dense layers share with its MoE blocks (their "mlp")
+        from plait.execute.hf_experts import MoeBlockParallel
+        from plait.models.hf_experts import class_experts
+
+        if class_experts(module):
+            return MoeBlockParallel(sequence_parallel)
+        return GatherSequence() if sequence_parallel else None
     raise ValueError(f"style {style!r} does not apply inside a block ({type(module).__name__})")
 
 
@@ -298,6 +311,7 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     parallelize_module(stage, tp_mesh, root)
     for block in stage.stage_blocks().values():
         styles, local = {}, []
+        moe = _moe_blocks(block, plan.block)
         for pattern, style in plan.block.items():
             module = get_module(block, pattern)
             if module is None:
@@ -305,7 +319,9 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             if style == "local_param":
                 local.append(pattern)
                 continue
-            parallel = block_style(style, module, sequence_parallel)
+            # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
+            inside = any(pattern.startswith(path + ".") for path in moe)
+            parallel = block_style(style, module, sequence_parallel and not inside)
             if parallel is not None:
                 styles[pattern] = parallel
         parallelize_module(block, tp_mesh, styles)
@@ -314,3 +330,11 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             split_local_parameter(get_module(block, owner_path), leaf, tp_mesh)
         adapter.after_tensor_parallel(block, tp_mesh.size())
     stage.retie()  # distributing replaced the parameters, which unties an output layer from its embedding
+
+
+def _moe_blocks(block: nn.Module, block_plan: dict[str, str]) -> list[str]:
+    """The paths of `block`'s modules of style "moe_block" that hold experts of a transformers class."""
+    from plait.models.hf_experts import class_experts
+
+    return [path for path, style in block_plan.items() if style == "moe_block"
+            and (module := get_module(block, path)) is not None and class_experts(module)]

@@ -44,6 +44,8 @@ STYLES = {
     "head_norm": "a norm over head_dim of tp-sharded heads (Qwen3's q_norm / k_norm)",
     "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",
     "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
+    "moe_block": "a module holding a transformers class's experts: activations whole inside it, the sequence "
+                 "gathered at its input and sliced at its output under SP (plait/execute/hf_experts.py)",
     "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
     "sharded_input": "parameters replicated, run on a column-wise output split along its last dim (gradients summed)",
     "local_param": "a bare parameter of a module (attention sinks, per head) split along its first dim, read as the "

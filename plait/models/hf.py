@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.legality import HF_TP_STYLES, PLAIT_STYLE
+from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
+from plait.models.hf_experts import moe_tensor_styles
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
 
@@ -300,7 +301,10 @@ class HFAdapter(ModelAdapter):
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
         block: dict[str, str] = {}
+        inside_experts = under_class_experts(plan)  # the experts' own weights: plait/execute/hf_experts.py
         for pattern, style in plan.items():
+            if pattern in inside_experts:
+                continue
             if pattern.startswith("*."):
                 block[pattern[2:]] = style.removeprefix(PLAIT_STYLE)
                 continue
@@ -315,6 +319,8 @@ class HFAdapter(ModelAdapter):
             block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style].format(**vars(config))
         self._local_parameters(block)
         self._mark_key_values(block)
+        blocks = list(get_module(self.meta_model, self.blocks_path))
+        block.update(moe_tensor_styles(blocks, list(block)))  # the MoE blocks, and what is kept whole in them
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
                               if s.startswith("colwise") and "." in name}):
             block.setdefault(parent, "gather_input")

@@ -33,9 +33,9 @@ from plait.models.adapter import is_norm_module
 ROW_SINKS = ("rowwise",)
 """Styles whose input is split over the tensor ranks (their output is summed whole)."""
 UNDERSTOOD = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
-              "mla_kv_a_proj")
-"""The styles whose boundaries the walk knows; a block whose plan holds another (experts split over tensor ranks,
-whose routing weights meet partial outputs) proves nothing."""
+              "mla_kv_a_proj", "moe_block")
+"""The styles whose boundaries the walk knows ("moe_block": a MoE block, whole in and whole out, whose inside
+plait.models.hf_experts places); a block whose plan holds another proves nothing."""
 
 
 def _node(value: Any):

@@ -65,8 +65,11 @@ def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, An
 
 
 def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
+    """Layers alike: one class, one entry of `layer_types`, the same parameters (DeepSeek-V3's first layers hold a
+    dense MLP where the others hold experts, in one class)."""
     kinds = getattr(config, "layer_types", None)
-    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None)
+    shapes = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+    return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None, shapes)
 
 
 def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Callable[[nn.Module, torch.Tensor], Any]]:
@@ -174,7 +177,7 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = measure_block(block, hidden, call(index))
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
         except LayerInputsFromTokens as error:
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
                               f"layers ({type(block).__name__}) with only hidden states passed between them "
@@ -188,23 +191,49 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     return measured[kind]
 
 
+def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
+    """`cost` with the part of it that is the block's routed experts (transformers' experts modules): their
+    parameters, and 2 FLOPs per weight of each token's top-k experts -- what the measurement counted for them
+    (the batched form runs exactly the routed slots), which the cost model splits over ep and stretches by the
+    router's imbalance (plait.cost.compute.expert_flops)."""
+    import dataclasses
+
+    from plait.models.hf_experts import class_experts
+
+    experts = [module for _, module in class_experts(block)]
+    if not experts:
+        return cost
+    params = sum(p.numel() for module in experts for p in module.parameters())
+    top_k = int(_first(config, "num_experts_per_tok", "top_k", default=1))
+    flops = sum(2.0 * top_k * sum(p.numel() for p in m.parameters()) / m.num_experts for m in experts)
+    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
+
+
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:
     """Modules of the blocks holding parameters the tensor-parallel plan places nowhere, each with the style it can
-    run under ({pattern: "plait:replicate" | "plait:sharded_input" | UNPLACED}; plait.models.hf_flow finds which
-    is exact from one forward on meta, with `call` from block_caller). An UNPLACED one could see part of its input
-    and keep a partial gradient nobody sums, so legality refuses tp. Norms are taken as placed: the block's own
-    ones (over the whole hidden states) get plait's "norm" style, and a class's plan marks a norm over sharded
-    heads (replicated_with_grad_allreduce), so an unmarked one reads whole (gathered) projections (OLMo 2's
-    q_norm after colwise_gather_output)."""
+    run under. Inside a MoE block activations are whole, so what the plan leaves there (the router) is kept whole
+    (plait.models.hf_experts.moe_tensor_styles). Elsewhere ({pattern: "plait:replicate" | "plait:sharded_input" |
+    UNPLACED}) plait.models.hf_flow finds which is exact from one forward on meta, with `call` from block_caller;
+    an UNPLACED one could see part of its input and keep a partial gradient nobody sums, so legality refuses tp.
+    Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
+    class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
+    (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
     from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_experts import MOE_BLOCK, moe_tensor_styles
     from plait.models.hf_flow import unplaced_styles
 
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
-    styles = {pattern.split("*.", 1)[-1]: style for pattern, style in tp_plan.items()}
-    out: dict[str, str] = {}
+    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
+    moe = moe_tensor_styles(list(blocks), placed)
+    out = {f"{leaf}.*.{path}": PLAIT_STYLE + style for path, style in moe.items()}
+    moe_blocks = [path for path, style in moe.items() if style == MOE_BLOCK]
+    styles = {path: style for path, style in zip(placed, tp_plan.values())
+              if not any(path.startswith(block + ".") for block in moe_blocks)}
+    styles.update({path: MOE_BLOCK for path in moe_blocks})  # whole in, whole out: the walk stops there
     for index, block in enumerate(blocks):  # layers of one class may differ (hybrids: linear or full attention)
         def run(module: nn.Module, index: int = index):
-            return call(index)(module, torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
+            with experts_batched(module):
+                return call(index)(module, torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
 
         found = unplaced_styles(block, styles, run if call is not None else _no_run, UNPLACED)
         for path, style in found.items():
@@ -218,6 +247,21 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
 
 def _no_run(module: nn.Module):
     raise RuntimeError("no forward to read the data flow from")
+
+
+def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
+    """The block entries of a class's expert-parallel plan ("layers.*.mlp.experts" -> "ep_dispatch_experts"); a
+    dispatch onto a module that is no transformers experts module (plait.models.hf_experts) is written as that
+    reason, which legality refuses."""
+    from plait.models.hf_experts import is_class_experts
+
+    plan = {k: v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items() if ".*." in k}
+    for pattern, style in plan.items():
+        path = pattern.split(".*.", 1)[1]
+        if style == "ep_dispatch_experts" and not any(is_class_experts(m) for b in blocks
+                                                      if (m := get_module(b, path)) is not None):
+            plan[pattern] = "ep_dispatch_experts onto no transformers experts module"
+    return plan
 
 
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
@@ -241,12 +285,12 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
 
     blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
+    layers = get_module(model, structure.blocks_path)
     if tp_plan:
-        tp_plan.update(unplaced_modules(get_module(model, structure.blocks_path), tp_plan, block_caller(probe),
-                                        int(config.hidden_size)))
+        tp_plan.update(unplaced_modules(layers, tp_plan, block_caller(probe), int(config.hidden_size)))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
-                            "tp_plan": tp_plan})
+                            "tp_plan": tp_plan, "ep_plan": expert_plan_of(config, layers)})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{directory}/config.json: {e}") from None

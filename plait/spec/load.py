@@ -8,7 +8,8 @@ Accepted model inputs:
 * a Hugging Face ``config.json`` of any causal LM the installed transformers knows, read offline (no network, no
   weights): its blocks measured on ``meta`` from the class itself (plait.models.hf_spec), the shape fields from
   the cost model's closed forms where the family has them (Llama-like -> arch "llama"; GPT-2 -> arch "gpt"), read
-  generically from the config otherwise. Mixtral and Qwen3-MoE run as plait's MoE decoder of the same shape.
+  generically from the config otherwise. Mixture-of-experts classes run as they are too, their experts included
+  (plait/execute/hf_experts.py); Mixtral's and Qwen3-MoE's shape fields come from the closed forms.
 
 Accepted cluster inputs: a preset name from plait.spec.clusters.CLUSTER_PRESETS, or a YAML/JSON
 file holding ClusterSpec fields (optionally ``preset: NAME`` plus overrides). Sizes may be plain
@@ -39,9 +40,9 @@ FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # Hugging Face model types plait runs (plait.models.hf), and the class names that imply them.
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 HF_MOE_TYPES = ("mixtral", "qwen3_moe")
-"""Mixture-of-experts types: planned from their config, run as plait's reference MoE decoder of the same shape
-(plait.models.moe: top-k routing renormalized over the k, as both do) -- the Hugging Face adapter runs dense
-classes only."""
+"""Mixture-of-experts types the closed forms describe (a config.json alone, model_from_hf_config, is planned as
+plait's reference MoE decoder of the same shape: top-k routing renormalized over the k, as both do); a model
+directory runs the class itself."""
 HF_GPT_TYPES = ("gpt2",)
 HF_CLOSED_FORM_TYPES = HF_LLAMA_TYPES + HF_GPT_TYPES + HF_MOE_TYPES
 """Families whose ModelSpec fields the cost model's closed forms describe (plait.models.hf_spec measures the rest)."""
@@ -256,12 +257,6 @@ def _hf_spec(path: Path, data: Mapping[str, Any]) -> ModelSpec:
     where = str(path)
     model_type = _hf_model_type(data, where)
     name, source = _hf_name(path, data), "hf:" + str(path.resolve().parent)
-    if model_type in HF_MOE_TYPES:
-        try:
-            return model_from_hf_config(data, name=name, where=where, source=source)
-        except ConfigError as error:  # a variant plait's MoE decoder does not compute: the class itself runs
-            if "not supported" not in str(error):
-                raise
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -68,12 +68,19 @@ class BlockCost:
     """Elements per token (at the shorter measured length) written by ops FlopCounterMode has no formula for and that
     do arithmetic (elementwise maths, reductions, scans): work the FLOPs above leave out. Transformer layers write a
     few percent of their FLOPs; a state-space or linear-attention scan written as elementwise steps writes far more
-    (plait.models.measure.unpriced_share flags it)."""
+    (plait.models.measure.unpriced_blocks flags it)."""
+    expert_params: int = 0
+    """Of `params`, the routed experts' (a mixture-of-experts block): what expert parallelism splits."""
+    expert_flops_per_token: float = 0.0
+    """Of `flops_per_token`, the routed experts' (k experts per token): what the router's imbalance stretches."""
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
                 or self.activation_bytes_per_token < 0:
             raise ValueError("block costs must be >= 0")
+        if not 0 <= self.expert_params <= self.params or not 0 <= self.expert_flops_per_token <= self.flops_per_token:
+            raise ValueError("a block's experts are part of it: 0 <= expert_params <= params and 0 <= "
+                             "expert_flops_per_token <= flops_per_token")
 
 
 NOT_THE_MODULE = ("name", "router_imbalance")
@@ -146,6 +153,10 @@ class ModelSpec:
     tp_plan: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
     """Tensor-parallel plan of a module:factory model (plait.models.adapter.STYLES): "blocks.*.attn.q":
     "colwise", ..., "embed": "embedding"; the other adapters derive theirs."""
+    ep_plan: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    """Expert-parallel plan of a Hugging Face class (its base_model_ep_plan's entries inside a block: "layers.*.mlp.
+    experts": "ep_dispatch_experts", ...; a style plait cannot run is written as the reason), checked by
+    plait.legality under ep > 1."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):

@@ -53,7 +53,7 @@ def test_refusals_name_their_rule(sweep):
     from plait.spec.load import load_model
 
     olmo = load_model(str(work / "olmo2"))
-    unknown = olmo.replace(tp_plan={**olmo.tp_plan, "layers.*.mlp.experts": "moe_tp_experts"})
+    unknown = olmo.replace(tp_plan={**olmo.tp_plan, "layers.*.mlp.up_proj": "a_future_style"})
     (problem,) = tensor_problems(unknown, 2)
-    assert problem.rule == "tp-style-runs" and "layers.*.mlp.experts" in str(problem) and "moe_tp_experts" in str(problem)
+    assert problem.rule == "tp-style-runs" and "layers.*.mlp.up_proj" in str(problem) and "a_future_style" in str(problem)
     assert not tensor_problems(unknown, 1)
