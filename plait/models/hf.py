@@ -334,9 +334,9 @@ class HFAdapter(ModelAdapter):
         its rank's slice, as its heads are the rank's), and the module itself keeps its other roles (gathered
         input under sequence parallelism)."""
         owners = [path for path, style in block_plan.items() if style == "local_params"]
-        block = get_module(self.meta_model, self.blocks_path)[0]
+        blocks = list(get_module(self.meta_model, self.blocks_path))  # layers may differ (sinks on some only)
         for path, style in list(block_plan.items()):
-            if isinstance(get_module(block, path), nn.Parameter):
+            if any(isinstance(get_module(block, path), nn.Parameter) for block in blocks):
                 owner = path.rpartition(".")[0]
                 if owner not in owners or style != "colwise":
                     raise ConfigError(f"{self.family}: its tensor-parallel plan gives parameter {path} style {style!r}"

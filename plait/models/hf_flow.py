@@ -17,8 +17,8 @@ outputs. A module whose parameters the plan places nowhere is then
   rotary part, or its input is split some other way): legality's ``tp-places-parameters`` refuses tp.
 
 Under sequence parallelism a module sees the whole sequence only inside a parent that gathers it (one with a
-column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input"); a module outside such a parent stays
-unplaced.
+column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input") and whose output goes back to sequence
+slices through a row-wise child; a module outside such a parent stays unplaced.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ def sharded_region(flow: dict[str, tuple], styles: dict[str, str]) -> set:
     return region
 
 
+def _gathered_parents(flow: dict[str, tuple], styles: dict[str, str]) -> set[str]:
+    """Parents that, in this block, gather their input under sequence parallelism (a column-wise child) and hand
+    their output back split (a row-wise child): inside one, a module sees the whole sequence and what it adds
+    reaches the residual through the row-wise sum. A parent with no row-wise child in this block (a hybrid's
+    linear-attention layer under a pattern its attention layers fill) would hand the residual a whole sequence."""
+    def parents(kinds: tuple[str, ...]) -> set[str]:
+        return {p.rsplit(".", 1)[0] for p, s in styles.items() if "." in p and p in flow and s.startswith(kinds)}
+
+    return parents(("colwise",)) & parents(("rowwise",))
+
+
 def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.Module], Any],
                     unplaced: str) -> dict[str, str]:
     """{path: style} for each module of `block` holding parameters the plan `styles` ({block-relative path: style})
@@ -99,7 +110,7 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
         return {path: unplaced for path in candidates}
     region = sharded_region(flow, styles)
     column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
-    gathered = {p.rsplit(".", 1)[0] for p, s in styles.items() if "colwise" in s and "." in p}
+    gathered = _gathered_parents(flow, styles)
     out = {}
     for path in candidates:
         entry, exit_ = flow.get(path, (None, None))
