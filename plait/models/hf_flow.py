@@ -81,6 +81,24 @@ def sharded_region(flow: dict[str, tuple], styles: dict[str, str]) -> set:
     return region
 
 
+def _reads_split(node, flow: dict[str, tuple], styles: dict[str, str]) -> bool:
+    """Whether `node` is computed from a column-wise output (split over the tensor ranks) before any other placed
+    module's output (walking back through autograd's graph)."""
+    stops = {flow[p][1]: s for p, s in styles.items() if p in flow and flow[p][1] is not None}
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if current in stops:
+            if stops[current] == "colwise":
+                return True
+            continue
+        stack.extend(next_node for next_node, _ in current.next_functions)
+    return False
+
+
 def _gathered_parents(flow: dict[str, tuple], styles: dict[str, str]) -> set[str]:
     """Parents that, in this block, gather their input under sequence parallelism (a column-wise child) and hand
     their output back split (a row-wise child): inside one, a module sees the whole sequence and what it adds
@@ -97,10 +115,12 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
     """{path: style} for each module of `block` holding parameters the plan `styles` ({block-relative path: style})
     places nowhere: "replicate", "sharded_input", or `unplaced` (see the module docstring)."""
     placed = list(styles)
-    candidates = [path for path, module in block.named_modules()
-                  if path and any(True for _ in module.parameters(recurse=False)) and not is_norm_module(module)
-                  and not any(path == p or path.startswith(p + ".") for p in placed)]
-    if not candidates:
+    unmarked = [(path, module) for path, module in block.named_modules()
+                if path and any(True for _ in module.parameters(recurse=False))
+                and not any(path == p or path.startswith(p + ".") for p in placed)]
+    candidates = [path for path, module in unmarked if not is_norm_module(module)]
+    norms = [path for path, module in unmarked if is_norm_module(module) and "." in path]
+    if not candidates and not norms:
         return {}
     if any(style not in UNDERSTOOD for style in styles.values()):
         return {path: unplaced for path in candidates}
@@ -109,9 +129,12 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
     except Exception:  # a block that does not run on meta: nothing is proven
         return {path: unplaced for path in candidates}
     region = sharded_region(flow, styles)
+    # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules); one
+    # whose input lies in the sharded region (a per-head q_norm the class's plan forgot) would keep a partial
+    # gradient: unplaced
+    out = {path: unplaced for path in norms if path in flow and _reads_split(flow[path][0], flow, styles)}
     column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
     gathered = _gathered_parents(flow, styles)
-    out = {}
     for path in candidates:
         entry, exit_ = flow.get(path, (None, None))
         inside_gather = any(path.startswith(parent + ".") for parent in gathered)
