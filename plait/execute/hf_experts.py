@@ -98,7 +98,7 @@ class ClassExpertsParallel:
         """This rank's experts on `rows` grouped by local expert (counts[e] rows for expert e), unweighted."""
         if rows.shape[0] == 0:  # keep the (empty) result on the graph: the reverse exchange must run on every rank
             one = rows.sum(0, keepdim=True)
-            return self._run(one, torch.zeros(1, 1, dtype=torch.long), one.new_ones(1, 1))[:0]
+            return self._run(one, torch.zeros(1, 1, dtype=torch.long, device=rows.device), one.new_ones(1, 1))[:0]
         ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None].to(rows.device)
         return self._run(rows, ids, rows.new_ones(rows.shape[0], 1))
 

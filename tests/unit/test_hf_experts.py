@@ -154,3 +154,17 @@ def test_layers_of_one_class_with_and_without_experts_are_measured_apart():
                        v_head_dim=8)
     kinds = [_layer_kind(model.config, i, layer) for i, layer in enumerate(model.model.layers)]
     assert kinds[0] != kinds[1] == kinds[2]
+
+
+def test_q_k_norms_a_class_plan_leaves_unmarked_sum_their_gradient_over_tp(tmp_path):
+    """Sarvam-MoE's q/k norms over head_dim read tp-sharded heads, which its class's plan does not say (it marks no
+    norm): plait gives them Qwen3's "head_norm" (replicated_with_grad_allreduce) rather than a partial gradient."""
+    from transformers import AutoConfig
+
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    AutoConfig.for_model("sarvam_moe", **SMALL).save_pretrained(str(tmp_path))
+    block = adapter_for(load_model(str(tmp_path))).tp_plan().block
+    assert block["self_attn.q_norm"] == block["self_attn.k_norm"] == "head_norm"
+    assert "input_layernorm" in block and block["input_layernorm"] == "norm", "the block's own norms stay norms"
