@@ -81,22 +81,33 @@ def sharded_region(flow: dict[str, tuple], styles: dict[str, str]) -> set:
     return region
 
 
-def _reads_split(node, flow: dict[str, tuple], styles: dict[str, str]) -> bool:
-    """Whether `node` is computed from a column-wise output (split over the tensor ranks) before any other placed
+def _split_sources(node, flow: dict[str, tuple], styles: dict[str, str]) -> list[str]:
+    """The column-wise modules (split over the tensor ranks) `node` is computed from before any other placed
     module's output (walking back through autograd's graph)."""
-    stops = {flow[p][1]: s for p, s in styles.items() if p in flow and flow[p][1] is not None}
-    stack, seen = [node], set()
+    stops = {flow[p][1]: p for p in styles if p in flow and flow[p][1] is not None}
+    stack, seen, found = [node], set(), []
     while stack:
         current = stack.pop()
         if current is None or current in seen:
             continue
         seen.add(current)
         if current in stops:
-            if stops[current] == "colwise":
-                return True
+            if styles[stops[current]] == "colwise":
+                found.append(stops[current])
             continue
         stack.extend(next_node for next_node, _ in current.next_functions)
-    return False
+    return found
+
+
+def _norm_over_split_width(block: nn.Module, path: str, flow: dict[str, tuple], styles: dict[str, str]) -> bool:
+    """A nested norm whose normalized width is a whole column-wise output (a norm over all of q's heads): each rank
+    holds a slice of that width. One over a head's width (a per-head q_norm) is left to the adapter, which makes it
+    a head norm (plait.models.hf.HFAdapter._mark_head_norms)."""
+    weight = getattr(block.get_submodule(path), "weight", None)
+    width = weight.numel() if isinstance(weight, torch.Tensor) else None
+    sources = _split_sources(flow[path][0], flow, styles)
+    return bool(sources) and (width is None or any(
+        getattr(block.get_submodule(source), "out_features", None) == width for source in sources))
 
 
 def _gathered_parents(flow: dict[str, tuple], styles: dict[str, str]) -> set[str]:
@@ -130,9 +141,8 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
         return {path: unplaced for path in candidates}
     region = sharded_region(flow, styles)
     # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules); one
-    # whose input lies in the sharded region (a per-head q_norm the class's plan forgot) would keep a partial
-    # gradient: unplaced
-    out = {path: unplaced for path in norms if path in flow and _reads_split(flow[path][0], flow, styles)}
+    # normalizing a whole column-wise output's width would see a slice of it on each rank: unplaced
+    out = {path: unplaced for path in norms if path in flow and _norm_over_split_width(block, path, flow, styles)}
     column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
     gathered = _gathered_parents(flow, styles)
     for path in candidates:
