@@ -319,7 +319,6 @@ class HFAdapter(ModelAdapter):
             block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style].format(**vars(config))
         self._local_parameters(block)
         self._mark_key_values(block)
-        self._mark_head_norms(block)
         blocks = list(get_module(self.meta_model, self.blocks_path))
         block.update(moe_tensor_styles(blocks, list(block)))  # the MoE blocks, and what is kept whole in them
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
@@ -358,21 +357,6 @@ class HFAdapter(ModelAdapter):
             module = get_module(block, pattern)
             if style == "colwise" and isinstance(module, nn.Linear) and module.out_features == kv * head_dim:
                 block_plan[pattern] = f"colwise_kv:{kv}"
-
-    def _mark_head_norms(self, block_plan: dict[str, str]) -> None:
-        """Norms over head_dim inside a module whose projections are split column-wise (q/k norms the class's plan
-        leaves unmarked: GLM-4-MoE's with use_qk_norm) read tp-sharded heads: "head_norm", their gradient summed over
-        the tensor ranks, as the plans that mark them say (replicated_with_grad_allreduce)."""
-        head_dim = self.spec.head_dim or self.spec.hidden_size // self.spec.num_heads
-        split = {name.rpartition(".")[0] for name, style in block_plan.items() if style == "colwise" or
-                 style.startswith("colwise_kv")}
-        for block in get_module(self.meta_model, self.blocks_path):
-            for path, module in block.named_modules():
-                owner = path.rpartition(".")[0]
-                weight = getattr(module, "weight", None)
-                if owner in split and path not in block_plan and "Norm" in type(module).__name__ \
-                        and isinstance(weight, nn.Parameter) and weight.numel() == head_dim:
-                    block_plan[path] = "head_norm"
 
     def _root_plan(self) -> dict[str, str]:
         """The modules around the blocks: the token embedding vocabulary-parallel, other embeddings (learned

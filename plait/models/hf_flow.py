@@ -99,15 +99,20 @@ def _split_sources(node, flow: dict[str, tuple], styles: dict[str, str]) -> list
     return found
 
 
-def _norm_over_split_width(block: nn.Module, path: str, flow: dict[str, tuple], styles: dict[str, str]) -> bool:
-    """A nested norm whose normalized width is a whole column-wise output (a norm over all of q's heads): each rank
-    holds a slice of that width. One over a head's width (a per-head q_norm) is left to the adapter, which makes it
-    a head norm (plait.models.hf.HFAdapter._mark_head_norms)."""
-    weight = getattr(block.get_submodule(path), "weight", None)
-    width = weight.numel() if isinstance(weight, torch.Tensor) else None
+def _nested_norm_style(block: nn.Module, path: str, flow: dict[str, tuple], styles: dict[str, str]) -> str | None:
+    """A nested norm the plan leaves unmarked, by what it reads: None (whole projections: left as it is); "head_norm"
+    where it normalizes each head of a column-wise output (a per-head q_norm the class's plan forgot: Sarvam-MoE's,
+    GLM-4-MoE's; its gradient summed over the tensor ranks, as Qwen3's marked ones are); "unplaced" where it
+    normalizes a column-wise output's whole width, of which each rank holds a slice."""
     sources = _split_sources(flow[path][0], flow, styles)
-    return bool(sources) and (width is None or any(
-        getattr(block.get_submodule(source), "out_features", None) == width for source in sources))
+    if not sources:
+        return None
+    weight = getattr(block.get_submodule(path), "weight", None)
+    widths = {getattr(block.get_submodule(source), "out_features", None) for source in sources}
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1 and None not in widths \
+            and all(width > weight.numel() and width % weight.numel() == 0 for width in widths):
+        return "head_norm"
+    return "unplaced"
 
 
 def _gathered_parents(flow: dict[str, tuple], styles: dict[str, str]) -> set[str]:
@@ -140,9 +145,13 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
     except Exception:  # a block that does not run on meta: nothing is proven
         return {path: unplaced for path in candidates}
     region = sharded_region(flow, styles)
-    # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules); one
-    # normalizing a whole column-wise output's width would see a slice of it on each rank: unplaced
-    out = {path: unplaced for path in norms if path in flow and _norm_over_split_width(block, path, flow, styles)}
+    # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules) unless
+    # it reads a column-wise output (_nested_norm_style)
+    out = {}
+    for path in norms:
+        style = _nested_norm_style(block, path, flow, styles) if path in flow else None
+        if style is not None:
+            out[path] = unplaced if style == "unplaced" else style
     column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
     gathered = _gathered_parents(flow, styles)
     for path in candidates:
