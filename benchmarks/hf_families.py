@@ -41,35 +41,122 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              head_dim=16, vocab_size=96, max_position_embeddings=128, moe_intermediate_size=32,
              shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
              num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-             v_head_dim=16, qk_head_dim=16, rotary_dim=8, sliding_window=64, first_k_dense_replace=1, n_group=1, topk_group=1)
+             v_head_dim=16, qk_head_dim=16, rotary_dim=8, sliding_window=64, first_k_dense_replace=1, n_group=1, topk_group=1,
+             vocab_size_per_layer_input=96, hidden_size_per_layer_input=16, laurel_rank=8, num_kv_shared_layers=0,
+             index_topk=8, index_head_dim=16, index_n_heads=2, linear_head_dim=16, linear_num_heads=4)
 """Sizes a tiny model takes, where its config has the key (others keep the class's defaults)."""
+FILLED = dict(head_dim=16, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
+"""Sizes set even where the class's default is None (a None it cannot run with: MoE classes whose defaults leave the
+expert counts to checkpoints, attention whose head_dim a checkpoint always gives)."""
 
 
 def tiny_overrides(config: Any) -> dict[str, Any]:
-    """The shrunk values for the keys `config` has; token ids inside the vocabulary; per-layer lists cut to the
-    tiny layer count."""
+    """The shrunk values for the keys `config` has; token ids inside the vocabulary; per-layer lists cut to a few
+    layers that hold every kind the full list holds (a hybrid's attention layers, a MoE's dense and sparse MLPs).
+    A heterogeneous config's per-layer overrides (transformers' per_layer_config) are cut and shrunk alike."""
+    if getattr(config, "is_heterogeneous", False):
+        config.allow_global_per_layer_attribute_access = True  # read the class's global defaults to shrink them
     out = {key: value for key, value in SIZES.items() if getattr(config, key, None) is not None}
+    out.update({key: value for key, value in FILLED.items() if hasattr(config, key) and getattr(config, key) is None})
+    for key, value in SIZES.items():  # a per-layer list of sizes (Gemma 3n's intermediate_size)
+        if isinstance(getattr(config, key, None), list):
+            out[key] = [value] * len(getattr(config, key))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, key, None) is not None:
             out[key] = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}[key]
     if "qk_rope_head_dim" in out:  # multi-head latent attention: its rotary tables are qk_rope_head_dim wide
         out["head_dim"] = out["qk_rope_head_dim"]
-    layers = SIZES["num_hidden_layers"]
-    for key, value in vars(config).items():
-        if isinstance(value, list) and len(value) == getattr(config, "num_hidden_layers", -1) and key != "architectures":
-            out[key] = value[:layers]
+    if "kv_lora_rank" in out and "num_attention_heads" in out:  # latent attention has no grouped kv heads
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    kept = _kept_layers(config)
+    if kept is not None:
+        out["num_hidden_layers"] = len(kept)
+        for key, value in _per_layer_lists(config, {**vars(config), **out}).items():
+            out[key] = [value[i] for i in kept]
+        per_layer = {int(i): overrides for i, overrides in (config.to_dict().get("per_layer_config") or {}).items()}
+        if per_layer:
+            out["per_layer_config"] = {new: _shrunk(per_layer[old], out) for new, old in enumerate(kept) if old in per_layer}
+    _rope_per_layer_type(config, out)
+    for key, value in vars(config).items():  # a multimodal class's encoders: shrunk alike
+        if hasattr(value, "to_dict") and hasattr(value, "model_type") and not key.startswith("_"):
+            out[key] = {**value.to_dict(), **tiny_overrides(value)}
     return out
+
+
+def _shrunk(overrides: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    return {key: out.get(key, SIZES.get(key, FILLED.get(key, value))) if isinstance(value, int) and not isinstance(value, bool)
+            else value for key, value in overrides.items()}
+
+
+def _per_layer_lists(config: Any, values: dict[str, Any]) -> dict[str, list]:
+    count = getattr(config, "num_hidden_layers", -1)
+    return {key: value for key, value in values.items()
+            if isinstance(value, list) and len(value) == count and key != "architectures"}
+
+
+def _kept_layers(config: Any) -> list[int] | None:
+    """The first layer of each kind a per-layer list names, filled up to the tiny layer count with the first layers."""
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int):
+        return None
+    kept: set[int] = set()
+    for values in _per_layer_lists(config, vars(config)).values():
+        kinds = [repr(v) for v in values]
+        kept.update(kinds.index(kind) for kind in dict.fromkeys(kinds))
+    for i in range(count):
+        if len(kept) >= SIZES["num_hidden_layers"]:
+            break
+        kept.add(i)
+    return sorted(kept)
+
+
+def _rope_per_layer_type(config: Any, out: dict[str, Any]) -> None:
+    """A class that reads rope_parameters per layer type, left empty by its defaults: the default rope per type."""
+    rope, kinds = getattr(config, "rope_parameters", None), out.get("layer_types", getattr(config, "layer_types", None))
+    if rope == {} and kinds:
+        theta = getattr(config, "rope_theta", None) or 10000.0
+        out["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": theta} for kind in dict.fromkeys(kinds)}
 
 
 def write_tiny(model_type: str, directory: Path) -> str | None:
     """Write a tiny config of `model_type` to `directory`; returns an error line, or None. A config transformers
-    itself cannot build and run one forward of (on CPU, without plait) is no test of plait: NO-CONFIG."""
+    itself cannot build and run one forward of (on CPU, without plait) is no test of plait: NO-CONFIG. The shrunk
+    config is tried first, then each of `REPAIRS` (a class's validator that ties two sizes the shrinking set apart);
+    the first error is the one reported."""
+    from transformers import AutoConfig
+
+    try:
+        overrides = tiny_overrides(AutoConfig.for_model(model_type))
+    except Exception as error:
+        return f"transformers alone: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    first_error = None
+    for repair in (None, *REPAIRS):
+        candidate = repair(overrides) if repair else overrides
+        if candidate is None:
+            continue
+        error = _try_tiny(model_type, candidate, directory)
+        if error is None:
+            return None
+        first_error = first_error or error
+    return first_error
+
+
+def _mla_head_dim_whole(overrides: dict[str, Any]) -> dict[str, Any] | None:
+    """Latent attention whose head_dim is the whole query-key width (nope + rope), not the rotary part."""
+    if "qk_nope_head_dim" not in overrides or "qk_rope_head_dim" not in overrides:
+        return None
+    return {**overrides, "head_dim": overrides["qk_nope_head_dim"] + overrides["qk_rope_head_dim"]}
+
+
+REPAIRS = (_mla_head_dim_whole,)
+
+
+def _try_tiny(model_type: str, overrides: dict[str, Any], directory: Path) -> str | None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.for_model(model_type)
-        config = AutoConfig.for_model(model_type, **tiny_overrides(config))
+        config = AutoConfig.for_model(model_type, **overrides)
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if size > MAX_TINY_PARAMS:  # parts the shrinking does not reach (a multimodal class's encoders)

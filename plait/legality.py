@@ -111,8 +111,10 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
 
 HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
                 "packed_colwise": "colwise_packed:2", "colwise_gather_output": "colwise_gather",
-                "rowwise_split_input": "rowwise_split", "moe_tp_experts": "experts"}
-"""transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES).
+                "rowwise_split_input": "rowwise_split", "mla_kv_a_proj": "mla_kv_a:{qk_rope_head_dim}",
+                "local_params": "local_params", "moe_tp_experts": "experts"}
+"""transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES;
+"{key}" is the config's value of key).
 A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
 UNPLACED = "unplaced"
 """ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""

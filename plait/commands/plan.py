@@ -113,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
     _print_result(result, args.top, model, cluster, num_devices)
+    _print_unpriced(model, train.seq_len)
     if args.json:
         _write_json(args.json, result, args.top)
     if args.report:
@@ -225,6 +226,14 @@ def _print_result(result: Any, top: int, model: Any, cluster: Any, num_devices: 
         console.print("stopped at the time limit: these are the best plans among those priced, not necessarily the "
                       "cost model's optimum (raise --time-limit, or use --solver learned)", style="yellow",
                       highlight=False)
+
+
+def _print_unpriced(model: Any, seq_len: int) -> None:
+    from plait.models.measure import unpriced_note
+
+    note = unpriced_note(model, seq_len) if model.blocks else None
+    if note:
+        print(f"plait plan: warning: {note}", file=sys.stderr)
 
 
 def _print_degrees_legend(console: Any, plans: list[Any]) -> None:

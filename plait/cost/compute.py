@@ -161,13 +161,19 @@ def layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, flo
     return 2.0 * tokens * weights, 4.0 * tokens * seq_len * q
 
 
-def replicated_kv_flops(model: ModelSpec, tokens: float, tp: int) -> float:
-    """Forward FLOPs of a layer's key and value projections where tp exceeds the kv heads of a Hugging Face class:
-    every tensor rank then computes them whole, replicating the heads (plait.execute.tensor.KeyValueParallel)."""
+def replicated_kv_weights(model: ModelSpec, tp: int) -> int:
+    """Weights of a layer's key and value projections where tp exceeds the kv heads of a Hugging Face class: every
+    tensor rank then holds and computes them whole, replicating the heads (plait.execute.tensor.KeyValueParallel);
+    0 where tp splits them."""
     kv = model.num_kv_heads
-    if tp <= kv or tp % kv or not model.source.startswith("hf:"):
-        return 0.0
-    return 2.0 * tokens * model.hidden_size * 2 * model.kv_size
+    if not kv or tp <= kv or tp % kv or not model.source.startswith("hf:"):
+        return 0
+    return model.hidden_size * 2 * model.kv_size
+
+
+def replicated_kv_flops(model: ModelSpec, tokens: float, tp: int) -> float:
+    """Forward FLOPs of the replicated key and value projections (replicated_kv_weights) over `tokens` tokens."""
+    return 2.0 * tokens * replicated_kv_weights(model, tp)
 
 
 def layer_expert_weights(model: ModelSpec) -> float:

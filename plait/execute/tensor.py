@@ -180,6 +180,68 @@ class KeyValueParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
 
 
+class ShardedInputParallel(ParallelStyle):
+    """A module with parameters of its own run on a column-wise projection's output (an activation with learned
+    parameters after up_proj: Apertus' xIELU): its input is taken as split along the last dim, its parameters
+    replicated; DTensor computes it exactly (gathering where an op needs the whole dim) and sums the parameters'
+    gradients over the tensor ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False), *inputs[1:])
+
+        def output_fn(mod, output: DTensor, mesh):
+            return output.redistribute(mesh, [Shard(output.dim() - 1)]).to_local()
+
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+class LatentKeyValueParallel(ParallelStyle):
+    """Multi-head latent attention's kv_a_proj_with_mqa (DeepSeek-V2, MiniCPM3; transformers' 'mla_kv_a_proj'):
+    replicated on the whole input. Its output's first part feeds the column-wise kv_b_proj, whose input gradient
+    is summed whole; its last `rope_dim` features (the rotary key shared by every head) go straight to the rank's
+    heads, so their gradient is partial and is summed over the tensor ranks."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod, output: DTensor, mesh):
+            latent, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([latent.to_local(), rope.to_local(grad_placements=[Partial()])], dim=-1)
+
+        return distribute_module(module, device_mesh, input_fn=ReplicateParallel._input_fn, output_fn=output_fn)
+
+
+def split_local_parameter(owner: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    """transformers' "local_params": a bare parameter of `owner` (attention sinks, one per head) split along its
+    first dim over the tensor ranks, and read as the rank's local slice while `owner` runs (its heads are the
+    rank's heads), its gradient flowing back to the slice."""
+    param = owner._parameters[name]
+    if not isinstance(param, DTensor):
+        owner.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                    requires_grad=param.requires_grad))
+    split = owner.__dict__.setdefault("_plait_local_parameters", [])
+    if split:  # the forward is wrapped once; it swaps every split parameter
+        split.append(name)
+        return
+    split.append(name)
+    original = owner.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        whole = {key: owner._parameters[key] for key in split}
+        try:
+            for key, value in whole.items():
+                owner._parameters[key] = value.to_local()
+            return original(*args, **kwargs)
+        finally:
+            owner._parameters.update(whole)
+
+    owner.forward = forward
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
@@ -211,6 +273,10 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return GatherSequence() if sequence_parallel else None
     if name == "replicate":
         return ReplicateParallel()
+    if name == "sharded_input":
+        return ShardedInputParallel()
+    if name == "mla_kv_a":
+        return LatentKeyValueParallel(int(arg))
     if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)
         return None
     if name == "moe_block":  # a pattern the class's dense layers share with its MoE blocks (their "mlp")
@@ -244,11 +310,14 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             for path, style in plan.root.items() if get_module(stage, path) is not None}
     parallelize_module(stage, tp_mesh, root)
     for block in stage.stage_blocks().values():
-        styles = {}
+        styles, local = {}, []
         moe = _moe_blocks(block, plan.block)
         for pattern, style in plan.block.items():
             module = get_module(block, pattern)
             if module is None:
+                continue
+            if style == "local_param":
+                local.append(pattern)
                 continue
             # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
             inside = any(pattern.startswith(path + ".") for path in moe)
@@ -256,6 +325,9 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             if parallel is not None:
                 styles[pattern] = parallel
         parallelize_module(block, tp_mesh, styles)
+        for path in local:
+            owner_path, _, leaf = path.rpartition(".")
+            split_local_parameter(get_module(block, owner_path), leaf, tp_mesh)
         adapter.after_tensor_parallel(block, tp_mesh.size())
     stage.retie()  # distributing replaced the parameters, which unties an output layer from its embedding
 

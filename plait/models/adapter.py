@@ -50,6 +50,10 @@ STYLES = {
     "moe_block": "a module holding a transformers class's experts: activations whole inside it, the sequence "
                  "gathered at its input and sliced at its output under SP (plait/execute/hf_experts.py)",
     "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
+    "sharded_input": "parameters replicated, run on a column-wise output split along its last dim (gradients summed)",
+    "local_param": "a bare parameter of a module (attention sinks, per head) split along its first dim, read as the "
+                   "rank's slice while its module runs (transformers' 'local_params')",
+    "mla_kv_a": "latent attention's kv_a_proj: replicated, its last N (rotary) features' gradient summed: 'mla_kv_a:N'",
     # around the blocks (paths from the root)
     "embedding": "vocabulary-parallel embedding (rows split over tp, any vocabulary size)",
     "position_embedding": "learned positions: replicated (sliced along the sequence under SP)",
@@ -108,10 +112,16 @@ def tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def is_norm_module(module: nn.Module) -> bool:
+    """A norm: any class whose name contains "Norm", but not an embedding or projection that normalizes its output
+    (Inkling's InklingNormedEmbedding is an nn.Embedding, initialized as weights are)."""
+    return "Norm" in type(module).__name__ and not isinstance(module, (nn.Embedding, nn.Linear))
+
+
 def norm_parameters(model: nn.Module) -> frozenset[str]:
-    """Names of the parameters held directly by norm modules (any class whose name contains "Norm")."""
+    """Names of the parameters held directly by norm modules (is_norm_module)."""
     return frozenset(f"{path}.{leaf}" if path else leaf for path, module in model.named_modules()
-                     if "Norm" in type(module).__name__ for leaf, _ in module.named_parameters(recurse=False))
+                     if is_norm_module(module) for leaf, _ in module.named_parameters(recurse=False))
 
 
 def _name_seed(seed: int, name: str) -> int:

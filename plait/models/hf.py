@@ -15,7 +15,10 @@ What plait changes when it builds a model, and why:
   plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
   math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
   exchange keys and values; no mask function is registered under that name, so the class passes no mask and
-  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window);
+  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window), except
+  for a class whose layers read the mask themselves (HFAdapter.needs_causal_mask: a 4-D causal one);
+* parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
+  (HFAdapter.untrained_parameters);
 * after `to_empty`, every buffer is copied from the class's own construction with parameters on meta (they
   hold garbage otherwise; the loss then differs by ~1e-4).
 """
@@ -32,9 +35,10 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts
-from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, register
+from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
 from plait.models.hf_experts import moe_tensor_styles
-from plait.models.hf_structure import Structure, around_layers, discover, reference_buffers
+from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
+                                      untrained_parameters)
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
@@ -166,7 +170,7 @@ class HFAdapter(ModelAdapter):
         config._experts_implementation = "eager"
         return config
 
-    def build(self, device: str | torch.device = "meta") -> nn.Module:
+    def build(self, device: str | torch.device = "meta", freeze_untrained: bool = True) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
@@ -176,6 +180,10 @@ class HFAdapter(ModelAdapter):
         for sub in model.modules():
             if isinstance(sub, nn.Dropout):
                 sub.p = 0.0
+        if freeze_untrained:
+            for name, param in model.named_parameters():
+                if name in self.untrained_parameters:
+                    param.requires_grad_(False)
         if self.spec.attention == "math":
             for sub in self._attention_modules(model):
                 sub.plait_math = True
@@ -183,7 +191,16 @@ class HFAdapter(ModelAdapter):
 
     @functools.cached_property
     def meta_model(self) -> nn.Module:
-        return self.build("meta")
+        return self.build("meta", freeze_untrained=False)
+
+    @functools.cached_property
+    def untrained_parameters(self) -> frozenset[str]:
+        """Parameters the loss never reaches (a multimodal class's image and audio encoders in a text-only forward;
+        a sparse-attention indexer, whose top-k selection passes no gradient): frozen, as they would get no
+        gradient anyway; data parallelism would otherwise wait for their gradients forever."""
+        from plait.models.hf_spec import untrained_block_parameters
+
+        return untrained_parameters(self.meta_model, self.structure) | untrained_block_parameters(self)
 
     @property
     def structure(self) -> Structure:
@@ -221,7 +238,25 @@ class HFAdapter(ModelAdapter):
     def _around(self, stage: nn.Module, ctx: StageContext, **kwargs):
         return around_layers(self.model_class, stage, blocks_path=self.blocks_path, num_layers=self.num_layers,
                              pre=self.pre, positions=ctx.positions, as_tuple=self.structure.layer_returns_tuple,
-                             **kwargs)
+                             causal_mask=self.needs_causal_mask, **kwargs)
+
+    @functools.cached_property
+    def needs_causal_mask(self) -> bool:
+        """Whether the class's layers fail without a mask and run with a 4-D causal one (DeepSeek-V3.2-style sparse
+        attention, whose indexer reads the mask itself): then plait hands its forward one. Others get none, and
+        attention runs SDPA's causal path."""
+        from plait.models.hf_spec import block_caller, experts_batched
+
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        x = torch.zeros(1, 8, int(self.hf_config().hidden_size), device="meta")
+        for masked in (False, True):
+            try:
+                with experts_batched(self.meta_model):
+                    block_caller(self, causal_mask=masked)(0)(block, x)
+                return masked
+            except Exception:
+                continue
+        return False
 
     @functools.cached_property
     def num_layers(self) -> int:
@@ -252,12 +287,16 @@ class HFAdapter(ModelAdapter):
         return out.logits
 
     def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        if self.needs_causal_mask:
+            return model(input_ids=tokens, attention_mask=causal_mask(tokens.shape[0], tokens.shape[1],
+                                                                       tokens.device)).logits
         return model(input_ids=tokens).logits
 
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:
         config = self.hf_config()
-        plan = tensor_plan_of(config)
+        plan = {**tensor_plan_of(config), **{k: v for k, v in (self.spec.tp_plan or {}).items()
+                                             if v.startswith(PLAIT_STYLE)}}  # hf_spec's styles for unplaced modules
         if not plan:
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
@@ -271,12 +310,15 @@ class HFAdapter(ModelAdapter):
                 continue
             if not pattern.startswith(f"{blocks_leaf}.*."):
                 continue
+            if style.startswith(PLAIT_STYLE):
+                block[pattern.removeprefix(f"{blocks_leaf}.*.")] = style.removeprefix(PLAIT_STYLE)
+                continue
             if style not in TP_STYLES:
                 raise ConfigError(f"{self.family}: tensor-parallel style {style!r} of {pattern} is not supported; "
                                   f"use tp=1")
-            block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style]
+            block[pattern.removeprefix(f"{blocks_leaf}.*.")] = TP_STYLES[style].format(**vars(config))
+        self._local_parameters(block)
         self._mark_key_values(block)
-        self._mark_head_norms(block)
         blocks = list(get_module(self.meta_model, self.blocks_path))
         block.update(moe_tensor_styles(blocks, list(block)))  # the MoE blocks, and what is kept whole in them
         for parent in sorted({name.rsplit(".", 1)[0] for name, s in block.items()
@@ -285,6 +327,23 @@ class HFAdapter(ModelAdapter):
         for name in self._block_norms():
             block.setdefault(name, "norm")
         return TensorPlan(block=block, root=self._root_plan())
+
+    def _local_parameters(self, block_plan: dict[str, str]) -> None:
+        """transformers' "local_params" on a module whose bare parameters its plan splits (attention sinks, one per
+        head, "colwise"): each such parameter becomes "local_param" (split along its first dim; the module reads
+        its rank's slice, as its heads are the rank's), and the module itself keeps its other roles (gathered
+        input under sequence parallelism)."""
+        owners = [path for path, style in block_plan.items() if style == "local_params"]
+        blocks = list(get_module(self.meta_model, self.blocks_path))  # layers may differ (sinks on some only)
+        for path, style in list(block_plan.items()):
+            if any(isinstance(get_module(block, path), nn.Parameter) for block in blocks):
+                owner = path.rpartition(".")[0]
+                if owner not in owners or style != "colwise":
+                    raise ConfigError(f"{self.family}: its tensor-parallel plan gives parameter {path} style {style!r}"
+                                      f" outside a 'local_params' module, which plait does not run; use tp=1")
+                block_plan[path] = "local_param"
+        for owner in owners:
+            del block_plan[owner]
 
     def _mark_key_values(self, block_plan: dict[str, str]) -> None:
         """Column-wise projections num_kv_heads heads wide (fewer than the query heads) become "colwise_kv", so that
@@ -299,21 +358,6 @@ class HFAdapter(ModelAdapter):
             if style == "colwise" and isinstance(module, nn.Linear) and module.out_features == kv * head_dim:
                 block_plan[pattern] = f"colwise_kv:{kv}"
 
-    def _mark_head_norms(self, block_plan: dict[str, str]) -> None:
-        """Norms over head_dim inside a module whose projections are split column-wise (q/k norms the class's plan
-        leaves unmarked: GLM-4-MoE's with use_qk_norm) read tp-sharded heads: "head_norm", their gradient summed over
-        the tensor ranks, as the plans that mark them say (replicated_with_grad_allreduce)."""
-        head_dim = self.spec.head_dim or self.spec.hidden_size // self.spec.num_heads
-        split = {name.rpartition(".")[0] for name, style in block_plan.items() if style == "colwise" or
-                 style.startswith("colwise_kv")}
-        for block in get_module(self.meta_model, self.blocks_path):
-            for path, module in block.named_modules():
-                owner = path.rpartition(".")[0]
-                weight = getattr(module, "weight", None)
-                if owner in split and path not in block_plan and "Norm" in type(module).__name__ \
-                        and isinstance(weight, nn.Parameter) and weight.numel() == head_dim:
-                    block_plan[path] = "head_norm"
-
     def _root_plan(self) -> dict[str, str]:
         """The modules around the blocks: the token embedding vocabulary-parallel, other embeddings (learned
         positions) replicated, norms after the blocks, the output layer vocabulary-parallel."""
@@ -327,7 +371,7 @@ class HFAdapter(ModelAdapter):
             module = get_module(model, path)
             if isinstance(module, nn.Linear) and module.out_features == vocab:
                 root[path] = "output"
-            elif "Norm" in type(module).__name__:
+            elif is_norm_module(module):
                 root[path] = "final_norm"
         return root
 
@@ -345,7 +389,7 @@ class HFAdapter(ModelAdapter):
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:
         block = get_module(self.meta_model, self.blocks_path)[0]
-        return tuple(name for name, child in block.named_children() if "Norm" in type(child).__name__)
+        return tuple(name for name, child in block.named_children() if is_norm_module(child))
 
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names
@@ -378,7 +422,8 @@ class HFAdapter(ModelAdapter):
 
         owner_path, _, leaf = name.rpartition(".")
         module = copy.deepcopy(get_module(self.meta_model, owner_path)).to_empty(device="cpu")
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a class whose init draws a norm's values draws the same ones on every rank
             for param in module.parameters(recurse=False):
                 param.fill_(float("nan"))
             self.meta_model._init_weights(module)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from plait.models.adapter import is_norm_module
+
 GATED = ("gate_up_proj", "up_proj")
 """Weights (and, with `_bias`, biases) whose output is the experts' inner width."""
 DOWN = "down_proj"
@@ -95,7 +97,7 @@ def moe_tensor_styles(blocks: list[nn.Module], placed: list[str]) -> dict[str, s
                 path = f"{parent}.{sub_path}" if sub_path else parent
                 if not sub_path or path in experts or not any(True for _ in module.parameters(recurse=False)):
                     continue
-                if any(path == p or path.startswith(p + ".") for p in [*placed, *replicated]) or "Norm" in type(module).__name__:
+                if any(path == p or path.startswith(p + ".") for p in [*placed, *replicated]) or is_norm_module(module):
                     continue  # placed by the class, inside a module already kept whole, or a norm
                 out[path] = MOE_REPLICATE
                 replicated.append(path)

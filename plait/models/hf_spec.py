@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -72,38 +72,89 @@ def _layer_kind(config: Any, index: int, block: nn.Module) -> tuple:
     return (type(block), kinds[index] if isinstance(kinds, (list, tuple)) and index < len(kinds) else None, shapes)
 
 
-def measure_blocks(adapter) -> tuple[BlockCost, ...]:
-    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
-    from plait.models.hf_structure import around_layers
-
-    model, config = adapter.meta_model, adapter.hf_config()
-    blocks = list(get_module(model, adapter.blocks_path))
-    hidden = int(config.hidden_size)
+def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Callable[[nn.Module, torch.Tensor], Any]]:
+    """call(index)(block, x): layer `index` run on hidden states `x` (on meta) with what its class passes it (with a
+    4-D causal mask where the class needs one: HFAdapter.needs_causal_mask)."""
+    masked = adapter.needs_causal_mask if causal_mask is None else causal_mask
+    model = adapter.meta_model
+    blocks = get_module(model, adapter.blocks_path)
+    hidden = int(adapter.hf_config().hidden_size)
     arguments: dict[int, dict[int, tuple]] = {}
 
     def call(index: int):
         def run(block: nn.Module, x: torch.Tensor):
             seq = x.shape[1]
             if seq not in arguments:
-                calls, _ = around_layers(adapter.model_class, model, blocks_path=adapter.blocks_path,
-                                         num_layers=len(blocks), pre=adapter.pre,
-                                         positions=torch.arange(seq, device="meta"),
-                                         hidden=torch.zeros(1, seq, hidden, device="meta"), stop_at=len(blocks) - 1)
+                calls, _ = _layer_arguments(adapter.model_class, model, blocks_path=adapter.blocks_path,
+                                            num_layers=len(blocks), pre=adapter.pre,
+                                            positions=torch.arange(seq, device="meta"),
+                                            hidden=torch.zeros(1, seq, hidden, device="meta"),
+                                            stop_at=len(blocks) - 1, causal_mask=masked)
                 arguments[seq] = calls
             _, args, kwargs = arguments[seq][index]
             return block(x, *args, **kwargs)
         return run
+    return call
 
+
+def untrained_block_parameters(adapter) -> frozenset[str]:
+    """Names of the layers' parameters that get no gradient from a layer's output (a sparse-attention indexer: its
+    top-k picks positions, no gradient flows back), found on meta, one layer of each kind."""
+    model, config = adapter.meta_model, adapter.hf_config()
+    blocks = list(get_module(model, adapter.blocks_path))
+    hidden = int(config.hidden_size)
+    call, first_of_kind, out = block_caller(adapter), {}, set()
+    for index, block in enumerate(blocks):
+        first_of_kind.setdefault(_layer_kind(config, index, block), index)
+    for index in first_of_kind.values():
+        named = [(n, p) for n, p in blocks[index].named_parameters() if p.requires_grad]
+        try:
+            with experts_batched(model):
+                result = call(index)(blocks[index], torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
+            result = result[0] if isinstance(result, tuple) else result
+            grads = torch.autograd.grad(result.sum(), [p for _, p in named], allow_unused=True)
+        except Exception:  # a layer that does not run on meta: nothing is frozen
+            continue
+        unused = {n for (n, _), g in zip(named, grads) if g is None}
+        for other, block in enumerate(blocks):
+            if _layer_kind(config, other, block) == _layer_kind(config, index, blocks[index]):
+                out.update(f"{adapter.blocks_path}.{other}.{n}" for n in unused)
+    return frozenset(out)
+
+
+def measure_blocks(adapter) -> tuple[BlockCost, ...]:
+    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
+    model, config = adapter.meta_model, adapter.hf_config()
+    blocks = list(get_module(model, adapter.blocks_path))
+    hidden = int(config.hidden_size)
+    call = block_caller(adapter)
     measured: dict[tuple, BlockCost] = {}
     costs = []
-    with _experts_batched(model):
+    with experts_batched(model):
         for index, block in enumerate(blocks):
             costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
     return tuple(costs)
 
 
+class LayerInputsFromTokens(Exception):
+    """The class's forward cannot run around its layers with only hidden states passed between them."""
+
+
+def _layer_arguments(*args, **kwargs):
+    """What the class passes its layers, found as a pipeline stage finds it: its forward with the modules before the
+    layers left out and hidden states handed in. A class whose layers take inputs computed from the token ids
+    (Gemma 3n's and Gemma 4's per-layer embeddings) or hand values on to the next layer (GLM-MoE-DSA's top-k
+    indices) fails here: plait's stages pass on hidden states only."""
+    from plait.models.hf_structure import around_layers
+
+    try:
+        return around_layers(*args, **kwargs)
+    except Exception as error:
+        raise LayerInputsFromTokens(f"{type(error).__name__}: {str(error).splitlines()[0][:120]}") from error
+
+
 @contextlib.contextmanager
-def _experts_batched(model: nn.Module):
+def experts_batched(model: nn.Module):
     """transformers' experts in their "batched_mm" form while measuring: each token's top-k experts' weights
     gathered and multiplied, which runs on meta (the eager loop over routed experts needs real routing) and counts
     exactly the routed FLOPs."""
@@ -127,6 +178,12 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
     if kind not in measured:
         try:
             measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
+        except LayerInputsFromTokens as error:
+            raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
+                              f"layers ({type(block).__name__}) with only hidden states passed between them "
+                              f"({error}): its layers take or hand on more (inputs computed from the token ids, "
+                              f"values passed from layer to layer), and plait's stages pass on hidden states only "
+                              f"[rule hf-layers-pass-hidden-states]") from None
         except Exception as error:  # a forward that needs real data
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "
@@ -152,31 +209,44 @@ def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
     return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
 
 
-def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str]) -> dict[str, str]:
-    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere ({pattern: UNPLACED}): under
-    tp a rank may feed them part of their input and keep a partial gradient nobody sums, so legality refuses tp.
+def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:
+    """Modules of the blocks holding parameters the tensor-parallel plan places nowhere, each with the style it can
+    run under. Inside a MoE block activations are whole, so what the plan leaves there (the router) is kept whole
+    (plait.models.hf_experts.moe_tensor_styles). Elsewhere ({pattern: "plait:replicate" | "plait:sharded_input" |
+    UNPLACED}) plait.models.hf_flow finds which is exact from one forward on meta, with `call` from block_caller;
+    an UNPLACED one could see part of its input and keep a partial gradient nobody sums, so legality refuses tp.
     Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
     class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
     from plait.legality import PLAIT_STYLE, UNPLACED
-    from plait.models.hf_experts import MOE_REPLICATE, moe_tensor_styles
+    from plait.models.hf_experts import MOE_BLOCK, moe_tensor_styles
+    from plait.models.hf_flow import unplaced_styles
 
-    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
-    # inside a MoE block activations are whole: what the plan leaves there (the router) is kept whole
+    placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
     moe = moe_tensor_styles(list(blocks), placed)
     out = {f"{leaf}.*.{path}": PLAIT_STYLE + style for path, style in moe.items()}
-    placed += [path for path, style in moe.items() if style == MOE_REPLICATE]
-    for block in blocks:  # layers of one class may differ (hybrids: linear or full attention by layer_types)
-        for path, module in block.named_modules():
-            if not path or path in moe or not any(True for _ in module.parameters(recurse=False)):
-                continue
-            if any(path == p or path.startswith(p + ".") for p in placed):
-                continue
-            if "Norm" in type(module).__name__:
-                continue
-            out[f"{leaf}.*.{path}"] = UNPLACED
+    moe_blocks = [path for path, style in moe.items() if style == MOE_BLOCK]
+    styles = {path: style for path, style in zip(placed, tp_plan.values())
+              if not any(path.startswith(block + ".") for block in moe_blocks)}
+    styles.update({path: MOE_BLOCK for path in moe_blocks})  # whole in, whole out: the walk stops there
+    for index, block in enumerate(blocks):  # layers of one class may differ (hybrids: linear or full attention)
+        def run(module: nn.Module, index: int = index):
+            with experts_batched(module):
+                return call(index)(module, torch.zeros(1, 8, hidden, device="meta", requires_grad=True))
+
+        found = unplaced_styles(block, styles, run if call is not None else _no_run, UNPLACED)
+        for path, style in found.items():
+            pattern = f"{leaf}.*.{path}"
+            mark = style if style == UNPLACED else PLAIT_STYLE + style
+            if out.get(pattern, mark) != mark:  # layers disagree: nothing is proven for the pattern
+                mark = UNPLACED
+            out[pattern] = mark
     return out
+
+
+def _no_run(module: nn.Module):
+    raise RuntimeError("no forward to read the data flow from")
 
 
 def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
@@ -217,7 +287,7 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
     tp_plan = tensor_plan_of(config)
     layers = get_module(model, structure.blocks_path)
     if tp_plan:
-        tp_plan.update(unplaced_modules(layers, tp_plan))
+        tp_plan.update(unplaced_modules(layers, tp_plan, block_caller(probe), int(config.hidden_size)))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),

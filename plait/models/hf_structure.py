@@ -69,9 +69,16 @@ def swapped(root: nn.Module, replacements: dict[str, nn.Module | None]) -> Itera
             set_module(root, path, module)
 
 
+def causal_mask(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """A 4-D boolean causal mask [batch, 1, length, length], which transformers' mask builders hand on as it is."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return allowed.expand(batch, 1, length, length)
+
+
 def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_layers: int, pre: tuple[str, ...],
                   positions: torch.Tensor, tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                  stop_at: int | None = None, as_tuple: bool = False) -> tuple[dict[int, tuple], Any]:
+                  stop_at: int | None = None, as_tuple: bool = False,
+                  causal_mask: bool = False) -> tuple[dict[int, tuple], Any]:
     """Run `model_class.forward` on `root` (the model, or a Stage holding its modules) with its layers stood in for.
 
     With `tokens`, the model embeds them itself; with `hidden` ([b, s, h]), its pre-layer modules add nothing and
@@ -84,6 +91,9 @@ def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_l
     if tokens is None:
         replacements.update({path: ZeroStandIn() for path in pre})
     inputs = {"input_ids": tokens} if tokens is not None else {"inputs_embeds": torch.zeros_like(hidden)}
+    if causal_mask:  # a class whose layers read the mask themselves (sparse-attention indexers)
+        inputs["attention_mask"] = globals()["causal_mask"]((tokens if tokens is not None else hidden).shape[0],
+                                                            positions.shape[-1], positions.device)
     with swapped(root, replacements):
         try:
             out = model_class.forward(root, **inputs, position_ids=positions[None], use_cache=False)
@@ -125,6 +135,23 @@ def _blocks_of(model: nn.Module, config: Any) -> str:
                           f"base_model_pp_plan, and ModuleLists of identical blocks under the base model: {found}); "
                           f"plait needs exactly one [rule hf-one-layer-list]")
     return prefix + lists[0]
+
+
+def untrained_parameters(model: nn.Module, structure: Structure) -> frozenset[str]:
+    """Names of the parameters around the layers that get no gradient from a forward over token ids (found on meta:
+    the model's forward with its layers stood in for, then autograd over logits)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad
+             and not n.startswith(structure.blocks_path + ".")]
+    params = [model.get_parameter(n) for n in names]
+    if not params:
+        return frozenset()
+    num_layers = len(get_module(model, structure.blocks_path))
+    _, out = around_layers(type(model), model, blocks_path=structure.blocks_path, num_layers=num_layers, pre=(),
+                           positions=torch.arange(4, device="meta"),
+                           tokens=torch.zeros(1, 4, dtype=torch.long, device="meta"),
+                           as_tuple=structure.layer_returns_tuple)
+    grads = torch.autograd.grad(out.logits.sum(), params, allow_unused=True)
+    return frozenset(n for n, g in zip(names, grads) if g is None)
 
 
 def discover(model: nn.Module, config: Any) -> Structure:

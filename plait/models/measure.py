@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.errors import ConfigError
@@ -29,8 +30,34 @@ BlockCall = Callable[[nn.Module, torch.Tensor], Any]
 """How a block is called on hidden states [1, s, h] (with whatever else its model passes it)."""
 
 
-def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None) -> tuple[float, float]:
-    """(forward FLOPs, bytes saved for backward) of one block over one sequence of `seq` tokens, on meta."""
+NO_WORK = frozenset({"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice", "select",
+                     "unsqueeze", "squeeze", "as_strided", "detach", "alias", "split", "split_with_sizes", "unbind",
+                     "chunk", "narrow", "lift_fresh", "empty", "empty_like", "new_empty", "_to_copy", "clone",
+                     "contiguous", "zeros", "zeros_like", "ones", "ones_like", "full", "arange", "new_zeros",
+                     "new_ones", "index_select", "embedding", "copy_", "fill_", "zero_", "cat", "stack"})
+"""Aten ops that move or make tensors without arithmetic worth pricing."""
+
+
+class _Unpriced(TorchDispatchMode):
+    """Elements written by aten ops that FlopCounterMode has no formula for and that do arithmetic (elementwise
+    maths, reductions, a scan's cumulative sums): the work a FLOP count leaves out."""
+
+    def __init__(self, priced) -> None:
+        super().__init__()
+        self.priced, self.elements = priced, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.overloadpacket not in self.priced and name.removesuffix("_") not in NO_WORK and name not in NO_WORK:
+            self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None
+                  ) -> tuple[float, float, float]:
+    """(forward FLOPs, bytes saved for backward, elements written by unpriced ops) of one block over one sequence
+    of `seq` tokens, on meta."""
     x = torch.zeros(1, seq, hidden, device="meta", requires_grad=True)
     saved: dict[int, int] = {}
 
@@ -40,20 +67,52 @@ def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | Non
         return t
 
     counter = FlopCounterMode(display=False)
-    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    unpriced = _Unpriced(counter.flop_registry)
+    with counter, unpriced, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x) if call is None else call(block, x)
         out = out[0] if isinstance(out, tuple) else out
-    return float(counter.get_total_flops()), float(sum(saved.values()))
+    return float(counter.get_total_flops()), float(sum(saved.values())), float(unpriced.elements)
 
 
 def measure_block(block: nn.Module, hidden: int, call: BlockCall | None = None) -> BlockCost:
-    (f1, a1), (f2, _) = (_forward_cost(block, hidden, s, call) for s in SEQ_PROBES)
+    (f1, a1, u1), (f2, _, _) = (_forward_cost(block, hidden, s, call) for s in SEQ_PROBES)
     s1, s2 = SEQ_PROBES
     per_position = max(0.0, (f2 / s2 - f1 / s1) / (s2 - s1))  # attention: FLOPs per token grow with s
     per_token = max(0.0, f1 / s1 - per_position * s1)
     return BlockCost(params=sum(p.numel() for p in block.parameters()), flops_per_token=per_token,
                      attention_flops_per_token=per_position, activation_bytes_per_token=a1 / s1,
-                     tensors=sum(1 for _ in block.parameters()))
+                     tensors=sum(1 for _ in block.parameters()), unpriced_elements_per_token=u1 / s1)
+
+
+UNPRICED_FLAG = 0.1
+"""A block whose unpriced elements per token exceed this share of its FLOPs runs work the FLOP count misses: a
+transformer layer writes ~2% (norms, activations, softmax), Mamba's scan in torch's elementwise steps ~21%,
+Kimi's delta attention ~32% (tiny configs, measured with benchmarks/hf_families.py's shrinking)."""
+
+
+def unpriced_blocks(model: ModelSpec, seq_len: int) -> list[tuple[int, float]]:
+    """(block index, unpriced elements / FLOPs) of the measured blocks over UNPRICED_FLAG at `seq_len`: priced by
+    their FLOPs only, their time is a lower bound (`plait plan` says so)."""
+    out = []
+    for index, block in enumerate(model.blocks):
+        flops = block.flops_per_token + seq_len * block.attention_flops_per_token
+        share = block.unpriced_elements_per_token / flops if flops else float(block.unpriced_elements_per_token > 0)
+        if share > UNPRICED_FLAG:
+            out.append((index, share))
+    return out
+
+
+def unpriced_note(model: ModelSpec, seq_len: int) -> str | None:
+    """One line naming the blocks `unpriced_blocks` finds, or None."""
+    found = unpriced_blocks(model, seq_len)
+    if not found:
+        return None
+    worst = max(share for _, share in found)
+    indices = [index for index, _ in found]
+    shown = ", ".join(map(str, indices[:8])) + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
+    return (f"{len(indices)} of {model.name}'s {len(model.blocks)} blocks ({shown}) run elementwise work with no FLOP "
+            f"formula (a scan: up to {worst:.0%} of their FLOPs in elements written); they are priced by their FLOPs "
+            f"only, so their time is a lower bound")
 
 
 def measure_spec(source: str, **overrides: Any) -> ModelSpec:

@@ -64,6 +64,11 @@ class BlockCost:
     """Bytes the block keeps for backward per token, at the measured precision (fp32 on meta)."""
     tensors: int = 0
     """Parameter tensors of the block."""
+    unpriced_elements_per_token: float = 0.0
+    """Elements per token (at the shorter measured length) written by ops FlopCounterMode has no formula for and that
+    do arithmetic (elementwise maths, reductions, scans): work the FLOPs above leave out. Transformer layers write a
+    few percent of their FLOPs; a state-space or linear-attention scan written as elementwise steps writes far more
+    (plait.models.measure.unpriced_blocks flags it)."""
     expert_params: int = 0
     """Of `params`, the routed experts' (a mixture-of-experts block): what expert parallelism splits."""
     expert_flops_per_token: float = 0.0

@@ -1,0 +1,168 @@
+"""Where a Hugging Face block's tensors are split over the tensor ranks, read from one forward of it on meta: which
+modules a class's tensor-parallel plan leaves unplaced can run replicated and stay exact.
+
+Under a class's plan, the tensors between a column-wise projection's output and a row-wise projection's input are
+split over the tensor ranks (the *sharded region*: heads, MLP width); everything else in a block is whole on every
+rank (the input, after a row-wise sum, after a gathered column-wise projection). The region is found in autograd's
+graph of one forward on meta: every node reached walking back from a row-wise input, stopping at column-wise
+outputs. A module whose parameters the plan places nowhere is then
+
+* ``replicate``: its input and its output both lie outside the region (an MLA ``q_a_proj`` feeding a column-wise
+  ``q_b_proj``; a linear-attention block between gathered projections). Every rank computes it whole on the same
+  input; the column-wise projections after it all-reduce their input gradients, so its gradient is whole too;
+* ``sharded_input``: its input is exactly a column-wise projection's output (an activation with learned
+  parameters after ``up_proj``: Apertus' xIELU). Its input is declared split along the last dim and its
+  parameters replicated: DTensor computes it exactly and sums their gradients over the ranks;
+* left unplaced otherwise (its output mixes into the region outside a column-wise projection, like an MLA key's
+  rotary part, or its input is split some other way): legality's ``tp-places-parameters`` refuses tp.
+
+Under sequence parallelism a module sees the whole sequence only inside a parent that gathers it (one with a
+column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input") and whose output goes back to sequence
+slices through a row-wise child; a module outside such a parent stays unplaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plait.models.adapter import is_norm_module
+
+ROW_SINKS = ("rowwise",)
+"""Styles whose input is split over the tensor ranks (their output is summed whole)."""
+UNDERSTOOD = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+              "mla_kv_a_proj", "moe_block")
+"""The styles whose boundaries the walk knows ("moe_block": a MoE block, whole in and whole out, whose inside
+plait.models.hf_experts places); a block whose plan holds another proves nothing."""
+
+
+def _node(value: Any):
+    """autograd's node of the first tensor in `value` (a tensor, or a tuple / list starting with one)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return value.grad_fn if isinstance(value, torch.Tensor) else None
+
+
+def module_flow(block: nn.Module, run: Callable[[nn.Module], Any]) -> dict[str, tuple]:
+    """{module path: (node of its input, node of its output)} of one forward `run(block)` (on meta)."""
+    seen: dict[str, tuple] = {}
+
+    def hook(path: str):
+        def record(module, args, kwargs, output):
+            first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+            seen.setdefault(path, (_node(first), _node(output)))
+        return record
+
+    hooks = [module.register_forward_hook(hook(path), with_kwargs=True)
+             for path, module in block.named_modules() if path]
+    try:
+        run(block)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return seen
+
+
+def sharded_region(flow: dict[str, tuple], styles: dict[str, str]) -> set:
+    """The autograd nodes between column-wise outputs and row-wise inputs (see the module docstring). The walk
+    stops at every placed module's output: its style owns what lies behind it."""
+    stops = {flow[p][1] for p in styles if p in flow and flow[p][1] is not None}
+    stack = [flow[p][0] for p, s in styles.items() if s in ROW_SINKS and p in flow and flow[p][0] is not None]
+    region: set = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in region:
+            continue
+        region.add(node)
+        if node not in stops:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return region
+
+
+def _split_sources(node, flow: dict[str, tuple], styles: dict[str, str]) -> list[str]:
+    """The column-wise modules (split over the tensor ranks) `node` is computed from before any other placed
+    module's output (walking back through autograd's graph)."""
+    stops = {flow[p][1]: p for p in styles if p in flow and flow[p][1] is not None}
+    stack, seen, found = [node], set(), []
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if current in stops:
+            if styles[stops[current]] == "colwise":
+                found.append(stops[current])
+            continue
+        stack.extend(next_node for next_node, _ in current.next_functions)
+    return found
+
+
+def _nested_norm_style(block: nn.Module, path: str, flow: dict[str, tuple], styles: dict[str, str]) -> str | None:
+    """A nested norm the plan leaves unmarked, by what it reads: None (whole projections: left as it is); "head_norm"
+    where it normalizes each head of a column-wise output (a per-head q_norm the class's plan forgot: Sarvam-MoE's,
+    GLM-4-MoE's; its gradient summed over the tensor ranks, as Qwen3's marked ones are); "unplaced" where it
+    normalizes a column-wise output's whole width, of which each rank holds a slice."""
+    sources = _split_sources(flow[path][0], flow, styles)
+    if not sources:
+        return None
+    weight = getattr(block.get_submodule(path), "weight", None)
+    widths = {getattr(block.get_submodule(source), "out_features", None) for source in sources}
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1 and None not in widths \
+            and all(width > weight.numel() and width % weight.numel() == 0 for width in widths):
+        return "head_norm"
+    return "unplaced"
+
+
+def _gathered_parents(flow: dict[str, tuple], styles: dict[str, str]) -> set[str]:
+    """Parents that, in this block, gather their input under sequence parallelism (a column-wise child) and hand
+    their output back split (a row-wise child): inside one, a module sees the whole sequence and what it adds
+    reaches the residual through the row-wise sum. A parent with no row-wise child in this block (a hybrid's
+    linear-attention layer under a pattern its attention layers fill) would hand the residual a whole sequence."""
+    def parents(kinds: tuple[str, ...]) -> set[str]:
+        return {p.rsplit(".", 1)[0] for p, s in styles.items() if "." in p and p in flow and s.startswith(kinds)}
+
+    return parents(("colwise",)) & parents(("rowwise",))
+
+
+def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.Module], Any],
+                    unplaced: str) -> dict[str, str]:
+    """{path: style} for each module of `block` holding parameters the plan `styles` ({block-relative path: style})
+    places nowhere: "replicate", "sharded_input", or `unplaced` (see the module docstring)."""
+    placed = list(styles)
+    unmarked = [(path, module) for path, module in block.named_modules()
+                if path and any(True for _ in module.parameters(recurse=False))
+                and not any(path == p or path.startswith(p + ".") for p in placed)]
+    candidates = [path for path, module in unmarked if not is_norm_module(module)]
+    norms = [path for path, module in unmarked if is_norm_module(module) and "." in path]
+    if not candidates and not norms:
+        return {}
+    if any(style not in UNDERSTOOD for style in styles.values()):
+        return {path: unplaced for path in candidates}
+    try:
+        flow = module_flow(block, run)
+    except Exception:  # a block that does not run on meta: nothing is proven
+        return {path: unplaced for path in candidates}
+    region = sharded_region(flow, styles)
+    # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules) unless
+    # it reads a column-wise output (_nested_norm_style)
+    out = {}
+    for path in norms:
+        style = _nested_norm_style(block, path, flow, styles) if path in flow else None
+        if style is not None:
+            out[path] = unplaced if style == "unplaced" else style
+    column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
+    gathered = _gathered_parents(flow, styles)
+    for path in candidates:
+        entry, exit_ = flow.get(path, (None, None))
+        inside_gather = any(path.startswith(parent + ".") for parent in gathered)
+        if path not in flow or not inside_gather:
+            out[path] = unplaced
+        elif entry not in region and exit_ not in region:
+            out[path] = "replicate"
+        elif entry in column_outputs and entry is not None:
+            out[path] = "sharded_input"
+        else:
+            out[path] = unplaced
+    return out

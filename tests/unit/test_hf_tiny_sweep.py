@@ -1,0 +1,168 @@
+"""The sweep's tiny configs (benchmarks/hf_families.py) and what the adapter does with the classes they opened up:
+per-layer lists cut to a layer of each kind, sizes a class leaves None filled, transformers' heterogeneous
+per_layer_config shrunk; a multimodal class's encoders that a text forward never reaches frozen; an embedding that
+normalizes its output is no norm; a class whose layers take more than hidden states refused by rule."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.models.adapter import is_norm_module
+
+BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "hf_families.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("hf_families_tiny", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_per_layer_lists_keep_a_layer_of_each_kind(sweep):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("bailing_hybrid")  # 42 layers: full attention first at layer 5, dense MLPs at 0-1
+    out = sweep.tiny_overrides(config)
+    assert out["num_hidden_layers"] == len(out["layer_types"]) == len(out["mlp_layer_types"]) == 4
+    assert set(out["layer_types"]) == {"linear_attention", "full_attention"}
+    assert set(out["mlp_layer_types"]) == {"dense", "sparse"}
+
+
+def test_sizes_a_class_leaves_none_are_filled(sweep):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v2")
+    assert config.num_experts_per_tok is None  # its topk would get k=None
+    out = sweep.tiny_overrides(config)
+    assert out["num_experts_per_tok"] == 2 and out["num_key_value_heads"] == out["num_attention_heads"]
+
+
+def test_heterogeneous_config_shrunk_and_run_by_transformers(sweep, tmp_path):
+    from transformers import AutoConfig
+
+    assert sweep.write_tiny("gemma4_text", tmp_path) is None
+    config = AutoConfig.from_pretrained(str(tmp_path))
+    per_layer = config.to_dict()["per_layer_config"]
+    assert config.layer_types[-1] == "full_attention" and len(config.layer_types) == 4
+    assert all(v <= 64 for overrides in per_layer.values() for v in overrides.values() if isinstance(v, int))
+
+
+def test_layers_taking_more_than_hidden_states_are_refused_by_rule(sweep, tmp_path):
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("gemma4_text", tmp_path) is None
+    with pytest.raises(ConfigError, match=r"hf-layers-pass-hidden-states"):
+        load_model(str(tmp_path))
+
+
+def test_encoders_a_text_forward_never_reaches_are_frozen(sweep, tmp_path):
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("phi4_multimodal", tmp_path) is None
+    adapter = adapter_for(load_model(str(tmp_path)))
+    model = adapter.build("meta")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(".embed_tokens_extend." in n for n in frozen)
+    assert all(p.requires_grad for n, p in model.named_parameters() if n.startswith(adapter.blocks_path + "."))
+    assert model.get_parameter("model.embed_tokens.weight").requires_grad
+
+
+def test_an_embedding_that_normalizes_is_no_norm():
+    from transformers.models.inkling.modeling_inkling import InklingNormedEmbedding, InklingRMSNorm
+
+    with torch.device("meta"):
+        assert not is_norm_module(InklingNormedEmbedding(10, 8, padding_idx=0, norm_eps=1e-6))
+        assert is_norm_module(InklingRMSNorm(8))
+        assert not is_norm_module(nn.Linear(2, 2))
+
+
+class _Toy(nn.Module):
+    """up (column-wise) -> scale (parameters, on up's output) -> down (row-wise); `side` (parameters) reads the
+    whole input and feeds `gate` (column-wise); `leak` (parameters) reads the whole input and adds into the split
+    width, where a rank would keep a partial gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.up, self.mlp.gate, self.mlp.down = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+        self.mlp.side, self.mlp.leak = nn.Linear(4, 4), nn.Linear(4, 8)
+        self.mlp.scale = _Scale()
+
+    def forward(self, x):
+        m = self.mlp
+        return m.down(m.scale(m.up(x)) * m.gate(m.side(x)) + m.leak(x))
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.alpha
+
+
+def test_unplaced_modules_replicated_only_where_exact():
+    from plait.models.hf_flow import unplaced_styles
+
+    styles = {"mlp.up": "colwise", "mlp.gate": "colwise", "mlp.down": "rowwise"}
+    found = unplaced_styles(_Toy(), styles, lambda block: block(torch.zeros(2, 4, requires_grad=True)), "unplaced")
+    assert found == {"mlp.side": "replicate", "mlp.scale": "sharded_input", "mlp.leak": "unplaced"}
+    experts = {**styles, "mlp.experts": "moe_tp_experts"}  # a style the walk does not know proves nothing
+    found = unplaced_styles(_Toy(), experts, lambda block: block(torch.zeros(2, 4, requires_grad=True)), "unplaced")
+    assert set(found.values()) == {"unplaced"}
+
+
+@pytest.mark.parametrize("family,path,style", [("minicpm3", "layers.*.self_attn.q_a_proj", "plait:replicate"),
+                                               ("apertus", "layers.*.mlp.act_fn", "plait:sharded_input")])
+def test_classes_unplaced_modules_admitted_under_tp(sweep, tmp_path, family, path, style):
+    from plait.legality import tensor_problems
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny(family, tmp_path) is None
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan[path] == style and "unplaced" not in spec.tp_plan.values()
+    assert not tensor_problems(spec, 2)
+
+
+def test_a_replicated_attention_outside_a_gathered_parent_stays_refused(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("youtu", tmp_path) is None  # its plan places no attention module
+    (problem,) = tensor_problems(load_model(str(tmp_path)), 2)
+    assert problem.rule == "tp-places-parameters" and "self_attn" in str(problem)
+
+
+def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("granite_swa", tmp_path) is None  # "self_attn": local_params, "self_attn.sinks": colwise
+    spec = load_model(str(tmp_path))
+    assert not tensor_problems(spec, 2)
+    block = adapter_for(spec).tp_plan().block
+    assert block["self_attn.sinks"] == "local_param" and block["self_attn"] == "gather_input"
+
+
+def test_a_class_whose_layers_read_the_mask_gets_a_causal_one(sweep, tmp_path):
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("deepseek_v32", tmp_path / "dsa") is None  # its indexer slices the mask it is given
+    assert sweep.write_tiny("qwen3", tmp_path / "qwen3") is None
+    dsa = adapter_for(load_model(str(tmp_path / "dsa")))
+    assert dsa.needs_causal_mask
+    frozen = dsa.untrained_parameters  # its indexer's top-k passes no gradient back: frozen, not waited for
+    assert frozen and all(".self_attn.indexer." in name for name in frozen)
+    assert not adapter_for(load_model(str(tmp_path / "qwen3"))).needs_causal_mask  # SDPA's causal path, no mask
