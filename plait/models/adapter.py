@@ -186,7 +186,7 @@ class ModelAdapter:
         """Mean next-token cross-entropy of one (micro-)batch; logits [b, s, V], targets [b, s]."""
         # at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if not bool((targets != IGNORE_INDEX).any()):
+        if not targets.is_meta and not bool((targets != IGNORE_INDEX).any()):  # meta: a dry run's trace, no data
             # every target masked (a chat window with no assistant token): the mean would be 0/0 = NaN and poison the
             # gradients; a zero with the graph attached trains nothing instead (plait.train.chat counts such windows)
             return logits.sum() * 0.0
