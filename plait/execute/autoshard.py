@@ -23,11 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
-from plait.operators.strategies import placement_of, register_replicated
+from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
 from plait.plan import Plan
 
 
@@ -67,6 +68,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> n
     out replicated; then fully_shard over dp when dp > 1."""
     sharding = plan.operators
     tp_mesh = mesh["tp"]
+    register_plait_rules()  # the rules the planner priced with (CPU attention)
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
     for module_name, module in model.named_modules():
@@ -166,7 +168,8 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
     for step in range(settings.steps):
         batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
         loss = model(*dp_slice(batch, dp, dp_rank))
-        loss.backward()
+        with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
+            loss.backward()
         value = loss.detach().clone()
         if dp > 1:
             dist.all_reduce(value, group=dp_group)

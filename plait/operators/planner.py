@@ -105,7 +105,9 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         matrix = np.zeros((len(source.strategies), len(reads)))
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
-                matrix[a, b] = price.edge_time(strategy.outputs[index], dst, grad, ref, group, cluster)[0]
+                src = strategy.outputs[index]
+                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster)[0] + \
+                    (0.0 if price.runs_on_layout(src, dst, ref) else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
 

@@ -20,12 +20,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
 
 def test_check_proves_the_split_embedding_table_equal_under_fully_shard(tmp_path, monkeypatch):
     """DLRM on dp2 x tp2 under a budget its whole table does not fit: the solver splits the table on tp,
-    fully_shard shards it further over dp, the operator DTensor has no rule for runs replicated (register_sharding);
+    fully_shard shards it further over dp;
     four ranks equal one process. One launch covers the executor's whole path."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = auto_plan("dlrm:build", "dlrm:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, dp=2, tp=2,
                      memory_limit=6 * 2**20)
-    assert plan.operators.params["table.weight"] != "R" and plan.operators.replicated_ops
+    assert plan.operators.params["table.weight"] != "R"
     assert plan.operators.peak_memory_bytes <= 6 * 2**20 and "dp2 tp2" in plan.describe()
     check_equal(plan, tmp_path)
 
