@@ -99,23 +99,30 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
     edges, parts = [], []
 
-    def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]]) -> None:
+    enforced = _enforced_reads(graph)
+
+    def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
+                ) -> None:
+        if enforced.get(ref.value) == consumer_call.get(consumer):
+            accepts = frozenset()  # the executor redistributes it here itself (a module's hook)
         producer, index = value_node[ref.value]
         source = nodes[producer]
         matrix = np.zeros((len(source.strategies), len(reads)))
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
+                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
                 matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster)[0] + \
-                    (0.0 if price.runs_on_layout(src, dst, ref) else price.UNRUNNABLE_S)
+                    (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
 
+    consumer_call = {node: index for index, node in call_node.items()}
     for call in graph.calls:
         v = call_node[call.index]
         for k, ref in enumerate(call.inputs):
             reads = [(s.inputs[k], price.gradient_placement(s.inputs, k)) for s in nodes[v].strategies]
-            connect(ref, v, reads)
+            connect(ref, v, reads, _taken_as_is(nodes[v].strategies, k))
     if graph.output is not None:  # the loss leaves replicated
         sink = len(nodes)
         nodes.append(_Node("<output>", [Strategy(("R",), ())]))
@@ -126,6 +133,29 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                                        memory_limit if memory_limit is not None else cluster.memory_bytes)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
                  tuple(unsupported))
+
+
+def _enforced_reads(graph: Graph) -> dict[int, int]:
+    """Value id -> the call whose read of it the executor enforces: a module's output, a module's first argument,
+    a parameter or a buffer is redistributed by a hook to the placement its first consumer reads it in
+    (plait.execute.autoshard; describe() writes those placements), so a redistribution planned there happens there."""
+    boundary = {ref.value for ref in (*graph.module_outputs.values(), *graph.module_inputs.values(),
+                                      *graph.params.values(), *graph.buffers.values())}
+    first: dict[int, int] = {}
+    for call in graph.calls:
+        for ref in call.inputs:
+            if ref.value in boundary:
+                first.setdefault(ref.value, call.index)
+    return first
+
+
+def _taken_as_is(strategies: list[Strategy], k: int) -> frozenset[str]:
+    """Placements of a call's k-th argument some strategy runs on as they arrive. DTensor's eager dispatch keeps
+    an argument as it is where a strategy takes it so, and redistributes later, where it must (where the tensor
+    may be a transposed view: see price.runs_on_layout), so a plan that redistributes one of these here is not
+    what the run does: the planner prices it out. (For a call of several arguments this is stricter than the
+    dispatch, which weighs them together; what it leaves are plans the run follows.)"""
+    return frozenset(s.inputs[k] for s in strategies)
 
 
 def apply_pins(built: Built, pins: dict[str, str]) -> None:
@@ -202,8 +232,10 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         node = built.value_node[ref.value]
         if built.nodes[node].call is not None:
             index = [r.value for r in built.nodes[node].call.outputs].index(ref.value)
-            placement = _output_of(built.nodes[node], choice[node], index)
-            if placement != "P":  # a pending sum stays as the operator left it (see inputs below)
+            # Where its first consumer reads it (Megatron's row-parallel all-reduce: P read as R), else as made.
+            placement = reads.get(ref.value) if reads.get(ref.value, "P") != "P" else \
+                _output_of(built.nodes[node], choice[node], index)
+            if placement != "P":  # a pending sum stays as the operator left it (see inputs above)
                 outputs[module] = placement
     per_call: dict[int, list] = {}
     counts: dict[str, int] = {}

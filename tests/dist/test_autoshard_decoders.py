@@ -1,6 +1,6 @@
 """A decoder planned operator by operator, proved on 2 ranks: plait's reference Llama (RoPE, grouped-query
-attention through CPU's fused kernel and plait's rule for it) under Megatron's pattern, pinned on the solver
-(semi-automatic mode), `plait check` EQUAL to one process."""
+attention through CPU's fused kernel and plait's rule for it), the solver's own plan (priced as Megatron's pattern,
+tests/unit/test_operators_decoders.py), `plait check` EQUAL to one process."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ pytestmark = pytest.mark.dist
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
 
 
-def test_check_proves_llama_under_megatrons_pattern_equal(tmp_path, monkeypatch):
+def test_check_proves_the_automatic_llama_plan_equal(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    from decoders import megatron_pins
-
-    plan = auto_plan("decoders:llama", "decoders:tokens", CLUSTER_PRESETS["local-cpu"], global_batch=4, tp=2,
-                     pins=megatron_pins("llama"))
-    assert plan.operators.params["model.layers.0.attention.wq.weight"] == "S0" and not plan.operators.replicated_ops
+    plan = auto_plan("decoders:llama", "decoders:tokens", CLUSTER_PRESETS["local-cpu"], global_batch=4, tp=2)
+    ops = plan.operators
+    assert not ops.replicated_ops and ops.step_time_s < ops.data_parallel_step_time_s
+    assert sum(p != "R" for p in ops.params.values()) >= 14  # every projection of both blocks split
     check_equal(plan, tmp_path)
