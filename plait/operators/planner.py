@@ -189,10 +189,59 @@ def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
     return node, index
 
 
-def solve(built: Built, solver: str = "program", time_limit: float = 60.0) -> sharding.Solution:
+TIE_MIN_COPIES = 4
+"""A block repeated this many times or more is solved once for its interior copies (all but the first and last,
+whose neighbours differ: the embedding, the head)."""
+
+
+def repeated_blocks(built: Built) -> list[list[int]]:
+    """Classes of nodes that choose together: node j of every interior copy of a repeated block. A block is the
+    module named by a numbered child ("model.layers.7"); copies have the same operators, in the same order, on the
+    same shapes, and the same parameters (plait.search.sharding.tie)."""
+    import re
+
+    number = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+    blocks: dict[str, list[tuple[int, tuple]]] = {}
+    for call in built.graph.calls:
+        found = number.match(call.module)
+        if found:
+            prefix = found.group(1)
+            key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
+            blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
+    for name, ref in {**built.graph.params, **built.graph.buffers}.items():
+        found = number.match(name)
+        if found and found.group(1) in blocks:
+            key = ("param", name[len(found.group(1)):], ref.shape)
+            blocks[found.group(1)].append((built.value_node[ref.value], key))
+    copies: dict[tuple, list[list[int]]] = {}
+    for prefix, members in blocks.items():
+        container = prefix.rsplit(".", 1)[0]
+        copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
+    classes = []
+    for same in copies.values():
+        if len(same) >= TIE_MIN_COPIES:
+            interior = same[1:-1]
+            classes.extend([list(nodes) for nodes in zip(*interior)])
+    return classes
+
+
+def _shapes(refs) -> tuple:
+    return tuple((r.shape, r.stride, r.dtype) for r in refs)
+
+
+def _scalars(call) -> str:
+    """The call's arguments other than tensors (dims, sizes, flags), and how they nest."""
+    from torch.utils._pytree import tree_flatten
+
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    return repr([None if isinstance(a, TensorRef) else a for a in flat]) + str(spec)
+
+
+def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
+          ) -> sharding.Solution:
     if solver == "propagation":
         return sharding.solve_propagation(built.problem)
-    return sharding.solve_program(built.problem, time_limit)
+    return sharding.solve_program(built.problem, time_limit, repeated_blocks(built) if reuse_blocks else None)
 
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,

@@ -76,6 +76,10 @@ def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True) -
     return names
 
 
+ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
+"""DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
+
+
 class StrategyOracle:
     """DTensor's answers for one mesh axis size, cached by (op, arguments)."""
 
@@ -83,14 +87,16 @@ class StrategyOracle:
         self.axis_size = axis_size
         self.mesh = mesh
         self.propagator = DTensor._op_dispatcher.sharding_propagator
-        self.cache: dict[tuple, tuple[list[Strategy], bool]] = {}
 
     def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
-        """(strategies, has_rule); without a rule: [everything replicated], False."""
-        key = (call.op, _signature(call.args), _signature(call.kwargs))
-        if key not in self.cache:
-            self.cache[key] = self._ask(call)
-        return self.cache[key]
+        """(strategies, has_rule); without a rule: [everything replicated], False. Answers are kept for the process
+        (ANSWERS: a plan asked again, the program and the heuristic, the same block in another model), keyed by the
+        rules DTensor holds so that a rule registered since is asked."""
+        rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
+        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs))
+        if key not in ANSWERS:
+            ANSWERS[key] = self._ask(call)
+        return ANSWERS[key]
 
     def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))

@@ -4,6 +4,7 @@ solutions against Megatron's pattern (tier 1: no processes; DTensor's rules on a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,48 @@ def test_llama_solution_prices_no_higher_than_megatrons_pattern(model):
     assert megatron.step_time_s < 1.0
     attention = [c for c in megatron.costliest + auto.costliest if ATTENTION in c.name]
     assert all(c.placements == "S1,S1,S1 -> S1,S1" for c in attention)
+
+
+def test_tied_copies_cost_exactly_what_their_choices_cost_and_solve_once():
+    """tie(): a chain of four identical 2-node blocks, copies 1 and 2 tied. Every tied choice costs in the smaller
+    problem what it costs in the whole; the tied optimum is the brute-force optimum over tied choices."""
+    import itertools
+
+    import numpy as np
+
+    from plait.search import sharding
+
+    rng = np.random.default_rng(3)
+    block_cost = [rng.uniform(0, 1, 3), rng.uniform(0, 1, 2)]
+    inner, between = rng.uniform(0, 1, (3, 2)), rng.uniform(0, 1, (2, 3))
+    costs = [c.copy() for _ in range(4) for c in block_cost]
+    edges = [(2 * b, 2 * b + 1, inner) for b in range(4)] + [(2 * b + 1, 2 * b + 2, between) for b in range(3)]
+    problem = sharding.ShardingProblem(costs, edges)
+    classes = [[2, 4], [3, 5]]
+    tied, to_new = sharding.tie(problem, classes)
+    assert tied.num_nodes == 6
+    best = math.inf
+    for small_choice in itertools.product(*[range(len(c)) for c in tied.node_cost]):
+        full = tuple(small_choice[to_new[i]] for i in range(problem.num_nodes))
+        assert sharding.total_cost(tied, small_choice) == pytest.approx(sharding.total_cost(problem, full))
+        best = min(best, sharding.total_cost(problem, full))
+    solution = sharding.solve_program(problem, classes=classes)
+    assert solution.cost == pytest.approx(best) and solution.choice[2:4] == solution.choice[4:6]
+
+
+def test_a_llamas_interior_blocks_are_solved_once_at_the_full_programs_cost():
+    from plait.operators import planner
+
+    from decoders import WithLoss, _spec
+
+    from plait.models.reference import Transformer
+
+    with torch.device("meta"):
+        model = WithLoss(Transformer(_spec(num_layers=4)))
+    built = planner.build_problem(capture(model, planner.meta_batch("decoders:tokens", 4)), 2, 1, CPU)
+    classes = planner.repeated_blocks(built)
+    assert classes and all(len(members) == 2 for members in classes)   # blocks 1 and 2 of 0..3
+    tied = planner.solve(built)
+    full = planner.solve(built, reuse_blocks=False)
+    assert tied.stats["tied_from"] == built.problem.num_nodes
+    assert tied.cost == pytest.approx(full.cost, rel=1e-6)
