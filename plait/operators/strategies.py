@@ -99,6 +99,10 @@ class StrategyOracle:
         return ANSWERS[key]
 
     def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
+        with _output_meta_once(self.propagator):
+            return self._ask_each_combination(call)
+
+    def _ask_each_combination(self, call: OpCall) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
         options = [candidate_placements(ref, self.axis_size) for ref in call.inputs]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
@@ -153,6 +157,35 @@ class StrategyOracle:
     def _spec(self, ref: TensorRef, placement: str) -> DTensorSpec:
         meta = TensorMeta(torch.Size(ref.shape), ref.stride, ref.dtype)
         return DTensorSpec(self.mesh, (placement_of(placement),), tensor_meta=meta)
+
+
+@contextmanager
+def _output_meta_once(propagator) -> Iterator[None]:
+    """While one call's placements are asked: the propagator's output shapes (it runs the op on fake tensors for
+    each question, half its time) computed once per operator and global argument shapes, which placements do not
+    change."""
+    compute = propagator._propagate_tensor_meta_non_cached
+    known: dict[tuple, object] = {}
+
+    def once(op_schema):
+        key = (op_schema.op, *(_meta_key(a) for a in tree_flatten((op_schema.args_schema,
+                                                                    op_schema.kwargs_schema))[0]))
+        if key not in known:
+            known[key] = compute(op_schema)
+        return known[key]
+
+    propagator._propagate_tensor_meta_non_cached = once
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # the class's own again
+
+
+def _meta_key(arg):
+    if isinstance(arg, DTensorSpec):
+        meta = arg.tensor_meta
+        return (tuple(meta.shape), tuple(meta.stride), meta.dtype) if meta is not None else None
+    return _hashable(arg)
 
 
 def _signature(tree) -> tuple:
