@@ -94,12 +94,13 @@ def gradient_placement(strategy_inputs: Sequence[str], k: int) -> str:
     return "R" if own == "P" else own
 
 
-def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group, cluster: ClusterSpec
-              ) -> tuple[float, Redistribution, Redistribution]:
-    """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions."""
+def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group, cluster: ClusterSpec,
+              needs_grad: bool = True) -> tuple[float, Redistribution, Redistribution]:
+    """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions. A tensor no
+    gradient flows to (a constant, RoPE's tables, anything computed from the batch alone) has no backward image."""
     forward = redistribution(src, dst, ref.nbytes, group, cluster)
     backward = redistribution(grad, "R" if src == "P" else src, ref.nbytes, group, cluster) \
-        if ref.is_float else NONE
+        if ref.is_float and needs_grad else NONE
     return forward.seconds + backward.seconds, forward, backward
 
 

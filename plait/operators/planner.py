@@ -100,6 +100,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
+    grads = needs_gradient(graph)
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -112,7 +113,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
-                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster)[0] + \
+                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
@@ -133,6 +134,15 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                                        memory_limit if memory_limit is not None else cluster.memory_bytes)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
                  tuple(unsupported))
+
+
+def needs_gradient(graph: Graph) -> set[int]:
+    """Value ids a gradient flows to: the parameters and every call output computed from one."""
+    grads = {ref.value for ref in graph.params.values()}
+    for call in graph.calls:
+        if any(ref.value in grads for ref in call.inputs):
+            grads.update(ref.value for ref in call.outputs if ref.is_float)
+    return grads
 
 
 def _enforced_reads(graph: Graph) -> dict[int, int]:
@@ -286,6 +296,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                 _output_of(built.nodes[node], choice[node], index)
             if placement != "P":  # a pending sum stays as the operator left it (see inputs above)
                 outputs[module] = placement
+    grads = needs_gradient(built.graph)
     per_call: dict[int, list] = {}
     counts: dict[str, int] = {}
     total_bytes = 0.0
@@ -297,7 +308,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         seconds, fwd, bwd = price.edge_time(src, strategy.inputs[k], price.gradient_placement(strategy.inputs, k),
-                                            ref, group, cluster)
+                                            ref, group, cluster, ref.value in grads)
         kinds = []
         for direction, r in (("fwd", fwd), ("bwd", bwd)):
             if r.collective:
