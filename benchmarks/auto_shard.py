@@ -21,6 +21,12 @@ the budget on 2, 4 and 8 ranks; DLRM_BUDGET_MIB), its table trained by the fused
 split the table.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto .venv/bin/python benchmarks/auto_shard.py [--models vit,dlrm]
+
+`--decoders` prints the decoders' table instead (decoders_table): plait's reference Llama and a Hugging Face
+Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, and
+Llama 3 8B's shape (32 layers, sequence 8192) planned only on 64 and 512 devices (dp8 x tp8, dp64 x tp8):
+capture, build and solve seconds with the repeated block solved once, next to a fixed reference computation timed
+in the same run (the machine may be shared: the ratio is the figure that travels).
 """
 
 from __future__ import annotations
@@ -68,10 +74,108 @@ def measure(plan) -> tuple[float, dict[str, int], int]:
     return step_collectives(plan)
 
 
+def reference_seconds() -> float:
+    """A fixed computation (Python loops and small dense algebra, as the planner's build and HiGHS do): the yardstick
+    the 8B rows' seconds are divided by. Median of 3."""
+    import numpy as np
+
+    def once() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i % 7
+        a = np.random.default_rng(0).standard_normal((200, 200))
+        for _ in range(50):
+            a = np.tanh(a @ a.T / 200)
+        return time.perf_counter() - start
+    return statistics.median(once() for _ in range(3))
+
+
+def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
+    """Seconds of each phase planning Llama 3 8B's shape on dp x tp (h100-80g), the block solved once; with
+    full_program, the untied program too (HiGHS's 60 s limit) and the tied plan's cost over it."""
+    from decoders import WithLoss
+
+    from plait.models.reference import Transformer
+    from plait.operators import planner
+    from plait.operators.capture import capture
+    from plait.search import sharding
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.spec.models import MODEL_PRESETS
+
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = WithLoss(Transformer(MODEL_PRESETS["llama3-8b"]))
+    graph = capture(model, planner.meta_batch("decoders:tokens_8k", 1))
+    times["capture"] = time.perf_counter() - start
+    start = time.perf_counter()
+    built = planner.build_problem(graph, tp, dp, CLUSTER_PRESETS["h100-80g"].with_devices(dp * tp))
+    times["build"] = time.perf_counter() - start
+    start = time.perf_counter()
+    tied = planner.solve(built)
+    times["solve"] = time.perf_counter() - start
+    times["nodes"], times["tied nodes"] = built.problem.num_nodes, tied.stats.get("nodes", 0)
+    times["step"] = tied.cost
+    if full_program:
+        start = time.perf_counter()
+        full = planner.solve(built, reuse_blocks=False)
+        times["full solve"], times["tied / full"] = time.perf_counter() - start, tied.cost / full.cost - 1
+    return times
+
+
+def decoders_table(full_program: bool) -> None:
+    from decoders import megatron_pins
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.operators.planner import auto_plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    table = Table(title="per-operator sharding of decoders (local-cpu cluster model; machine shared)")
+    for column in ("model", "mesh", "solve s", "auto ms", "Megatron ms", "dp-only ms", "heuristic gap",
+                   "projections as Megatron"):
+        table.add_column(column, justify="left" if column in ("model", "mesh") else "right")
+    for model in ("llama", "hf_llama"):
+        for tp in (2, 4):
+            plans = {}
+            for name, solver, pins in (("auto", "program", None), ("megatron", "program", megatron_pins(model)),
+                                       ("heuristic", "propagation", None)):
+                start = time.perf_counter()
+                plans[name] = (auto_plan(f"decoders:{model}", "decoders:tokens", CLUSTER_PRESETS["local-cpu"],
+                                         global_batch=4, tp=tp, solver=solver, pins=pins).operators,
+                               time.perf_counter() - start)
+            auto, megatron, heuristic = (plans[k][0] for k in ("auto", "megatron", "heuristic"))
+            weights = {k: v for k, v in megatron_pins(model).items() if k.endswith(".weight")}
+            same = sum(auto.params[k] == v for k, v in weights.items())
+            table.add_row(model, f"tp{tp}", f"{plans['auto'][1]:.2f}", f"{auto.step_time_s * 1e3:.2f}",
+                          f"{megatron.step_time_s * 1e3:.2f}", f"{auto.data_parallel_step_time_s * 1e3:.2f}",
+                          f"{heuristic.step_time_s / auto.step_time_s - 1:+.2%}", f"{same}/{len(weights)}")
+    Console(width=200).print(table)
+    reference = reference_seconds()
+    big = Table(title=f"Llama 3 8B's shape planned on h100-80g (reference computation {reference:.2f} s this run)")
+    for column in ("mesh", "nodes", "tied nodes", "capture s", "build s", "solve s", "build + solve s",
+                   "/ reference", "step s", "full program s", "tied vs full"):
+        big.add_column(column, justify="left" if column == "mesh" else "right")
+    for dp, tp in ((8, 8), (64, 8)):
+        t = plan_8b(dp, tp, full_program)
+        total = t["build"] + t["solve"]
+        big.add_row(f"dp{dp} x tp{tp}", f"{t['nodes']:.0f}", f"{t['tied nodes']:.0f}", f"{t['capture']:.2f}",
+                    f"{t['build']:.2f}", f"{t['solve']:.2f}", f"{total:.2f}", f"{total / reference:.1f}x",
+                    f"{t['step']:.3f}", f"{t['full solve']:.1f}" if "full solve" in t else "-",
+                    f"{t['tied / full']:+.2%}" if "tied / full" in t else "-")
+    Console(width=200).print(big)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--decoders", action="store_true", help="the decoders' table instead (see the docstring)")
+    parser.add_argument("--full-program", action="store_true", help="with --decoders: the untied 8B program too")
     args = parser.parse_args()
+    if args.decoders:
+        decoders_table(args.full_program)
+        return
     from rich.console import Console
     from rich.table import Table
 

@@ -63,6 +63,29 @@ def redistribution(src: str, dst: str, nbytes: float, group: comm.Group, cluster
     return Redistribution("all_to_all", comm.all_to_all(nbytes / group.size, group, cluster), nbytes / group.size)
 
 
+UNRUNNABLE_S = 1e3
+"""Seconds the planner prices a redistribution DTensor cannot run correctly at (see `runs_on_layout`): larger
+than any step, so the solver avoids it whenever any other choice exists, and finite, so the program stays one."""
+
+
+def runs_on_layout(src: str, dst: str, ref: "TensorRef") -> bool:
+    """Whether DTensor (torch 2.13) can redistribute `ref` from `src` to `dst` and keep its strides consistent.
+    A collective or a slice makes the local tensor contiguous while the DTensor keeps the global stride it had; on
+    a non-contiguous tensor (a transposed view: attention's heads) a later view, reshape or contiguous() that
+    trusts the global stride then fails on the local one. Free changes (none, or replicated read as a pending
+    sum) keep the layout."""
+    return src == dst or (src == "R" and dst == "P") or _is_contiguous(ref)
+
+
+def _is_contiguous(ref: "TensorRef") -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(ref.shape, ref.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def gradient_placement(strategy_inputs: Sequence[str], k: int) -> str:
     """The placement of the gradient a call's backward returns for its k-th argument, given the placements its
     strategy reads: Partial where a replicated argument feeds split work, Replicate for a Partial argument (the
@@ -73,12 +96,13 @@ def gradient_placement(strategy_inputs: Sequence[str], k: int) -> str:
     return "R" if own == "P" else own
 
 
-def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group, cluster: ClusterSpec
-              ) -> tuple[float, Redistribution, Redistribution]:
-    """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions."""
+def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group, cluster: ClusterSpec,
+              needs_grad: bool = True) -> tuple[float, Redistribution, Redistribution]:
+    """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions. A tensor no
+    gradient flows to (a constant, RoPE's tables, anything computed from the batch alone) has no backward image."""
     forward = redistribution(src, dst, ref.nbytes, group, cluster)
     backward = redistribution(grad, "R" if src == "P" else src, ref.nbytes, group, cluster) \
-        if ref.is_float else NONE
+        if ref.is_float and needs_grad else NONE
     return forward.seconds + backward.seconds, forward, backward
 
 

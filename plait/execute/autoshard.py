@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
@@ -36,7 +37,7 @@ from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
-from plait.operators.strategies import placement_of, register_replicated
+from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
 from plait.plan import Plan
 
 
@@ -78,6 +79,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     out of fully_shard."""
     sharding = plan.operators
     tp_mesh = mesh["tp"]
+    register_plait_rules()  # the rules the planner priced with (CPU attention)
     fused = use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
@@ -234,7 +236,8 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
     for step in range(settings.steps):
         batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
         loss = model(*dp_slice(batch, dp, dp_rank))
-        loss.backward()
+        with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
+            loss.backward()
         value = loss.detach().clone()
         if dp > 1:
             dist.all_reduce(value, group=dp_group)

@@ -7,6 +7,12 @@ an earlier call's output), the innermost module that ran it, and its forward FLO
 (torch.utils.flop_counter's formulas). The backward is not traced op by op: the cost model derives it from
 the forward (plait.cost.operators: twice the FLOPs of a FLOP-counted op, and each redistribution's gradient
 image), which is what DTensor's autograd does with the placements the forward chose.
+
+Attention is captured as the kernel the CPU run takes: on meta, `scaled_dot_product_attention` would decompose
+into its math path (matmuls, softmax), while on CPU (the executor's DTensors included) it runs the fused
+`_scaled_dot_product_flash_attention_for_cpu`. `_AttentionAsCpuRuns` asks CPU's own backend choice
+(`torch._fused_sdp_choice`, on unallocated CPU stand-ins of the same shapes, strides and dtypes) and calls that
+kernel on meta when CPU would, so the plan prices what the run executes (its rule: plait.operators.strategies).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 # Calls that do not compute anything worth a placement choice of their own.
 _SKIP = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten._to_copy.default}
@@ -202,7 +208,37 @@ class _Functions(TorchFunctionMode):
             self.recorder.function = outer
 
 
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+
+class _AttentionAsCpuRuns(TorchFunctionMode):
+    """scaled_dot_product_attention on meta as CPU runs it (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            fused = _cpu_flash_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _cpu_flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False) -> torch.Tensor | None:
+    """The fused CPU kernel's output where CPU's backend choice picks it for these arguments; else None."""
+    stand_in = lambda t: None if t is None else torch.empty_strided(  # noqa: E731 - never touched, so never paged in
+        t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    choice = torch._fused_sdp_choice(stand_in(query), stand_in(key), stand_in(value), stand_in(attn_mask), dropout_p,
+                                     is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != _FLASH:
+        return None
+    return CPU_ATTENTION(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
 def _flops(func, args, kwargs, out) -> float:
+    if func is CPU_ATTENTION:  # no formula registered for the CPU kernel: the same as the CUDA kernels'
+        return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
     formula = flop_registry.get(func._overloadpacket)
     if formula is None:
         return 0.0
@@ -227,7 +263,7 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
         hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))
         hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
     try:
-        with recorder, _Functions(recorder):
+        with _AttentionAsCpuRuns(), recorder, _Functions(recorder):
             out = model(*batch)
     finally:
         for hook in hooks:

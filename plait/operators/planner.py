@@ -107,21 +107,31 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
     edges, parts = [], []
 
-    def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]]) -> None:
+    enforced = _enforced_reads(graph)
+    grads = needs_gradient(graph)
+
+    def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
+                ) -> None:
+        if enforced.get(ref.value) == consumer_call.get(consumer):
+            accepts = frozenset()  # the executor redistributes it here itself (a module's hook)
         producer, index = value_node[ref.value]
         source = nodes[producer]
         matrix = np.zeros((len(source.strategies), len(reads)))
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
-                matrix[a, b] = price.edge_time(strategy.outputs[index], dst, grad, ref, group, cluster)[0]
+                src = strategy.outputs[index]
+                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
+                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
+                    (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
 
+    consumer_call = {node: index for index, node in call_node.items()}
     for call in graph.calls:
         v = call_node[call.index]
         for k, ref in enumerate(call.inputs):
             reads = [(s.inputs[k], price.gradient_placement(s.inputs, k)) for s in nodes[v].strategies]
-            connect(ref, v, reads)
+            connect(ref, v, reads, _taken_as_is(nodes[v].strategies, k))
     if graph.output is not None:  # the loss leaves replicated
         sink = len(nodes)
         nodes.append(_Node("<output>", [Strategy(("R",), ())]))
@@ -132,6 +142,38 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                                        memory_limit if memory_limit is not None else cluster.memory_bytes)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
                  tuple(unsupported))
+
+
+def needs_gradient(graph: Graph) -> set[int]:
+    """Value ids a gradient flows to: the parameters and every call output computed from one."""
+    grads = {ref.value for ref in graph.params.values()}
+    for call in graph.calls:
+        if any(ref.value in grads for ref in call.inputs):
+            grads.update(ref.value for ref in call.outputs if ref.is_float)
+    return grads
+
+
+def _enforced_reads(graph: Graph) -> dict[int, int]:
+    """Value id -> the call whose read of it the executor enforces: a module's output, a module's first argument,
+    a parameter or a buffer is redistributed by a hook to the placement its first consumer reads it in
+    (plait.execute.autoshard; describe() writes those placements), so a redistribution planned there happens there."""
+    boundary = {ref.value for ref in (*graph.module_outputs.values(), *graph.module_inputs.values(),
+                                      *graph.params.values(), *graph.buffers.values())}
+    first: dict[int, int] = {}
+    for call in graph.calls:
+        for ref in call.inputs:
+            if ref.value in boundary:
+                first.setdefault(ref.value, call.index)
+    return first
+
+
+def _taken_as_is(strategies: list[Strategy], k: int) -> frozenset[str]:
+    """Placements of a call's k-th argument some strategy runs on as they arrive. DTensor's eager dispatch keeps
+    an argument as it is where a strategy takes it so, and redistributes later, where it must (where the tensor
+    may be a transposed view: see price.runs_on_layout), so a plan that redistributes one of these here is not
+    what the run does: the planner prices it out. (For a call of several arguments this is stricter than the
+    dispatch, which weighs them together; what it leaves are plans the run follows.)"""
+    return frozenset(s.inputs[k] for s in strategies)
 
 
 def apply_pins(built: Built, pins: dict[str, str]) -> None:
@@ -165,10 +207,59 @@ def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
     return node, index
 
 
-def solve(built: Built, solver: str = "program", time_limit: float = 60.0) -> sharding.Solution:
+TIE_MIN_COPIES = 4
+"""A block repeated this many times or more is solved once for its interior copies (all but the first and last,
+whose neighbours differ: the embedding, the head)."""
+
+
+def repeated_blocks(built: Built) -> list[list[int]]:
+    """Classes of nodes that choose together: node j of every interior copy of a repeated block. A block is the
+    module named by a numbered child ("model.layers.7"); copies have the same operators, in the same order, on the
+    same shapes, and the same parameters (plait.search.sharding.tie)."""
+    import re
+
+    number = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+    blocks: dict[str, list[tuple[int, tuple]]] = {}
+    for call in built.graph.calls:
+        found = number.match(call.module)
+        if found:
+            prefix = found.group(1)
+            key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
+            blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
+    for name, ref in {**built.graph.params, **built.graph.buffers}.items():
+        found = number.match(name)
+        if found and found.group(1) in blocks:
+            key = ("param", name[len(found.group(1)):], ref.shape)
+            blocks[found.group(1)].append((built.value_node[ref.value], key))
+    copies: dict[tuple, list[list[int]]] = {}
+    for prefix, members in blocks.items():
+        container = prefix.rsplit(".", 1)[0]
+        copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
+    classes = []
+    for same in copies.values():
+        if len(same) >= TIE_MIN_COPIES:
+            interior = same[1:-1]
+            classes.extend([list(nodes) for nodes in zip(*interior)])
+    return classes
+
+
+def _shapes(refs) -> tuple:
+    return tuple((r.shape, r.stride, r.dtype) for r in refs)
+
+
+def _scalars(call) -> str:
+    """The call's arguments other than tensors (dims, sizes, flags), and how they nest."""
+    from torch.utils._pytree import tree_flatten
+
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    return repr([None if isinstance(a, TensorRef) else a for a in flat]) + str(spec)
+
+
+def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
+          ) -> sharding.Solution:
     if solver == "propagation":
         return sharding.solve_propagation(built.problem)
-    return sharding.solve_program(built.problem, time_limit)
+    return sharding.solve_program(built.problem, time_limit, repeated_blocks(built) if reuse_blocks else None)
 
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
@@ -228,9 +319,12 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         node = built.value_node[ref.value]
         if built.nodes[node].call is not None:
             index = [r.value for r in built.nodes[node].call.outputs].index(ref.value)
-            placement = _output_of(built.nodes[node], choice[node], index)
-            if placement != "P":  # a pending sum stays as the operator left it (see inputs below)
+            # Where its first consumer reads it (Megatron's row-parallel all-reduce: P read as R), else as made.
+            placement = reads.get(ref.value) if reads.get(ref.value, "P") != "P" else \
+                _output_of(built.nodes[node], choice[node], index)
+            if placement != "P":  # a pending sum stays as the operator left it (see inputs above)
                 outputs[module] = placement
+    grads = needs_gradient(built.graph)
     per_call: dict[int, list] = {}
     counts: dict[str, int] = {}
     total_bytes = 0.0
@@ -242,7 +336,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         seconds, fwd, bwd = price.edge_time(src, strategy.inputs[k], price.gradient_placement(strategy.inputs, k),
-                                            ref, group, cluster)
+                                            ref, group, cluster, ref.value in grads)
         kinds = []
         for direction, r in (("fwd", fwd), ("bwd", bwd)):
             if r.collective:

@@ -11,6 +11,13 @@ itself runs in eager mode, so the executor runs what was priced. Calls with the 
 arguments share one answer (a repeated block is asked once). An operator without a rule (the propagator
 raises) gets one strategy, everything replicated, and is named in the plan's report; `register_sharding`
 (torch.distributed.tensor.experimental) adds a rule for a custom op, and this module then sees it.
+
+Rules plait adds (`register_plait_rules`, through the same public `register_sharding`, for the planner and the
+executor alike): CPU's fused attention, `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which
+torch 2.13 gives no rule while DTensor's CPU run dispatches `scaled_dot_product_attention` to it: heads split
+(q, k, v, output and log-sum-exp Shard(1), Megatron's attention), batch split (Shard(0)) or everything
+replicated, as DTensor's own rule for the CUDA flash kernel. Grouped-query attention splits when the axis divides
+the key/value heads too (contiguous head shards keep each query head with its key/value head).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.utils._pytree import tree_flatten, tree_map
 
 from plait.operators.capture import OpCall, TensorRef
@@ -69,6 +76,10 @@ def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True) -
     return names
 
 
+ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
+"""DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
+
+
 class StrategyOracle:
     """DTensor's answers for one mesh axis size, cached by (op, arguments)."""
 
@@ -76,16 +87,22 @@ class StrategyOracle:
         self.axis_size = axis_size
         self.mesh = mesh
         self.propagator = DTensor._op_dispatcher.sharding_propagator
-        self.cache: dict[tuple, tuple[list[Strategy], bool]] = {}
 
     def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
-        """(strategies, has_rule); without a rule: [everything replicated], False."""
-        key = (call.op, _signature(call.args), _signature(call.kwargs))
-        if key not in self.cache:
-            self.cache[key] = self._ask(call)
-        return self.cache[key]
+        """(strategies, has_rule); without a rule: [everything replicated], False. Answers are kept for the process
+        (ANSWERS: a plan asked again, the program and the heuristic, the same block in another model), keyed by the
+        rules DTensor holds so that a rule registered since is asked."""
+        rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
+        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs))
+        if key not in ANSWERS:
+            ANSWERS[key] = self._ask(call)
+        return ANSWERS[key]
 
     def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
+        with _output_meta_once(self.propagator):
+            return self._ask_each_combination(call)
+
+    def _ask_each_combination(self, call: OpCall) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
         options = [candidate_placements(ref, self.axis_size) for ref in call.inputs]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
@@ -110,7 +127,8 @@ class StrategyOracle:
         to_spec = lambda a: self._spec(a, next(chosen)) if isinstance(a, TensorRef) else a  # noqa: E731
         args, kwargs = tree_map(to_spec, call.args), tree_map(to_spec, call.kwargs)
         try:
-            sharding = self.propagator.propagate_op_sharding(OpSchema(call.op, args, kwargs))
+            sharding = self.propagator.propagate_op_sharding(OpSchema(call.op, args, kwargs,
+                                                                      schema_info=self._schema_info(call.op, args)))
         except Exception:  # noqa: BLE001 - no rule, or the rule refuses these placements
             return None
         needed = combo
@@ -124,9 +142,50 @@ class StrategyOracle:
             return None
         return Strategy(tuple(needed), tuple(placement_name(s.placements[0]) for s in outputs[:len(call.outputs)]))
 
+    def _schema_info(self, op, args) -> RuntimeSchemaInfo | None:
+        """What DTensor's eager dispatch gives the op's schema (torch/distributed/tensor/_dispatch.py): its rule's
+        registered info, and list arguments flattened (stack, cat). Without it a list of tensors reads as a
+        constant and the rule asks no redistribution of them (a free gather)."""
+        info = self.propagator.op_to_schema_info.get(op) or \
+            self.propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+        has_list = any(isinstance(a, (list, tuple)) and any(isinstance(x, DTensorSpec) for x in a) for a in args)
+        if has_list and (info is None or not info.needs_pytree):
+            info = RuntimeSchemaInfo(info.static_argnum if info else 100, info.static_kwargkey if info else None,
+                                     needs_pytree=True)
+        return info
+
     def _spec(self, ref: TensorRef, placement: str) -> DTensorSpec:
         meta = TensorMeta(torch.Size(ref.shape), ref.stride, ref.dtype)
         return DTensorSpec(self.mesh, (placement_of(placement),), tensor_meta=meta)
+
+
+@contextmanager
+def _output_meta_once(propagator) -> Iterator[None]:
+    """While one call's placements are asked: the propagator's output shapes (it runs the op on fake tensors for
+    each question, half its time) computed once per operator and global argument shapes, which placements do not
+    change."""
+    compute = propagator._propagate_tensor_meta_non_cached
+    known: dict[tuple, object] = {}
+
+    def once(op_schema):
+        key = (op_schema.op, *(_meta_key(a) for a in tree_flatten((op_schema.args_schema,
+                                                                    op_schema.kwargs_schema))[0]))
+        if key not in known:
+            known[key] = compute(op_schema)
+        return known[key]
+
+    propagator._propagate_tensor_meta_non_cached = once
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # the class's own again
+
+
+def _meta_key(arg):
+    if isinstance(arg, DTensorSpec):
+        meta = arg.tensor_meta
+        return (tuple(meta.shape), tuple(meta.stride), meta.dtype) if meta is not None else None
+    return _hashable(arg)
 
 
 def _signature(tree) -> tuple:
@@ -153,11 +212,52 @@ def strategy_oracle(axis_size: int) -> Iterator[StrategyOracle]:
     if dist.is_initialized():
         raise RuntimeError("per-operator planning starts its own fake process group; plan before "
                            "init_process_group (in the planner's process)")
+    register_plait_rules()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=axis_size)
     try:
         yield StrategyOracle(axis_size, init_device_mesh("cpu", (axis_size,), mesh_dim_names=("tp",)))
     finally:
         dist.destroy_process_group()
+
+
+CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
+"""The ATen kernel CPU runs scaled_dot_product_attention with (plait.operators.capture records it on meta)."""
+
+
+def register_plait_rules() -> None:
+    """Give DTensor the rules plait adds (see the module docstring); once per process, and never over a rule torch
+    itself has (a later torch that ships one keeps its own)."""
+    aten = torch.ops.aten
+    forward = getattr(aten, CPU_ATTENTION, None)
+    backward = getattr(aten, f"{CPU_ATTENTION}_backward", None)
+    if forward is None or backward is None:
+        return
+    from torch.distributed.tensor.experimental import register_sharding
+
+    funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    if forward.default not in funcs:
+        register_sharding(forward.default)(_attention_rule(outputs=2))
+    if backward.default not in funcs:
+        register_sharding(backward.default)(_attention_rule(outputs=3))
+
+
+def _attention_rule(outputs: int):
+    """The attention kernels' rule: every tensor argument and output split on heads (dim 1), or on the batch (dim
+    0), or replicated. A mask broadcast over a dimension (size 1 there) stays replicated."""
+
+    def rule(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensorSpec)]
+        found = [([Replicate()] * outputs, [Replicate() if isinstance(a, DTensorSpec) else None
+                                            for a in (*args, *kwargs.values())])]
+        for dim in (1, 0):
+            def place(a):
+                if not isinstance(a, DTensorSpec):
+                    return None
+                return Shard(dim) if a.ndim > dim and a.shape[dim] > 1 else Replicate()
+            if all(a.ndim > dim and a.shape[dim] > 1 for a in tensors[:3]):
+                found.append(([Shard(dim)] * outputs, [place(a) for a in (*args, *kwargs.values())]))
+        return found
+    return rule
 
 
 def register_replicated(call_name: str) -> None:

@@ -132,9 +132,46 @@ def _expand(problem: ShardingProblem, small: ShardingProblem, forced: dict[int, 
     return tuple(full)
 
 
+# ---- repeated blocks ---------------------------------------------------------------------------
+def tie(problem: ShardingProblem, classes: list[list[int]]) -> tuple[ShardingProblem, list[int]]:
+    """The problem with the nodes of each class choosing one strategy together (copies of a repeated block: node j
+    of every copy in one class), as one node: their costs and memories summed, their masks intersected, every edge
+    moved onto the classes' representatives (an edge between two copies of one node, such as block i's output
+    into block i+1's input, becomes that node's own diagonal, which simplify() folds in). Totals stay exact for
+    every tied choice. Returns the smaller problem and, per original node, its node in it."""
+    representative = list(range(problem.num_nodes))
+    for members in classes:
+        sizes = {len(problem.node_cost[i]) for i in members}
+        if len(sizes) != 1:
+            raise ValueError(f"tied nodes {members[:4]} have different strategy counts {sorted(sizes)}")
+        for i in members:
+            representative[i] = members[0]
+    kept = sorted(set(representative))
+    index = {old: new for new, old in enumerate(kept)}
+    to_new = [index[representative[i]] for i in range(problem.num_nodes)]
+    cost = [np.zeros_like(problem.node_cost[i]) for i in kept]
+    memory = [np.zeros_like(problem.node_memory[i]) for i in kept]
+    allowed = [np.ones_like(problem.allowed[i]) for i in kept]
+    for i in range(problem.num_nodes):
+        cost[to_new[i]] += problem.node_cost[i]
+        memory[to_new[i]] += problem.node_memory[i]
+        allowed[to_new[i]] &= problem.allowed[i]
+    edges = [(to_new[u], to_new[v], m) for u, v, m in problem.edges]
+    return ShardingProblem(cost, edges, memory, problem.memory_limit, allowed), to_new
+
+
 # ---- the integer program ---------------------------------------------------------------------
-def solve_program(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
-    """The exact optimum (within HiGHS's gap) of the integer program."""
+def solve_program(problem: ShardingProblem, time_limit: float = 60.0, classes: list[list[int]] | None = None
+                  ) -> Solution:
+    """The exact optimum (within HiGHS's gap) of the integer program; with `classes`, of the program whose tied
+    nodes choose together (tie()), which a repeated block's copies solve once."""
+    if classes:
+        tied, to_new = tie(problem, classes)
+        solution = solve_program(tied, time_limit)
+        choice = tuple(solution.choice[to_new[i]] for i in range(problem.num_nodes))
+        # the relaxation's bound holds for tied choices only: not a bound on the whole program
+        return Solution(total_cost(problem, choice), choice, "program", stats={**solution.stats,
+                                                                               "tied_from": problem.num_nodes})
     small, forced = simplify(problem)
     if small.num_nodes == 0:
         choice = _expand(problem, small, forced, ())

@@ -22,13 +22,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
 def test_check_proves_the_split_fused_table_equal_under_fully_shard(tmp_path, monkeypatch):
     """DLRM on dp2 x tp2 under a budget its whole table does not fit (4 MiB table, 2.3 MiB per rank): the solver
     splits the table on tp, its lookup's backward updates its rows (fused row-wise SGD, the rows exchanged over
-    dp), fully_shard shards the rest over dp, the operator DTensor has no rule for runs replicated
-    (register_sharding); four ranks equal one process running the same optimizers. One launch covers the
-    executor's whole path."""
+    dp), fully_shard shards the rest over dp; four ranks equal one process running the same optimizers. One launch
+    covers the executor's whole path."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = auto_plan("dlrm:build", "dlrm:batch", CLUSTER_PRESETS["local-cpu"], global_batch=16, dp=2, tp=2,
                      memory_limit=2.3 * 2**20, table_optimizer="sgd")
-    assert plan.operators.params["table.weight"] != "R" and plan.operators.replicated_ops
+    assert plan.operators.params["table.weight"] != "R"
     assert plan.operators.fused_tables == {"table.weight": "sgd"}
     assert plan.operators.peak_memory_bytes <= 2.3 * 2**20 and "dp2 tp2" in plan.describe()
     check_equal(plan, tmp_path)

@@ -163,7 +163,7 @@ def test_a_table_bigger_than_the_budget_is_split_and_a_pin_that_keeps_it_whole_i
     plan = auto_plan("dlrm:build", "dlrm:batch", CPU, global_batch=8, tp=2, memory_limit=budget)
     assert plan.operators.params["table.weight"] in ("S0", "S1")
     assert plan.operators.peak_memory_bytes <= budget
-    assert any("index" in name for name in plan.operators.replicated_ops)  # no DTensor rule: named, replicated
+    assert not plan.operators.replicated_ops  # index.Tensor's list of indices asked as DTensor's dispatch asks it
     with pytest.raises(ConfigError, match="no placement fits .* with pins"):
         auto_plan("dlrm:build", "dlrm:batch", CPU, global_batch=8, tp=2, memory_limit=budget,
                   pins={"table.weight": "R"})
@@ -176,6 +176,21 @@ def test_batch_norm_under_data_parallelism_is_synchronised_over_dp():
     planned = auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, dp=2, tp=1)
     assert planned.operators.synchronised_norms == names
     assert auto_plan("resnet:build", "resnet:batch", CPU, global_batch=8, tp=2).operators.synchronised_norms == ()
+
+
+def test_an_operator_without_a_dtensor_rule_is_named_and_priced_replicated():
+    class Renorm(nn.Module):  # aten.renorm has no DTensor rule in torch 2.13
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.renorm(self.fc(x), 2, 0, 1.0).sum()
+    with torch.device("meta"):
+        model = Renorm()
+    plan = plan_module(model, (torch.empty(4, 8, device="meta"),), batch_source="x:y", tp=2, dp=1, cluster=CPU)
+    (name,) = plan.replicated_ops
+    assert "renorm" in name and any(c.name == name and c.placements == "R -> R" for c in plan.costliest)
 
 
 def test_plan_command_shows_the_costliest_operators_and_writes_the_plan(tmp_path, capsys):
