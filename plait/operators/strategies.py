@@ -49,12 +49,16 @@ class Strategy:
 
 
 def placement_name(placement: Placement) -> str:
-    """"R", "S0", "S1", ... or "P" (a pending sum)."""
-    if isinstance(placement, Shard):
+    """"R", "S0", "S1", ... or "P" (a pending sum). ValueError for a placement plans do not hold: a strided shard
+    (torch's `_StridedShard`, what a view flattening a split dimension into an outer one leaves) is neither a
+    plain shard nor replicated, and reading it as either would price a gather the run then makes unpriced."""
+    if type(placement) is Shard:
         return f"S{placement.dim}"
     if isinstance(placement, Partial):
         return "P"
-    return "R"
+    if isinstance(placement, Replicate):
+        return "R"
+    raise ValueError(f"placement {placement!r} has no name in a plan")
 
 
 def placement_of(name: str) -> Placement:
@@ -136,11 +140,18 @@ class StrategyOracle:
             specs = [a for a in tree_flatten((sharding.redistribute_schema.args_schema,
                                               sharding.redistribute_schema.kwargs_schema))[0]
                      if isinstance(a, DTensorSpec)]
-            needed = tuple(placement_name(s.placements[0]) for s in specs)
+            try:
+                needed = tuple(placement_name(s.placements[0]) for s in specs)
+            except ValueError:  # a placement plans do not hold: not a strategy the planner offers
+                return None
         outputs = [s for s in tree_flatten(sharding.output_spec)[0] if isinstance(s, DTensorSpec)]
         if len(needed) != len(call.inputs) or len(outputs) < len(call.outputs):
             return None
-        return Strategy(tuple(needed), tuple(placement_name(s.placements[0]) for s in outputs[:len(call.outputs)]))
+        try:
+            made = tuple(placement_name(s.placements[0]) for s in outputs[:len(call.outputs)])
+        except ValueError:
+            return None
+        return Strategy(tuple(needed), made)
 
     def _schema_info(self, op, args) -> RuntimeSchemaInfo | None:
         """What DTensor's eager dispatch gives the op's schema (torch/distributed/tensor/_dispatch.py): its rule's

@@ -203,3 +203,19 @@ def test_plan_command_shows_the_costliest_operators_and_writes_the_plan(tmp_path
     assert Plan.from_json(out).operators.params["ups.0.weight"] == "S0"
     code = cli_main(["check", "--plan", str(out), "--dry-run"])
     assert code == 2 and "--dry-run does not build per-operator plans" in capsys.readouterr().err
+
+
+def test_a_view_that_would_leave_a_strided_shard_is_not_offered():
+    """Flattening [b, t, d] to [b*t, d] with t split leaves torch's _StridedShard, which is neither a shard nor
+    replicated: read as replicated it priced a gather the run then made unpriced (the Mixer's patches)."""
+    class Flatten(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(-1, x.shape[-1]).sum()
+
+    graph = capture(Flatten(), (torch.empty(8, 16, 48, device="meta"),))
+    view = next(call for call in graph.calls if "view" in call.name)
+    with strategy_oracle(2) as oracle:
+        strategies, has_rule = oracle.strategies(view)
+    reads = {s.inputs[0]: s.outputs[0] for s in strategies}
+    assert has_rule and reads["S0"] == "S0" and reads["R"] == "R"
+    assert "S1" not in reads
