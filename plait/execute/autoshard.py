@@ -27,12 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
 from plait.models.factory import load_factory
+from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
@@ -281,28 +281,6 @@ _COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gathe
                 "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 
 
-class CollectiveBytes(TorchDispatchMode):
-    """Bytes of every functional collective issued while active: DTensor's redistributions, forward and backward,
-    explicit or inside its op dispatch. Bytes are the whole tensor a collective produces or reduces (a shard for
-    all-to-all), as the plan's comm_bytes counts them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0.0
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):  # let DTensor desugar first: its redistributions inside an op are
-            return NotImplemented             # local collectives this mode then sees (CommDebugMode's way)
-        out = func(*args, **(kwargs or {}))
-        kind = _COLLECTIVES.get(func._overloadpacket.__name__)
-        if kind is not None and func.namespace == "_c10d_functional":
-            tensor = out if kind == "all_gather" else args[0]
-            self.nbytes += tensor.numel() * tensor.element_size()
-            self.counts[kind] = self.counts.get(kind, 0) + 1
-        return out
-
-
 def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
     """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on rank
     0 of a fake process group of tp ranks: what the executor asks the tensor-parallel axis to carry, against the
@@ -315,7 +293,7 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
         model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
-        counter, debug = CollectiveBytes(), CommDebugMode()
+        counter, debug = CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)), CommDebugMode()
         with debug, counter:
             model(*batch).backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()

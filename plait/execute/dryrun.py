@@ -39,19 +39,36 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives DTensor issues, by operator name. torch's CommDebugMode counts the same but also
+    """Counts the collectives DTensor issues while active (its redistributions, forward and backward, explicit or
+    inside its op dispatch), by kind (`names`: operator name -> kind; operators of `namespaces` only), and their
+    bytes: the whole tensor a collective produces (all-gather) or reduces (a shard for all-to-all). The dry run's
+    and the per-operator executor's counts both come from here. torch's CommDebugMode counts the same but also
     tracks modules, and its tracker fails (an empty parent list) on a Hugging Face stage, whose class forward runs
     stub layers; counting needs no module tracking."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[str, str] = COLLECTIVE_NAMES,
+                 namespaces: tuple[str, ...] = COLLECTIVE_NAMESPACES) -> None:
         super().__init__()
+        self.names, self.namespaces = names, namespaces
         self.counts: dict[str, int] = {}
+        self.nbytes = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower the call into local ops and collectives first
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        kind = self.names.get(name)
+        if kind is not None and func.namespace in self.namespaces:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            tensor = out if "gather" in name else args[0]
+            if isinstance(tensor, torch.Tensor):
+                self.nbytes += tensor.numel() * tensor.element_size()
+        return out
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower the call into local ops and collectives first
         name = func._overloadpacket.__name__
@@ -103,8 +120,7 @@ def _trace_tensor_parallel(plan: Plan, parts: list, pp_rank: int) -> dict[str, i
             else:
                 loss = (out.to_local() if isinstance(out, DTensor) else out).sum()
             loss.backward()
-        for op, n in comm.counts.items():
-            name = COLLECTIVE_NAMES[op]
+        for name, n in comm.counts.items():
             counts[f"tp {name}"] = counts.get(f"tp {name}", 0) + n * plan.num_micro_batches
     return counts
 
