@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -273,18 +274,27 @@ def measure_plan(plan: Plan, device: str, warmup: int, steps: int, initial: dict
     runner = parallelize(plan, seed=0, device=device, initial_state=initial)
     optimizer = runner.make_optimizer(1e-4)
     tokens, targets = batch_for_step(plan, 0, 0)
-    times, losses = [], []
+    times, forward_backward, optimizer_times, losses = [], [], [], []
+    static = None
     for index in range(warmup + steps):
         synchronize(device)
         start = time.perf_counter()
         losses.append(runner.train_step(tokens, targets))
+        synchronize(device)
+        middle = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         if index >= warmup:
             times.append(time.perf_counter() - start)
+            forward_backward.append(middle - start)
+            optimizer_times.append(time.perf_counter() - middle)
+        if index == 0 and device == "cuda":  # weights, optimizer states and what the step keeps between steps
+            static = torch.cuda.memory_allocated()
     measured = {"step_times_s": times, "step_time_s": statistics.median(times), "losses": losses,
-                "allocated_bytes": None, "reserved_bytes": None}
+                "forward_backward_s": statistics.median(forward_backward),
+                "optimizer_s": statistics.median(optimizer_times),
+                "allocated_bytes": None, "reserved_bytes": None, "static_allocated_bytes": static}
     if device == "cuda":
         measured["allocated_bytes"] = torch.cuda.max_memory_allocated()
         measured["reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -300,10 +310,13 @@ def grid_row(plan: Plan) -> dict:
             "seq_len": plan.train.seq_len, "recompute": plan.recompute[0],
             "predicted_step_time_s": prediction.step_time_s, "predicted_peak_bytes": prediction.peak_memory_bytes,
             "predicted_allocated_bytes": prediction.peak_memory_bytes - reserve,
+            "predicted_step_time_parts": dict(prediction.step_time_parts),
+            "predicted_memory_parts": dict(prediction.memory_parts),
             "fits": prediction.peak_memory_bytes <= plan.cluster.memory_bytes, "status": "pending"}
 
 
-def run_grid(plans: list[Plan], device: str, budget_s: float, warmup: int, steps: int, console: Console) -> list[dict]:
+def run_grid(plans: list[Plan], device: str, budget_s: float, warmup: int, steps: int, console: Console,
+             on_row=None) -> list[dict]:  # noqa: ANN001
     """Measure each plan that fits while the budget lasts: a point starts only if the slowest so far, doubled
     (the next is at least as large), still ends inside the budget."""
     from plait.models import initial_state_dict
@@ -332,6 +345,8 @@ def run_grid(plans: list[Plan], device: str, budget_s: float, warmup: int, steps
                     row["status"] = f"failed: out of memory ({str(error).splitlines()[0][:120]})"
                 slowest = max(slowest, time.perf_counter() - began)
                 _errors(row)
+                if on_row is not None:  # written as it goes: a run cut short keeps what it measured
+                    on_row(rows)
             bar.advance(task)
     return rows
 
@@ -438,25 +453,52 @@ def run(args: argparse.Namespace) -> int:
                   "budget_s": budget_s}
         console.print(f"gpu_check on {header['device_name']} ({device}), torch {torch.__version__}, "
                       f"budget {budget_s:g} s")
-        with tempfile.TemporaryDirectory(prefix="plait-gpu-check-") as folder:
-            precision = precision_check(device, args.quick, Path(folder))
-        console.print(precision_table(precision))
-        write_json(out, "precision.json", precision)
-        profile = profile_check(device)
-        console.print(profile_table(profile))
-        write_json(out, "profile.json", profile)
-        remaining = budget_s - (time.perf_counter() - started)
-        rows = run_grid(grid_plans(device, args.quick), device, remaining, args.warmup, args.steps, console)
-        summary = grid_summary(rows)
-        console.print(grid_table(rows, device))
-        for line in summary_lines(summary):
-            console.print(line)
-        write_json(out, "grid.json", {"rows": rows, "summary": summary})
+        errors: dict[str, str] = {}
+
+        def attempt(part: str, work):  # noqa: ANN001, ANN202
+            """One part's failure is a finding, not the end of the run: the traceback is kept, the next part runs."""
+            try:
+                return work()
+            except Exception:  # noqa: BLE001
+                errors[part] = traceback.format_exc()
+                console.print(f"[red]{part} failed[/]:\n{errors[part]}")
+                return None
+
+        def precision_part() -> list[dict]:
+            with tempfile.TemporaryDirectory(prefix="plait-gpu-check-") as folder:
+                rows = precision_check(device, args.quick, Path(folder))
+            console.print(precision_table(rows))
+            write_json(out, "precision.json", rows)
+            return rows
+
+        def profile_part() -> dict:
+            result = profile_check(device)
+            console.print(profile_table(result))
+            write_json(out, "profile.json", result)
+            return result
+
+        def grid_part() -> dict:
+            remaining = budget_s - (time.perf_counter() - started)
+            rows = run_grid(grid_plans(device, args.quick), device, remaining, args.warmup, args.steps, console,
+                            on_row=lambda rows: write_json(out, "grid.json", {"rows": rows}))
+            summary = grid_summary(rows)
+            console.print(grid_table(rows, device))
+            for line in summary_lines(summary):
+                console.print(line)
+            write_json(out, "grid.json", {"rows": rows, "summary": summary})
+            return {"rows": rows, "summary": summary}
+
+        precision = attempt("precision", precision_part)
+        profile = attempt("profile", profile_part)
+        grid = attempt("grid", grid_part)
         header["seconds"] = time.perf_counter() - started
-        write_json(out, "gpu_check.json", {**header, "precision": precision, "profile": profile,
-                                           "grid": {"rows": rows, "summary": summary}})
+        write_json(out, "gpu_check.json", {**header, "precision": precision, "profile": profile, "grid": grid,
+                                           "errors": errors})
         console.print(f"wrote {out}/gpu_check.json (and precision.json, profile.json, grid.json) "
                       f"in {header['seconds']:.0f} s")
+        if errors:
+            console.print(f"[red]failed parts: {', '.join(errors)}[/] (tracebacks above and in gpu_check.json)")
+            return 1
     finally:
         dist.destroy_process_group()
     return 0
