@@ -300,26 +300,40 @@ def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micr
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead
-    # plus the fixed host time of the pass (ClusterSpec.host.layer_overhead_s, and tp_layer_overhead_s for
+    # and the fixed host time of the pass (ClusterSpec.host.layer_overhead_s, and tp_layer_overhead_s for
     # DTensor's dispatch under tensor parallelism): per micro-batch, not per token
-    host = cluster.host.layer_overhead_s + (cluster.host.tp_layer_overhead_s if tp > 1 else 0.0)
-    fwd = (dense + attn_fwd) / tp / rate * rest + host
-    bwd = (2.0 * dense + attn_bwd) / tp / rate * rest + 2.0 * host
+    hosts = cluster.host
+    host = hosts.layer_overhead_s + (hosts.tp_layer_overhead_s if tp > 1 else 0.0)
+    fwd_kernels = (dense + attn_fwd) / tp / rate * rest
+    fwd = pass_time(cluster, fwd_kernels, host)
+    bwd = pass_time(cluster, (2.0 * dense + attn_bwd) / tp / rate * rest, 2.0 * host)
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
     cp_fwd, cp_bwd = context_exchange(model, cluster, tokens, cut, dtype_bytes)
     ep_pass = expert_dispatch(model, cluster, tokens, cut, dtype_bytes)
     # a recomputed forward exchanges again: full reruns it all; the selective policy saves no all-gather or
     # all-to-all output (plait.execute.recompute), so the key/value exchange and the dispatch rerun too
     rerun = cp_fwd + ep_pass
+    rerun_host = host + hosts.recompute_layer_overhead_s
     if model.attention == "math" and cp == 1:  # Korthikanti et al. 2022: the attention core's forward again
-        selective = attn_fwd / tp / rate * rest
-    else:  # the GEMMs not kept, the non-GEMM work, the all-gathers under SP, and a layer pass of host time
+        selective = pass_time(cluster, attn_fwd / tp / rate * rest, 0.0)
+    else:  # the GEMMs not kept, the non-GEMM work, the all-gathers under SP, and a layer pass of host time; the
+        # per-op policy's host time on that rerun and on the forward (what the forward takes beyond `fwd`)
         gathers = 2 * all_gather(tokens * model.hidden_size * dtype_bytes, Group(tp, 1), cluster) if sp else 0.0
-        selective = (selective_recompute_flops(model, tokens) + cluster.efficiency.overhead * dense) / tp / rate \
-            + host + gathers + rerun
+        policy = hosts.selective_layer_overhead_s
+        kernels = (selective_recompute_flops(model, tokens) + cluster.efficiency.overhead * dense) / tp / rate
+        selective = pass_time(cluster, kernels, rerun_host + policy) + gathers + rerun \
+            + pass_time(cluster, fwd_kernels, host + policy) - fwd
+    full = pass_time(cluster, fwd_kernels, rerun_host) + tp_pass + rerun
     return LayerCost(fwd=fwd, bwd=bwd, tp_fwd=tp_pass, tp_bwd=tp_pass, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_pass,
-                     ep_bwd=ep_pass, recompute={"none": 0.0, "selective": selective, "full": fwd + tp_pass + rerun},
+                     ep_bwd=ep_pass, recompute={"none": 0.0, "selective": selective, "full": full},
                      gemm_fraction=fraction)
+
+
+def pass_time(cluster: ClusterSpec, kernels: float, host: float) -> float:
+    """One layer pass of `kernels` seconds of device work launched by `host` seconds of host work. On a GPU the
+    host launches ahead while kernels run: the pass takes the longer of the two (a small model's layers are
+    host-bound, a large one's kernel-bound). CPU processes compute on the core that dispatches: the sum."""
+    return kernels + host if cluster.device_type == "cpu" else max(kernels, host)
 
 
 def context_exchange(model: ModelSpec, cluster: ClusterSpec, tokens: float, cut: Slicing, dtype_bytes: int
@@ -430,5 +444,5 @@ def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool) -> int
 
 def optimizer_time(cluster: ClusterSpec, params_updated: float) -> float:
     """Adam step over the parameters this device updates (memory-bound)."""
-    bandwidth = cluster.peak_flops / MACHINE_BALANCE[cluster.device_type]
+    bandwidth = cluster.peak_flops / (cluster.efficiency.memory_balance or MACHINE_BALANCE[cluster.device_type])
     return ADAM_BYTES_PER_PARAM * params_updated / bandwidth

@@ -14,9 +14,9 @@ Parts, named as PyTorch's memory tracker names them (benchmarks/memory_accuracy.
 
 * params, optimizer, grads: what the data-parallel carrier keeps (plait.legality.data_parallel_mode,
   read through Layout.dp_mode): DDP (and one replica) keeps fp32 parameters (16-bit runs autocast over
-  them), fp32 gradients and AdamW's two fp32 moments, the moments sharded by ZeroRedundancyOptimizer
-  under ZeRO-1; fully_shard keeps fp32 shards of the parameters (over dp x cp: the executor's "dp_cp"
-  mesh), the moments and the gradients, plus the gathered compute-dtype parameters of every unit where
+  them, which keeps a 16-bit copy of each through the step: `autocast_copy_bytes`), fp32 gradients and
+  AdamW's two fp32 moments, the moments sharded by ZeroRedundancyOptimizer under ZeRO-1; fully_shard keeps
+  fp32 shards of the parameters (over dp x cp: the executor's "dp_cp" mesh), the moments and the gradients, plus the gathered compute-dtype parameters of every unit where
   they are not resharded after forward, or of the root and one block where they are (ZeRO-3). Gradients
   persist through a step of several micro-batches (accumulated; fully_shard accumulates them unsharded,
   in fp32, until the last micro-batch). Experts that expert or tensor parallelism splits (DTensors on
@@ -141,12 +141,25 @@ def optimizer_shards(layout: Layout) -> int:
     return 1
 
 
+def autocast_copy_bytes(setting: Setting, layout: Layout) -> float:
+    """Bytes per parameter of autocast's cached 16-bit copies: where 16-bit runs autocast over fp32 parameters (one
+    replica, DDP), the first matmul to read a weight casts it and autocast keeps the copy until its region ends,
+    which is the whole step's forward and backward (plait.execute.parallelize.ParallelModel._compute_context): one
+    copy of every weight through the step, whatever the recompute mode (measured on an H200: 2.61 GiB, 2 bytes per
+    parameter of a 1.4B model, in every row of benchmarks/gpu_check.py's grid). Norm weights and biases are not
+    cast; counted anyway (under 0.1% of a decoder's parameters)."""
+    if layout.dp_mode.carrier in ("none", "ddp") and setting.dtype_bytes < FP32_BYTES:
+        return float(setting.dtype_bytes)
+    return 0.0
+
+
 def state_bytes(setting: Setting, layout: Layout) -> StateBytes:
     """Bytes per dense parameter the carrier holds (module docstring)."""
     mode = layout.dp_mode
     if mode.carrier == "fully_shard":
         return _sharded_state_bytes(setting, layout, layout.shard_degree)
-    return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
+    return StateBytes(params=FP32_BYTES + autocast_copy_bytes(setting, layout),
+                      optimizer=ADAM_STATE_BYTES / optimizer_shards(layout),
                       buckets=FP32_BYTES if mode.carrier == "ddp" else 0.0, accumulated_grads=FP32_BYTES,
                       step_grads=FP32_BYTES, gathered_units=False)
 
@@ -169,7 +182,8 @@ def expert_state_bytes(setting: Setting, layout: Layout) -> StateBytes:
     plait/execute/data.py), or, with one copy, whole: fp32 parameter, AdamW's two moments, the fp32 gradient."""
     if layout.expert_shards > 1:
         return _sharded_state_bytes(setting, layout, layout.expert_shards)
-    return StateBytes(params=FP32_BYTES, optimizer=ADAM_STATE_BYTES, buckets=0.0, accumulated_grads=FP32_BYTES,
+    return StateBytes(params=FP32_BYTES + autocast_copy_bytes(setting, layout), optimizer=ADAM_STATE_BYTES,
+                      buckets=0.0, accumulated_grads=FP32_BYTES,
                       step_grads=FP32_BYTES, gathered_units=False)
 
 

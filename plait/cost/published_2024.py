@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cost.model import predict
+from plait.cost.published import their_software
 from plait.plan import Plan, Prediction
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.models import MODEL_PRESETS
@@ -72,7 +73,7 @@ def megatron_h100_plan(row: MegatronH100Row, cluster: ClusterSpec) -> Plan:
     # Megatron-Core r0.8.0 ran 1F1B or its interleaved form: the zero-bubble V schedules plait also searches are
     # left out (with one stage the schedule means nothing)
     schedules = ("1f1b", "interleaved") if row.pp > 1 else (None,)
-    plans = [search(megatron_h100_model(row), cluster.with_devices(row.devices), train, top=1, dp=row.dp, tp=row.tp,
+    plans = [search(megatron_h100_model(row), their_software(cluster).with_devices(row.devices), train, top=1, dp=row.dp, tp=row.tp,
                     pp=row.pp, zero=1, micro_batch=1, sequence_parallel=row.tp > 1, schedule=schedule)[0]
              for schedule in schedules]
     return min(plans, key=lambda plan: plan.predicted.step_time_s)
@@ -86,7 +87,7 @@ def megatron_h100_flops(row: MegatronH100Row) -> float:
 
 def megatron_h100_tflops(row: MegatronH100Row, cluster: ClusterSpec, plan: Plan | None = None) -> float:
     plan = plan or megatron_h100_plan(row, cluster)
-    step = predict(plan.replace(cluster=cluster.with_devices(row.devices), predicted=None)).step_time_s
+    step = predict(plan.replace(cluster=their_software(cluster).with_devices(row.devices), predicted=None)).step_time_s
     return megatron_h100_flops(row) / (row.devices * step) / 1e12
 
 
@@ -124,7 +125,7 @@ def torchtitan_plan(row: TorchtitanRow, cluster: ClusterSpec, recompute: str | N
     train = TrainSpec(global_batch=row.devices * row.local_batch, seq_len=row.seq_len, precision="bf16")
     return Plan.of(dp=row.devices, zero=3, micro_batch=row.local_batch, num_micro_batches=1,
                    recompute=(recompute or row.recompute,), model=MODEL_PRESETS[row.model], train=train,
-                   cluster=cluster.with_devices(row.devices))
+                   cluster=their_software(cluster).with_devices(row.devices))
 
 
 def torchtitan_prediction(row: TorchtitanRow, cluster: ClusterSpec) -> tuple[float, Prediction]:
@@ -180,7 +181,7 @@ def megatron_moe_plan(row: MegatronMoERow, cluster: ClusterSpec, interleave: int
                    schedule="interleaved" if interleave > 1 else "1f1b", interleave=interleave,
                    layers_per_stage=(model.num_layers // chunks,) * chunks, recompute=("none",) * row.pp, model=model,
                    train=TrainSpec(global_batch=row.batch, seq_len=row.seq_len, precision="bf16"),
-                   cluster=cluster.with_devices(row.devices))
+                   cluster=their_software(cluster).with_devices(row.devices))
 
 
 def megatron_moe_prediction(row: MegatronMoERow, cluster: ClusterSpec, interleave: int,

@@ -38,12 +38,32 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype.itemsize < 4 and torch.is_grad_enabled():
             return checkpoint(self._norm, x, use_reentrant=False)
-        return self._norm(x)
+        return to_compute_dtype(self._norm(x))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(_at_least_fp32(x.dtype))
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, its output in the compute dtype under autocast (`to_compute_dtype`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return to_compute_dtype(super().forward(x))
+
+
+def to_compute_dtype(y: torch.Tensor) -> torch.Tensor:
+    """A norm's output under autocast (16-bit compute over fp32 parameters: one replica, DDP) is fp32; each linear
+    that reads it would cast its own 16-bit copy and keep it for backward (q, k and v: three copies of one tensor,
+    found on a GPU: 6 bytes per hidden unit per token per layer more than one copy). Cast once here instead: the
+    values each linear computes with are the same, one copy is kept. Outside autocast: unchanged."""
+    device = y.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):  # not on meta
+        dtype = torch.get_autocast_dtype(device)
+        if y.dtype.is_floating_point and y.dtype.itemsize > dtype.itemsize:
+            return y.to(dtype)
+    return y
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -55,7 +75,7 @@ def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
     dim = dim or spec.hidden_size
     if spec.norm == "rmsnorm":
         return RMSNorm(dim, spec.norm_eps)
-    return nn.LayerNorm(dim, eps=spec.norm_eps)
+    return LayerNorm(dim, eps=spec.norm_eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

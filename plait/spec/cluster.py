@@ -87,11 +87,14 @@ class Efficiency:
     """Model hidden size at which the achieved fraction is half of `matmul`; 0 = no size effect."""
     overhead: float = 0.0
     """Non-GEMM work (norms, softmax, elementwise, launch), as a fraction of GEMM time."""
+    memory_balance: float = 0.0
+    """Peak FLOP/s over the memory bandwidth the optimizer's memory-bound step achieves (bytes/s); 0: the device
+    type's public-spec default (plait.cost.compute.MACHINE_BALANCE)."""
 
     def __post_init__(self) -> None:
         if not (self.matmul > 0):
             raise ValueError(f"matmul={self.matmul!r} must be > 0 (a fraction of peak)")
-        for name in ("matmul_half_dim", "overhead"):
+        for name in ("matmul_half_dim", "overhead", "memory_balance"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
@@ -128,8 +131,10 @@ class DeviceGroup:
 class HostOverheads:
     """Host time of plait's executor on a device type, beyond what FLOPs and bytes take: properties of the
     software (Python, autograd, DTensor's dispatch, fully_shard's hooks, the pipeline schedule), not of the
-    hardware. 0 for the GPU presets, where launches overlap with large kernels; measured by `plait profile`
-    and corrected by `plait tune` on CPU processes, where dispatch runs on the computing core."""
+    hardware. On CPU processes dispatch runs on the computing core, so host time adds to compute time
+    (measured by `plait profile`, corrected by `plait tune`); on GPUs kernels run while the host launches the
+    next ones, so a layer pass takes the longer of its kernels and its host time (plait.cost.compute.pass_time;
+    the GPU presets' figures come from benchmarks/gpu_check.py's grid, plait/spec/clusters.py)."""
 
     layer_overhead_s: float = 0.0
     """Fixed host time of one layer's forward pass over one micro-batch, whatever its size (framework
@@ -155,6 +160,12 @@ class HostOverheads:
     step_overhead_s: float = 0.0
     """Fixed host time of a step, whatever the plan: launching the optimizer, zeroing the gradients,
     averaging the loss over ranks."""
+    recompute_layer_overhead_s: float = 0.0
+    """Host time a recomputed layer pass takes beyond a forward's: the checkpoint's saved-tensor hooks that
+    trigger the rerun and hand its tensors to the backward."""
+    selective_layer_overhead_s: float = 0.0
+    """Host time the selective policy adds to each forward and each recompute of a layer: a Python decision
+    per operator (torch.utils.checkpoint's selective checkpointing runs as a dispatch mode)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -37,20 +37,56 @@ section 6.2): not an SXM part at full power, so a preset of its own. The same ch
 SXM's; ``matmul`` (0.47) is fitted on the two rows without torch.compile (Llama 3.1 8B, FSDP over 8 and 128
 GPUs, 5,762 and 5,605 tokens/s per GPU; worst 1.5%): the power limit and HBM2e hold it to about 60% of
 the SXM's GEMM rate. Links: NVLink as on any H100 node, one 400 Gb/s RDMA port per GPU (48 GB/s at 96% of line rate).
+
+H200 SXM (``h200-141g``): the H100's chip (989 TFLOP/s) with 141 GB of HBM3e (139.8 GiB usable: the total
+capacity torch.cuda reports) at 4.8 TB/s. Measured on one H200 (2026-11-26, torch 2.11, `benchmarks/gpu_check.py`'s grid of 41
+single-GPU plans of a 1.4B Llama, micro-batch 1-8, sequence 1K-8K, each recompute mode): the H100's ``matmul`` and
+``matmul_half_dim`` price the grid's kernel-bound rows within 2% (a least-squares scale of 0.98 on them), so they are
+kept; NVLink and the fabric as on an H100 node (one GPU cannot measure links).
+
+GPU host time (`GPU_HOST`, every GPU preset): plait's executor is eager PyTorch, and a small model's layers wait
+on the host, not the kernels. Fitted on the same 41 rows (robust least squares on step time, `pass_time`'s
+max(kernels, host) per layer pass): ``layer_overhead_s`` 0.87 ms (forward; backward twice it),
+``recompute_layer_overhead_s`` 0.84 ms, ``selective_layer_overhead_s`` 1.74 ms (the per-op policy's dispatch
+mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures: the same on any GPU this
+executor drives from a similar host, so every GPU preset takes them; a 7B+ model's layer passes are kernel-bound
+(several ms each), where they change nothing.
+
+Optimizer bandwidth (``memory_balance``): the H200 rows' AdamW step took 13.3 ms (median of 41) for 1.40B
+parameters at 30 bytes each: 3.17 TB/s, 66% of the 4.8 TB/s datasheet; balance 989e12 / 3.17e12 = 312. The other
+GPUs take 66% of their datasheet bandwidth (A100 80GB 2.04 TB/s, 40GB 1.56 TB/s, H100 SXM 3.35 TB/s, H100 96GB
+HBM2e 3.35 TB/s), in place of the A100-derived 150 FLOP per byte that priced every GPU before.
 """
 
 from __future__ import annotations
 
-from plait.spec.cluster import ClusterSpec, Efficiency, LinkSpec
+import dataclasses
+
+from plait.spec.cluster import ClusterSpec, Efficiency, HostOverheads, LinkSpec
 
 GB = 1e9
 GiB = 2**30
+TB = 1e12
+
+ACHIEVED_BANDWIDTH = 0.66
+"""Fraction of the datasheet memory bandwidth the optimizer step reaches (measured on an H200: module docstring)."""
+
+
+def _balance(peak_flops: float, datasheet_bandwidth: float) -> float:
+    return round(peak_flops / (ACHIEVED_BANDWIDTH * datasheet_bandwidth))
+
 
 # Fitted constants, per device type: see the module docstring for the rows they were fitted on.
 A100_EFFICIENCY = Efficiency(matmul=0.82, matmul_half_dim=800.0, overhead=0.30)
-H100_EFFICIENCY = Efficiency(matmul=0.76, matmul_half_dim=1600.0, overhead=0.0)  # Megatron-LM's H100 rows
+H100_EFFICIENCY = Efficiency(matmul=0.76, matmul_half_dim=1600.0, overhead=0.0,
+                             memory_balance=_balance(989e12, 3.35 * TB))  # Megatron-LM's H100 rows
 H100_500W_EFFICIENCY = Efficiency(matmul=0.47, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
-                                  overhead=H100_EFFICIENCY.overhead)  # torchtitan's H100 96GB rows
+                                  overhead=H100_EFFICIENCY.overhead,
+                                  memory_balance=H100_EFFICIENCY.memory_balance)  # torchtitan's H100 96GB rows
+H200_EFFICIENCY = Efficiency(matmul=H100_EFFICIENCY.matmul, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
+                             overhead=H100_EFFICIENCY.overhead, memory_balance=312.0)  # gpu_check's H200 grid
+GPU_HOST = HostOverheads(layer_overhead_s=0.87e-3, recompute_layer_overhead_s=0.84e-3,
+                         selective_layer_overhead_s=1.74e-3, step_overhead_s=20e-3)  # gpu_check's H200 grid
 
 _A100_LINKS = dict(
     intra_node=LinkSpec(latency_s=5e-6, bandwidth=230 * GB),
@@ -63,13 +99,17 @@ _H100_LINKS = dict(
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(name="a100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=312e12, efficiency=A100_EFFICIENCY, **_A100_LINKS),
+                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
+                            efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 2.04 * TB))),
     "a100-40g": ClusterSpec(name="a100-40g", num_devices=1024, devices_per_node=8, memory_bytes=40 * GiB,
-                            peak_flops=312e12, efficiency=A100_EFFICIENCY, **_A100_LINKS),
+                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
+                            efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 1.555 * TB))),
     "h100-80g": ClusterSpec(name="h100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=989e12, efficiency=H100_EFFICIENCY, **_H100_LINKS),
+                            peak_flops=989e12, efficiency=H100_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
     "h100-96g-500w": ClusterSpec(name="h100-96g-500w", num_devices=1024, devices_per_node=8, memory_bytes=96 * GiB,
-                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, **_H100_LINKS),
+                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
+    "h200-141g": ClusterSpec(name="h200-141g", num_devices=1024, devices_per_node=8, memory_bytes=139.8 * GiB,
+                             peak_flops=989e12, efficiency=H200_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
     # CPU processes on one machine talking through gloo; refine with `plait profile`. Peak: one
     # core's fp32 FMA rate (~2.5 GHz x 2 AVX2 FMA units x 8 lanes x 2 = 80 GFLOP/s, rounded down
     # to 50 for the clocks cloud cores hold); `plait profile --nproc 2` measured ~38 GFLOP/s per rank

@@ -93,3 +93,9 @@ def test_cuda_without_a_gpu_exits_2_with_a_message(tmp_path):
 def test_unknown_device_exits_2_naming_the_choices(tmp_path):
     result = run_script("--device", "tpu", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "tpu" in result.stderr and "cuda" in result.stderr and "cpu" in result.stderr
+
+
+def test_a_shape_that_is_not_micro_batch_x_sequence_exits_2(tmp_path):
+    result = run_script("--shapes", "1x1024,2y8", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "'2y8' is not micro-batch x sequence" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

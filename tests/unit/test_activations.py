@@ -71,3 +71,42 @@ def test_the_math_path_keeps_the_probabilities_and_the_fused_one_does_not():
         fused, math = saved_bytes(spec, 1, seq), saved_bytes(spec.replace(attention="math"), 1, seq)
         assert math - fused == seq * 4 * (a * seq + 2 * (q - kv) - a)
     assert saved_bytes(spec, 1, 64) == 2 * saved_bytes(spec, 1, 32)
+
+
+AUTOCAST = Dtypes(compute=2, residual=4)  # one replica / DDP: bf16 autocast over fp32 parameters
+
+
+def autocast_saved(spec: ModelSpec, batch: int, seq: int) -> tuple[float, float]:
+    """(activation bytes, bf16 weight copies) a fp32 block keeps for backward under CPU autocast to bf16."""
+    torch.manual_seed(0)
+    block = TransformerBlock(spec)
+    x = torch.randn(batch, seq, spec.hidden_size, requires_grad=True)
+    rope = rope_tables(torch.arange(seq), spec.head_dim, spec.rope_theta) if spec.positions == "rope" else None
+    shared = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    shared |= {t.untyped_storage().data_ptr() for t in rope or ()}
+    weights = {shape for p in block.parameters() if p.dim() == 2 for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    kept: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in shared:  # a weight's autocast copy: 2-D, bf16, a weight's shape
+            copy = t.dtype == torch.bfloat16 and tuple(t.shape) in weights  # saved as is or transposed
+            kept[storage.data_ptr()] = (storage.nbytes(), copy)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope) if rope is not None else block(x)
+    return (float(sum(n for n, copy in kept.values() if not copy)), float(sum(n for n, copy in kept.values() if copy)))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_autocast_block_keeps_one_copy_of_each_norm_output(name):
+    """Under autocast (bf16 over fp32 parameters: the executor's one-replica and DDP path) the norms hand the
+    linears one 16-bit output (plait.models.reference.to_compute_dtype): found on an H200, q, k and v had each kept
+    their own cast of the fp32 norm output, 6 bytes per hidden unit and token over the cost model's count. The
+    weights' 16-bit copies are what plait.cost.memory.autocast_copy_bytes counts: 2 bytes per matmul weight."""
+    spec = SPECS[name]
+    activations, copies = autocast_saved(spec, 2, 40)  # 80 tokens: no activation of a weight's shape
+    assert activations == pytest.approx(activation_bytes(spec, 2, 40, 1, False, "none", AUTOCAST))
+    block = TransformerBlock(spec)
+    assert copies == 2 * sum(p.numel() for p in block.parameters() if p.dim() == 2)
