@@ -62,8 +62,8 @@ def megatron_chunks(row: MegatronRow) -> int:
 
 
 def their_software(cluster: ClusterSpec) -> ClusterSpec:
-    """A preset as it prices a published run: the hardware figures alone. The presets' host times are plait's
-    eager executor's (plait.spec.clusters.GPU_HOST, measured on a GPU); the published runs are Megatron's and
+    """A preset as it prices a published run: the hardware figures alone. Host times are plait's eager
+    executor's (plait.spec.clusters.GPU_HOST, measured on a GPU); the published runs are Megatron's and
     torchtitan's, whose host time was not measured and which the fitted efficiencies already absorb."""
     return cluster.replace(host=HostOverheads())
 

@@ -44,13 +44,14 @@ single-GPU plans of a 1.4B Llama, micro-batch 1-8, sequence 1K-8K, each recomput
 ``matmul_half_dim`` price the grid's kernel-bound rows within 2% (a least-squares scale of 0.98 on them), so they are
 kept; NVLink and the fabric as on an H100 node (one GPU cannot measure links).
 
-GPU host time (`GPU_HOST`, every GPU preset): plait's executor is eager PyTorch, and a small model's layers wait
+GPU host time (`GPU_HOST`, ``h200-141g``): plait's executor is eager PyTorch, and a small model's layers wait
 on the host, not the kernels. Fitted on the same 41 rows (robust least squares on step time, `pass_time`'s
 max(kernels, host) per layer pass): ``layer_overhead_s`` 0.87 ms (forward; backward twice it),
 ``recompute_layer_overhead_s`` 0.84 ms, ``selective_layer_overhead_s`` 1.74 ms (the per-op policy's dispatch
-mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures: the same on any GPU this
-executor drives from a similar host, so every GPU preset takes them; a 7B+ model's layer passes are kernel-bound
-(several ms each), where they change nothing.
+mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures that would hold on any GPU this
+executor drives from a similar host; the other GPU presets keep 0 because they price published runs of other
+software (Megatron-LM's, torchtitan's) that no host time was measured for, and were not run here. A user plans
+plait's own runs on them with `plait profile` / `plait tune`, or with a cluster file carrying these figures.
 
 Optimizer bandwidth (``memory_balance``): the H200 rows' AdamW step took 13.3 ms (median of 41) for 1.40B
 parameters at 30 bytes each: 3.17 TB/s, 66% of the 4.8 TB/s datasheet; balance 989e12 / 3.17e12 = 312. The other
@@ -99,15 +100,15 @@ _H100_LINKS = dict(
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(name="a100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
+                            peak_flops=312e12, **_A100_LINKS,
                             efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 2.04 * TB))),
     "a100-40g": ClusterSpec(name="a100-40g", num_devices=1024, devices_per_node=8, memory_bytes=40 * GiB,
-                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
+                            peak_flops=312e12, **_A100_LINKS,
                             efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 1.555 * TB))),
     "h100-80g": ClusterSpec(name="h100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=989e12, efficiency=H100_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
+                            peak_flops=989e12, efficiency=H100_EFFICIENCY, **_H100_LINKS),
     "h100-96g-500w": ClusterSpec(name="h100-96g-500w", num_devices=1024, devices_per_node=8, memory_bytes=96 * GiB,
-                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
+                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, **_H100_LINKS),
     "h200-141g": ClusterSpec(name="h200-141g", num_devices=1024, devices_per_node=8, memory_bytes=139.8 * GiB,
                              peak_flops=989e12, efficiency=H200_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
     # CPU processes on one machine talking through gloo; refine with `plait profile`. Peak: one
