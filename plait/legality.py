@@ -132,6 +132,13 @@ def under_class_experts(plan: dict[str, str]) -> set[str]:
     return {pattern for pattern in plan if any(pattern.startswith(e + ".") for e in experts)}
 
 
+def under_replicated_modules(plan: dict[str, str]) -> set[str]:
+    """The patterns of a tensor plan inside a module plait runs whole on every tensor rank (style
+    plait:replicate_module, plait.models.hf_flow): the class's placements there are not applied."""
+    roots = [pattern for pattern, style in plan.items() if style == PLAIT_STYLE + "replicate_module"]
+    return {pattern for pattern in plan if any(pattern.startswith(root + ".") for root in roots)}
+
+
 def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     """A Hugging Face class (source "hf:") runs tensor parallelism as its own plan declares it (ModelSpec.tp_plan)."""
     if tp == 1 or not model.source.startswith("hf:"):
@@ -144,7 +151,7 @@ def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
         return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
                           f"tensor-parallel plan places nowhere (a tensor rank could see part of its input and keep a "
                           f"partial gradient); use tp=1")]
-    inside_experts = under_class_experts(model.tp_plan)
+    inside_experts = under_class_experts(model.tp_plan) | under_replicated_modules(model.tp_plan)
     unknown = [(pattern, style) for pattern, style in model.tp_plan.items() if pattern not in inside_experts
                and style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
     if unknown:

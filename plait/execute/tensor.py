@@ -275,6 +275,10 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return ReplicateParallel()
     if name == "sharded_input":
         return ShardedInputParallel()
+    if name == "replicate_module":  # a module the class's plan leaves unplaced, whole on every rank
+        from plait.execute.hf_replicate import ReplicatedModule
+
+        return ReplicatedModule(sequence_parallel)
     if name == "mla_kv_a":
         return LatentKeyValueParallel(int(arg))
     if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)

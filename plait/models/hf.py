@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts
+from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts, under_replicated_modules
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
 from plait.models.hf_experts import moe_tensor_styles
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
@@ -301,7 +301,8 @@ class HFAdapter(ModelAdapter):
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
         block: dict[str, str] = {}
-        inside_experts = under_class_experts(plan)  # the experts' own weights: plait/execute/hf_experts.py
+        # the experts' own weights: plait/execute/hf_experts.py; what a replicated module holds runs whole with it
+        inside_experts = under_class_experts(plan) | under_replicated_modules(plan)
         for pattern, style in plan.items():
             if pattern in inside_experts:
                 continue
@@ -378,13 +379,24 @@ class HFAdapter(ModelAdapter):
     def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
         kv = self.spec.num_kv_heads or self.spec.num_heads
         if kv < tp:  # one replicated kv head per rank now serves the rank's heads / tp query heads
+            whole = [get_module(block, path) for path in self.replicated_modules]  # these keep every head
+            inside = {id(sub) for module in whole if module is not None for sub in module.modules()}
             for attention in self._attention_modules(block):
+                if id(attention) in inside:
+                    continue
                 if hasattr(attention, "num_key_value_groups"):
                     attention.num_key_value_groups = self.spec.num_heads // tp
         for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
             owner_path, _, attribute = path.rpartition(".")
             owner = get_module(block, owner_path)
             setattr(owner, attribute, getattr(owner, attribute) // tp)
+
+    @property
+    def replicated_modules(self) -> tuple[str, ...]:
+        """Block-relative paths of the modules run whole on every tensor rank (plait.models.hf_flow's
+        replicate_module)."""
+        return tuple(pattern.split("*.", 1)[-1] for pattern, style in (self.spec.tp_plan or {}).items()
+                     if style == PLAIT_STYLE + "replicate_module")
 
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:

@@ -220,7 +220,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
     from plait.legality import PLAIT_STYLE, UNPLACED
     from plait.models.hf_experts import MOE_BLOCK, moe_tensor_styles
-    from plait.models.hf_flow import unplaced_styles
+    from plait.models.hf_flow import REPLICATE_MODULE, unplaced_styles
 
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
     placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
@@ -230,6 +230,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
     styles = {path: style for path, style in zip(placed, tp_plan.values())
               if not any(path.startswith(block + ".") for block in moe_blocks)}
     styles.update({path: MOE_BLOCK for path in moe_blocks})  # whole in, whole out: the walk stops there
+    found_by_block: list[dict[str, str]] = []
     for index, block in enumerate(blocks):  # layers of one class may differ (hybrids: linear or full attention)
         def run(module: nn.Module, index: int = index):
             with experts_batched(module):
@@ -242,6 +243,13 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
             if out.get(pattern, mark) != mark:  # layers disagree: nothing is proven for the pattern
                 mark = UNPLACED
             out[pattern] = mark
+        found_by_block.append(found)
+    for pattern, mark in out.items():  # a root replicated in one layer is placed (a gathered parent) in another
+        path = pattern.split(".*.", 1)[-1]
+        if mark == PLAIT_STYLE + REPLICATE_MODULE and any(
+                found.get(path) != REPLICATE_MODULE for block, found in zip(blocks, found_by_block)
+                if get_module(block, path) is not None):
+            out[pattern] = UNPLACED
     return out
 
 
