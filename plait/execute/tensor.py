@@ -323,6 +323,9 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             if style == "local_param":
                 local.append(pattern)
                 continue
+            if style == "moe_block" and pattern not in moe and not any(
+                    p.startswith(pattern + ".") and get_module(block, p) is not None for p in plan.block):
+                style = "replicate_module"  # a dense layer's MLP the class's plan places nothing of (AFMoE's first)
             # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
             inside = any(pattern.startswith(path + ".") for path in moe)
             parallel = block_style(style, module, sequence_parallel and not inside)

@@ -400,8 +400,11 @@ class HFAdapter(ModelAdapter):
 
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:
-        block = get_module(self.meta_model, self.blocks_path)[0]
-        return tuple(name for name, child in block.named_children() if is_norm_module(child))
+        """The norms among the blocks' children, every layer's (a hybrid's attention layers hold norms its
+        linear-attention layers do not: OLMo-Hybrid's post_feedforward_layernorm)."""
+        blocks = get_module(self.meta_model, self.blocks_path)
+        return tuple(dict.fromkeys(name for block in blocks for name, child in block.named_children()
+                                   if is_norm_module(child)))
 
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names

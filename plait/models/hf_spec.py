@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import get_module
+from plait.models.adapter import get_module, is_norm_module
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -122,8 +122,22 @@ def untrained_block_parameters(adapter) -> frozenset[str]:
     return frozenset(out)
 
 
-def measure_blocks(adapter) -> tuple[BlockCost, ...]:
-    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
+WHOLE_STYLES = ("replicate", "replicate_module")
+"""plait's styles (plait.models.adapter.STYLES) of modules every tensor rank holds and computes whole."""
+
+
+def replicated_paths(tp_plan: dict[str, str]) -> tuple[str, ...]:
+    """Block-relative paths of the modules a tensor plan keeps whole on every tensor rank (priced as such:
+    BlockCost.replicated_*)."""
+    from plait.legality import PLAIT_STYLE
+
+    return tuple(pattern.split("*.", 1)[-1] for pattern, style in tp_plan.items()
+                 if style.removeprefix(PLAIT_STYLE) in WHOLE_STYLES and style.startswith(PLAIT_STYLE))
+
+
+def measure_blocks(adapter, replicated: tuple[str, ...] = ()) -> tuple[BlockCost, ...]:
+    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it; `replicated`: paths of
+    modules tensor parallelism keeps whole (replicated_paths)."""
     model, config = adapter.meta_model, adapter.hf_config()
     blocks = list(get_module(model, adapter.blocks_path))
     hidden = int(config.hidden_size)
@@ -132,7 +146,7 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     costs = []
     with experts_batched(model):
         for index, block in enumerate(blocks):
-            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
+            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured, replicated))
     return tuple(costs)
 
 
@@ -170,14 +184,15 @@ def experts_batched(model: nn.Module):
             config._experts_implementation = saved[key]
 
 
-def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict) -> BlockCost:
+def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict,
+                 replicated: tuple[str, ...] = ()) -> BlockCost:
     """Layer `index` measured, or the measurement of an earlier layer of its kind."""
     from plait.models.measure import measure_block
 
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index), replicated), block, config)
         except LayerInputsFromTokens as error:
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
                               f"layers ({type(block).__name__}) with only hidden states passed between them "
@@ -244,12 +259,12 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
                 mark = UNPLACED
             out[pattern] = mark
         found_by_block.append(found)
-    for pattern, mark in out.items():  # a root replicated in one layer is placed (a gathered parent) in another
+    for pattern, mark in out.items():  # a layer where the root is something else (minimax's full attention)
         path = pattern.split(".*.", 1)[-1]
         if mark == PLAIT_STYLE + REPLICATE_MODULE and any(
-                found.get(path) != REPLICATE_MODULE for block, found in zip(blocks, found_by_block)
-                if get_module(block, path) is not None):
-            out[pattern] = UNPLACED
+                found.get(path) != REPLICATE_MODULE and not is_norm_module(get_module(block, path))
+                for block, found in zip(blocks, found_by_block) if get_module(block, path) is not None):
+            out[pattern] = UNPLACED  # a plain norm there (AXK2's first layer) runs whole as well: exact
     return out
 
 
@@ -291,11 +306,11 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
         return sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
                    if n not in aliases and any(n.startswith(path + ".") for path in paths))
 
-    blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
     layers = get_module(model, structure.blocks_path)
     if tp_plan:
         tp_plan.update(unplaced_modules(layers, tp_plan, block_caller(probe), int(config.hidden_size)))
+    blocks = measure_blocks(probe, replicated_paths(tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),
