@@ -37,6 +37,7 @@ from plait.errors import ConfigError
 from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts, under_replicated_modules
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
 from plait.models.hf_experts import moe_tensor_styles
+from plait.models.hf_flow import whole_module
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
 
@@ -379,7 +380,7 @@ class HFAdapter(ModelAdapter):
     def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
         kv = self.spec.num_kv_heads or self.spec.num_heads
         if kv < tp:  # one replicated kv head per rank now serves the rank's heads / tp query heads
-            whole = [get_module(block, path) for path in self.replicated_modules]  # these keep every head
+            whole = [whole_module(block, entry) for entry in self.replicated_modules]  # these keep every head
             inside = {id(sub) for module in whole if module is not None for sub in module.modules()}
             for attention in self._attention_modules(block):
                 if id(attention) in inside:
@@ -393,10 +394,11 @@ class HFAdapter(ModelAdapter):
 
     @property
     def replicated_modules(self) -> tuple[str, ...]:
-        """Block-relative paths of the modules run whole on every tensor rank (plait.models.hf_flow's
-        replicate_module)."""
-        return tuple(pattern.split("*.", 1)[-1] for pattern, style in (self.spec.tp_plan or {}).items()
-                     if style == PLAIT_STYLE + "replicate_module")
+        """Block-relative entries ("path" or "path:Class") of the modules run whole on every tensor rank
+        (plait.models.hf_flow's replicate_module)."""
+        mark = PLAIT_STYLE + "replicate_module"  # or mark:Class (plait.models.hf_flow.whole_module)
+        return tuple(pattern.split("*.", 1)[-1] + style.removeprefix(mark)
+                     for pattern, style in (self.spec.tp_plan or {}).items() if style.startswith(mark))
 
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:

@@ -53,6 +53,17 @@ REPLICATE_MODULE = "replicate_module"
 """The style of a block's child run whole on every tensor rank, its class's placements inside it dropped."""
 
 
+def whole_module(block: nn.Module, entry: str) -> nn.Module | None:
+    """The module of `block` a replicate_module entry names ("path", or "path:Class": only where the module at path
+    is of that class, as in a hybrid's linear-attention layers), or None where this layer runs it otherwise."""
+    path, _, owner = entry.partition(":")
+    try:
+        module = block.get_submodule(path)
+    except AttributeError:
+        return None
+    return module if not owner or type(module).__name__ == owner else None
+
+
 def _node(value: Any):
     """autograd's node of the first tensor in `value` (a tensor, or a tuple / list starting with one)."""
     if isinstance(value, (tuple, list)) and value:

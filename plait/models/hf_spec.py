@@ -128,11 +128,16 @@ WHOLE_STYLES = ("replicate", "replicate_module")
 
 def replicated_paths(tp_plan: dict[str, str]) -> tuple[str, ...]:
     """Block-relative paths of the modules a tensor plan keeps whole on every tensor rank (priced as such:
-    BlockCost.replicated_*)."""
+    BlockCost.replicated_*), each with ":Class" where only the layers whose module is of that class replicate it
+    (plait.models.hf_flow.whole_module)."""
     from plait.legality import PLAIT_STYLE
 
-    return tuple(pattern.split("*.", 1)[-1] for pattern, style in tp_plan.items()
-                 if style.removeprefix(PLAIT_STYLE) in WHOLE_STYLES and style.startswith(PLAIT_STYLE))
+    out = []
+    for pattern, style in tp_plan.items():
+        name, _, owner = style.removeprefix(PLAIT_STYLE).partition(":")
+        if style.startswith(PLAIT_STYLE) and name in WHOLE_STYLES:
+            out.append(pattern.split("*.", 1)[-1] + (f":{owner}" if owner else ""))
+    return tuple(out)
 
 
 def measure_blocks(adapter, replicated: tuple[str, ...] = ()) -> tuple[BlockCost, ...]:
@@ -187,12 +192,14 @@ def experts_batched(model: nn.Module):
 def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict,
                  replicated: tuple[str, ...] = ()) -> BlockCost:
     """Layer `index` measured, or the measurement of an earlier layer of its kind."""
+    from plait.models.hf_flow import whole_module
     from plait.models.measure import measure_block
 
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = _with_experts(measure_block(block, hidden, call(index), replicated), block, config)
+            whole = tuple(entry.partition(":")[0] for entry in replicated if whole_module(block, entry) is not None)
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index), whole), block, config)
         except LayerInputsFromTokens as error:
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
                               f"layers ({type(block).__name__}) with only hidden states passed between them "
@@ -259,13 +266,34 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
                 mark = UNPLACED
             out[pattern] = mark
         found_by_block.append(found)
-    for pattern, mark in out.items():  # a layer where the root is something else (minimax's full attention)
-        path = pattern.split(".*.", 1)[-1]
-        if mark == PLAIT_STYLE + REPLICATE_MODULE and any(
-                found.get(path) != REPLICATE_MODULE and not is_norm_module(get_module(block, path))
-                for block, found in zip(blocks, found_by_block) if get_module(block, path) is not None):
-            out[pattern] = UNPLACED  # a plain norm there (AXK2's first layer) runs whole as well: exact
+    for pattern, mark in out.items():
+        if mark == PLAIT_STYLE + REPLICATE_MODULE:
+            out[pattern] = _replicated_in_every_layer(pattern.split(".*.", 1)[-1], blocks, found_by_block, styles)
     return out
+
+
+def _replicated_in_every_layer(path: str, blocks, found_by_block: list[dict[str, str]], styles: dict[str, str]) -> str:
+    """The mark of a root some layers replicate (REPLICATE_MODULE) for every layer: plain where every other layer's
+    module at `path` is a norm (it runs whole there too: AXK2's first layer); "replicate_module:Class" where the
+    replicated layers' modules are all of one class that holds nothing the plan places, and every other layer's is
+    of another class the plan places inside (a hybrid's full attention: MiniMax), which keeps its own styles;
+    UNPLACED otherwise."""
+    from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_flow import REPLICATE_MODULE
+
+    def placed_inside(block: nn.Module) -> bool:
+        return any(p.startswith(path + ".") and get_module(block, p) is not None for p in styles)
+
+    layers = [(block, found.get(path) == REPLICATE_MODULE) for block, found in zip(blocks, found_by_block)
+              if get_module(block, path) is not None]
+    others = [block for block, replicated in layers if not replicated]
+    if all(is_norm_module(get_module(block, path)) for block in others):
+        return PLAIT_STYLE + REPLICATE_MODULE
+    whole = {type(get_module(block, path)).__name__ for block, replicated in layers if replicated}
+    if len(whole) == 1 and not any(placed_inside(block) for block, replicated in layers if replicated) \
+            and all(placed_inside(block) and type(get_module(block, path)).__name__ not in whole for block in others):
+        return f"{PLAIT_STYLE}{REPLICATE_MODULE}:{whole.pop()}"
+    return UNPLACED
 
 
 def _no_run(module: nn.Module):

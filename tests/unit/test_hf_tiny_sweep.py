@@ -216,6 +216,29 @@ def test_a_linear_attention_partly_placed_runs_whole_without_its_placements(swee
     assert block["self_attn"] == "gather_input" and block["self_attn.o_proj"] == "rowwise"  # the full-attention layer
 
 
+def test_a_hybrid_replicates_its_linear_attention_and_splits_its_full_one(sweep, tmp_path):
+    from plait.execute.tensor import layer_style
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("minimax", tmp_path) is None  # "self_attn": lightning (linear) or full attention by layer
+    spec = load_model(str(tmp_path))
+    mark = "replicate_module:MiniMaxLightningAttention"
+    assert spec.tp_plan["layers.*.self_attn"] == "plait:" + mark and not tensor_problems(spec, 2)
+    adapter = adapter_for(spec)
+    plan = adapter.tp_plan().block
+    assert plan["self_attn"] == mark and plan["self_attn.q_proj"] == "colwise"  # the full attention keeps its plan
+    kinds = {}
+    for index, layer in enumerate(adapter.meta_model.model.layers):
+        kinds[type(layer.self_attn).__name__] = (layer_style("self_attn", plan["self_attn"], layer, plan, []),
+                                                 spec.blocks[index])
+    full, linear = kinds["MiniMaxAttention"], kinds["MiniMaxLightningAttention"]
+    assert full[0] == "gather_input" and linear[0] == mark
+    lightning = adapter.meta_model.model.layers[1].self_attn
+    assert linear[1].replicated_params - full[1].replicated_params == sum(p.numel() for p in lightning.parameters())
+
+
 def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp_path):
     from plait.legality import tensor_problems
     from plait.models import adapter_for
