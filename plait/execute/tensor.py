@@ -271,8 +271,11 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return HeadNormParallel()
     if name == "gather_input":
         return GatherSequence() if sequence_parallel else None
-    if name == "replicate":
-        return ReplicateParallel()
+    if name == "replicate":  # inside a block: a router, an MLA q_a_proj; run on local values (no DTensor rule needed
+        # for its ops: Inkling's router takes log_sigmoid), on the input as it comes
+        from plait.execute.hf_replicate import ReplicatedModule
+
+        return ReplicatedModule(sequence_parallel=False)
     if name == "sharded_input":
         return ShardedInputParallel()
     if name == "replicate_module":  # a module the class's plan leaves unplaced, whole on every rank (":Class": only

@@ -368,7 +368,12 @@ class HFAdapter(ModelAdapter):
         for path in self.pre:
             module = get_module(model, path)
             if isinstance(module, nn.Embedding):
-                root[path] = "embedding" if module.num_embeddings == vocab else "position_embedding"
+                # one that normalizes what it looks up (Inkling's) needs whole rows: a vocabulary-parallel lookup
+                # hands its norm partial sums; kept whole, like learned positions
+                normalizes = any(True for child in module.children() for _ in child.parameters())
+                tied = any(name.startswith(path + ".") for name in self.tied.values())  # shares the output's split
+                vocabulary = module.num_embeddings == vocab and not (normalizes and not tied)
+                root[path] = "embedding" if vocabulary else "position_embedding"
         for path in self.post:
             module = get_module(model, path)
             if isinstance(module, nn.Linear) and module.out_features == vocab:

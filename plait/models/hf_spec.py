@@ -130,12 +130,12 @@ def replicated_paths(tp_plan: dict[str, str]) -> tuple[str, ...]:
     """Block-relative paths of the modules a tensor plan keeps whole on every tensor rank (priced as such:
     BlockCost.replicated_*), each with ":Class" where only the layers whose module is of that class replicate it
     (plait.models.hf_flow.whole_module)."""
-    from plait.legality import PLAIT_STYLE
+    from plait.legality import HF_TP_STYLES, PLAIT_STYLE
 
     out = []
     for pattern, style in tp_plan.items():
-        name, _, owner = style.removeprefix(PLAIT_STYLE).partition(":")
-        if style.startswith(PLAIT_STYLE) and name in WHOLE_STYLES:
+        name, _, owner = HF_TP_STYLES.get(style, style.removeprefix(PLAIT_STYLE)).partition(":")
+        if (style.startswith(PLAIT_STYLE) or style in HF_TP_STYLES) and name in WHOLE_STYLES:
             out.append(pattern.split("*.", 1)[-1] + (f":{owner}" if owner else ""))
     return tuple(out)
 
