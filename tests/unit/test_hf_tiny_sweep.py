@@ -239,6 +239,22 @@ def test_a_hybrid_replicates_its_linear_attention_and_splits_its_full_one(sweep,
     assert linear[1].replicated_params - full[1].replicated_params == sum(p.numel() for p in lightning.parameters())
 
 
+def test_an_all_reduce_module_and_a_normalizing_embedding_run_whole(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("inkling_text", tmp_path) is None
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan["layers.*.mlp.shared_experts"] == "all_reduce" and not tensor_problems(spec, 2)
+    plan = adapter_for(spec).tp_plan()
+    # the shared experts' bare weights the class splits (and sums with all_reduce) are held whole instead
+    assert plan.block["mlp.shared_experts"] == "replicate_module"
+    assert not any(p.startswith("mlp.shared_experts.") for p in plan.block)
+    # its token embedding normalizes each row: a vocabulary-parallel lookup would normalize partial sums
+    assert plan.root["model.embed_tokens"] == "position_embedding" and plan.root["lm_head"] == "output"
+
+
 def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp_path):
     from plait.legality import tensor_problems
     from plait.models import adapter_for
