@@ -112,9 +112,10 @@ def tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
 HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm",
                 "packed_colwise": "colwise_packed:2", "colwise_gather_output": "colwise_gather",
                 "rowwise_split_input": "rowwise_split", "mla_kv_a_proj": "mla_kv_a:{qk_rope_head_dim}",
-                "local_params": "local_params", "moe_tp_experts": "experts"}
+                "local_params": "local_params", "moe_tp_experts": "experts", "all_reduce": "replicate_module"}
 """transformers' tensor-parallel styles inside a block that plait runs, -> plait's style (plait.models.adapter.STYLES;
-"{key}" is the config's value of key).
+"{key}" is the config's value of key; "all_reduce", a module whose partial output transformers sums after splitting
+what it holds, runs whole on every rank instead: the same sum, no split).
 A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
 UNPLACED = "unplaced"
 """ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
@@ -132,6 +133,15 @@ def under_class_experts(plan: dict[str, str]) -> set[str]:
     return {pattern for pattern in plan if any(pattern.startswith(e + ".") for e in experts)}
 
 
+def under_replicated_modules(plan: dict[str, str]) -> set[str]:
+    """The patterns of a tensor plan inside a module plait runs whole on every tensor rank (style
+    plait:replicate_module, plait.models.hf_flow; a class's "all_reduce"): the class's placements there are not
+    applied."""
+    roots = [pattern for pattern, style in plan.items()
+             if style == PLAIT_STYLE + "replicate_module" or HF_TP_STYLES.get(style) == "replicate_module"]
+    return {pattern for pattern in plan if any(pattern.startswith(root + ".") for root in roots)}
+
+
 def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     """A Hugging Face class (source "hf:") runs tensor parallelism as its own plan declares it (ModelSpec.tp_plan)."""
     if tp == 1 or not model.source.startswith("hf:"):
@@ -144,7 +154,7 @@ def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
         return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
                           f"tensor-parallel plan places nowhere (a tensor rank could see part of its input and keep a "
                           f"partial gradient); use tp=1")]
-    inside_experts = under_class_experts(model.tp_plan)
+    inside_experts = under_class_experts(model.tp_plan) | under_replicated_modules(model.tp_plan)
     unknown = [(pattern, style) for pattern, style in model.tp_plan.items() if pattern not in inside_experts
                and style not in HF_TP_STYLES and not style.startswith(PLAIT_STYLE)]
     if unknown:

@@ -176,6 +176,21 @@ def replicated_kv_flops(model: ModelSpec, tokens: float, tp: int) -> float:
     return 2.0 * tokens * replicated_kv_weights(model, tp)
 
 
+def replicated_block_weights(model: ModelSpec) -> float:
+    """Parameters of the mean measured block that every tensor rank holds whole (BlockCost.replicated_params: a
+    Hugging Face class's modules its plan leaves unplaced, run replicated); 0 for a closed-form model."""
+    return sum(b.replicated_params for b in model.blocks) / len(model.blocks) if model.blocks else 0.0
+
+
+def replicated_block_flops(model: ModelSpec, tokens: float, seq_len: int) -> float:
+    """Forward FLOPs over `tokens` tokens of the mean measured block's modules every tensor rank computes whole
+    (BlockCost.replicated_flops_per_token and replicated_attention_flops_per_token)."""
+    if not model.blocks:
+        return 0.0
+    return tokens * sum(b.replicated_flops_per_token + seq_len * b.replicated_attention_flops_per_token
+                        for b in model.blocks) / len(model.blocks)
+
+
 def layer_expert_weights(model: ModelSpec) -> float:
     """Weights of one layer's routed experts: the closed form, or the mean measured block's (a Hugging Face class,
     whose dense layers hold none)."""
@@ -297,6 +312,7 @@ def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micr
     if cut.ep > 1:  # the busiest expert rank computes more than its share
         dense += (busiest_rank_load(model, cut.ep) - 1.0) * expert_flops(model, tokens)
     dense += (tp - 1) * replicated_kv_flops(model, tokens, tp)  # each rank's whole k, v projections (dense / tp below)
+    dense += (tp - 1) * replicated_block_flops(model, tokens, seq_len)  # and the modules it runs whole
     fraction = gemm_fraction(cluster, model.hidden_size)
     rate = cluster.peak_flops * fraction
     rest = 1.0 + cluster.efficiency.overhead

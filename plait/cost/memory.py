@@ -46,7 +46,7 @@ import numpy as np
 from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_bytes, head_saved_bytes,
                                     layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
                                     stage_input_is_kept)
-from plait.cost.compute import block_weights, layer_expert_weights, replicated_kv_weights
+from plait.cost.compute import block_weights, layer_expert_weights, replicated_block_weights, replicated_kv_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
 from plait.cost.schedule import V_SCHEDULES, rank_actions
@@ -70,7 +70,8 @@ def layer_params(model: ModelSpec, tp: int, ep: int = 1) -> float:
     ep too; key and value projections whole on every tensor rank where tp exceeds their heads."""
     norms = 2 * model.norm_params
     experts = layer_expert_weights(model)
-    replicated = replicated_kv_weights(model, tp) * (1 - 1 / tp)  # held whole, not the 1/tp counted above
+    # held whole, not the 1/tp counted above
+    replicated = (replicated_kv_weights(model, tp) + replicated_block_weights(model)) * (1 - 1 / tp)
     return (model.params_per_layer - norms - experts) / tp + norms + experts / tp / ep + replicated
 
 

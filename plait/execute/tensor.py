@@ -271,10 +271,18 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return HeadNormParallel()
     if name == "gather_input":
         return GatherSequence() if sequence_parallel else None
-    if name == "replicate":
-        return ReplicateParallel()
+    if name == "replicate":  # inside a block: a router, an MLA q_a_proj; run on local values (no DTensor rule needed
+        # for its ops: Inkling's router takes log_sigmoid), on the input as it comes
+        from plait.execute.hf_replicate import ReplicatedModule
+
+        return ReplicatedModule(sequence_parallel=False)
     if name == "sharded_input":
         return ShardedInputParallel()
+    if name == "replicate_module":  # a module the class's plan leaves unplaced, whole on every rank (":Class": only
+        # where it is of that class: layer_style)
+        from plait.execute.hf_replicate import ReplicatedModule
+
+        return ReplicatedModule(sequence_parallel)
     if name == "mla_kv_a":
         return LatentKeyValueParallel(int(arg))
     if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)
@@ -319,6 +327,9 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             if style == "local_param":
                 local.append(pattern)
                 continue
+            style = layer_style(pattern, style, block, plan.block, moe)  # patterns a layer kind runs otherwise
+            if style is None:
+                continue
             # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
             inside = any(pattern.startswith(path + ".") for path in moe)
             parallel = block_style(style, module, sequence_parallel and not inside)
@@ -330,6 +341,25 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             split_local_parameter(get_module(block, owner_path), leaf, tp_mesh)
         adapter.after_tensor_parallel(block, tp_mesh.size())
     stage.retie()  # distributing replaced the parameters, which unties an output layer from its embedding
+
+
+def layer_style(pattern: str, style: str, block: nn.Module, block_plan: dict[str, str], moe: list[str]) -> str | None:
+    """The style `pattern` takes in this layer, where layers differ: a "moe_block" pattern on a dense layer's MLP
+    the plan places nothing of (AFMoE's first layer) runs whole ("replicate_module"); "replicate_module:Class" on a
+    module of another class (a hybrid's full attention, where its linear attention is replicated: MiniMax) is what
+    it would be without the mark (a gathered parent of its column-wise children, or nothing)."""
+    from plait.models.hf_flow import whole_module
+
+    def inside(parent_only: bool) -> list[str]:
+        return [p for p, s in block_plan.items() if p.startswith(pattern + ".") and get_module(block, p) is not None
+                and (not parent_only or (p.rpartition(".")[0] == pattern and s.startswith("colwise")))]
+
+    name, _, owner = style.partition(":")
+    if name == "moe_block" and pattern not in moe and not inside(False):
+        return "replicate_module"
+    if name == "replicate_module" and owner and whole_module(block, f"{pattern}:{owner}") is None:
+        return "gather_input" if inside(True) else None
+    return style
 
 
 def _moe_blocks(block: nn.Module, block_plan: dict[str, str]) -> list[str]:

@@ -49,7 +49,10 @@ STYLES = {
     "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
     "moe_block": "a module holding a transformers class's experts: activations whole inside it, the sequence "
                  "gathered at its input and sliced at its output under SP (plait/execute/hf_experts.py)",
-    "replicate": "kept whole on every tensor rank (parameters replicated, gradients summed)",
+    "replicate": "kept whole on every tensor rank (parameters replicated), run on local values on its input as it "
+                 "comes: exact where that input is whole and the same on every rank (its gradients then are too)",
+    "replicate_module": "a module and all it holds whole on every tensor rank, run on local values (no collective "
+                        "inside); under SP its input gathered and its output cut back to the rank's sequence slice",
     "sharded_input": "parameters replicated, run on a column-wise output split along its last dim (gradients summed)",
     "local_param": "a bare parameter of a module (attention sinks, per head) split along its first dim, read as the "
                    "rank's slice while its module runs (transformers' 'local_params')",

@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts
+from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts, under_replicated_modules
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
 from plait.models.hf_experts import moe_tensor_styles
+from plait.models.hf_flow import whole_module
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
 
@@ -301,7 +302,8 @@ class HFAdapter(ModelAdapter):
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
         block: dict[str, str] = {}
-        inside_experts = under_class_experts(plan)  # the experts' own weights: plait/execute/hf_experts.py
+        # the experts' own weights: plait/execute/hf_experts.py; what a replicated module holds runs whole with it
+        inside_experts = under_class_experts(plan) | under_replicated_modules(plan)
         for pattern, style in plan.items():
             if pattern in inside_experts:
                 continue
@@ -366,7 +368,12 @@ class HFAdapter(ModelAdapter):
         for path in self.pre:
             module = get_module(model, path)
             if isinstance(module, nn.Embedding):
-                root[path] = "embedding" if module.num_embeddings == vocab else "position_embedding"
+                # one that normalizes what it looks up (Inkling's) needs whole rows: a vocabulary-parallel lookup
+                # hands its norm partial sums; kept whole, like learned positions
+                normalizes = any(True for child in module.children() for _ in child.parameters())
+                tied = any(name.startswith(path + ".") for name in self.tied.values())  # shares the output's split
+                vocabulary = module.num_embeddings == vocab and not (normalizes and not tied)
+                root[path] = "embedding" if vocabulary else "position_embedding"
         for path in self.post:
             module = get_module(model, path)
             if isinstance(module, nn.Linear) and module.out_features == vocab:
@@ -378,7 +385,11 @@ class HFAdapter(ModelAdapter):
     def after_tensor_parallel(self, block: nn.Module, tp: int) -> None:
         kv = self.spec.num_kv_heads or self.spec.num_heads
         if kv < tp:  # one replicated kv head per rank now serves the rank's heads / tp query heads
+            whole = [whole_module(block, entry) for entry in self.replicated_modules]  # these keep every head
+            inside = {id(sub) for module in whole if module is not None for sub in module.modules()}
             for attention in self._attention_modules(block):
+                if id(attention) in inside:
+                    continue
                 if hasattr(attention, "num_key_value_groups"):
                     attention.num_key_value_groups = self.spec.num_heads // tp
         for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
@@ -386,10 +397,21 @@ class HFAdapter(ModelAdapter):
             owner = get_module(block, owner_path)
             setattr(owner, attribute, getattr(owner, attribute) // tp)
 
+    @property
+    def replicated_modules(self) -> tuple[str, ...]:
+        """Block-relative entries ("path" or "path:Class") of the modules run whole on every tensor rank
+        (plait.models.hf_flow's replicate_module)."""
+        mark = PLAIT_STYLE + "replicate_module"  # or mark:Class (plait.models.hf_flow.whole_module)
+        return tuple(pattern.split("*.", 1)[-1] + style.removeprefix(mark)
+                     for pattern, style in (self.spec.tp_plan or {}).items() if style.startswith(mark))
+
     @functools.cached_property
     def _norm_names(self) -> tuple[str, ...]:
-        block = get_module(self.meta_model, self.blocks_path)[0]
-        return tuple(name for name, child in block.named_children() if is_norm_module(child))
+        """The norms among the blocks' children, every layer's (a hybrid's attention layers hold norms its
+        linear-attention layers do not: OLMo-Hybrid's post_feedforward_layernorm)."""
+        blocks = get_module(self.meta_model, self.blocks_path)
+        return tuple(dict.fromkeys(name for block in blocks for name, child in block.named_children()
+                                   if is_norm_module(child)))
 
     def _block_norms(self) -> tuple[str, ...]:
         return self._norm_names

@@ -18,7 +18,20 @@ outputs. A module whose parameters the plan places nowhere is then
 
 Under sequence parallelism a module sees the whole sequence only inside a parent that gathers it (one with a
 column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input") and whose output goes back to sequence
-slices through a row-wise child; a module outside such a parent stays unplaced.
+slices through a row-wise child. A module outside such a parent (an attention or linear-attention layer the plan
+leaves whole or only partly placed: DeepSeek-V3's MLA, Qwen3-Next's gated delta net) is run by its *root*, the
+block's child holding it, as ``replicate_module``: the root's parameters (its whole subtree's) whole on every rank,
+whatever the class's plan says inside it, and the root run on the whole sequence. That is exact when
+
+* the root reads the block's hidden states ([b, s, h]: the sequence slices under SP, gathered first) and returns
+  [b, s, ...] (sliced back to the rank's part of the sequence under SP), and
+* its input and output lie outside the sharded region (it does not feed a column-wise output's split directly).
+
+Every rank then computes the same output from the same whole input, and receives the same whole output gradient
+(the residual stream's gradient is whole and identical on every rank: row-wise outputs are summed, column-wise
+inputs' gradients all-reduced, and under SP the slice's backward all-gathers): its parameters' gradients are
+identical on every rank with no reduction, and its input gradient is whole (under SP the gather's backward keeps
+the rank's slice of it). A root holding a class's experts is not replicated (expert parallelism splits them).
 """
 
 from __future__ import annotations
@@ -36,6 +49,19 @@ UNDERSTOOD = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_inpu
               "mla_kv_a_proj", "moe_block")
 """The styles whose boundaries the walk knows ("moe_block": a MoE block, whole in and whole out, whose inside
 plait.models.hf_experts places); a block whose plan holds another proves nothing."""
+REPLICATE_MODULE = "replicate_module"
+"""The style of a block's child run whole on every tensor rank, its class's placements inside it dropped."""
+
+
+def whole_module(block: nn.Module, entry: str) -> nn.Module | None:
+    """The module of `block` a replicate_module entry names ("path", or "path:Class": only where the module at path
+    is of that class, as in a hybrid's linear-attention layers), or None where this layer runs it otherwise."""
+    path, _, owner = entry.partition(":")
+    try:
+        module = block.get_submodule(path)
+    except AttributeError:
+        return None
+    return module if not owner or type(module).__name__ == owner else None
 
 
 def _node(value: Any):
@@ -45,18 +71,33 @@ def _node(value: Any):
     return value.grad_fn if isinstance(value, torch.Tensor) else None
 
 
+def _shape(value: Any) -> tuple | None:
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def hidden_input(args: tuple, kwargs: dict) -> tuple[str | int, Any]:
+    """(where, value) of a module call's hidden-state input: its first positional argument, else `hidden_states=`,
+    else its first keyword argument (where: an index into args, or a keyword)."""
+    if args:
+        return 0, args[0]
+    key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs), None)
+    return key, kwargs.get(key) if key is not None else None
+
+
 def module_flow(block: nn.Module, run: Callable[[nn.Module], Any]) -> dict[str, tuple]:
-    """{module path: (node of its input, node of its output)} of one forward `run(block)` (on meta)."""
+    """{module path: (node of its input, node of its output, shape of its input, shape of its output)} of one forward
+    `run(block)` (on meta); the block itself under ""."""
     seen: dict[str, tuple] = {}
 
     def hook(path: str):
         def record(module, args, kwargs, output):
-            first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
-            seen.setdefault(path, (_node(first), _node(output)))
+            first = hidden_input(args, kwargs)[1]
+            seen.setdefault(path, (_node(first), _node(output), _shape(first), _shape(output)))
         return record
 
-    hooks = [module.register_forward_hook(hook(path), with_kwargs=True)
-             for path, module in block.named_modules() if path]
+    hooks = [module.register_forward_hook(hook(path), with_kwargs=True) for path, module in block.named_modules()]
     try:
         run(block)
     finally:
@@ -155,9 +196,12 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
     column_outputs = {flow[p][1] for p, s in styles.items() if s == "colwise" and p in flow}
     gathered = _gathered_parents(flow, styles)
     for path in candidates:
-        entry, exit_ = flow.get(path, (None, None))
+        entry, exit_ = flow.get(path, (None, None))[:2]
         inside_gather = any(path.startswith(parent + ".") for parent in gathered)
-        if path not in flow or not inside_gather:
+        if not inside_gather:
+            root = path.split(".", 1)[0]
+            out[root] = REPLICATE_MODULE if _replicable(block, root, flow, region, gathered) else unplaced
+        elif path not in flow:
             out[path] = unplaced
         elif entry not in region and exit_ not in region:
             out[path] = "replicate"
@@ -165,4 +209,18 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
             out[path] = "sharded_input"
         else:
             out[path] = unplaced
-    return out
+    roots = [path for path, style in out.items() if style == REPLICATE_MODULE]
+    return {path: style for path, style in out.items()  # a replicated root runs what is inside it
+            if not any(path.startswith(root + ".") for root in roots)}
+
+
+def _replicable(block: nn.Module, root: str, flow: dict[str, tuple], region: set, gathered: set[str]) -> bool:
+    """Whether the block's child `root` can run whole on every tensor rank (REPLICATE_MODULE; the module docstring)."""
+    from plait.models.hf_experts import class_experts
+
+    if root in gathered or root not in flow or "" not in flow or class_experts(block.get_submodule(root)):
+        return False
+    entry, exit_, in_shape, out_shape = flow[root]
+    block_shape = flow[""][2]
+    return (entry not in region and exit_ not in region and in_shape == block_shape and out_shape is not None
+            and len(out_shape) >= 3 and out_shape[:2] == block_shape[:2])

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.adapter import get_module
+from plait.models.adapter import get_module, is_norm_module
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -122,8 +122,27 @@ def untrained_block_parameters(adapter) -> frozenset[str]:
     return frozenset(out)
 
 
-def measure_blocks(adapter) -> tuple[BlockCost, ...]:
-    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it."""
+WHOLE_STYLES = ("replicate", "replicate_module")
+"""plait's styles (plait.models.adapter.STYLES) of modules every tensor rank holds and computes whole."""
+
+
+def replicated_paths(tp_plan: dict[str, str]) -> tuple[str, ...]:
+    """Block-relative paths of the modules a tensor plan keeps whole on every tensor rank (priced as such:
+    BlockCost.replicated_*), each with ":Class" where only the layers whose module is of that class replicate it
+    (plait.models.hf_flow.whole_module)."""
+    from plait.legality import HF_TP_STYLES, PLAIT_STYLE
+
+    out = []
+    for pattern, style in tp_plan.items():
+        name, _, owner = HF_TP_STYLES.get(style, style.removeprefix(PLAIT_STYLE)).partition(":")
+        if (style.startswith(PLAIT_STYLE) or style in HF_TP_STYLES) and name in WHOLE_STYLES:
+            out.append(pattern.split("*.", 1)[-1] + (f":{owner}" if owner else ""))
+    return tuple(out)
+
+
+def measure_blocks(adapter, replicated: tuple[str, ...] = ()) -> tuple[BlockCost, ...]:
+    """Each decoder layer of `adapter`'s class measured on meta, called as the class calls it; `replicated`: paths of
+    modules tensor parallelism keeps whole (replicated_paths)."""
     model, config = adapter.meta_model, adapter.hf_config()
     blocks = list(get_module(model, adapter.blocks_path))
     hidden = int(config.hidden_size)
@@ -132,7 +151,7 @@ def measure_blocks(adapter) -> tuple[BlockCost, ...]:
     costs = []
     with experts_batched(model):
         for index, block in enumerate(blocks):
-            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured))
+            costs.append(_measure_one(adapter, config, index, block, hidden, call, measured, replicated))
     return tuple(costs)
 
 
@@ -170,14 +189,17 @@ def experts_batched(model: nn.Module):
             config._experts_implementation = saved[key]
 
 
-def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict) -> BlockCost:
+def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict,
+                 replicated: tuple[str, ...] = ()) -> BlockCost:
     """Layer `index` measured, or the measurement of an earlier layer of its kind."""
+    from plait.models.hf_flow import whole_module
     from plait.models.measure import measure_block
 
     kind = _layer_kind(config, index, block)
     if kind not in measured:
         try:
-            measured[kind] = _with_experts(measure_block(block, hidden, call(index)), block, config)
+            whole = tuple(entry.partition(":")[0] for entry in replicated if whole_module(block, entry) is not None)
+            measured[kind] = _with_experts(measure_block(block, hidden, call(index), whole), block, config)
         except LayerInputsFromTokens as error:
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: its forward cannot run around its "
                               f"layers ({type(block).__name__}) with only hidden states passed between them "
@@ -220,7 +242,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
     from plait.legality import PLAIT_STYLE, UNPLACED
     from plait.models.hf_experts import MOE_BLOCK, moe_tensor_styles
-    from plait.models.hf_flow import unplaced_styles
+    from plait.models.hf_flow import REPLICATE_MODULE, unplaced_styles
 
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
     placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
@@ -230,6 +252,7 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
     styles = {path: style for path, style in zip(placed, tp_plan.values())
               if not any(path.startswith(block + ".") for block in moe_blocks)}
     styles.update({path: MOE_BLOCK for path in moe_blocks})  # whole in, whole out: the walk stops there
+    found_by_block: list[dict[str, str]] = []
     for index, block in enumerate(blocks):  # layers of one class may differ (hybrids: linear or full attention)
         def run(module: nn.Module, index: int = index):
             with experts_batched(module):
@@ -242,7 +265,35 @@ def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, 
             if out.get(pattern, mark) != mark:  # layers disagree: nothing is proven for the pattern
                 mark = UNPLACED
             out[pattern] = mark
+        found_by_block.append(found)
+    for pattern, mark in out.items():
+        if mark == PLAIT_STYLE + REPLICATE_MODULE:
+            out[pattern] = _replicated_in_every_layer(pattern.split(".*.", 1)[-1], blocks, found_by_block, styles)
     return out
+
+
+def _replicated_in_every_layer(path: str, blocks, found_by_block: list[dict[str, str]], styles: dict[str, str]) -> str:
+    """The mark of a root some layers replicate (REPLICATE_MODULE) for every layer: plain where every other layer's
+    module at `path` is a norm (it runs whole there too: AXK2's first layer); "replicate_module:Class" where the
+    replicated layers' modules are all of one class that holds nothing the plan places, and every other layer's is
+    of another class the plan places inside (a hybrid's full attention: MiniMax), which keeps its own styles;
+    UNPLACED otherwise."""
+    from plait.legality import PLAIT_STYLE, UNPLACED
+    from plait.models.hf_flow import REPLICATE_MODULE
+
+    def placed_inside(block: nn.Module) -> bool:
+        return any(p.startswith(path + ".") and get_module(block, p) is not None for p in styles)
+
+    layers = [(block, found.get(path) == REPLICATE_MODULE) for block, found in zip(blocks, found_by_block)
+              if get_module(block, path) is not None]
+    others = [block for block, replicated in layers if not replicated]
+    if all(is_norm_module(get_module(block, path)) for block in others):
+        return PLAIT_STYLE + REPLICATE_MODULE
+    whole = {type(get_module(block, path)).__name__ for block, replicated in layers if replicated}
+    if len(whole) == 1 and not any(placed_inside(block) for block, replicated in layers if replicated) \
+            and all(placed_inside(block) and type(get_module(block, path)).__name__ not in whole for block in others):
+        return f"{PLAIT_STYLE}{REPLICATE_MODULE}:{whole.pop()}"
+    return UNPLACED
 
 
 def _no_run(module: nn.Module):
@@ -283,11 +334,11 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
         return sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
                    if n not in aliases and any(n.startswith(path + ".") for path in paths))
 
-    blocks = measure_blocks(probe)
     tp_plan = tensor_plan_of(config)
     layers = get_module(model, structure.blocks_path)
     if tp_plan:
         tp_plan.update(unplaced_modules(layers, tp_plan, block_caller(probe), int(config.hidden_size)))
+    blocks = measure_blocks(probe, replicated_paths(tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,
                             "pre_params": params_of(structure.pre), "post_params": params_of(structure.post),

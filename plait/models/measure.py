@@ -54,10 +54,10 @@ class _Unpriced(TorchDispatchMode):
         return out
 
 
-def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None
-                  ) -> tuple[float, float, float]:
-    """(forward FLOPs, bytes saved for backward, elements written by unpriced ops) of one block over one sequence
-    of `seq` tokens, on meta."""
+def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None,
+                  replicated: tuple[nn.Module, ...] = ()) -> tuple[float, float, float, float]:
+    """(forward FLOPs, bytes saved for backward, elements written by unpriced ops, FLOPs inside the `replicated`
+    modules) of one block over one sequence of `seq` tokens, on meta."""
     x = torch.zeros(1, seq, hidden, device="meta", requires_grad=True)
     saved: dict[int, int] = {}
 
@@ -68,20 +68,48 @@ def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | Non
 
     counter = FlopCounterMode(display=False)
     unpriced = _Unpriced(counter.flop_registry)
-    with counter, unpriced, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x) if call is None else call(block, x)
-        out = out[0] if isinstance(out, tuple) else out
-    return float(counter.get_total_flops()), float(sum(saved.values())), float(unpriced.elements)
+    inside = [0.0]  # FLOPs counted while a replicated module ran: the total's difference across its forward
+    hooks = [h for module in replicated for h in (
+        module.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] - counter.get_total_flops())),
+        module.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + counter.get_total_flops())))]
+    try:
+        with counter, unpriced, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(x) if call is None else call(block, x)
+            out = out[0] if isinstance(out, tuple) else out
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return float(counter.get_total_flops()), float(sum(saved.values())), float(unpriced.elements), inside[0]
 
 
-def measure_block(block: nn.Module, hidden: int, call: BlockCall | None = None) -> BlockCost:
-    (f1, a1, u1), (f2, _, _) = (_forward_cost(block, hidden, s, call) for s in SEQ_PROBES)
+def _per_token(f1: float, f2: float) -> tuple[float, float]:
+    """(FLOPs per token, per token and position) from the counts at the two SEQ_PROBES lengths."""
     s1, s2 = SEQ_PROBES
     per_position = max(0.0, (f2 / s2 - f1 / s1) / (s2 - s1))  # attention: FLOPs per token grow with s
-    per_token = max(0.0, f1 / s1 - per_position * s1)
+    return max(0.0, f1 / s1 - per_position * s1), per_position
+
+
+def measure_block(block: nn.Module, hidden: int, call: BlockCall | None = None,
+                  replicated: tuple[str, ...] = ()) -> BlockCost:
+    """`block` measured on meta; `replicated`: paths of its modules that tensor parallelism runs whole on every rank
+    (their parameters and FLOPs are also counted apart: BlockCost.replicated_*)."""
+    whole = tuple(m for path in replicated if (m := _submodule(block, path)) is not None)
+    (f1, a1, u1, r1), (f2, _, _, r2) = (_forward_cost(block, hidden, s, call, whole) for s in SEQ_PROBES)
+    per_token, per_position = _per_token(f1, f2)
+    replicated_token, replicated_position = _per_token(r1, r2)
     return BlockCost(params=sum(p.numel() for p in block.parameters()), flops_per_token=per_token,
-                     attention_flops_per_token=per_position, activation_bytes_per_token=a1 / s1,
-                     tensors=sum(1 for _ in block.parameters()), unpriced_elements_per_token=u1 / s1)
+                     attention_flops_per_token=per_position, activation_bytes_per_token=a1 / SEQ_PROBES[0],
+                     tensors=sum(1 for _ in block.parameters()), unpriced_elements_per_token=u1 / SEQ_PROBES[0],
+                     replicated_params=sum(p.numel() for m in whole for p in m.parameters()),
+                     replicated_flops_per_token=min(replicated_token, per_token),
+                     replicated_attention_flops_per_token=min(replicated_position, per_position))
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 UNPRICED_FLAG = 0.1

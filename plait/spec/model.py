@@ -73,6 +73,13 @@ class BlockCost:
     """Of `params`, the routed experts' (a mixture-of-experts block): what expert parallelism splits."""
     expert_flops_per_token: float = 0.0
     """Of `flops_per_token`, the routed experts' (k experts per token): what the router's imbalance stretches."""
+    replicated_params: int = 0
+    """Of `params`, those of modules tensor parallelism keeps whole on every rank (a Hugging Face class's attention
+    its plan leaves unplaced: plait.models.hf_flow's replicate_module): held and updated whole by every tensor rank."""
+    replicated_flops_per_token: float = 0.0
+    """Of `flops_per_token`, those of the modules `replicated_params` belong to: computed whole by every tensor rank."""
+    replicated_attention_flops_per_token: float = 0.0
+    """Of `attention_flops_per_token`, those of the same modules."""
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
@@ -81,6 +88,12 @@ class BlockCost:
         if not 0 <= self.expert_params <= self.params or not 0 <= self.expert_flops_per_token <= self.flops_per_token:
             raise ValueError("a block's experts are part of it: 0 <= expert_params <= params and 0 <= "
                              "expert_flops_per_token <= flops_per_token")
+        if not 0 <= self.replicated_params <= self.params or not 0 <= self.replicated_flops_per_token \
+                <= self.flops_per_token or not 0 <= self.replicated_attention_flops_per_token \
+                <= self.attention_flops_per_token:
+            raise ValueError("a block's replicated modules are part of it: 0 <= replicated_params <= params, 0 <= "
+                             "replicated_flops_per_token <= flops_per_token and 0 <= "
+                             "replicated_attention_flops_per_token <= attention_flops_per_token")
 
 
 NOT_THE_MODULE = ("name", "router_imbalance")

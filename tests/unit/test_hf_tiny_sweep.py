@@ -5,6 +5,7 @@ normalizes its output is no norm; a class whose layers take more than hidden sta
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -111,6 +112,46 @@ class _Scale(nn.Module):
         return x * self.alpha
 
 
+class _Mixer(nn.Module):
+    """Parameters of its own and a child; mixes the sequence (a running sum), as a linear attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.decay = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.proj(x).cumsum(1) * self.decay
+
+
+class _Hybrid(nn.Module):
+    """A block: `norm` -> `mixer` (the plan places nothing in it) added to the residual -> `mlp` (gathered: up
+    column-wise, down row-wise); `flat` returns [b * s, h] (no sequence dim to cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mixer = nn.LayerNorm(4), _Mixer()
+        self.flat = nn.Linear(4, 4)
+        self.mlp = nn.Module()
+        self.mlp.up, self.mlp.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = x + self.mixer(self.norm(x))
+        h = h + self.flat(h.flatten(0, 1)).view_as(h)
+        return h + self.mlp.down(self.mlp.up(h))
+
+
+def test_a_module_outside_any_gathered_parent_runs_whole_where_exact():
+    from plait.models.hf_flow import unplaced_styles
+
+    styles = {"mlp.up": "colwise", "mlp.down": "rowwise"}
+    found = unplaced_styles(_Hybrid(), styles, lambda b: b(torch.zeros(1, 4, 4, requires_grad=True)), "unplaced")
+    assert found == {"mixer": "replicate_module", "flat": "unplaced"}
+    leaky = _Hybrid()  # the mixer's output now also feeds the MLP's split width directly: a partial gradient
+    leaky.forward = lambda x: x + leaky.mlp.down(leaky.mlp.up(x) + leaky.mixer(x).repeat(1, 1, 2))
+    found = unplaced_styles(leaky, styles, lambda b: b(torch.zeros(1, 4, 4, requires_grad=True)), "unplaced")
+    assert found["mixer"] == "unplaced"
+
+
 def test_unplaced_modules_replicated_only_where_exact():
     from plait.models.hf_flow import unplaced_styles
 
@@ -134,13 +175,84 @@ def test_classes_unplaced_modules_admitted_under_tp(sweep, tmp_path, family, pat
     assert not tensor_problems(spec, 2)
 
 
-def test_a_replicated_attention_outside_a_gathered_parent_stays_refused(sweep, tmp_path):
+def test_an_attention_its_plan_leaves_whole_runs_replicated_and_is_priced_so(sweep, tmp_path):
+    from plait.cost.compute import layer_cost
+    from plait.cost.memory import layer_params
     from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.clusters import CLUSTER_PRESETS
     from plait.spec.load import load_model
 
-    assert sweep.write_tiny("youtu", tmp_path) is None  # its plan places no attention module
-    (problem,) = tensor_problems(load_model(str(tmp_path)), 2)
-    assert problem.rule == "tp-places-parameters" and "self_attn" in str(problem)
+    assert sweep.write_tiny("youtu", tmp_path) is None  # its plan places no attention module (MLA)
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan["layers.*.self_attn"] == "plait:replicate_module" and not tensor_problems(spec, 2)
+    block = adapter_for(spec).tp_plan().block
+    assert block["self_attn"] == "replicate_module" and not any(p.startswith("self_attn.") for p in block)
+    attention = adapter_for(spec).meta_model.model.layers[0].self_attn
+    whole = sum(p.numel() for p in attention.parameters())
+    assert all(b.replicated_params == whole and 0 < b.replicated_flops_per_token < b.flops_per_token
+               and b.replicated_attention_flops_per_token == b.attention_flops_per_token > 0 for b in spec.blocks)
+    # every tensor rank holds the attention whole: its share of a layer is not divided by tp
+    plain = spec.replace(blocks=tuple(dataclasses.replace(b, replicated_params=0, replicated_flops_per_token=0.0,
+                                                          replicated_attention_flops_per_token=0.0)
+                                      for b in spec.blocks))
+    assert layer_params(spec, 2) == pytest.approx(layer_params(plain, 2) + whole / 2)
+    cluster = CLUSTER_PRESETS["a100-80g"]
+    assert layer_cost(spec, cluster, 64, 1, 2, True).fwd > layer_cost(plain, cluster, 64, 1, 2, True).fwd
+    assert layer_cost(spec, cluster, 64, 1, 1, False).fwd == layer_cost(plain, cluster, 64, 1, 1, False).fwd
+
+
+def test_a_linear_attention_partly_placed_runs_whole_without_its_placements(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("qwen3_5_text", tmp_path) is None  # its plan gathers linear_attn's projections only
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan["layers.*.linear_attn.out_proj"] == "colwise_gather_output"
+    assert spec.tp_plan["layers.*.linear_attn"] == "plait:replicate_module" and not tensor_problems(spec, 2)
+    block = adapter_for(spec).tp_plan().block
+    assert block["linear_attn"] == "replicate_module" and not any(p.startswith("linear_attn.") for p in block)
+    assert block["self_attn"] == "gather_input" and block["self_attn.o_proj"] == "rowwise"  # the full-attention layer
+
+
+def test_a_hybrid_replicates_its_linear_attention_and_splits_its_full_one(sweep, tmp_path):
+    from plait.execute.tensor import layer_style
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("minimax", tmp_path) is None  # "self_attn": lightning (linear) or full attention by layer
+    spec = load_model(str(tmp_path))
+    mark = "replicate_module:MiniMaxLightningAttention"
+    assert spec.tp_plan["layers.*.self_attn"] == "plait:" + mark and not tensor_problems(spec, 2)
+    adapter = adapter_for(spec)
+    plan = adapter.tp_plan().block
+    assert plan["self_attn"] == mark and plan["self_attn.q_proj"] == "colwise"  # the full attention keeps its plan
+    kinds = {}
+    for index, layer in enumerate(adapter.meta_model.model.layers):
+        kinds[type(layer.self_attn).__name__] = (layer_style("self_attn", plan["self_attn"], layer, plan, []),
+                                                 spec.blocks[index])
+    full, linear = kinds["MiniMaxAttention"], kinds["MiniMaxLightningAttention"]
+    assert full[0] == "gather_input" and linear[0] == mark
+    lightning = adapter.meta_model.model.layers[1].self_attn
+    assert linear[1].replicated_params - full[1].replicated_params == sum(p.numel() for p in lightning.parameters())
+
+
+def test_an_all_reduce_module_and_a_normalizing_embedding_run_whole(sweep, tmp_path):
+    from plait.legality import tensor_problems
+    from plait.models import adapter_for
+    from plait.spec.load import load_model
+
+    assert sweep.write_tiny("inkling_text", tmp_path) is None
+    spec = load_model(str(tmp_path))
+    assert spec.tp_plan["layers.*.mlp.shared_experts"] == "all_reduce" and not tensor_problems(spec, 2)
+    plan = adapter_for(spec).tp_plan()
+    # the shared experts' bare weights the class splits (and sums with all_reduce) are held whole instead
+    assert plan.block["mlp.shared_experts"] == "replicate_module"
+    assert not any(p.startswith("mlp.shared_experts.") for p in plan.block)
+    # its token embedding normalizes each row: a vocabulary-parallel lookup would normalize partial sums
+    assert plan.root["model.embed_tokens"] == "position_embedding" and plan.root["lm_head"] == "output"
 
 
 def test_local_params_split_the_sinks_and_keep_the_gathered_attention(sweep, tmp_path):
