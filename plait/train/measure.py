@@ -10,12 +10,13 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
   (plait/execute/throttle.py). The zero-bubble schedules compute weight gradients apart, after this window: there
   compute reads low;
 * **waiting**: the rest of the forward-backward call (ParallelModel.train_step): the pipeline's bubble and
-  transfers, the data-parallel communication backward did not hide, the loss's reduction;
+  transfers, the data-parallel communication backward did not hide, the loss (forward and backward: it runs
+  between the stage's forward and its backward) and its reduction;
 * **optimizer**: gradient clipping and the optimizer step;
 * **step**: all of it, from zeroing the gradients to the end of the optimizer step.
 
-The cost model's parts map onto these: compute + recompute + tp_comm onto compute, bubble + pp_comm + dp_comm onto
-waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are those of the bottleneck
+The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
+pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are those of the bottleneck
 rank, so the measured ones are read on the rank that computed longest (the median over steps, after
 WARMUP_STEPS). Per rank, predicted compute against measured says which rank runs slower than its hardware
 should: the evidence `plait train --adapt` re-plans from (plait/train/adapt.py), and `plait tune --from-run`
@@ -152,11 +153,14 @@ class Parts:
                    waiting=sum(parts.get(k, 0.0) for k in WAITING_PARTS), optimizer=parts.get("optimizer", 0.0))
 
 
-COMPUTE_PARTS = ("compute", "recompute", "tp_comm")
-WAITING_PARTS = ("bubble", "pp_comm", "dp_comm")
+COMPUTE_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm")
+"""The cost model's parts that run inside the stage's modules (the layers' collectives included)."""
+WAITING_PARTS = ("bubble", "pp_comm", "dp_comm", "loss")
+"""The rest of the forward-backward call: the loss runs in the step's own code, between a stage's forward and its
+backward (plait.execute.parallelize, torch's pipeline schedules)."""
 PART_LABELS = {
     "compute": "compute (layers, ends, recompute; TP collectives inside the layers)",
-    "waiting": "waiting (pipeline bubble and transfers, exposed DP communication)",
+    "waiting": "waiting (pipeline bubble and transfers, exposed DP communication, the loss)",
     "optimizer": "optimizer (clipping, step, fixed host time)",
     "step": "step",
 }
