@@ -264,8 +264,8 @@ def rank_compute(plan: Any, parts: dict[str, float]) -> list[float]:
     layout = Layout.of(plan)
     st, _ = pipeline_stage_times(Setting(plan.model, plan.cluster, plan.train), layout, plan.layers_per_stage,
                                  plan.recompute)
-    raw = [plan.num_micro_batches * sum(st.compute[k] + st.recompute[k] + st.tp_comm[k] for k in layout.stages_of(r))
-           for r in range(plan.pp)]
+    per_stage = [c + r + t + x + e for c, r, t, x, e in zip(st.compute, st.recompute, st.tp_comm, st.cp_comm, st.ep_comm)]
+    raw = [plan.num_micro_batches * sum(per_stage[k] for k in layout.stages_of(r)) for r in range(plan.pp)]
     bottleneck = max(raw)
     scale = sum(parts.get(k, 0.0) for k in COMPUTE_PARTS) / bottleneck if bottleneck > 0 else 1.0
     return [value * scale for value in raw]

@@ -67,3 +67,19 @@ def test_a_pipeline_pays_the_loss_on_its_last_stage_only():
     # the host time of the loss's dispatch, on the last stage's passes; its all-reduces remain without it
     assert st.fwd[1] + st.bwd[1] - st_quiet.fwd[1] - st_quiet.bwd[1] > CLUSTER.host.tp_layer_overhead_s
     assert st_quiet.loss[1] > 0
+
+
+@pytest.mark.parametrize("model, degrees", [
+    ("tiny-moe", dict(dp=2, tp=1, pp=1, ep=2, micro_batch=1, num_micro_batches=4)),
+    ("tiny-llama", dict(dp=1, tp=1, pp=1, cp=2, micro_batch=1, num_micro_batches=8)),
+])
+def test_every_part_of_a_prediction_is_grouped_as_the_run_measures_it(model, degrees):
+    """Expert dispatch and the context exchange run inside the layers: they count as compute, and nothing the cost
+    model prices falls outside the three measured parts."""
+    plan = Plan.of(model=MODEL_PRESETS[model], train=TRAIN, cluster=CLUSTER, **degrees)
+    predicted = predict(plan)
+    exchange = predicted.step_time_parts["ep_comm"] + predicted.step_time_parts["cp_comm"]
+    assert exchange > 0
+    grouped = Parts.of_prediction(predicted.step_time_s, predicted.step_time_parts)
+    assert grouped.compute + grouped.waiting + grouped.optimizer == pytest.approx(predicted.step_time_s)
+    assert grouped.compute >= exchange + predicted.step_time_parts["compute"]
