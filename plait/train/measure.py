@@ -16,8 +16,8 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
 * **step**: all of it, from zeroing the gradients to the end of the optimizer step.
 
 The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
-pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are those of the bottleneck
-rank, so the measured ones are read on the rank that computed longest (the median over steps, after
+pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
+those of the bottleneck rank, so the measured ones are read on the rank that computed longest (the median over steps, after
 WARMUP_STEPS). Per rank, predicted compute against measured says which rank runs slower than its hardware
 should: the evidence `plait train --adapt` re-plans from (plait/train/adapt.py), and `plait tune --from-run`
 fits the cost model's constants from (plait/profile/calibrate.py).
@@ -264,7 +264,7 @@ def rank_compute(plan: Any, parts: dict[str, float]) -> list[float]:
     layout = Layout.of(plan)
     st, _ = pipeline_stage_times(Setting(plan.model, plan.cluster, plan.train), layout, plan.layers_per_stage,
                                  plan.recompute)
-    per_stage = [c + r + t + x + e for c, r, t, x, e in zip(st.compute, st.recompute, st.tp_comm, st.cp_comm, st.ep_comm)]
+    per_stage = [sum(kinds) for kinds in zip(st.compute, st.recompute, st.tp_comm, st.cp_comm, st.ep_comm)]
     raw = [plan.num_micro_batches * sum(per_stage[k] for k in layout.stages_of(r)) for r in range(plan.pp)]
     bottleneck = max(raw)
     scale = sum(parts.get(k, 0.0) for k in COMPUTE_PARTS) / bottleneck if bottleneck > 0 else 1.0
