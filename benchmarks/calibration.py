@@ -201,7 +201,8 @@ PARTS = ("compute", "waiting", "optimizer")
 def parts_table(results: list[dict]) -> Table:
     """Where the residual is: measured / predicted of each part of the step, medians over rounds."""
     out = Table(title="measured / predicted by part of the step (compute: layers and TP collectives; waiting: bubble, "
-                      "pipeline transfers, exposed DP communication; optimizer: clipping, step, fixed host time)",
+                      "pipeline transfers, exposed DP communication, the loss; optimizer: clipping, step, fixed host "
+                      "time)",
                 title_justify="left")
     for name in ("case", "planned on", *(f"{p} pred / meas s" for p in PARTS), *(f"{p} ratio" for p in PARTS)):
         out.add_column(name, justify="left" if name in ("case", "planned on") else "right")

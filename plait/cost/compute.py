@@ -410,6 +410,31 @@ class EndsCost:
     head_bwd: float
     embed_tp: float
     head_tp: float
+    loss_fwd: float = 0.0
+    loss_bwd: float = 0.0
+    """The loss beyond the head's GEMM (its elementwise work is in the head's `1 + efficiency.overhead`): under
+    tensor parallelism, torch's `loss_parallel` (`loss_parallel_time`). It runs outside the stage's modules, in the
+    training step's own code (plait.train.measure counts it as waiting)."""
+
+
+LOSS_PARALLEL_ALL_REDUCES = 3
+"""torch's loss_parallel (torch/distributed/tensor/parallel/loss.py) all-reduces three per-token fp32 statistics
+over the tensor group in the forward, each of b·s values: the logits' max and sum of exponentials (the log-softmax
+of a vocabulary slice) and the target's log-probability (the NLL, held by the one rank whose slice has it); its
+backward is local."""
+
+
+def loss_parallel_time(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the vocabulary-parallel cross-entropy per micro-batch under tensor
+    parallelism: LOSS_PARALLEL_ALL_REDUCES all-reduces of the tokens' fp32 statistics, and the host time of its
+    ops' DTensor dispatch, priced as one tensor-parallel layer pass of it (ClusterSpec.host.tp_layer_overhead_s:
+    the same dispatch over a like handful of ops; on 2 gloo ranks it measured 5-11 ms a call, against 0.3-0.7 ms
+    for the plain loss of one slice and 1-2 ms for the three all-reduces), half forward, half backward."""
+    if tp <= 1:
+        return 0.0, 0.0
+    statistics = LOSS_PARALLEL_ALL_REDUCES * all_reduce(tokens * 4.0, Group(tp, 1), cluster)
+    host = cluster.host.tp_layer_overhead_s / 2
+    return statistics + host, host
 
 
 @lru_cache(maxsize=4096)
@@ -432,8 +457,9 @@ def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch:
     else:
         embed_tp = all_reduce(nbytes, group, cluster)
         head_tp = all_reduce(nbytes, group, cluster)
+    loss_fwd, loss_bwd = loss_parallel_time(model, cluster, tokens, tp)
     return EndsCost(embed_fwd=embed, embed_bwd=embed, head_fwd=head, head_bwd=2.0 * head,
-                    embed_tp=embed_tp, head_tp=head_tp)
+                    embed_tp=embed_tp, head_tp=head_tp, loss_fwd=loss_fwd, loss_bwd=loss_bwd)
 
 
 def layer_tensors(model: ModelSpec) -> int:

@@ -5,7 +5,8 @@ stage simply runs them back to back) + the data-parallel communication that back
 forward cannot hide + the optimizer step, on the slowest pipeline rank.
 
 Parts: compute, recompute, tp_comm, cp_comm (context parallelism's key/value exchange), ep_comm
-(expert parallelism's token dispatch) (each on the bottleneck rank), pp_comm (the transfers on the
+(expert parallelism's token dispatch), loss (the loss beyond the head: tensor parallelism's vocabulary-parallel
+cross-entropy) (each on the bottleneck rank), pp_comm (the transfers on the
 critical path of filling and draining the pipeline), bubble (the rest of the makespan the
 bottleneck rank sits idle), dp_comm (exposed part only), optimizer.
 
@@ -51,6 +52,8 @@ class StageTimes:
     tp_comm: tuple[float, ...]
     cp_comm: tuple[float, ...] = ()
     ep_comm: tuple[float, ...] = ()
+    loss: tuple[float, ...] = ()
+    """The loss beyond the head (EndsCost.loss_fwd + loss_bwd): the last stage's, 0 elsewhere."""
 
 
 def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost], layers: tuple[float, ...],
@@ -62,13 +65,14 @@ def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost]
     last = len(layers) - 1
     per = lambda x: x if isinstance(x, list) else [x] * len(layers)  # noqa: E731
     lcs, endss, hosts = per(lc), per(ends), per(stage_host)
-    fwd, bwd, compute, recompute, tp, cp, ep = [], [], [], [], [], [], []
+    fwd, bwd, compute, recompute, tp, cp, ep, loss = [], [], [], [], [], [], [], []
     for k, (n, mode) in enumerate(zip(layers, modes)):
         lc, ends, stage_host = lcs[k], endss[k], hosts[k]
         c = n * (lc.fwd + lc.bwd) + 2 * stage_host
         t = n * (lc.tp_fwd + lc.tp_bwd)
         f = n * (lc.fwd + lc.comm_fwd) + stage_host
         r = n * lc.recompute[mode]
+        loss_k = ends.loss_fwd + ends.loss_bwd if k == last else 0.0
         if k == 0:
             c += ends.embed_fwd + ends.embed_bwd
             t += ends.embed_tp
@@ -76,16 +80,18 @@ def stage_times(lc: LayerCost | list[LayerCost], ends: EndsCost | list[EndsCost]
         if k == last:
             c += ends.head_fwd + ends.head_bwd
             t += ends.head_tp
-            f += ends.head_fwd + ends.head_tp / 2
+            f += ends.head_fwd + ends.head_tp / 2 + ends.loss_fwd
         x, e = n * (lc.cp_fwd + lc.cp_bwd), n * (lc.ep_fwd + lc.ep_bwd)
         fwd.append(f)
-        bwd.append(c + t + x + e + r - f)
+        bwd.append(c + t + x + e + r + loss_k - f)
         compute.append(c)
         recompute.append(r)
         tp.append(t)
         cp.append(x)
         ep.append(e)
-    return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp), tuple(cp), tuple(ep))
+        loss.append(loss_k)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(compute), tuple(recompute), tuple(tp), tuple(cp), tuple(ep),
+                      tuple(loss))
 
 
 def p2p_time(setting: Setting, layout: Layout, cross_group: bool = False) -> float:
@@ -312,6 +318,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         "tp_comm": lent * m * sum(st.tp_comm[k] for k in on),
         "cp_comm": lent * m * sum(st.cp_comm[k] for k in on),
         "ep_comm": lent * m * sum(st.ep_comm[k] for k in on),
+        "loss": lent * m * sum(st.loss[k] for k in on),
         "bubble": lent * max(idle - work[bottleneck], 0.0),
         "pp_comm": lent * max(pipe - idle, 0.0),
         "dp_comm": tail[last],

@@ -295,6 +295,8 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
     usable = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     if not usable:
         raise ValueError("no measured step times to fit")
+    if only is None:
+        terms = separable_terms(usable, terms)
     measured = np.array([o.measured_s for o in usable])
     refs = np.array([reference(cluster, t) for t in terms])
     original = np.array([term_value(cluster, t) for t in terms]) / refs
@@ -342,6 +344,20 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
         held = tuple(_held_out_error(usable, i, cluster, terms, fitted, prior_weight) for i in range(len(usable)))
         fit = dataclasses.replace(fit, held_out=held)
     return fit
+
+
+def separable_terms(observations: list[Observation], terms: tuple[str, ...]) -> tuple[str, ...]:
+    """`terms` less those the observations cannot tell from another: timings of one plan (a run's parts, `plait tune
+    --from-run` of one run) grow with its FLOPs and with its layer passes alike, so the GEMM time ("compute") and the
+    host time per layer pass ("layer_overhead") are one column to them, and a fit picks between the two by the
+    timings' noise. Another plan tells them apart (another micro-batch size: as many FLOPs, other passes), and the
+    one it picks generalises only if it is the right one. There the GEMM efficiency, which `plait profile` measures
+    on its own (GEMMs at the model's widths), keeps its value and the host terms take the difference: the host time
+    of the model's own layer code is what no profile measures (its probes run plait's tiny GPT)."""
+    one_plan = len({o.plan.to_json() for o in observations}) == 1
+    if one_plan and "compute" in terms and "layer_overhead" in terms:
+        return tuple(t for t in terms if t != "compute")
+    return terms
 
 
 def _standard_errors(jacobian: np.ndarray, weights: np.ndarray, refs: np.ndarray, fitted: tuple[str, ...],

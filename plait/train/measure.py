@@ -10,13 +10,14 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
   (plait/execute/throttle.py). The zero-bubble schedules compute weight gradients apart, after this window: there
   compute reads low;
 * **waiting**: the rest of the forward-backward call (ParallelModel.train_step): the pipeline's bubble and
-  transfers, the data-parallel communication backward did not hide, the loss's reduction;
+  transfers, the data-parallel communication backward did not hide, the loss (forward and backward: it runs
+  between the stage's forward and its backward) and its reduction;
 * **optimizer**: gradient clipping and the optimizer step;
 * **step**: all of it, from zeroing the gradients to the end of the optimizer step.
 
-The cost model's parts map onto these: compute + recompute + tp_comm onto compute, bubble + pp_comm + dp_comm onto
-waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are those of the bottleneck
-rank, so the measured ones are read on the rank that computed longest (the median over steps, after
+The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
+pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
+those of the bottleneck rank, so the measured ones are read on the rank that computed longest (the median over steps, after
 WARMUP_STEPS). Per rank, predicted compute against measured says which rank runs slower than its hardware
 should: the evidence `plait train --adapt` re-plans from (plait/train/adapt.py), and `plait tune --from-run`
 fits the cost model's constants from (plait/profile/calibrate.py).
@@ -152,11 +153,14 @@ class Parts:
                    waiting=sum(parts.get(k, 0.0) for k in WAITING_PARTS), optimizer=parts.get("optimizer", 0.0))
 
 
-COMPUTE_PARTS = ("compute", "recompute", "tp_comm")
-WAITING_PARTS = ("bubble", "pp_comm", "dp_comm")
+COMPUTE_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm")
+"""The cost model's parts that run inside the stage's modules (the layers' collectives included)."""
+WAITING_PARTS = ("bubble", "pp_comm", "dp_comm", "loss")
+"""The rest of the forward-backward call: the loss runs in the step's own code, between a stage's forward and its
+backward (plait.execute.parallelize, torch's pipeline schedules)."""
 PART_LABELS = {
     "compute": "compute (layers, ends, recompute; TP collectives inside the layers)",
-    "waiting": "waiting (pipeline bubble and transfers, exposed DP communication)",
+    "waiting": "waiting (pipeline bubble and transfers, exposed DP communication, the loss)",
     "optimizer": "optimizer (clipping, step, fixed host time)",
     "step": "step",
 }
@@ -260,8 +264,8 @@ def rank_compute(plan: Any, parts: dict[str, float]) -> list[float]:
     layout = Layout.of(plan)
     st, _ = pipeline_stage_times(Setting(plan.model, plan.cluster, plan.train), layout, plan.layers_per_stage,
                                  plan.recompute)
-    raw = [plan.num_micro_batches * sum(st.compute[k] + st.recompute[k] + st.tp_comm[k] for k in layout.stages_of(r))
-           for r in range(plan.pp)]
+    per_stage = [sum(kinds) for kinds in zip(st.compute, st.recompute, st.tp_comm, st.cp_comm, st.ep_comm)]
+    raw = [plan.num_micro_batches * sum(per_stage[k] for k in layout.stages_of(r)) for r in range(plan.pp)]
     bottleneck = max(raw)
     scale = sum(parts.get(k, 0.0) for k in COMPUTE_PARTS) / bottleneck if bottleneck > 0 else 1.0
     return [value * scale for value in raw]
