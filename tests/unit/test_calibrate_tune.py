@@ -232,26 +232,37 @@ def hidden_truth() -> ClusterSpec:
     return cluster
 
 
-@pytest.mark.parametrize("seed", [1, 3, 9])
+@pytest.mark.parametrize("seed", range(12))
 def test_synthetic_timings_recover_the_constants_within_three_standard_errors(seed):
     """14 plans timed with ±2% noise (uniform: 1.2% standard deviation) from constants the cluster given does not
-    know (GEMMs 1.3x slower, 3x the latency, host time per layer pass and per step it has as 0). The bound: GEMM time
-    within 3%, every fitted constant within 3 of the standard errors the fit reports, held-out error below twice
-    the noise; the rest stays as it was, and the fit is accepted."""
+    know (GEMMs 1.3x slower, 3x the latency, host time per layer pass and per step it has as 0). Every seed: GEMM
+    time within 6%, held-out error below twice the noise, the rest as it was, the fit accepted. Where the fit finds
+    every term of the truth (the 10 ms step host time too), each fitted constant lies within 3 of the standard
+    errors it reports and GEMM time within 3%; where model selection leaves the step host time out (4 of these 12
+    seeds since the loss is priced under tp), GEMM time absorbs it, up to 5% off: the reported errors do not cover
+    a term the fit left out."""
     from plait.profile.terms import refusal, rms
 
     real = hidden_truth()
     fit = fit_terms(observe(real, noise=0.02, seed=seed), CLUSTER)
     assert {"compute", "intra_latency", "layer_overhead"} <= set(fit.fitted)
-    assert fit.factors["compute"] == pytest.approx(1.3, rel=0.03)
-    for term in fit.fitted:
-        assert abs(fit.after[term] - term_value(real, term)) <= 3 * fit.uncertainty[term], term
+    assert fit.factors["compute"] == pytest.approx(1.3, rel=0.06)
+    if set(HIDDEN) | set(HIDDEN_HOST) <= set(fit.fitted):
+        assert fit.factors["compute"] == pytest.approx(1.3, rel=0.03)
+        for term in fit.fitted:
+            assert abs(fit.after[term] - term_value(real, term)) <= 3 * fit.uncertainty[term], term
     for term in set(TERMS) - set(fit.fitted) - {"inter_latency", "inter_bandwidth"}:  # one node: inter follows intra
         assert fit.after[term] == pytest.approx(fit.before[term])
     assert len(fit.fitted) < len(plans())
     assert rms(fit.held_out) < 0.024 < 0.3 < rms(fit.errors_before)
-    assert fit.best_first_after is True and fit.best_first_before is False
     assert refusal(fit) is None
+
+
+def test_the_fit_ranks_the_fastest_timed_plan_first_on_most_seeds():
+    """The given cluster ranks the fastest timed plan first on 1 of seeds 0-11 (by the noise); the fitted one on 10
+    (two plans within the ±2% noise of each other swap on seeds 7 and 8)."""
+    fits = [fit_terms(observe(hidden_truth(), noise=0.02, seed=seed), CLUSTER) for seed in range(12)]
+    assert sum(fit.best_first_before for fit in fits) <= 1 and sum(fit.best_first_after for fit in fits) >= 10
 
 
 def test_two_plans_fit_one_constant_not_five():
