@@ -257,9 +257,10 @@ def _scalars(call) -> str:
 
 def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
           ) -> sharding.Solution:
+    classes = repeated_blocks(built) if reuse_blocks else None
     if solver == "propagation":
-        return sharding.solve_propagation(built.problem)
-    return sharding.solve_program(built.problem, time_limit, repeated_blocks(built) if reuse_blocks else None)
+        return sharding.solve_propagation(built.problem, classes=classes)
+    return sharding.solve_program(built.problem, time_limit, classes)
 
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,

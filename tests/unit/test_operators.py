@@ -106,6 +106,20 @@ def test_program_matches_the_brute_force_reference(seed):
     assert heuristic.cost == pytest.approx(sharding.total_cost(problem, heuristic.choice))
 
 
+def test_window_moves_make_a_joint_move_no_pair_of_nodes_can():
+    """A chain of 8 nodes where every node is cheaper on strategy 1 but any boundary between the two strategies costs
+    more than two nodes save: from all-0, single and pair moves stay put; re-solving a window of the whole chain
+    moves all of it (the shape of an attention block moving onto heads)."""
+    costs = [np.array([1.0, 0.5]) for _ in range(8)]
+    mismatch = np.array([[0.0, 2.0], [2.0, 0.0]])
+    problem = sharding.ShardingProblem(costs, [(i, i + 1, mismatch) for i in range(7)])
+    neighbours, masked = sharding._adjacency(problem)
+    stuck = sharding._improve_pairs(problem, masked, neighbours, [0] * 8, sweeps=8)
+    assert stuck == [0] * 8
+    assert sharding._improve_windows(problem, [0] * 8, size=8) == [1] * 8
+    assert sharding.solve_propagation(problem).cost == pytest.approx(4.0)
+
+
 def test_simplify_keeps_the_total_exact():
     rng = np.random.default_rng(7)
     problem = random_problem(rng, nodes=7)
