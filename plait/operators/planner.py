@@ -87,16 +87,16 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     costs, memory = [], []
     unsupported = []
     grads = needs_gradient(graph)
-    num_reads: dict[int, int] = {}
+    readers: dict[int, list] = {}
     for call in graph.calls:
-        for ref in call.inputs:
-            num_reads[ref.value] = num_reads.get(ref.value, 0) + 1
+        for k, ref in enumerate(call.inputs):
+            readers.setdefault(ref.value, []).append((call, k))
     gradient_sums: dict[int, int] = {}
     summed_refs: dict[int, TensorRef] = {}
 
     def add_gradient_sums(refs) -> None:
         for ref in refs:
-            if num_reads.get(ref.value, 0) >= 2 and ref.is_float and ref.value in grads:
+            if len(readers.get(ref.value, ())) >= 2 and ref.is_float and ref.value in grads:
                 gradient_sums[ref.value], summed_refs[ref.value] = len(nodes), ref
                 nodes.append(_Node(f"<gradient sum of value {ref.value}>", [Strategy((), ("separate",)),
                                                                            Strategy((), ("summed",))]))
@@ -172,7 +172,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     for value, node in gradient_sums.items():
         once = price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
         sum_edges = []
-        for via, reader, k in _gradient_sum_readers(graph, value):
+        for via, reader, k in _gradient_sum_readers(readers, value):
             strategies = nodes[call_node[reader.index]].strategies
             refund = [-once if price.joins_gradient_sum("R", s.inputs[k], price.gradient_placement(s.inputs, k))
                       else 0.0 for s in strategies]
@@ -200,15 +200,15 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                  tuple(unsupported), gradient_sums, shares)
 
 
-def _gradient_sum_readers(graph: Graph, value: int) -> list[tuple[object | None, object, int]]:
+def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
     """(view, reader, argument index) for each reading of `value` whose Partial gradient may join its sum: the calls
     that read it, and through a view (one tensor in, one out: F.linear's flattening of its input) read by one call,
-    the call that reads the view (a view's backward passes a pending sum on; autograd adds at the value)."""
-    readers = [(call, k) for call in graph.calls for k, ref in enumerate(call.inputs) if ref.value == value]
+    the call that reads the view (a view's backward passes a pending sum on; autograd adds at the value).
+    `readers`: value id -> [(call, argument index)]."""
     found = []
-    for call, k in readers:
+    for call, k in readers[value]:
         if _is_view(call):
-            next_readers = [(c, j) for c in graph.calls for j, r in enumerate(c.inputs) if r.value == call.outputs[0].value]
+            next_readers = readers.get(call.outputs[0].value, [])
             if len(next_readers) == 1:
                 found.append((call, *next_readers[0]))
                 continue
@@ -303,6 +303,8 @@ def repeated_blocks(built: Built) -> list[list[int]]:
             prefix = found.group(1)
             key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
             blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
+            blocks[prefix].extend((built.gradient_sums[ref.value], ("gradient sum", key, i))
+                                  for i, ref in enumerate(call.outputs) if ref.value in built.gradient_sums)
     for name, ref in {**built.graph.params, **built.graph.buffers}.items():
         found = number.match(name)
         if found and found.group(1) in blocks:
