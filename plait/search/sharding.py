@@ -431,7 +431,9 @@ def _improve_windows(problem: ShardingProblem, choice: list[int], size: int = WI
                      time_limit: float = 10.0) -> list[int]:
     """Large-neighbourhood search: re-solve a window of `size` consecutive nodes exactly (the integer program, the
     rest of the graph fixed at its current choice: their edges into the window become the window's own costs),
-    sliding by half a window over the graph, a few rounds, keeping each window's answer where the total drops. Finds
+    sliding by half a window over the graph, a few rounds, keeping each window's answer where the total drops; then
+    the same with windows twice as wide (Llama 3 8B's tied graph, 308 nodes: the propagation's start there breaks
+    placement rules in chains longer than 100 nodes; 200 repairs them). Finds
     the joint moves that single, pair and greedy moves cannot (a whole attention block onto heads). Needs scipy; without
     it the choice is returned as it is."""
     try:
@@ -445,23 +447,24 @@ def _improve_windows(problem: ShardingProblem, choice: list[int], size: int = WI
             incident[v].append(e)
     order = _window_order(problem)
     cost = total_cost(problem, tuple(choice))
-    stride = max(1, size // 2)
-    for _ in range(rounds):
-        improved = False
-        for start in range(0, max(1, len(order) - stride), stride):
-            window = order[start:start + size]
-            try:
-                solved = solve_program(_window_problem(problem, incident, window, choice), time_limit).choice
-            except Infeasible:
-                continue
-            trial = list(choice)
-            for new, old in enumerate(window):
-                trial[old] = solved[new]
-            new_cost = total_cost(problem, tuple(trial))
-            if new_cost < cost - 1e-12 * abs(cost) and _feasible(problem, tuple(trial)):
-                choice, cost, improved = trial, new_cost, True
-        if not improved:
-            break
+    for width in (size, 2 * size):  # then twice as wide, from where the first width stopped
+        stride = max(1, width // 2)
+        for _ in range(rounds):
+            improved = False
+            for start in range(0, max(1, len(order) - stride), stride):
+                window = order[start:start + width]
+                try:
+                    solved = solve_program(_window_problem(problem, incident, window, choice), time_limit).choice
+                except Infeasible:
+                    continue
+                trial = list(choice)
+                for new, old in enumerate(window):
+                    trial[old] = solved[new]
+                new_cost = total_cost(problem, tuple(trial))
+                if new_cost < cost - 1e-12 * abs(cost) and _feasible(problem, tuple(trial)):
+                    choice, cost, improved = trial, new_cost, True
+            if not improved:
+                break
     return choice
 
 
