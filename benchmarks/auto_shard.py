@@ -94,6 +94,7 @@ def reference_seconds() -> float:
 def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
     """Seconds of each phase planning Llama 3 8B's shape on dp x tp (h100-80g), the block solved once; with
     full_program, the untied program too (HiGHS's 60 s limit) and the tied plan's cost over it."""
+    import torch
     from decoders import WithLoss
 
     from plait.models.reference import Transformer

@@ -57,6 +57,11 @@ class Built:
     edge_parts: list[tuple[int, int, int, TensorRef]]
     """Per problem edge: (producer node, output index, consumer node, consumed tensor) ... argument index."""
     unsupported: tuple[str, ...]
+    gradient_sums: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Value id -> its gradient-sum node (values several calls read; see build_problem)."""
+    gradient_shares: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Value id a reader reads -> the value whose gradient sum that reading may join (itself, or the value a view
+    was taken of)."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -66,7 +71,13 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
                   oracle: StrategyOracle | None = None, fused: frozenset[str] = frozenset()) -> Built:
     """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer: weights alone, kept whole
-    over dp (plait.execute.tables)."""
+    over dp (plait.execute.tables).
+
+    A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
+    strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
+    whose Partial gradients autograd adds before DTensor reduces them, price.joins_gradient_sum, share one
+    all-reduce: the node's edge to the producer costs it, on a replicated producer only, and its edge to each such
+    reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
             return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
@@ -75,6 +86,23 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     value_node: dict[int, tuple[int, int]] = {}
     costs, memory = [], []
     unsupported = []
+    grads = needs_gradient(graph)
+    readers: dict[int, list] = {}
+    for call in graph.calls:
+        for k, ref in enumerate(call.inputs):
+            readers.setdefault(ref.value, []).append((call, k))
+    gradient_sums: dict[int, int] = {}
+    summed_refs: dict[int, TensorRef] = {}
+
+    def add_gradient_sums(refs) -> None:
+        for ref in refs:
+            if len(readers.get(ref.value, ())) >= 2 and ref.is_float and ref.value in grads:
+                gradient_sums[ref.value], summed_refs[ref.value] = len(nodes), ref
+                nodes.append(_Node(f"<gradient sum of value {ref.value}>", [Strategy((), ("separate",)),
+                                                                           Strategy((), ("summed",))]))
+                costs.append([0.0, 0.0])
+                memory.append([0.0, 0.0])
+
     for value in graph.values.values():
         if value.kind == "op":
             continue
@@ -93,6 +121,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         else:
             costs.append([0.0] * len(options))
             memory.append([value.ref.nbytes / (axis_size if p.startswith("S") else 1) for p in options])
+        add_gradient_sums([value.ref])
     call_node = {}
     for call in graph.calls:
         strategies, has_rule = oracle.strategies(call)
@@ -105,10 +134,10 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
                       for s in strategies])
         memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
+        add_gradient_sums(call.outputs)
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
-    grads = needs_gradient(graph)
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -138,10 +167,58 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         costs.append([0.0])
         memory.append([0.0])
         connect(graph.output, sink, [("R", "R")])
+    allowed = [np.ones(len(c), dtype=bool) for c in costs]
+    shares: dict[int, int] = {}
+    for value, node in gradient_sums.items():
+        once = price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
+        sum_edges = []
+        for via, reader, k in _gradient_sum_readers(readers, value):
+            strategies = nodes[call_node[reader.index]].strategies
+            refund = [-once if price.joins_gradient_sum("R", s.inputs[k], price.gradient_placement(s.inputs, k))
+                      else 0.0 for s in strategies]
+            if not any(refund):
+                continue
+            sum_edges.append((node, call_node[reader.index], np.array([[0.0] * len(refund), refund])))
+            if via is not None:  # the view between passes the pending sum on only when it is replicated throughout
+                sum_edges.append((node, call_node[via.index], np.array(
+                    [[0.0] * len(nodes[call_node[via.index]].strategies),
+                     [0.0 if s.inputs == ("R",) and s.outputs == ("R",) else price.UNRUNNABLE_S
+                      for s in nodes[call_node[via.index]].strategies]])))
+            shares[reader.inputs[k].value] = value
+        if sum(1 for e in sum_edges if e[2][1].min() < 0) < 2:  # nothing to share: separate
+            allowed[node][1] = False
+            continue
+        edges.extend(sum_edges)
+        producer, index = value_node[value]
+        # summed is a state of a replicated producer only: elsewhere each reader redistributes its own gradient
+        column = [once if _output_of(nodes[producer], s, index) == "R" else price.UNRUNNABLE_S
+                  for s in range(len(nodes[producer].strategies))]
+        edges.append((producer, node, np.array([[0.0] * len(column), column]).T))
     problem = sharding.ShardingProblem(costs, edges, memory,
-                                       memory_limit if memory_limit is not None else cluster.memory_bytes)
+                                       memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported))
+                 tuple(unsupported), gradient_sums, shares)
+
+
+def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
+    """(view, reader, argument index) for each reading of `value` whose Partial gradient may join its sum: the calls
+    that read it, and through a view (one tensor in, one out: F.linear's flattening of its input) read by one call,
+    the call that reads the view (a view's backward passes a pending sum on; autograd adds at the value).
+    `readers`: value id -> [(call, argument index)]."""
+    found = []
+    for call, k in readers[value]:
+        if _is_view(call):
+            next_readers = readers.get(call.outputs[0].value, [])
+            if len(next_readers) == 1:
+                found.append((call, *next_readers[0]))
+                continue
+        found.append((None, call, k))
+    return found
+
+
+def _is_view(call) -> bool:
+    return len(call.inputs) == 1 and len(call.outputs) == 1 and (
+        call.op.is_view or call.op.__name__.split(".")[0] == "_unsafe_view")
 
 
 def needs_gradient(graph: Graph) -> set[int]:
@@ -226,6 +303,8 @@ def repeated_blocks(built: Built) -> list[list[int]]:
             prefix = found.group(1)
             key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
             blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
+            blocks[prefix].extend((built.gradient_sums[ref.value], ("gradient sum", key, i))
+                                  for i, ref in enumerate(call.outputs) if ref.value in built.gradient_sums)
     for name, ref in {**built.graph.params, **built.graph.buffers}.items():
         found = number.match(name)
         if found and found.group(1) in blocks:
@@ -257,9 +336,10 @@ def _scalars(call) -> str:
 
 def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
           ) -> sharding.Solution:
+    classes = repeated_blocks(built) if reuse_blocks else None
     if solver == "propagation":
-        return sharding.solve_propagation(built.problem)
-    return sharding.solve_program(built.problem, time_limit, repeated_blocks(built) if reuse_blocks else None)
+        return sharding.solve_propagation(built.problem, classes=classes)
+    return sharding.solve_program(built.problem, time_limit, classes)
 
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
@@ -328,6 +408,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
     per_call: dict[int, list] = {}
     counts: dict[str, int] = {}
     total_bytes = 0.0
+    summed: set[int] = set()
     for producer, index, consumer, ref in built.edge_parts:
         src = _output_of(built.nodes[producer], choice[producer], index)
         if not built.nodes[consumer].strategies[choice[consumer]].inputs:
@@ -335,8 +416,13 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         strategy = built.nodes[consumer].strategies[choice[consumer]]
         k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
                  if r.value == ref.value) if built.nodes[consumer].call else 0
-        seconds, fwd, bwd = price.edge_time(src, strategy.inputs[k], price.gradient_placement(strategy.inputs, k),
-                                            ref, group, cluster, ref.value in grads)
+        dst, grad = strategy.inputs[k], price.gradient_placement(strategy.inputs, k)
+        seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)
+        root = built.gradient_shares.get(ref.value)
+        if root is not None and choice[built.gradient_sums[root]] == 1 and price.joins_gradient_sum(src, dst, grad):
+            if root in summed:  # the value's one all-reduce is its first such reader's
+                seconds, bwd = seconds - bwd.seconds, price.NONE
+            summed.add(root)
         kinds = []
         for direction, r in (("fwd", fwd), ("bwd", bwd)):
             if r.collective:

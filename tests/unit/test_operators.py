@@ -14,12 +14,14 @@ from torch import nn
 
 from plait.cli import main as cli_main
 from plait.commands.operators import parse_pins
+from plait.cost import comm
+from plait.cost import operators as price
 from plait.errors import ConfigError
 from plait.operators.capture import capture
 from plait.operators.strategies import strategy_oracle
 from plait.plan import Plan
 from plait.search import sharding
-from plait.operators.planner import auto_plan, plan_module
+from plait.operators.planner import apply_pins, auto_plan, build_problem, plan_module, solve
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
@@ -106,6 +108,20 @@ def test_program_matches_the_brute_force_reference(seed):
     assert heuristic.cost == pytest.approx(sharding.total_cost(problem, heuristic.choice))
 
 
+def test_window_moves_make_a_joint_move_no_pair_of_nodes_can():
+    """A chain of 8 nodes where every node is cheaper on strategy 1 but any boundary between the two strategies costs
+    more than two nodes save: from all-0, single and pair moves stay put; re-solving a window of the whole chain
+    moves all of it (the shape of an attention block moving onto heads)."""
+    costs = [np.array([1.0, 0.5]) for _ in range(8)]
+    mismatch = np.array([[0.0, 2.0], [2.0, 0.0]])
+    problem = sharding.ShardingProblem(costs, [(i, i + 1, mismatch) for i in range(7)])
+    neighbours, masked = sharding._adjacency(problem)
+    stuck = sharding._improve_pairs(problem, masked, neighbours, [0] * 8, sweeps=8)
+    assert stuck == [0] * 8
+    assert sharding._improve_windows(problem, [0] * 8, size=8) == [1] * 8
+    assert sharding.solve_propagation(problem).cost == pytest.approx(4.0)
+
+
 def test_simplify_keeps_the_total_exact():
     rng = np.random.default_rng(7)
     problem = random_problem(rng, nodes=7)
@@ -125,6 +141,42 @@ def test_solver_picks_megatrons_pattern_for_a_wide_mlp():
     assert plan.step_time_s < plan.data_parallel_step_time_s
     heuristic = plan_module(model, batch, batch_source="x:y", tp=2, dp=1, cluster=CPU, solver="propagation")
     assert heuristic.step_time_s <= plan.step_time_s * 1.05
+
+
+class ThreeReaders(nn.Module):
+    """One normalised input read by three column-split projections (attention's q, k and v), summed by one row-split
+    projection."""
+
+    def __init__(self, width: int = 256, hidden: int = 1024) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, hidden) for _ in range(3))
+        self.out = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return ((x + self.out(self.q(h) * self.k(h) + self.v(h)) - y) ** 2).mean()
+
+
+def test_the_gradient_of_a_value_three_split_readers_share_is_all_reduced_once():
+    """Autograd adds the three Partial gradients of the replicated input before DTensor reduces them: one backward
+    all-reduce for the value, not one per reading projection (price.joins_gradient_sum), in the plan's cost and its
+    counts; the count is the one the executor's run makes (the examples' ViT, benchmarks/auto_shard.py)."""
+    with torch.device("meta"):
+        model = ThreeReaders()
+    x = torch.empty(4, 64, 256, device="meta")
+    pins = {"q.weight": "S0", "k.weight": "S0", "v.weight": "S0", "out.weight": "S1"}
+    plan = plan_module(model, (x, torch.empty_like(x)), batch_source="x:y", tp=2, dp=1, cluster=CPU, pins=pins)
+    assert plan.comm_counts == {"all_reduce": 2}          # out's forward all-reduce, the input's gradient once
+    built = build_problem(capture(model, (x, torch.empty_like(x))), 2, 1, CPU)
+    apply_pins(built, pins)
+    separate = list(solve(built).choice)
+    summed = separate.copy()
+    for node in built.gradient_sums.values():
+        separate[node] = 0
+    one_all_reduce = price.redistribution("P", "R", x.numel() * 4, comm.Group(2, 1), CPU).seconds
+    assert sharding.total_cost(built.problem, tuple(separate)) - sharding.total_cost(built.problem, tuple(summed)) \
+        == pytest.approx(2 * one_all_reduce)
 
 
 def test_pins_are_honoured_and_impossible_ones_refused():
