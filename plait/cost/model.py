@@ -34,8 +34,8 @@ from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
                                 param_tensors, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import (expert_params, first_stage_params, last_stage_params, layer_params, optimizer_shards,
-                               rank_memory)
+from plait.cost.memory import (LayoutMemory, expert_params, first_stage_params, last_stage_params, layer_params,
+                               optimizer_shards)
 from plait.cost.schedule import V_SCHEDULES, makespan
 from plait.plan import Plan, Prediction
 
@@ -381,10 +381,15 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
 def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
                           ) -> list[dict[str, float]]:
     """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these)."""
-    per_rank = []
+    per_rank, memories = [], []  # one LayoutMemory per device group's setting: every rank's, on a uniform cluster
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
-        mem = rank_memory(setting.at(layout, r), layout, r, recompute[r])
+        at = setting.at(layout, r)
+        memory = next((mem for seen, mem in memories if seen is at or seen == at), None)
+        if memory is None:
+            memory = LayoutMemory(at, layout)
+            memories.append((at, memory))
+        mem = memory.rank(r, recompute[r])
         mine = [loads[k] for k in layout.stages_of(r)]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     return per_rank
