@@ -234,15 +234,18 @@ def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ..
     hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
     (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
     rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
-    costs, priced = {}, []  # ranks on the same hardware cost the same: all of them on a uniform cluster
-    for r in set(rank_of.values()):
-        at = setting.at(layout, r)
-        same = next((cost for seen, cost in priced if seen is at or seen == at), None)
-        if same is None:
-            same = rank_costs(at, layout)
-            priced.append((at, same))
-        costs[r] = same
-    per_stage = [costs[rank_of[k]] for k in range(len(layers))]
+    if not layout.stage_groups:  # a uniform cluster: every rank on the same hardware
+        per_stage = [rank_costs(setting, layout)] * len(layers)
+    else:
+        costs, priced = {}, []  # ranks on the same hardware cost the same
+        for r in set(rank_of.values()):
+            at = setting.at(layout, r)
+            same = next((cost for seen, cost in priced if seen is at or seen == at), None)
+            if same is None:
+                same = rank_costs(at, layout)
+                priced.append((at, same))
+            costs[r] = same
+        per_stage = [costs[rank_of[k]] for k in range(len(layers))]
     modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
     loads = block_loads(setting.model, setting.seq_len, layers)
     st = stage_times([c[0] for c in per_stage], [c[1] for c in per_stage], tuple(load[0] for load in loads), modes,
@@ -274,8 +277,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
-    c = max(p2p_time(at[r], layout, cross_group=bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1)
-            for r in range(pp))
+    cross_group = bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1
+    c = max(p2p_time(a, layout, cross_group) for a in {id(a): a for a in at}.values())  # once per distinct setting
     if pp == 1:
         pipe, transfers = work[0], 0.0
     elif exact:
