@@ -45,6 +45,7 @@ class ExactSolver:
             order = sorted(range(len(bases)), key=bounds.__getitem__)
             bases, bounds = [bases[i] for i in order], [bounds[i] for i in order]
         too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
+        pricer.bound_splits = pricer.shortlist is not None  # skipping what cannot enter the shortlist changes nothing
         for i, (d, base) in enumerate(bases):
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
