@@ -152,7 +152,8 @@ class Pricer:
             return None
         layers, recompute, peak, stage_seconds = split
         if self.bound_splits and self.split_bound(layout, stage_seconds) > self.cutoff() * (1 + 1e-9):
-            return math.inf  # a margin far above rounding: what is skipped is slower than the cutoff
+            self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # its bound cannot beat the shortlist
+            return math.inf  # (a margin far above rounding: what is skipped is slower than the cutoff)
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
         self.points.append((est.total, peak))

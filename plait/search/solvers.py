@@ -4,7 +4,8 @@ the layouts it chooses; they differ only in which, and in what order.
 * "exact": every layout, best-first by a lower bound on its step time, stopping once no bound can beat the
   shortlist; a layout whose smaller micro-batch missed memory is skipped for larger ones (but the one that makes
   the step a single micro-batch, which holds no accumulated gradients); one whose model states alone overflow
-  the devices is refused unsplit (plait.cost.memory.states_overflow). Finds the cost model's optimum.
+  the devices is refused unsplit (plait.cost.memory.states_overflow); a split whose stage times alone cannot beat
+  the shortlist is not priced further (Pricer.split_bound). Finds the cost model's optimum.
 * "dichotomy": the improved multi-dimensional dichotomy of CSIMD (Euro-Par 2024): per family of layouts
   (everything fixed but the micro-batch), the micro-batch division by bisection over the sign of the step
   time's slope (per-micro-batch time is non-linear in its size: small ones waste GEMM efficiency and host
