@@ -199,7 +199,12 @@ class Pricer:
         the layout's LayoutMemory on a uniform cluster, where the caller has it already."""
         s, pp = self.setting, layout.pp
         modes = tuple(RECOMPUTE_MODES)
-        groups = layout.stage_groups or (None,) * pp
+        if not layout.stage_groups:  # a uniform cluster: the same hardware, and layer time, on every rank
+            lc, ends = self.layer_cost(layout)
+            fixed, states, acts = memory_table_parts(s, layout, modes, memory)
+            time = np.array([lc.total + lc.recompute[m] for m in modes])
+            return np.tile(time, (pp, 1)), fixed, states, acts, np.full(pp, s.cluster.memory_bytes), [ends] * pp
+        groups = layout.stage_groups
         tables: dict = {}
         rows = []
         for r in range(pp):
