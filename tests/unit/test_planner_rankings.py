@@ -104,5 +104,5 @@ def test_a_splits_bound_is_never_above_its_estimate(name):
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: PYTHONPATH=. python tests/unit/test_planner_rankings.py --write")
-    FIXTURE.write_text(json.dumps({name: ranked(case) for name, case in CASES.items()}, indent=1) + "\n")
+    FIXTURE.write_text(json.dumps({name: ranked(case) for name, case in CASES.items()}, separators=(",", ":")) + "\n")
     print(f"wrote {FIXTURE}")
