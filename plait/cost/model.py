@@ -35,8 +35,8 @@ from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
                                 param_tensors, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import (expert_params, first_stage_params, last_stage_params, layer_params, optimizer_shards,
-                               rank_memory)
+from plait.cost.memory import (LayoutMemory, expert_params, first_stage_params, last_stage_params, layer_params,
+                               optimizer_shards)
 from plait.cost.schedule import V_SCHEDULES, makespan
 from plait.plan import Plan, Prediction
 
@@ -240,15 +240,18 @@ def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ..
     hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
     (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
     rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
-    costs, priced = {}, []  # ranks on the same hardware cost the same: all of them on a uniform cluster
-    for r in set(rank_of.values()):
-        at = setting.at(layout, r)
-        same = next((cost for seen, cost in priced if seen is at or seen == at), None)
-        if same is None:
-            same = rank_costs(at, layout)
-            priced.append((at, same))
-        costs[r] = same
-    per_stage = [costs[rank_of[k]] for k in range(len(layers))]
+    if not layout.stage_groups:  # a uniform cluster: every rank on the same hardware
+        per_stage = [rank_costs(setting, layout)] * len(layers)
+    else:
+        costs, priced = {}, []  # ranks on the same hardware cost the same
+        for r in set(rank_of.values()):
+            at = setting.at(layout, r)
+            same = next((cost for seen, cost in priced if seen is at or seen == at), None)
+            if same is None:
+                same = rank_costs(at, layout)
+                priced.append((at, same))
+            costs[r] = same
+        per_stage = [costs[rank_of[k]] for k in range(len(layers))]
     modes = tuple(recompute[rank_of[k]] for k in range(len(layers)))
     loads = block_loads(setting.model, setting.seq_len, layers)
     st = stage_times([c[0] for c in per_stage], [c[1] for c in per_stage], tuple(load[0] for load in loads), modes,
@@ -280,8 +283,8 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
     bottleneck = max(range(pp), key=lambda r: work[r])
-    c = max(p2p_time(at[r], layout, cross_group=bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1)
-            for r in range(pp))
+    cross_group = bool(layout.stage_groups) and len(set(layout.stage_groups)) > 1
+    c = max(p2p_time(a, layout, cross_group) for a in {id(a): a for a in at}.values())  # once per distinct setting
     if pp == 1:
         pipe, transfers = work[0], 0.0
     elif exact:
@@ -388,10 +391,15 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
 def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
                           ) -> list[dict[str, float]]:
     """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these)."""
-    per_rank = []
+    per_rank, memories = [], []  # one LayoutMemory per device group's setting: every rank's, on a uniform cluster
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):
-        mem = rank_memory(setting.at(layout, r), layout, r, recompute[r])
+        at = setting.at(layout, r)
+        memory = next((mem for seen, mem in memories if seen is at or seen == at), None)
+        if memory is None:
+            memory = LayoutMemory(at, layout)
+            memories.append((at, memory))
+        mem = memory.rank(r, recompute[r])
         mine = [loads[k] for k in layout.stages_of(r)]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     return per_rank

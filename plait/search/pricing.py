@@ -17,7 +17,7 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
-from plait.cost.model import predict_layout, rank_capacities, step_time
+from plait.cost.model import StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time
 from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
@@ -56,6 +56,10 @@ class Pricer:
         self._overflows: dict[tuple, float] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
+        self.bound_splits = False
+        """Skip pricing a split whose slowest stage alone proves the step slower than the shortlist's cutoff
+        (`split_bound`); evaluate() then returns inf for a layout none of whose variants was kept that way. The
+        exact solver sets it: its result is the same; the other solvers steer by the figures evaluate() returns."""
 
     def layer_cost(self, layout: Layout, group: str | None = None) -> tuple[LayerCost, EndsCost]:
         """One layer's and the ends' cost of a micro-batch of `layout` on `group`'s hardware (cached: many layouts
@@ -116,10 +120,11 @@ class Pricer:
         the estimated step time of the faster that fits, or None when nothing fits. The variants take one place
         in the shortlist: they are the same layout but for when gradients are reduced."""
         start = len(self.candidates)
+        skipped = False
         for sync in grad_syncs(layout):
-            self._evaluate_one(dataclasses.replace(layout, grad_sync=sync))
+            skipped |= self._evaluate_one(dataclasses.replace(layout, grad_sync=sync)) == math.inf
         if len(self.candidates) == start:
-            return None
+            return math.inf if skipped else None  # inf: it fits, but cannot enter the shortlist (bound_splits)
         kept = min(self.candidates[start:], key=lambda c: c.estimate)
         self.candidates[start:] = [kept]
         best = kept.estimate
@@ -145,11 +150,29 @@ class Pricer:
         split = self.split(layout, memory)
         if split is None:
             return None
-        layers, recompute, peak = split
+        layers, recompute, peak, stage_seconds = split
+        if self.bound_splits and self.split_bound(layout, stage_seconds) > self.cutoff() * (1 + 1e-9):
+            self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # its bound cannot beat the shortlist
+            return math.inf  # (a margin far above rounding: what is skipped is slower than the cutoff)
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
         self.points.append((est.total, peak))
         return est.total
+
+    def split_bound(self, layout: Layout, stage_seconds: np.ndarray) -> float:
+        """A lower bound on the estimated step time of a split whose virtual stages take `stage_seconds` a
+        micro-batch, forward and backward, as the split prices them (plait.search.partition: without fully_shard's
+        hooks and the schedule's host time, which only add): the closed-form makespan of those times
+        (plait.cost.model.closed_form_makespan grows with every stage's time; the forwards' share of the V's fill
+        and the transfers, left at 0, only add), to which the step adds the data-parallel tail and the optimizer
+        (>= 0). 0 where ranks share cores (lent cores may shrink the makespan: plait.cost.model.lent_cores_factor)."""
+        if self.setting.cluster.oversubscription > 1.0:
+            return 0.0
+        if layout.pp == 1:
+            return layout.num_micro_batches * float(stage_seconds.sum())
+        stages = tuple(float(t) for t in stage_seconds)
+        zeros = (0.0,) * len(stages)
+        return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0)
 
     def overflow(self, layout: Layout) -> float:
         """plait.cost.memory.states_overflow, once per layout but its micro-batch and key/value exchange."""
@@ -176,7 +199,12 @@ class Pricer:
         the layout's LayoutMemory on a uniform cluster, where the caller has it already."""
         s, pp = self.setting, layout.pp
         modes = tuple(RECOMPUTE_MODES)
-        groups = layout.stage_groups or (None,) * pp
+        if not layout.stage_groups:  # a uniform cluster: the same hardware, and layer time, on every rank
+            lc, ends = self.layer_cost(layout)
+            fixed, states, acts = memory_table_parts(s, layout, modes, memory)
+            time = np.array([lc.total + lc.recompute[m] for m in modes])
+            return np.tile(time, (pp, 1)), fixed, states, acts, np.full(pp, s.cluster.memory_bytes), [ends] * pp
+        groups = layout.stage_groups
         tables: dict = {}
         rows = []
         for r in range(pp):
@@ -191,8 +219,9 @@ class Pricer:
                 np.array([x[3] for x in rows]), np.array([x[4] for x in rows]), [x[5] for x in rows])
 
     def split(self, layout: Layout, memory: LayoutMemory | None = None
-              ) -> tuple[tuple[int, ...], tuple[str, ...], float] | None:
-        """(layers per virtual stage, recompute per rank, peak memory) of the best split, or None."""
+              ) -> tuple[tuple[int, ...], tuple[str, ...], float, np.ndarray] | None:
+        """(layers per virtual stage, recompute per rank, peak memory, each virtual stage's seconds a micro-batch as
+        the split prices them) of the best split, or None."""
         s, pp, v = self.setting, layout.pp, layout.interleave
         rank_modes = self.modes(pp)
         all_modes = tuple(RECOMPUTE_MODES)
@@ -228,7 +257,9 @@ class Pricer:
         owned = [layout.stages_of(r) for r in range(pp)]
         peak = float(max(fixed_mem[r, i] + sum(loads[k][1] for k in owned[r]) * layer_states[r]
                          + sum(loads[k][2] for k in owned[r]) * layer_act[r, i] for r, i in enumerate(chosen)))
-        return split.layers, tuple(all_modes[i] for i in chosen), peak
+        modes = np.array(chosen)[ranks]
+        seconds = fixed_time + np.array([load[0] for load in loads]) * per_layer[ranks, modes]
+        return split.layers, tuple(all_modes[i] for i in chosen), peak, seconds
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
         """Interleaved ranks run one mode over all their chunks: the cheapest that fits an even share."""

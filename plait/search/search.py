@@ -11,7 +11,8 @@ layers exactly (with recompute per stage), prune by memory, rank by predicted st
   is then priced exactly (simulated schedule) and re-ranked.
 * With `top` K: layouts are priced best-first by a lower bound on their step time (the work spread
   evenly, no recompute), stopping once the bound cannot beat the 3K-th best estimate; a layout
-  whose smaller micro-batch missed memory is skipped for larger ones.
+  whose smaller micro-batch missed memory is skipped for larger ones; a split whose own stage times
+  (their closed-form makespan) cannot beat it is not priced further (Pricer.split_bound).
 """
 
 from __future__ import annotations

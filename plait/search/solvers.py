@@ -4,7 +4,8 @@ the layouts it chooses; they differ only in which, and in what order.
 * "exact": every layout, best-first by a lower bound on its step time, stopping once no bound can beat the
   shortlist; a layout whose smaller micro-batch missed memory is skipped for larger ones (but the one that makes
   the step a single micro-batch, which holds no accumulated gradients); one whose model states alone overflow
-  the devices is refused unsplit (plait.cost.memory.states_overflow). Finds the cost model's optimum.
+  the devices is refused unsplit (plait.cost.memory.states_overflow); a split whose stage times alone cannot beat
+  the shortlist is not priced further (Pricer.split_bound). Finds the cost model's optimum.
 * "dichotomy": the improved multi-dimensional dichotomy of CSIMD (Euro-Par 2024): per family of layouts
   (everything fixed but the micro-batch), the micro-batch division by bisection over the sign of the step
   time's slope (per-micro-batch time is non-linear in its size: small ones waste GEMM efficiency and host
@@ -45,6 +46,7 @@ class ExactSolver:
             order = sorted(range(len(bases)), key=bounds.__getitem__)
             bases, bounds = [bases[i] for i in order], [bounds[i] for i in order]
         too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
+        pricer.bound_splits = pricer.shortlist is not None  # skipping what cannot enter the shortlist changes nothing
         for i, (d, base) in enumerate(bases):
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])

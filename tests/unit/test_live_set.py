@@ -104,3 +104,15 @@ def test_korthikanti_gpt3_175b_fits_on_its_a100s():
     prediction = predict(plan)
     assert prediction.peak_memory_bytes < 80 * 2**30
     assert prediction.memory_parts["buffers"] < 0.1 * prediction.peak_memory_bytes
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zbv", "dualpipev"])
+def test_more_micro_batches_than_the_steady_state_needs_hold_the_same_buffers(schedule):
+    """live_buffers stops at STEADY_WITHIN x pp micro-batches: the full lowering of more gives the same peaks."""
+    from plait.cost.live_set import STEADY_WITHIN
+
+    for pp in range(2, 13):
+        v = 3 if schedule == "interleaved" else (2 if schedule in ("zbv", "dualpipev") else 1)
+        for m in (STEADY_WITHIN * pp + pp, 3 * STEADY_WITHIN * pp):
+            full = tuple(peak_buffers(order) for order in with_receives(schedule, pp, m, v))
+            assert live_buffers(schedule, pp, m, v) == full, (schedule, pp, m)
