@@ -44,19 +44,22 @@ single-GPU plans of a 1.4B Llama, micro-batch 1-8, sequence 1K-8K, each recomput
 ``matmul_half_dim`` price the grid's kernel-bound rows within 2% (a least-squares scale of 0.98 on them), so they are
 kept; NVLink and the fabric as on an H100 node (one GPU cannot measure links).
 
-GPU host time (`GPU_HOST`, ``h200-141g``): plait's executor is eager PyTorch, and a small model's layers wait
-on the host, not the kernels. Fitted on the same 41 rows (robust least squares on step time, `pass_time`'s
+GPU host time (`GPU_HOST`, every GPU preset): plait's executor is eager PyTorch, and a small model's layers wait
+on the host, not the kernels. Fitted on the H200's 41 rows (robust least squares on step time, `pass_time`'s
 max(kernels, host) per layer pass): ``layer_overhead_s`` 0.87 ms (forward; backward twice it),
 ``recompute_layer_overhead_s`` 0.84 ms, ``selective_layer_overhead_s`` 1.74 ms (the per-op policy's dispatch
-mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures that would hold on any GPU this
-executor drives from a similar host; the other GPU presets keep 0 because they price published runs of other
-software (Megatron-LM's, torchtitan's) that no host time was measured for, and were not run here. A user plans
-plait's own runs on them with `plait profile` / `plait tune`, or with a cluster file carrying these figures.
+mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures, not the GPU's: checked
+unchanged on an H100 machine (2026-11-26, the same grid's 41 rows, another host): median step-time error 17.3%
+with host time 0, 6.6% with these figures as they are (a refit there gives 5.3% with figures that trade the
+forward pass against recompute, so the H200's are kept). Every GPU preset carries them, since plait's runs on
+any GPU pay them; A100 hosts were not measured. Published runs of other software (Megatron-LM's, torchtitan's)
+are priced without them (`plait.cost.published.their_software`).
 
 Optimizer bandwidth (``memory_balance``): the H200 rows' AdamW step took 13.3 ms (median of 41) for 1.40B
-parameters at 30 bytes each: 3.17 TB/s, 66% of the 4.8 TB/s datasheet; balance 989e12 / 3.17e12 = 312. The other
-GPUs take 66% of their datasheet bandwidth (A100 80GB 2.04 TB/s, 40GB 1.56 TB/s, H100 SXM 3.35 TB/s, H100 96GB
-HBM2e 3.35 TB/s), in place of the A100-derived 150 FLOP per byte that priced every GPU before.
+parameters at 30 bytes each: 3.17 TB/s, 66% of the 4.8 TB/s datasheet; balance 989e12 / 3.17e12 = 312. The H100
+rows (2026-11-26, 41 rows): 16.5 ms, 2.56 TB/s, 76% of its 3.35 TB/s; balance 386 (``h100-80g``). GPUs not
+measured take 66% of their datasheet bandwidth (A100 80GB 2.04 TB/s, 40GB 1.56 TB/s, H100 96GB HBM2e 3.35 TB/s),
+in place of the A100-derived 150 FLOP per byte that priced every GPU before.
 """
 
 from __future__ import annotations
@@ -80,14 +83,18 @@ def _balance(peak_flops: float, datasheet_bandwidth: float) -> float:
 # Fitted constants, per device type: see the module docstring for the rows they were fitted on.
 A100_EFFICIENCY = Efficiency(matmul=0.82, matmul_half_dim=800.0, overhead=0.30)
 H100_EFFICIENCY = Efficiency(matmul=0.76, matmul_half_dim=1600.0, overhead=0.0,
-                             memory_balance=_balance(989e12, 3.35 * TB))  # Megatron-LM's H100 rows
+                             memory_balance=386.0)  # Megatron-LM's H100 rows; gpu_check's H100 grid (balance)
 H100_500W_EFFICIENCY = Efficiency(matmul=0.47, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
                                   overhead=H100_EFFICIENCY.overhead,
-                                  memory_balance=H100_EFFICIENCY.memory_balance)  # torchtitan's H100 96GB rows
+                                  memory_balance=_balance(989e12, 3.35 * TB))  # torchtitan's H100 96GB rows
 H200_EFFICIENCY = Efficiency(matmul=H100_EFFICIENCY.matmul, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
                              overhead=H100_EFFICIENCY.overhead, memory_balance=312.0)  # gpu_check's H200 grid
 GPU_HOST = HostOverheads(layer_overhead_s=0.87e-3, recompute_layer_overhead_s=0.84e-3,
                          selective_layer_overhead_s=1.74e-3, step_overhead_s=20e-3)  # gpu_check's H200 grid
+
+H100_MEMORY_BYTES = 85_017_493_504
+"""An H100 80GB HBM3's capacity as torch.cuda reports it (79.18 GiB; read on the H100 of 2026-11-26), not 80 GiB:
+a plan priced up to 80 GiB would not fit. The grid's largest plan there reserved 77.1 GiB and ran."""
 
 _A100_LINKS = dict(
     intra_node=LinkSpec(latency_s=5e-6, bandwidth=230 * GB),
@@ -100,15 +107,16 @@ _H100_LINKS = dict(
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(name="a100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=312e12, **_A100_LINKS,
+                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
                             efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 2.04 * TB))),
     "a100-40g": ClusterSpec(name="a100-40g", num_devices=1024, devices_per_node=8, memory_bytes=40 * GiB,
-                            peak_flops=312e12, **_A100_LINKS,
+                            peak_flops=312e12, host=GPU_HOST, **_A100_LINKS,
                             efficiency=dataclasses.replace(A100_EFFICIENCY, memory_balance=_balance(312e12, 1.555 * TB))),
-    "h100-80g": ClusterSpec(name="h100-80g", num_devices=1024, devices_per_node=8, memory_bytes=80 * GiB,
-                            peak_flops=989e12, efficiency=H100_EFFICIENCY, **_H100_LINKS),
+    "h100-80g": ClusterSpec(name="h100-80g", num_devices=1024, devices_per_node=8, memory_bytes=H100_MEMORY_BYTES,
+                            peak_flops=989e12, efficiency=H100_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
     "h100-96g-500w": ClusterSpec(name="h100-96g-500w", num_devices=1024, devices_per_node=8, memory_bytes=96 * GiB,
-                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, **_H100_LINKS),
+                                 peak_flops=989e12, efficiency=H100_500W_EFFICIENCY, host=GPU_HOST,
+                                 **_H100_LINKS),
     "h200-141g": ClusterSpec(name="h200-141g", num_devices=1024, devices_per_node=8, memory_bytes=139.8 * GiB,
                              peak_flops=989e12, efficiency=H200_EFFICIENCY, host=GPU_HOST, **_H100_LINKS),
     # CPU processes on one machine talking through gloo; refine with `plait profile`. Peak: one

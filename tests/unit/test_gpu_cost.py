@@ -69,11 +69,15 @@ def test_the_optimizer_step_runs_at_the_presets_memory_bandwidth():
         Efficiency(memory_balance=-1.0)
 
 
-def test_only_the_measured_gpu_preset_carries_host_time_and_every_gpu_its_bandwidth():
+def test_every_gpu_preset_carries_plaits_host_time_and_its_bandwidth_but_published_runs_do_not():
+    from plait.cost.published import their_software
+    from plait.spec.clusters import GPU_HOST
+
     assert CPU.host == HostOverheads() and CPU.efficiency.memory_balance == 0.0
     for name, preset in CLUSTER_PRESETS.items():
         if preset.device_type == "cuda":
-            assert (preset.host.layer_overhead_s > 0) == (name == "h200-141g"), name
+            assert preset.host == GPU_HOST, name
+            assert their_software(preset).host == HostOverheads(), name
             assert preset.efficiency.memory_balance > MACHINE_BALANCE["cuda"], name
 
 
