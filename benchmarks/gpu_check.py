@@ -26,12 +26,20 @@ gpu_check.json) and printed as tables:
    listed. On CPU peak memory is "n/a": the cost model's CPU memory figures have their own benchmark
    (memory_accuracy.py, PyTorch's MemTracker).
 
+Without a GPU, a saved run can be priced again by this tree's cost model (after a constant moved, or against
+another preset), and the GPU host times fitted on it:
+
+    python benchmarks/gpu_check.py --reprice benchmarks/results/gpu/h100-2026-11-26-a [--cluster h200-141g] [--fit-host]
+
+benchmarks/results/gpu/ keeps the grids the GPU presets' constants were fitted and checked on (plait/spec/clusters.py).
+
 Targets (issue 15): median step-time error 10%, median peak-memory error 5%.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -442,6 +450,89 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
+# ---- a saved grid, priced again -------------------------------------------------------------------
+
+def saved_grid(folder: Path) -> tuple[dict, list[dict]]:
+    """(header, measured rows) of a run that --out wrote (its gpu_check.json holds both)."""
+    try:
+        header = json.loads((folder / "gpu_check.json").read_text())
+        rows = header["grid"]["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise BadInput(f"--reprice {folder}: not a gpu_check output folder (its gpu_check.json, as --out writes it, "
+                       f"with a grid): {error}") from None
+    if header.get("device") != "cuda":
+        raise BadInput(f"--reprice {folder}: a {header.get('device')} run; only CUDA grids carry GPU timings")
+    return header, [r for r in rows if r["status"] == "measured"]
+
+
+def reprice(rows: list[dict], cluster) -> list[dict]:  # noqa: ANN001
+    """The measured rows with this tree's predictions for `cluster` (the grid's model, one device)."""
+    model = grid_model("cuda", quick=False)
+    priced = []
+    for row in rows:
+        plan = Plan.of(model=model, cluster=cluster.with_devices(1), micro_batch=row["micro_batch"],
+                       recompute=(row["recompute"],),
+                       train=TrainSpec(global_batch=row["micro_batch"], seq_len=row["seq_len"], precision="bf16"))
+        fresh = {**row, **{k: v for k, v in grid_row(plan).items() if k != "status"}}
+        _errors(fresh)
+        priced.append(fresh)
+    return priced
+
+
+def fit_host(rows: list[dict], cluster):  # noqa: ANN001, ANN201
+    """GPU host times fitted on measured step times (robust least squares on log(predicted / measured), the
+    four fields plait.spec.clusters.GPU_HOST holds) with the optimizer's bandwidth taken from the measured
+    optimizer step first (memory_balance scales it linearly). Returns (cluster with the fit, its figures)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from plait.spec.cluster import HostOverheads
+
+    base = cluster.replace(host=HostOverheads())
+    optimizer = [r["optimizer_s"] / r["predicted_step_time_parts"]["optimizer"] for r in reprice(rows, base)]
+    balance = round(base.efficiency.memory_balance * statistics.median(optimizer))
+    base = base.replace(efficiency=dataclasses.replace(base.efficiency, memory_balance=float(balance)))
+    measured = np.array([r["step_time_s"] for r in rows])
+
+    def with_host(ms) -> object:  # noqa: ANN001
+        return base.replace(host=HostOverheads(layer_overhead_s=ms[0] * 1e-3, recompute_layer_overhead_s=ms[1] * 1e-3,
+                                               selective_layer_overhead_s=ms[2] * 1e-3, step_overhead_s=ms[3] * 1e-3))
+
+    def residuals(ms) -> object:  # noqa: ANN001
+        predicted = np.array([r["predicted_step_time_s"] for r in reprice(rows, with_host(ms))])
+        return np.log(predicted / measured)
+
+    start = [1.0, 1.0, 2.0, 20.0]
+    fit = least_squares(residuals, start, bounds=([0.0] * 4, [100.0] * 4), loss="soft_l1", f_scale=0.05,
+                        diff_step=0.01)
+    figures = {"memory_balance": balance, "layer_overhead_ms": fit.x[0], "recompute_layer_overhead_ms": fit.x[1],
+               "selective_layer_overhead_ms": fit.x[2], "step_overhead_ms": fit.x[3]}
+    return with_host(fit.x), figures
+
+
+def run_reprice(args: argparse.Namespace) -> int:
+    folder = Path(args.reprice)
+    header, rows = saved_grid(folder)
+    name = args.cluster or header["preset"]
+    if name not in CLUSTER_PRESETS:
+        raise BadInput(f"--cluster {name!r}: not a preset; choose one of {', '.join(CLUSTER_PRESETS)}")
+    cluster = CLUSTER_PRESETS[name]
+    console = Console(width=200)
+    console.print(f"{folder}: {len(rows)} measured rows of {header['device_name']} ({header['date']}, torch "
+                  f"{header['torch']}), priced by this tree against {name}")
+    priced = reprice(rows, cluster)
+    console.print(grid_table(priced, "cuda"))
+    for line in summary_lines(grid_summary(priced))[:1]:
+        console.print(line)
+    if args.fit_host:
+        fitted, figures = fit_host(rows, cluster)
+        console.print("host times fitted on these rows: " + ", ".join(
+            f"{k} {v:.3g}" if k != "memory_balance" else f"{k} {v}" for k, v in figures.items()))
+        for line in summary_lines(grid_summary(reprice(rows, fitted)))[:1]:
+            console.print(f"with them: {line}")
+    return 0
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def write_json(out: Path, name: str, data: object) -> None:
@@ -548,7 +639,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", type=parse_shapes, default=None, metavar="MBxS,...",
                         help="grid shapes as micro-batch x sequence, e.g. 1x1024,8x4096 (default: 1-8 x 1K-8K on "
                              "CUDA, 1-2 x 32 on CPU)")
+    parser.add_argument("--reprice", metavar="DIR", default=None,
+                        help="price a saved run (an --out folder) with this tree's cost model; needs no GPU")
+    parser.add_argument("--cluster", default=None,
+                        help="with --reprice: the preset to price against (default: the one the run was compared with)")
+    parser.add_argument("--fit-host", action="store_true",
+                        help="with --reprice: fit the GPU host times and optimizer bandwidth on the saved rows")
     args = parser.parse_args(argv)
+    if (args.cluster or args.fit_host) and not args.reprice:
+        parser.error("--cluster and --fit-host go with --reprice DIR")
+    if args.reprice:
+        try:
+            return run_reprice(args)
+        except BadInput as error:
+            print(f"gpu_check: {error}", file=sys.stderr)
+            return 2
     args.warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
     args.steps = args.steps if args.steps is not None else 2 if args.quick else 5
     if args.warmup < 1 or args.steps < 1:

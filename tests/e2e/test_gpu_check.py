@@ -99,3 +99,41 @@ def test_a_shape_that_is_not_micro_batch_x_sequence_exits_2(tmp_path):
     result = run_script("--shapes", "1x1024,2y8", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "'2y8' is not micro-batch x sequence" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+RESULTS = SCRIPT.parent / "results" / "gpu"
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_reprice", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("run", sorted(p.name for p in RESULTS.iterdir()))
+def test_the_gpu_presets_price_the_saved_gpu_runs_within_the_targets(run):
+    """The grids the GPU constants came from (benchmarks/results/gpu), priced again by this tree: a constant that
+    moves away from what those GPUs measured fails here, without a GPU."""
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    gpu_check = _gpu_check_module()
+    header, rows = gpu_check.saved_grid(RESULTS / run)
+    assert len(rows) >= 40 and header["device"] == "cuda"
+    summary = gpu_check.grid_summary(gpu_check.reprice(rows, CLUSTER_PRESETS[header["preset"]]))
+    assert summary["median_step_time_error"] <= gpu_check.TARGETS["step_time"], summary
+    assert summary["median_allocated_error"] <= gpu_check.TARGETS["memory"], summary
+
+
+def test_reprice_takes_only_a_saved_cuda_run_and_its_options_need_it(tmp_path):
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"device": "cpu", "grid": {"rows": []}}))
+    refused = run_script("--reprice", str(tmp_path))
+    assert refused.returncode == 2 and "only CUDA grids" in refused.stderr and "Traceback" not in refused.stderr
+    missing = run_script("--reprice", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "not a gpu_check output folder" in missing.stderr
+    alone = run_script("--fit-host")
+    assert alone.returncode == 2 and "go with --reprice" in alone.stderr
+    wrong = run_script("--reprice", str(RESULTS / "h100-2026-11-26-a"), "--cluster", "h300")
+    assert wrong.returncode == 2 and "'h300'" in wrong.stderr and "h100-80g" in wrong.stderr
