@@ -70,7 +70,17 @@ class OperatorSharding:
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+    blocks: str = ""
+    """Under a pipeline (pp > 1): the module path of the repeated blocks the stages are cut between
+    (plait.operators.stages); the blocks of each stage are the Plan's (Plan.stage_layers)."""
+    stages: tuple["OperatorSharding", ...] = ()
+    """Under a pipeline: each stage's own per-operator plan, on its own capture (its calls keyed as that stage runs
+    them), in stage order; its step_time_s is one micro-batch's forward and backward on that stage with its
+    data-parallel synchronisation. The fields above then sum the stages (params and pins: their union; comm_bytes
+    and comm_counts: per micro-batch, every stage's; step_time_s: the pipeline's step, priced by the cost model's
+    schedule simulator)."""
 
     def describe(self) -> str:
         split = sum(1 for p in self.params.values() if p != "R")
-        return f"{split}/{len(self.params)} parameters split on {self.axis}"
+        text = f"{split}/{len(self.params)} parameters split on {self.axis}"
+        return text + (f", {len(self.stages)} pipeline stages of {self.blocks}" if self.stages else "")
