@@ -80,6 +80,16 @@ class OperatorSharding:
     and comm_counts: per micro-batch, every stage's; step_time_s: the pipeline's step, priced by the cost model's
     schedule simulator)."""
 
+    def check_stages(self, pp: int) -> None:
+        """ConfigError unless the placements hold one plan per pipeline stage of a pp-stage plan (none for pp = 1):
+        what the executor builds each pipeline rank's stage from."""
+        from plait.errors import ConfigError
+
+        if len(self.stages) != (pp if pp > 1 else 0) or (pp > 1 and not self.blocks):
+            raise ConfigError(f"the plan has pp={pp} but its per-operator placements hold {len(self.stages)} stage "
+                              f"plans{'' if self.blocks else ' and no blocks to cut'}; plan it again with "
+                              f"`plait plan --model module:... --batch ... --pp {pp}`")
+
     def describe(self) -> str:
         split = sum(1 for p in self.params.values() if p != "R")
         text = f"{split}/{len(self.params)} parameters split on {self.axis}"
