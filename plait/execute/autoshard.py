@@ -315,7 +315,9 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
         counter, debug = CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)), CommDebugMode()
         with debug, counter:
-            model(*batch).backward()
+            loss = model(*batch)
+            with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
+                loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()
     finally:
         dist.destroy_process_group()

@@ -98,3 +98,45 @@ def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         merged.update(part)
     return merged
 
+
+
+def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int]]]:
+    """Per stage, (bytes, collectives by kind) of one micro-batch's forward and backward on the tensor-parallel
+    axis (dp = 1): every stage built as its pipeline rank builds it, chained in one process on rank 0 of a fake
+    process group of tp ranks (the hidden states handed on as a send would), against each stage's comm_bytes.
+    Starts and destroys its own process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plait.execute.autoshard import _COLLECTIVES
+    from plait.execute.dryrun import CollectiveCounter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
+    try:
+        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+        batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+        meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
+        layout = find_layout(meta, tuple(t.to("meta") for t in batch))
+        model = build_module(plan.model.source, seed=0, dtype=torch.float32)
+        named = {str(i): t for i, t in enumerate(batch)}
+        counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]
+        outputs, inputs = [], []
+        with implicit_replication():
+            hidden = None
+            for s in range(plan.pp):
+                stage = build_stage(model, layout, plan.stage_layers(s), first=s == 0, last=s == plan.pp - 1)
+                stage = apply_operator_sharding(stage, plan.replace(dp=1), mesh, 0.0, plan.operators.stages[s],
+                                                caller_replicates=True)
+                with counters[s]:
+                    out = stage(*batch) if hidden is None else stage(hidden, **named)
+                outputs.append(out)
+                inputs.append(hidden)
+                hidden = out.detach().requires_grad_()
+            grad = None
+            for s in reversed(range(plan.pp)):
+                with counters[s]:
+                    outputs[s].backward(grad)
+                grad = inputs[s].grad if inputs[s] is not None else None
+        return [(c.nbytes, c.counts) for c in counters]
+    finally:
+        dist.destroy_process_group()
