@@ -8,7 +8,8 @@ placements inside each stage over its tensor-parallel axis, the pipeline priced 
    the head-side parts the last's).
 3. Each stage (plait.operators.stages.build_stage, the module the executor runs) is captured on its own, with the
    received hidden states as an input a gradient flows back to; its blocks take the placements the whole module's
-   solution gave the same blocks (the repeated block's solution reused on every stage), the parts it holds
+   solution gave the same blocks (the repeated block's solution reused on every stage; where that does not fit the
+   memory, or does not run from the stage's replicated input, the stage is solved freely), the parts it holds
    besides are solved there, its activations counted once per micro-batch it holds in flight
    (plait.cost.memory.in_flight_all). Hidden states cross a stage boundary replicated (its output is read as R).
 4. The step: plait.cost.operators.pipeline_step (the schedule simulator: bubble, point-to-point hops) over the
@@ -184,7 +185,11 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         _reuse_blocks(reused, whole, solution.choice)
         try:
             stage_solution = planner.solve(reused, solver)
-        except sharding.Infeasible:  # the whole module's block placements do not fit here: solve the stage freely
+        except sharding.Infeasible:
+            stage_solution = None
+        if stage_solution is None or stage_solution.cost >= price.UNRUNNABLE_S:
+            # the whole module's block placements do not fit here, or do not run from the stage's replicated input
+            # (a read DTensor would postpone): the stage is solved freely
             reused = built
             stage_solution = _solve(built, solver, limit, pins, fused, model)
         described = planner.describe(reused, stage_solution, batch_source, {k: v for k, v in pins.items()

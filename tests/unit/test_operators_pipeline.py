@@ -144,3 +144,12 @@ def test_a_plan_whose_stages_do_not_match_pp_is_refused():
     broken = dataclasses.replace(plan.operators, stages=plan.operators.stages[:1])
     with pytest.raises(ConfigError, match="holds? 1 stage plans"):
         broken.check_stages(2)
+
+
+@pytest.mark.parametrize("model", ["vit", "mixer"])
+def test_every_stage_runs_what_it_was_priced_at_on_one_tensor_rank(model):
+    """At tp1 every placement costs the same, so the whole module's block choice may read the stage's received
+    (replicated) input in a placement DTensor's dispatch would postpone: such a stage is solved freely instead."""
+    plan = auto_plan(f"{model}:build", f"{model}:batch", CPU, global_batch=8, tp=1, pp=2)
+    assert all(stage.step_time_s < price.UNRUNNABLE_S for stage in plan.operators.stages)
+    assert plan.operators.step_time_s < plan.operators.data_parallel_step_time_s * 4
