@@ -60,6 +60,27 @@ def pipeline_step(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor
     return losses
 
 
+def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...], mesh) -> torch.Tensor:
+    """One step on this data-parallel rank's `batch`; the step's loss (the mean of its micro-batches', from the last
+    stage) on every stage."""
+    micro = pipeline_step(schedule, plan, position, batch)
+    value = torch.stack([m.detach().double() for m in micro]).mean() if micro else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(value, group=mesh["pp"].get_group())  # the last stage's loss to every stage
+    return value
+
+
+def clip_across_stages(params: list, max_norm: float, pp_group) -> torch.Tensor:
+    """Clip gradients to `max_norm` by the norm over every stage's gradients (each stage's own over its shards, then
+    summed over the pipeline), as one process clips the whole model's."""
+    from plait.execute.parallelize import global_squared_norm
+
+    squared = global_squared_norm([p.grad for p in params if p.grad is not None], torch.device("cpu"))
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
+
+
 def run_pipeline(plan: Plan, settings: CheckSettings):
     """K AdamW steps of the pipeline; (losses averaged over dp, first gradients, final parameters), full tensors of
     every stage on every rank."""
@@ -73,10 +94,7 @@ def run_pipeline(plan: Plan, settings: CheckSettings):
     for step in range(settings.steps):
         batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
                          plan.dp, dp_rank)
-        micro = pipeline_step(schedule, plan, position, batch)
-        value = torch.stack([m.detach().double() for m in micro]).mean() if micro else \
-            torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(value, group=mesh["pp"].get_group())  # the last stage's loss to every stage
+        value = pipeline_losses(schedule, plan, position, batch, mesh)
         if plan.dp > 1:
             dist.all_reduce(value, group=mesh["dp"].get_group())
             value /= plan.dp
