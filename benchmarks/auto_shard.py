@@ -216,9 +216,9 @@ def pipeline_table(pp: int, models: list[str]) -> None:
             cells = ["-", "-", "-", "-"]
             if dp == 1:
                 measured = stage_collectives(plan)
-                nbytes = sum(b for b, _ in measured)
+                nbytes = sum(b for b, _, _ in measured)
                 counts: dict[str, int] = {}
-                for _, c in measured:
+                for _, c, _ in measured:
                     for kind, n in c.items():
                         counts[kind] = counts.get(kind, 0) + n
                 error = (nbytes - ops.comm_bytes) / ops.comm_bytes if ops.comm_bytes else (0.0 if not nbytes else 1.0)

@@ -118,8 +118,9 @@ def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 
-def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int]]]:
-    """Per stage, (bytes, collectives by kind) of one micro-batch's forward and backward on the tensor-parallel
+def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
+    """Per stage, (bytes, collectives by kind, planned calls the forward met) of one micro-batch's forward and
+    backward on the tensor-parallel
     axis (dp = 1): every stage built as its pipeline rank builds it, chained in one process on rank 0 of a fake
     process group of tp ranks (the hidden states handed on as a send would), against each stage's comm_bytes.
     Starts and destroys its own process group."""
@@ -138,7 +139,7 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int]]]:
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}
         counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]
-        outputs, inputs = [], []
+        outputs, inputs, matched = [], [], []
         with implicit_replication():
             hidden = None
             for s in range(plan.pp):
@@ -149,12 +150,13 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int]]]:
                     out = stage(*batch) if hidden is None else stage(hidden, **named)
                 outputs.append(out)
                 inputs.append(hidden)
+                matched.append(stage.forward.planned.matched if stage.forward.planned else 0)
                 hidden = out.detach().requires_grad_()
             grad = None
             for s in reversed(range(plan.pp)):
                 with counters[s]:
                     outputs[s].backward(grad)
                 grad = inputs[s].grad if inputs[s] is not None else None
-        return [(c.nbytes, c.counts) for c in counters]
+        return [(c.nbytes, c.counts, n) for c, n in zip(counters, matched)]
     finally:
         dist.destroy_process_group()

@@ -153,3 +153,17 @@ def test_every_stage_runs_what_it_was_priced_at_on_one_tensor_rank(model):
     plan = auto_plan(f"{model}:build", f"{model}:batch", CPU, global_batch=8, tp=1, pp=2)
     assert all(stage.step_time_s < price.UNRUNNABLE_S for stage in plan.operators.stages)
     assert plan.operators.step_time_s < plan.operators.data_parallel_step_time_s * 4
+
+
+def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
+    """The Mixer at pp2 x tp2, every stage built as its pipeline rank builds it and chained on a fake process group:
+    each stage's forward meets every torch-level call its plan redistributes, and issues the collectives its plan
+    priced, byte for byte."""
+    from plait.execute.autoshard_pipeline import stage_collectives
+
+    plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2)
+    measured = stage_collectives(plan)
+    assert len(measured) == 2
+    for (nbytes, counts, matched), stage in zip(measured, plan.operators.stages):
+        assert matched == len(stage.function_reads) > 0
+        assert counts == stage.comm_counts and nbytes == pytest.approx(stage.comm_bytes)
