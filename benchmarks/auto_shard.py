@@ -23,7 +23,8 @@ split the table.
     OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto .venv/bin/python benchmarks/auto_shard.py [--models vit,dlrm]
 
 `--pp N` prints the pipeline table instead (pipeline_table): the models with repeated blocks (ViT, Mixer, both
-Llamas) cut into N stages, planned and measured per stage.
+Llamas) cut into N stages, planned and measured per stage; `--decoders --pp N` plans Llama 3 8B's shape with N
+stages (pipeline_8b_table).
 
 `--decoders` prints the decoders' table instead (decoders_table): plait's reference Llama and a Hugging Face
 Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, and
@@ -232,6 +233,39 @@ def pipeline_table(pp: int, models: list[str]) -> None:
     Console(width=240).print(table)
 
 
+def pipeline_8b_table(pp: int) -> None:
+    """Llama 3 8B's shape (32 layers, sequence 8192, micro-batch 1, 8 micro-batches) planned only with pp stages on
+    h100-80g: the whole module solved once (its block tied), plait's stage split, each stage captured and solved
+    with the block solution reused, the step from the schedule simulator; planning seconds in all."""
+    import torch
+    from decoders import WithLoss
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.models.reference import Transformer
+    from plait.operators import planner
+    from plait.operators.pipeline import PipelineSettings, plan_pipeline
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.spec.models import MODEL_PRESETS
+
+    table = Table(title=f"Llama 3 8B's shape with {pp} pipeline stages, planned on h100-80g (1F1B, 8 micro-batches)")
+    for column in ("mesh", "plan s", "blocks/stage", "stage s", "step s", "bubble", "peak GiB", "split params"):
+        table.add_column(column, justify="left" if column == "mesh" else "right")
+    for dp, tp in ((8, 8), (16, 8)):
+        with torch.device("meta"):
+            model = WithLoss(Transformer(MODEL_PRESETS["llama3-8b"]))
+        start = time.perf_counter()
+        ops, split, bubble = plan_pipeline(
+            model, planner.meta_batch("decoders:tokens_8k", 1), PipelineSettings(pp, 8),
+            batch_source="decoders:tokens_8k", tp=tp, dp=dp, cluster=CLUSTER_PRESETS["h100-80g"].with_devices(
+                dp * tp * pp), pins={}, solver="program", memory_limit=None, table_optimizer=None)
+        table.add_row(f"dp{dp} x pp{pp} x tp{tp}", f"{time.perf_counter() - start:.2f}", "|".join(map(str, split)),
+                      " | ".join(f"{s.step_time_s:.3f}" for s in ops.stages), f"{ops.step_time_s:.3f}",
+                      f"{bubble:.1%}", f"{ops.peak_memory_bytes / 2**30:.1f}",
+                      f"{sum(p != 'R' for p in ops.params.values())}/{len(ops.params)}")
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=None, help=f"comma-separated; default {','.join(MODELS)} (with --pp: "
@@ -241,6 +275,9 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="the pipeline table instead: per-operator plans with N stages (pipeline_table)")
     args = parser.parse_args()
+    if args.decoders and args.pp:
+        pipeline_8b_table(args.pp)
+        return
     if args.decoders:
         decoders_table(args.full_program)
         return
