@@ -70,3 +70,13 @@ def test_plait_train_runs_a_per_operator_pipeline_and_resumes_it(tmp_path):
     assert "resumed from" in resumed.stdout + resumed.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][-2:] == [5, 6]
+
+
+def test_check_proves_pipeline_stages_under_fully_shard_equal(tmp_path, monkeypatch):
+    """dp2 x pp2 on 4 ranks: the MLP-Mixer's two stages, each fully_shard over its two data-parallel ranks, GPipe
+    over 4 micro-batches; the schedule reduces each stage's gradients over dp once a step."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    plan = auto_plan("mixer:build", "mixer:batch", CLUSTER_PRESETS["local-cpu"], global_batch=16, dp=2, pp=2,
+                     num_micro_batches=4, schedule="gpipe")
+    assert plan.dp == 2 and plan.zero == 3 and plan.num_micro_batches == 4
+    check_equal(plan, tmp_path)
