@@ -22,6 +22,10 @@ split the table.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto .venv/bin/python benchmarks/auto_shard.py [--models vit,dlrm]
 
+`--pp N` prints the pipeline table instead (pipeline_table): the models with repeated blocks (ViT, Mixer, both
+Llamas) cut into N stages, planned and measured per stage; `--decoders --pp N` plans Llama 3 8B's shape with N
+stages (pipeline_8b_table).
+
 `--decoders` prints the decoders' table instead (decoders_table): plait's reference Llama and a Hugging Face
 Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, and
 Llama 3 8B's shape (32 layers, sequence 8192) planned only on 64 and 512 devices (dp8 x tp8, dp64 x tp8):
@@ -168,15 +172,119 @@ def decoders_table(full_program: bool) -> None:
     Console(width=200).print(big)
 
 
+PIPELINE_MODELS = ("vit", "mixer", "llama", "hf_llama")
+"""The models with repeated blocks (examples/auto): the ones a pipeline can cut."""
+PIPELINE_MEASURED_TP = (1, 2)
+PIPELINE_PLANNED = ((4, 8), (32, 8))
+"""(dp, tp) meshes planned without a run under the pipeline: 64 and 512 devices at pp2."""
+
+
+def sources(model: str) -> tuple[str, str]:
+    if model in ("llama", "hf_llama"):
+        return f"decoders:{model}", "decoders:tokens"
+    return f"{model}:build", f"{model}:batch"
+
+
+def pipeline_table(pp: int, models: list[str]) -> None:
+    """Per-operator plans with pp pipeline stages (1F1B, pp micro-batches of GLOBAL_BATCH / pp): solve seconds
+    (the whole module, the stage split, every stage's capture and solve), each stage's time per micro-batch, the
+    step and bubble from the cost model's schedule simulator, against the same devices without a pipeline (its
+    ranks data-parallel instead) and against data parallelism alone; measured bytes (dp = 1): every stage built as
+    its pipeline rank builds it, one micro-batch through the chain on a fake process group of tp ranks
+    (plait.execute.autoshard_pipeline.stage_collectives), summed over the stages, against the stages' comm_bytes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.execute.autoshard_pipeline import stage_collectives
+    from plait.operators.planner import auto_plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    cluster = CLUSTER_PRESETS["local-cpu"]
+    table = Table(title=f"per-operator plans with {pp} pipeline stages (local-cpu cluster model; machine shared)")
+    for column in ("model", "mesh", "schedule", "blocks/stage", "solve s", "stage ms", "predicted ms", "bubble",
+                   "pp1 same devices ms", "dp-only ms", "predicted bytes", "measured bytes", "bytes error",
+                   "collectives (measured)"):
+        table.add_column(column, justify="left" if column in ("model", "mesh", "schedule", "collectives (measured)")
+                         else "right")
+    for model in models:
+        source, batch = sources(model)
+        for dp, tp in [(1, tp) for tp in PIPELINE_MEASURED_TP] + list(PIPELINE_PLANNED):
+            start = time.perf_counter()
+            plan = auto_plan(source, batch, cluster, global_batch=GLOBAL_BATCH * dp, dp=dp, tp=tp, pp=pp)
+            seconds = time.perf_counter() - start
+            flat = auto_plan(source, batch, cluster, global_batch=GLOBAL_BATCH * dp, dp=dp * pp, tp=tp).operators
+            ops = plan.operators
+            cells = ["-", "-", "-", "-"]
+            if dp == 1:
+                measured = stage_collectives(plan)
+                nbytes = sum(b for b, _, _ in measured)
+                counts: dict[str, int] = {}
+                for _, c, _ in measured:
+                    for kind, n in c.items():
+                        counts[kind] = counts.get(kind, 0) + n
+                error = (nbytes - ops.comm_bytes) / ops.comm_bytes if ops.comm_bytes else (0.0 if not nbytes else 1.0)
+                cells = [f"{ops.comm_bytes / 1024:.0f} KiB", f"{nbytes / 1024:.0f} KiB", f"{error:+.1%}",
+                         ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"]
+            table.add_row(model, f"dp{dp} x pp{pp} x tp{tp}", f"{plan.schedule} mb{plan.micro_batch}x"
+                          f"{plan.num_micro_batches}", "|".join(map(str, plan.layers_per_stage)), f"{seconds:.2f}",
+                          " | ".join(f"{s.step_time_s * 1e3:.2f}" for s in ops.stages), f"{ops.step_time_s * 1e3:.3f}",
+                          f"{plan.predicted.bubble_fraction:.1%}", f"{flat.step_time_s * 1e3:.3f}",
+                          f"{ops.data_parallel_step_time_s * 1e3:.3f}", *cells)
+    Console(width=240).print(table)
+
+
+def pipeline_8b_table(pp: int) -> None:
+    """Llama 3 8B's shape (32 layers, sequence 8192, micro-batch 1, 8 micro-batches) planned only with pp stages on
+    h100-80g: the whole module solved once (its block tied), plait's stage split, each stage captured and solved
+    with the block solution reused, the step from the schedule simulator; planning seconds in all."""
+    import torch
+    from decoders import WithLoss
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.models.reference import Transformer
+    from plait.operators import planner
+    from plait.operators.pipeline import PipelineSettings, plan_pipeline
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.spec.models import MODEL_PRESETS
+
+    table = Table(title=f"Llama 3 8B's shape with {pp} pipeline stages, planned on h100-80g (1F1B, 8 micro-batches)")
+    for column in ("mesh", "plan s", "blocks/stage", "stage s", "step s", "bubble", "peak GiB", "split params"):
+        table.add_column(column, justify="left" if column == "mesh" else "right")
+    for dp, tp in ((8, 8), (16, 8)):
+        with torch.device("meta"):
+            model = WithLoss(Transformer(MODEL_PRESETS["llama3-8b"]))
+        start = time.perf_counter()
+        ops, split, bubble = plan_pipeline(
+            model, planner.meta_batch("decoders:tokens_8k", 1), PipelineSettings(pp, 8),
+            batch_source="decoders:tokens_8k", tp=tp, dp=dp, cluster=CLUSTER_PRESETS["h100-80g"].with_devices(
+                dp * tp * pp), pins={}, solver="program", memory_limit=None, table_optimizer=None)
+        table.add_row(f"dp{dp} x pp{pp} x tp{tp}", f"{time.perf_counter() - start:.2f}", "|".join(map(str, split)),
+                      " | ".join(f"{s.step_time_s:.3f}" for s in ops.stages), f"{ops.step_time_s:.3f}",
+                      f"{bubble:.1%}", f"{ops.peak_memory_bytes / 2**30:.1f}",
+                      f"{sum(p != 'R' for p in ops.params.values())}/{len(ops.params)}")
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=None, help=f"comma-separated; default {','.join(MODELS)} (with --pp: "
+                                                        f"{','.join(PIPELINE_MODELS)})")
     parser.add_argument("--decoders", action="store_true", help="the decoders' table instead (see the docstring)")
     parser.add_argument("--full-program", action="store_true", help="with --decoders: the untied 8B program too")
+    parser.add_argument("--pp", type=int, default=None, metavar="N",
+                        help="the pipeline table instead: per-operator plans with N stages (pipeline_table)")
     args = parser.parse_args()
+    if args.decoders and args.pp:
+        pipeline_8b_table(args.pp)
+        return
     if args.decoders:
         decoders_table(args.full_program)
         return
+    if args.pp:
+        pipeline_table(args.pp, (args.models or ",".join(PIPELINE_MODELS)).split(","))
+        return
+    args.models = args.models or ",".join(MODELS)
     from rich.console import Console
     from rich.table import Table
 

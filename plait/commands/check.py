@@ -94,6 +94,8 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
     plan = Plan.from_json(args.plan)
     if plan.operators is None:  # a per-operator plan's placements were checked by its solver, not these rules
         legality.check(plan)
+    else:
+        plan.operators.check_stages(plan.pp)
     if size_limit and plan.model.num_params > MAX_CHECK_PARAMS:
         raise PlaitError(
             f"model {plan.model.name!r} has {plan.model.num_params / 1e6:,.0f}M parameters, too big to check on "

@@ -5,6 +5,8 @@
 
 The model is `package.module:factory` (an nn.Module whose forward takes the batch and returns the loss), the
 batch `package.module:function` (function(batch_size, generator) -> tuple of tensors); --seq-len is not used.
+--pp N cuts pipeline stages between the module's repeated blocks (plait.operators.pipeline), with --schedule
+gpipe or 1f1b and --micro-batch (default: pp micro-batches per step).
 Prints the placements, the costliest operators with the communication they cause, and the prediction against
 data parallelism alone; --json writes the plan that `plait check` runs.
 """
@@ -64,15 +66,22 @@ def plan_operators(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     devices = args.devices or cluster.num_devices
-    tp = args.tp or 1
-    if devices % tp:
-        raise ConfigError(f"--tp {tp} must divide --devices {devices}")
-    dp = args.dp or devices // tp
-    if dp * tp != devices:
-        raise ConfigError(f"--dp {dp} x --tp {tp} = {dp * tp} must equal --devices {devices}")
+    tp, pp = args.tp or 1, args.pp or 1
+    if devices % (tp * pp):
+        raise ConfigError(f"--tp {tp} x --pp {pp} must divide --devices {devices}")
+    dp = args.dp or devices // (tp * pp)
+    if dp * tp * pp != devices:
+        raise ConfigError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} must equal --devices {devices}")
+    micro_batches = None
+    if args.micro_batch:
+        if args.global_batch % (dp * args.micro_batch):
+            raise ConfigError(f"--micro-batch {args.micro_batch} x dp {dp} must divide --global-batch "
+                              f"{args.global_batch}")
+        micro_batches = args.global_batch // (dp * args.micro_batch)
     plan = auto_plan(args.model, args.batch, cluster, global_batch=args.global_batch, dp=dp, tp=tp,
                      pins=parse_pins(args.pin), solver=args.operator_solver,
-                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer)
+                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer, pp=pp,
+                     num_micro_batches=micro_batches, schedule=args.schedule or "1f1b")
     console = output_console()
     from plait.report.operators import operators_table
 

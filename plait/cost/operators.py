@@ -168,3 +168,18 @@ def _numel(ref: "TensorRef") -> int:
     for size in ref.shape:
         numel *= size
     return numel
+
+
+def pipeline_step(stage_s: Sequence[float], stage_sync_s: Sequence[float], pp: int, num_micro_batches: int,
+                  schedule: str, p2p_s: float) -> tuple[float, float]:
+    """(seconds, bubble fraction) of a pipeline's step from its stages' seconds per micro-batch (forward and backward,
+    `stage_s`, without the data-parallel synchronisation, which runs once a step: `stage_sync_s`): the schedule
+    simulator's makespan (plait.cost.schedule; the forward is 1 / (1 + BACKWARD_FLOPS) of a stage's time, as
+    compute_time counts it, and `p2p_s` each hop), plus the slowest stage's synchronisation."""
+    from plait.cost import schedule as timeline
+
+    fwd = [t / (1 + BACKWARD_FLOPS) for t in stage_s]
+    bwd = [t - f for t, f in zip(stage_s, fwd)]
+    span = timeline.makespan(fwd, bwd, pp, num_micro_batches, schedule, p2p_s)
+    bubble = timeline.simulate(fwd, bwd, pp, num_micro_batches, schedule, p2p_s).bubble_fraction
+    return span + max(stage_sync_s, default=0.0), bubble

@@ -38,6 +38,7 @@ from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
+from plait.operators.solution import OperatorSharding
 from plait.plan import Plan
 
 
@@ -69,15 +70,21 @@ def dp_slice(batch: tuple[torch.Tensor, ...], dp: int, dp_rank: int) -> tuple[to
 
 
 def build_mesh(plan: Plan) -> DeviceMesh:
+    """("dp", "tp"), or ("pp", "dp", "tp") under a pipeline (pipeline stages outermost, as plait.execute.mesh)."""
+    if plan.pp > 1:
+        return init_device_mesh("cpu", (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
     return init_device_mesh("cpu", (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0) -> nn.Module:
+def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0,
+                            sharding: OperatorSharding | None = None, caller_replicates: bool = False) -> nn.Module:
     """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
     out replicated; then fully_shard over dp when dp > 1. Fused tables (plan.operators.fused_tables) update their
     rows in the lookup's backward at `lr` (model.fused_tables.lr, which a training loop sets each step) and stay
-    out of fully_shard."""
-    sharding = plan.operators
+    out of fully_shard. `sharding`: a pipeline stage's own (plan.operators.stages[k]) for that stage's module.
+    `caller_replicates`: the caller runs forward and backward inside one implicit_replication (a pipeline schedule
+    interleaves them; the context does not nest: leaving an inner one turns it off for the outer)."""
+    sharding = sharding or plan.operators
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
     fused = use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
@@ -96,8 +103,8 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
         if not by_function:  # a plan written before function_reads: redistribute at module boundaries only
             _redistribute_at_module_boundaries(module, prefix, module_name, sharding, tp_mesh)
     model.forward = _with_constants_replicated(model.forward, PlannedReads(tp_mesh, sharding.function_reads)
-                                               if by_function else None)
-    model.register_forward_pre_hook(_replicate_inputs(tp_mesh))
+                                               if by_function else None, not caller_replicates)
+    model.register_forward_pre_hook(_replicate_inputs(tp_mesh), with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
@@ -170,15 +177,19 @@ def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
     return hook
 
 
-def _with_constants_replicated(forward: Callable, planned: PlannedReads | None = None) -> Callable:
+def _with_constants_replicated(forward: Callable, planned: PlannedReads | None = None, replicate: bool = True
+                               ) -> Callable:
     """Tensors the forward makes itself (RoPE tables, masks, positions) are plain; DTensor takes them as replicated
     inside implicit_replication, as the planner captured them (constants, replicated). With `planned`, its reads
-    hold for the forward (numbered from the forward's first call, as capture numbered them)."""
+    hold for the forward (numbered from the forward's first call, as capture numbered them). Without `replicate`
+    the caller holds implicit_replication around it."""
+    from contextlib import nullcontext
+
     from torch.distributed.tensor.experimental import implicit_replication
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with implicit_replication():
+        with implicit_replication() if replicate else nullcontext():
             if planned is None:
                 return forward(*args, **kwargs)
             planned.start()
@@ -216,9 +227,14 @@ def _read_parameters_as(module: nn.Module, mesh: DeviceMesh, reads: dict) -> Non
 
 
 def _replicate_inputs(mesh: DeviceMesh) -> Callable:
-    def hook(module, args):
-        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, torch.Tensor)
-                     and not isinstance(a, DTensor) else a for a in args)
+    """The batch (and a pipeline stage's received hidden states, keyword batches too) enter replicated on tp."""
+    def replicated(a):
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+            return DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+        return a
+
+    def hook(module, args, kwargs):
+        return tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
     return hook
 
 
@@ -252,6 +268,10 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
 
 
 def run_parallel(plan: Plan, settings: CheckSettings):
+    if plan.pp > 1:
+        from plait.execute.autoshard_pipeline import run_pipeline
+
+        return run_pipeline(plan, settings)
     mesh = build_mesh(plan)
     model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
     model = apply_operator_sharding(model, plan, mesh, settings.lr)
@@ -295,7 +315,9 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
         counter, debug = CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)), CommDebugMode()
         with debug, counter:
-            model(*batch).backward()
+            loss = model(*batch)
+            with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
+                loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()
     finally:
         dist.destroy_process_group()

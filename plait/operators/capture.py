@@ -100,6 +100,9 @@ class Graph:
     """Module name -> the tensor its forward returned (the first tensor of a tuple)."""
     module_inputs: dict[str, TensorRef] = field(default_factory=dict)
     """Module name -> its forward's first tensor argument."""
+    grad_inputs: set[int] = field(default_factory=set)
+    """Value ids of batch inputs a gradient flows back to (a pipeline stage's received hidden states: its tensor
+    requires grad)."""
     functions: list[Function] = field(default_factory=list)
     """The forward's torch-level calls (F.linear, torch.cat, Tensor.__matmul__, ...) in order: where the executor
     redistributes each argument to the placement the plan's strategy reads it in (plait.execute.autoshard), above
@@ -257,7 +260,9 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
     for name, buffer in model.named_buffers():
         graph.buffers[name] = recorder.new_ref(buffer, "buffer", name)
     for i, tensor in enumerate(batch):
-        recorder.new_ref(tensor, "input", f"input{i}")
+        ref = recorder.new_ref(tensor, "input", f"input{i}")
+        if tensor.requires_grad:
+            graph.grad_inputs.add(ref.value)
     hooks = []
     for name, module in model.named_modules():
         hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))

@@ -222,8 +222,9 @@ def _is_view(call) -> bool:
 
 
 def needs_gradient(graph: Graph) -> set[int]:
-    """Value ids a gradient flows to: the parameters and every call output computed from one."""
-    grads = {ref.value for ref in graph.params.values()}
+    """Value ids a gradient flows to: the parameters, inputs that require one (a pipeline stage's received hidden
+    states), and every call output computed from one."""
+    grads = {ref.value for ref in graph.params.values()} | graph.grad_inputs
     for call in graph.calls:
         if any(ref.value in grads for ref in call.inputs):
             grads.update(ref.value for ref in call.outputs if ref.is_float)
@@ -293,6 +294,21 @@ def repeated_blocks(built: Built) -> list[list[int]]:
     """Classes of nodes that choose together: node j of every interior copy of a repeated block. A block is the
     module named by a numbered child ("model.layers.7"); copies have the same operators, in the same order, on the
     same shapes, and the same parameters (plait.search.sharding.tie)."""
+    copies: dict[tuple, list[list[int]]] = {}
+    for prefix, members in block_nodes(built).items():
+        container = prefix.rsplit(".", 1)[0]
+        copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
+    classes = []
+    for same in copies.values():
+        if len(same) >= TIE_MIN_COPIES:
+            interior = same[1:-1]
+            classes.extend([list(nodes) for nodes in zip(*interior)])
+    return classes
+
+
+def block_nodes(built: Built) -> dict[str, list[tuple[int, tuple]]]:
+    """Per numbered child ("model.layers.7"), its nodes in order with what makes them the same node of another copy
+    (operator, place in the block, shapes, scalars; a parameter's name in the block and shape)."""
     import re
 
     number = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -310,16 +326,7 @@ def repeated_blocks(built: Built) -> list[list[int]]:
         if found and found.group(1) in blocks:
             key = ("param", name[len(found.group(1)):], ref.shape)
             blocks[found.group(1)].append((built.value_node[ref.value], key))
-    copies: dict[tuple, list[list[int]]] = {}
-    for prefix, members in blocks.items():
-        container = prefix.rsplit(".", 1)[0]
-        copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
-    classes = []
-    for same in copies.values():
-        if len(same) >= TIE_MIN_COPIES:
-            interior = same[1:-1]
-            classes.extend([list(nodes) for nodes in zip(*interior)])
-    return classes
+    return blocks
 
 
 def _shapes(refs) -> tuple:
@@ -357,13 +364,18 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
         solution = solve(built, solver)
     except sharding.Infeasible as e:
         limit = memory_limit if memory_limit is not None else cluster.memory_bytes
-        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
-                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-        raise ConfigError(f"no placement fits {limit / 2**20:.2f} MiB per device"
-                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
+        raise infeasible_error(e, limit, pins, fused, model) from None
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
+
+
+def infeasible_error(error: Exception, limit: float, pins: dict[str, str], fused: dict[str, str], model: nn.Module
+                     ) -> ConfigError:
+    hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+            if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+    return ConfigError(f"no placement fits {limit / 2**20:.2f} MiB per device"
+                       + (f" with pins {pins}" if pins else "") + f"{hint}: {error}")
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
@@ -480,11 +492,13 @@ def _function_reads(built: Built, choice: tuple[int, ...]) -> dict[str, dict[str
     return reads
 
 
-def data_parallel_time(built: Built, tp: int, dp: int, cluster: ClusterSpec) -> float:
-    """The same step under data parallelism alone over dp x tp devices: each call's replicated work on 1/tp of the
-    micro-batch, and every parameter's fully_shard traffic over the whole group."""
+def data_parallel_time(built: Built, tp: int, dp: int, cluster: ClusterSpec, micro_batches: int = 1) -> float:
+    """The same step (`micro_batches` of the captured micro-batch per data-parallel rank) under data parallelism
+    alone over dp x tp devices (tp: every other axis's degree): each call's replicated work on 1/tp of the work, and
+    every parameter's fully_shard traffic over the whole group once."""
     world = comm.Group(dp * tp, 1)
-    compute = sum(price.compute_time(c.flops, c.outputs, False, 1, cluster) for c in built.graph.calls) / tp
+    compute = micro_batches * sum(price.compute_time(c.flops, c.outputs, False, 1, cluster)
+                                  for c in built.graph.calls) / tp
     sync = sum(price.gradient_sync_time(ref, "R", 1, dp * tp, cluster, world) for ref in built.graph.params.values())
     return compute + sync
 
@@ -518,27 +532,48 @@ def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
 
 def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,
               tp: int = 1, pins: dict[str, str] | None = None, solver: str = "program",
-              memory_limit: float | None = None, table_optimizer: str | None = None):
-    """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved)."""
+              memory_limit: float | None = None, table_optimizer: str | None = None, pp: int = 1,
+              num_micro_batches: int | None = None, schedule: str = "1f1b", layers_per_stage: tuple[int, ...] = ()):
+    """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved), and
+    with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline; `num_micro_batches`
+    defaults to pp)."""
     from plait.models.factory import load_factory
     from plait.plan import Plan, Prediction
     from plait.spec import ModelSpec, TrainSpec
 
-    if global_batch % dp:
-        raise ConfigError(f"global batch {global_batch} must divide by dp={dp}")
+    micro_batches = num_micro_batches or pp
+    if global_batch % (dp * micro_batches):
+        raise ConfigError(f"global batch {global_batch} must divide by dp={dp} x {micro_batches} micro-batches")
     with torch.device("meta"):
         model = load_factory(model_source)()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
-    batch = meta_batch(batch_source, global_batch // dp)
-    sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
-                            solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
-    num_params = sum(p.numel() for p in model.parameters())
+    micro_batch = global_batch // dp // micro_batches
+    batch = meta_batch(batch_source, micro_batch)
     name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
+    split, bubble = (), 0.0
+    if pp > 1:
+        from plait.operators.pipeline import PipelineSettings, plan_pipeline
+
+        settings = PipelineSettings(pp, micro_batches, schedule, tuple(layers_per_stage))
+        sharding_, split, bubble = plan_pipeline(
+            model, batch, settings, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=dict(pins or {}),
+            solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer, name=f"model {name!r}")
+    else:
+        sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
+                                solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
+    num_params = sum(p.numel() for p in model.parameters())
+    layers = max(1, len(split))
+    if split:
+        layers = sum(split)
     spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
-                     num_layers=1, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0, post_params=0,
-                     blocks=(BlockCost(params=num_params, flops_per_token=0.0),))
-    prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes)
-    return Plan.of(dp=dp, tp=tp, model=spec, train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
-                   cluster=cluster.with_devices(dp * tp), micro_batch=global_batch // dp, zero=3 if dp > 1 else 0,
-                   predicted=prediction, operators=sharding_)
+                     num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
+                     post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
+                                                 for _ in range(layers)))
+    prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes,
+                            bubble_fraction=bubble)
+    return Plan.of(dp=dp, tp=tp, pp=pp, model=spec,
+                   train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
+                   cluster=cluster.with_devices(dp * tp * pp), micro_batch=micro_batch,
+                   num_micro_batches=micro_batches, schedule=schedule, layers_per_stage=tuple(split),
+                   zero=3 if dp > 1 else 0, predicted=prediction, operators=sharding_)

@@ -70,7 +70,27 @@ class OperatorSharding:
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+    blocks: str = ""
+    """Under a pipeline (pp > 1): the module path of the repeated blocks the stages are cut between
+    (plait.operators.stages); the blocks of each stage are the Plan's (Plan.stage_layers)."""
+    stages: tuple["OperatorSharding", ...] = ()
+    """Under a pipeline: each stage's own per-operator plan, on its own capture (its calls keyed as that stage runs
+    them), in stage order; its step_time_s is one micro-batch's forward and backward on that stage with its
+    data-parallel synchronisation. The fields above then sum the stages (params and pins: their union; comm_bytes
+    and comm_counts: per micro-batch, every stage's; step_time_s: the pipeline's step, priced by the cost model's
+    schedule simulator)."""
+
+    def check_stages(self, pp: int) -> None:
+        """ConfigError unless the placements hold one plan per pipeline stage of a pp-stage plan (none for pp = 1):
+        what the executor builds each pipeline rank's stage from."""
+        from plait.errors import ConfigError
+
+        if len(self.stages) != (pp if pp > 1 else 0) or (pp > 1 and not self.blocks):
+            raise ConfigError(f"the plan has pp={pp} but its per-operator placements hold {len(self.stages)} stage "
+                              f"plans{'' if self.blocks else ' and no blocks to cut'}; plan it again with "
+                              f"`plait plan --model module:... --batch ... --pp {pp}`")
 
     def describe(self) -> str:
         split = sum(1 for p in self.params.values() if p != "R")
-        return f"{split}/{len(self.params)} parameters split on {self.axis}"
+        text = f"{split}/{len(self.params)} parameters split on {self.axis}"
+        return text + (f", {len(self.stages)} pipeline stages of {self.blocks}" if self.stages else "")

@@ -4,6 +4,7 @@
             path = "examples/auto"           # where to import it from
     [data]  batch = "dlrm:batch"             # batch(batch_size, generator) -> the forward's tensors
     [plan]  devices = 2, pins = {tp = 2, memory_budget = 2.3, table_optimizer = "sgd", place = {"fc.weight" = "S0"}}
+            # pins = {pp = 2} cuts pipeline stages between the module's repeated blocks (plait.operators.pipeline)
             # or file = "plan.json" from `plait plan --model module:... --batch ... --json`
 
 The launcher plans here (plait.operators.planner.auto_plan: tp from the pins, default every device; dp the rest),
@@ -23,9 +24,10 @@ from typing import Any
 
 from plait.errors import ConfigError
 
-PLAN_PINS = ("tp", "memory_budget", "table_optimizer", "place")
-"""[plan] pins a per-operator run takes: tp degree, a per-device budget in MiB, the fused table optimizer, and
-placements pinned by parameter or module name."""
+PLAN_PINS = ("tp", "pp", "schedule", "num_micro_batches", "memory_budget", "table_optimizer", "place")
+"""[plan] pins a per-operator run takes: tp degree, pipeline stages (pp, cut between the module's repeated blocks;
+schedule gpipe or 1f1b; micro-batches per step, default pp), a per-device budget in MiB, the fused table optimizer,
+and placements pinned by parameter or module name."""
 
 
 def is_per_operator(config: Any) -> bool:
@@ -48,6 +50,7 @@ def plan_per_operator(config: Any, nproc: int | None) -> Any:
         if plan.operators is None:
             raise ConfigError(f"plan.file {config.plan.file!r} has no per-operator placements; write one with "
                               "`plait plan --model module:... --batch ... --json FILE`")
+        plan.operators.check_stages(plan.pp)
         return plan
     pins = dict(config.plan.pins)
     unknown = sorted(set(pins) - set(PLAN_PINS))
@@ -55,9 +58,13 @@ def plan_per_operator(config: Any, nproc: int | None) -> Any:
         raise ConfigError(f"plan.pins key {unknown[0]!r} does not apply to a per-operator run; it takes "
                           f"{', '.join(PLAN_PINS)}")
     devices = config.plan.devices or nproc or 2
-    tp = pins.get("tp", devices)
-    if not isinstance(tp, int) or tp < 1 or devices % tp:
-        raise ConfigError(f"plan.pins tp = {tp!r} must be a whole number dividing the {devices} devices")
+    pp = pins.get("pp", 1)
+    if not isinstance(pp, int) or pp < 1 or devices % pp:
+        raise ConfigError(f"plan.pins pp = {pp!r} must be a whole number dividing the {devices} devices")
+    tp = pins.get("tp", devices // pp)
+    if not isinstance(tp, int) or tp < 1 or devices % (tp * pp):
+        raise ConfigError(f"plan.pins tp = {tp!r} must be a whole number dividing the {devices // pp} devices of "
+                          f"each pipeline stage (pp = {pp})")
     budget = pins.get("memory_budget")
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise ConfigError(f"plan.pins memory_budget = {budget!r} must be a positive number of MiB")
@@ -65,8 +72,10 @@ def plan_per_operator(config: Any, nproc: int | None) -> Any:
     from plait.spec.load import load_cluster
 
     return auto_plan(config.model.module, config.data.batch, load_cluster(config.plan.cluster),
-                     global_batch=config.train.global_batch, dp=devices // tp, tp=tp, pins=pins.get("place") or None,
-                     memory_limit=budget * 2**20 if budget else None, table_optimizer=pins.get("table_optimizer"))
+                     global_batch=config.train.global_batch, dp=devices // (tp * pp), tp=tp,
+                     pins=pins.get("place") or None, memory_limit=budget * 2**20 if budget else None,
+                     table_optimizer=pins.get("table_optimizer"), pp=pp,
+                     num_micro_batches=pins.get("num_micro_batches"), schedule=pins.get("schedule", "1f1b"))
 
 
 def launch_per_operator(config_path: str | None, config: Any, overrides: list[str], *, nproc: int | None,
@@ -118,8 +127,15 @@ def run_auto(config: Any) -> list[float]:
     init_distributed(plan.cluster.backend, DIST_TIMEOUT_S)
     with ending_together():
         mesh = build_mesh(plan)
-        model = build_module(plan.model.source, seed=config.train.seed, dtype=torch.float32)
-        model = apply_operator_sharding(model, plan, mesh, config.optimizer.lr)
+        schedule = None
+        if plan.pp > 1:  # this rank's pipeline stage, run by the plan's schedule
+            from plait.execute.autoshard_pipeline import build_pipeline_stage, clip_across_stages, pipeline_losses
+
+            position, model, schedule = build_pipeline_stage(plan, mesh, seed=config.train.seed, dtype=torch.float32,
+                                                             lr=config.optimizer.lr)
+        else:
+            model = build_module(plan.model.source, seed=config.train.seed, dtype=torch.float32)
+            model = apply_operator_sharding(model, plan, mesh, config.optimizer.lr)
         opt = config.optimizer
         trained = [p for name, p in model.named_parameters() if name not in plan.operators.fused_tables]
         optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=opt.betas, eps=opt.eps,
@@ -141,9 +157,14 @@ def run_auto(config: Any) -> list[float]:
             model.fused_tables.lr = lr
             batch = make_batch(plan.operators.batch, plan.train.global_batch, config.train.seed, state.step,
                                torch.float32)
-            loss = model(*dp_slice(batch, plan.dp, dp_rank))
-            loss.backward()
-            if opt.clip > 0:
+            if schedule is not None:
+                loss = pipeline_losses(schedule, plan, position, dp_slice(batch, plan.dp, dp_rank), mesh)
+            else:
+                loss = model(*dp_slice(batch, plan.dp, dp_rank))
+                loss.backward()
+            if opt.clip > 0 and schedule is not None:
+                clip_across_stages(trained, opt.clip, mesh["pp"].get_group())
+            elif opt.clip > 0:
                 torch.nn.utils.clip_grad_norm_(trained, opt.clip)
             optimizer.step()
             optimizer.zero_grad()

@@ -82,9 +82,10 @@ def test_the_fused_lookup_updates_rows_as_dense_sgd_does():
 
 @pytest.mark.parametrize("settings, message", [
     (['data.batch="dlrm:batch"'], "set model.module"),
-    (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={schedule=\"1f1b\"}"],
-     "plan.pins key 'schedule' does not apply to a per-operator run"),
+    (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={cp=2}"],
+     "plan.pins key 'cp' does not apply to a per-operator run"),
     (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={tp=3}"], "tp = 3 must be a whole number"),
+    (['data.batch="dlrm:batch"', 'model.module="dlrm:build"', "plan.pins={pp=2}"], "has no repeated blocks"),
 ])
 def test_plait_train_refuses_a_bad_per_operator_config_in_one_line(tmp_path, capsys, settings, message):
     from plait.cli import main as cli_main

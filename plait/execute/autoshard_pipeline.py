@@ -1,0 +1,162 @@
+"""Run a per-operator plan's pipeline (plan.operators.stages): each pipeline rank builds its stage of the module
+(plait.operators.stages.build_stage, the blocks Plan.stage_layers gives it), applies that stage's own per-operator
+placements over its tensor-parallel axis and fully_shard over dp (plait.execute.autoshard.apply_operator_sharding),
+and runs the plan's schedule with torch.distributed.pipelining (plait.execute.pipeline.build_schedule, as plait's
+other pipelines). Hidden states travel between stages whole (replicated on tp); every stage is handed the
+micro-batch's batch tensors as keyword arguments (torch's schedules pass keyword arguments to every stage), since
+the module's forward reads them on every stage (its labels on the last). The last stage's output is the loss of
+the micro-batch; the schedule averages the gradients over the micro-batches (scale_grads), as one process's loss
+over the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.experimental import implicit_replication
+
+from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
+                                     make_batch)
+from plait.execute.equivalence import CheckSettings
+from plait.execute.pipeline import build_schedule
+from plait.operators.stages import build_stage, find_layout
+from plait.plan import Plan
+
+
+def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage returns the module's own loss."""
+    return output
+
+
+def build_pipeline_stage(plan: Plan, mesh, *, seed: int, dtype: torch.dtype, lr: float):
+    """(this rank's pipeline position, its stage module with the plan's placements, the schedule)."""
+    position = int(mesh.get_coordinate()[0])
+    meta = build_module(plan.model.source, seed=seed, dtype=dtype, device="meta")
+    micro = tuple(t.to("meta") for t in make_batch(plan.operators.batch, plan.micro_batch, seed, 0, dtype))
+    layout = find_layout(meta, micro)
+    if layout.blocks_path != plan.operators.blocks:
+        raise ValueError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
+                         f"{layout.blocks_path!r}: plan again for this module")
+    model = build_module(plan.model.source, seed=seed, dtype=dtype)
+    stage = build_stage(model, layout, plan.stage_layers(position), first=position == 0, last=position == plan.pp - 1)
+    stage = apply_operator_sharding(stage, plan, mesh, lr, plan.operators.stages[position], caller_replicates=True)
+    schedule = build_schedule(plan, [position], [stage], mesh["pp"], torch.device("cpu"), _loss_is_output)
+    return position, stage, schedule
+
+
+def pipeline_step(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """One step of the schedule on this data-parallel rank's `batch`; the micro-batches' losses (last stage)."""
+    losses: list[torch.Tensor] = []
+    named = {str(i): t for i, t in enumerate(batch)}
+    # forward and backward interleave: one implicit_replication around both (constants made in forward, RoPE's
+    # tables, meet DTensors in the backward too)
+    with implicit_replication():
+        if position == 0:
+            schedule.step(*batch, losses=losses)
+        elif position == plan.pp - 1:
+            schedule.step(target=torch.zeros(batch[0].shape[0]), losses=losses, return_outputs=False, **named)
+        else:
+            schedule.step(**named)
+    return losses
+
+
+def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...], mesh) -> torch.Tensor:
+    """One step on this data-parallel rank's `batch`; the step's loss (the mean of its micro-batches', from the last
+    stage) on every stage."""
+    micro = pipeline_step(schedule, plan, position, batch)
+    value = torch.stack([m.detach().double() for m in micro]).mean() if micro else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(value, group=mesh["pp"].get_group())  # the last stage's loss to every stage
+    return value
+
+
+def clip_across_stages(params: list, max_norm: float, pp_group) -> torch.Tensor:
+    """Clip gradients to `max_norm` by the norm over every stage's gradients (each stage's own over its shards, then
+    summed over the pipeline), as one process clips the whole model's."""
+    from plait.execute.parallelize import global_squared_norm
+
+    squared = global_squared_norm([p.grad for p in params if p.grad is not None], torch.device("cpu"))
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
+
+
+def run_pipeline(plan: Plan, settings: CheckSettings):
+    """K AdamW steps of the pipeline; (losses averaged over dp, first gradients, final parameters), full tensors of
+    every stage on every rank."""
+    dtype = DTYPES[settings.dtype]
+    mesh = build_mesh(plan)
+    position, stage, schedule = build_pipeline_stage(plan, mesh, seed=settings.seed, dtype=dtype, lr=settings.lr)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                  foreach=False)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses, first = [], {}
+    for step in range(settings.steps):
+        batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
+                         plan.dp, dp_rank)
+        value = pipeline_losses(schedule, plan, position, batch, mesh)
+        if plan.dp > 1:
+            dist.all_reduce(value, group=mesh["dp"].get_group())
+            value /= plan.dp
+        losses.append(value.item())
+        if step == 0:
+            first = _gathered({n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+    params = _gathered({n: _full(p) for n, p in stage.named_parameters()})
+    return losses, first, params
+
+
+def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's full tensors on every rank (the models plait checks are small)."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {n: t.detach().clone() for n, t in tensors.items()})
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+
+def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
+    """Per stage, (bytes, collectives by kind, planned calls the forward met) of one micro-batch's forward and
+    backward on the tensor-parallel
+    axis (dp = 1): every stage built as its pipeline rank builds it, chained in one process on rank 0 of a fake
+    process group of tp ranks (the hidden states handed on as a send would), against each stage's comm_bytes.
+    Starts and destroys its own process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plait.execute.autoshard import _COLLECTIVES
+    from plait.execute.dryrun import CollectiveCounter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
+    try:
+        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+        batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+        meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
+        layout = find_layout(meta, tuple(t.to("meta") for t in batch))
+        model = build_module(plan.model.source, seed=0, dtype=torch.float32)
+        named = {str(i): t for i, t in enumerate(batch)}
+        counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]
+        outputs, inputs, matched = [], [], []
+        with implicit_replication():
+            hidden = None
+            for s in range(plan.pp):
+                stage = build_stage(model, layout, plan.stage_layers(s), first=s == 0, last=s == plan.pp - 1)
+                stage = apply_operator_sharding(stage, plan.replace(dp=1), mesh, 0.0, plan.operators.stages[s],
+                                                caller_replicates=True)
+                with counters[s]:
+                    out = stage(*batch) if hidden is None else stage(hidden, **named)
+                outputs.append(out)
+                inputs.append(hidden)
+                matched.append(stage.forward.planned.matched if stage.forward.planned else 0)
+                hidden = out.detach().requires_grad_()
+            grad = None
+            for s in reversed(range(plan.pp)):
+                with counters[s]:
+                    outputs[s].backward(grad)
+                grad = inputs[s].grad if inputs[s] is not None else None
+        return [(c.nbytes, c.counts, n) for c, n in zip(counters, matched)]
+    finally:
+        dist.destroy_process_group()
