@@ -6,8 +6,10 @@
    itself (once per rank count: the benchmark keeps its own cache, ROOT/cache, so it is measured here);
 3. the calibration the preset run's end note asks for (its measured step is more than 1.5x from its prediction):
    `plait profile --nproc N --out cluster.yaml`, then `plait tune --from-run LOG_DIR --cluster cluster.yaml --out
-   cluster.tuned.yaml` (the profile runs once per process count and is shared by the cases of that count, as one
-   user on one machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
+   cluster.tuned.yaml` with `--from-run` once more for the other run of the config (2.; the note asks for every run
+   of the config: on a shared machine each run is one sample of its load; --fit-runs preset reads the preset run
+   alone) (the profile runs once per process count and is shared by the cases of that count, as one user on one
+   machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
    then pick another plan);
 4. print, per case and run: the plan, the predicted and measured step (median over the timed steps of the slowest
    rank, 2 warm-up steps left out) and measured / predicted.
@@ -18,8 +20,8 @@ examples/hf_finetune_setup.py) pinned to dp2 and to tp2 on 2 processes, the fine
 processes as the planner chooses. Nothing is downloaded. Target: measured / predicted within 1.3x after the
 calibration.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py [--root runs/calibration] [--steps 12]
-        [--cases llama-dp2 llama-tp2 finetune mixtral] [--rounds 1] [--json FILE]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py [--root runs/calibration] [--steps 20]
+        [--cases llama-dp2 llama-tp2 finetune mixtral] [--rounds 1] [--fit-runs both|preset] [--json FILE]
 
 With --rounds R each case's runs are repeated R times (the profiles and the fit from the first round) and the
 table gives medians.
@@ -181,9 +183,10 @@ def advice_commands(output: str) -> list[str] | None:
     return [c for c in re.findall(r"`(plait [^`]+)`", note) if "--model M" not in c]
 
 
-def calibrate(case: Case, commands: list[str], root: Path) -> Path:
+def calibrate(case: Case, commands: list[str], root: Path, other_runs: list[Path]) -> Path:
     """Run the note's commands in a folder per process count (one profile per count, reused by its cases); the
-    tuned file is per case. Returns the tuned cluster file."""
+    tuned file is per case, and `plait tune --from-run` is given the case's other runs too (`--from-run DIR` once
+    more each, as the note says). Returns the tuned cluster file."""
     folder = root / f"nproc-{case.nproc}"
     folder.mkdir(parents=True, exist_ok=True)
     tuned = f"{case.name}.tuned.yaml"
@@ -191,6 +194,8 @@ def calibrate(case: Case, commands: list[str], root: Path) -> Path:
         args = shlex.split(command)[1:]
         if args[0] == "profile" and (folder / "cluster.yaml").is_file():
             continue
+        if args[0] == "tune":
+            args += [a for run in other_runs for a in ("--from-run", str(run.resolve()))]
         plait([a.replace("cluster.tuned.yaml", tuned) for a in args], folder)
     return folder / tuned
 
@@ -222,7 +227,7 @@ RUNS = ("preset", "quick profile", "after")
 """The rows of a case: planned on the local-cpu preset, on the run's own quick profile, after the calibration."""
 
 
-def run_case(case: Case, root: Path, steps: int, rounds: int) -> dict:
+def run_case(case: Case, root: Path, steps: int, rounds: int, fit_runs: str) -> dict:
     runs: dict[str, list[Run]] = {name: [] for name in RUNS}
     tuned, refusal = None, None
     for index in range(rounds):
@@ -232,7 +237,7 @@ def run_case(case: Case, root: Path, steps: int, rounds: int) -> dict:
         advice = runs["preset"][0].advice
         if tuned is None and advice and refusal is None:
             try:
-                tuned = calibrate(case, advice, root)
+                tuned = calibrate(case, advice, root, [folder / "quick"] if fit_runs == "both" else [])
             except Refused as e:  # what the user would read: no tuned file, and what would help
                 refusal = str(e)
                 print(f"  {case.name}: {refusal}", flush=True)
@@ -277,7 +282,10 @@ def table(results: list[dict]) -> Table:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path("runs/calibration"))
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm-up steps are left out)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per run (2 warm-up steps are left out)")
+    parser.add_argument("--fit-runs", choices=("both", "preset"), default="both",
+                        help="the runs `plait tune --from-run` reads: the preset run whose note asks for the "
+                             "calibration and the quick-profile run of the same config (both), or the preset run alone")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cases", nargs="+", default=["llama-dp2", "llama-tp2", "finetune", "mixtral"])
     parser.add_argument("--json", type=Path, help="write every run's figures here")
@@ -296,7 +304,7 @@ def main() -> int:
         return 2
     results = []
     for name in args.cases:
-        results.append(run_case(chosen[name], root, args.steps, args.rounds))
+        results.append(run_case(chosen[name], root, args.steps, args.rounds, args.fit_runs))
         if args.json:  # after each case: a long benchmark cut short keeps what it measured
             args.json.write_text(json.dumps(results, indent=1))
     Console(width=200).print(table(results))

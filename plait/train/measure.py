@@ -360,8 +360,10 @@ def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str
     return (f"the measured step is {max(ratio, 1 / ratio):.1f}x {direction} than the plan predicted for {cluster!r}: "
             f"the cost model is not calibrated for this machine. Calibrate it with `plait profile --nproc {nproc} "
             f"--out cluster.yaml`, then `plait tune --from-run {log_dir} --cluster cluster.yaml --out "
-            f"cluster.tuned.yaml`, and plan with plan.cluster = \"cluster.tuned.yaml\" (a fit from one run knows that "
-            f"run's plan: `plait tune --model M --cluster cluster.yaml` times several)")
+            f"cluster.tuned.yaml` (with `--from-run DIR` once more for every other run of this config: on a machine "
+            f"shared with other work each run is one sample of its load), and plan with plan.cluster = "
+            f"\"cluster.tuned.yaml\" (a fit from one plan knows that plan: `plait tune --model M --cluster cluster.yaml` "
+            f"times several)")
 
 
 # ---- the router's balance ------------------------------------------------------------------------

@@ -166,6 +166,7 @@ def test_a_run_far_off_its_prediction_names_the_calibration_commands() -> None:
     advice = calibration_advice([segment(1.0, 1.4), segment(0.1, 1.37)], "runs/x", 2)
     assert "13.7x slower" in advice and "'local-cpu'" in advice
     assert "plait profile --nproc 2" in advice and "plait tune --from-run runs/x" in advice
+    assert "`--from-run DIR` once more for every other run of this config" in advice
     assert "0.5x" not in calibration_advice([segment(1.0, 0.5)], "runs/x", 2) and "2.0x faster" in \
         calibration_advice([segment(1.0, 0.5)], "runs/x", 2)
 
