@@ -99,6 +99,9 @@ class Run:
     load: float
     """The machine's 1-minute load average at the end of the run (its cores: os.cpu_count()): the other work
     sharing the cores, which no cost model sees."""
+    cpu_s: float | None = None
+    """The median over timed steps of the largest CPU seconds any rank's process spent in the step
+    (RankRecord.cpu_s): the work itself, without the waits other work on the cores adds (None: not recorded)."""
 
     @property
     def ratio(self) -> float:
@@ -168,8 +171,10 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     measured = segment.measured()
     ranks = [r for r in segment.measured_window() if r.steps]
     fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
+    cpu = statistics.median(max(t) for t in zip(*(r.cpu_s for r in ranks))) if all(r.cpu_s for r in ranks) else None
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
                measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
+               cpu_s=cpu,
                parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
@@ -256,6 +261,8 @@ def median_run(runs: list[dict]) -> dict | None:
     return {"plan": runs[0]["plan"], "predicted_s": statistics.median(r["predicted_s"] for r in runs),
             "measured_s": statistics.median(r["measured_s"] for r in runs), "ratio": ratio,
             "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
+            "cpu_ratio": (statistics.median(r["cpu_s"] / r["predicted_s"] for r in runs)
+                          if all(r.get("cpu_s") for r in runs) else None),
             "load": statistics.median(r["load"] for r in runs)}
 
 
@@ -264,7 +271,7 @@ def table(results: list[dict]) -> Table:
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
-                 "fastest step / predicted", "load"):
+                 "fastest step / predicted", "step CPU / predicted", "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -275,7 +282,8 @@ def table(results: list[dict]) -> Table:
             within = max(ratio, 1 / ratio) <= TARGET
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
                         f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
-                        f"{row['fastest_ratio']:.2f}", f"{row['load']:.1f}")
+                        f"{row['fastest_ratio']:.2f}",
+                        "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}", f"{row['load']:.1f}")
     return out
 
 
@@ -309,7 +317,9 @@ def main() -> int:
             args.json.write_text(json.dumps(results, indent=1))
     Console(width=200).print(table(results))
     Console(width=200).print(parts_table(results))
-    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores")
+    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores; step CPU: "
+          f"the median step's CPU seconds of the busiest rank's process (what other work on the cores does not "
+          f"stretch), against the same prediction")
     for result in results:
         if result["refusal"]:
             print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "

@@ -175,7 +175,7 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     tokens, targets = state.loader.next_batch()
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     state.optimizer.zero_grad(set_to_none=True)
     forward = time.perf_counter()
     loss = state.model.train_step(tokens.to(device), targets.to(device))
@@ -185,7 +185,7 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     ended = time.perf_counter()
     step_time = ended - began
     state.step += 1
-    measured.add(state.step, step_time, trained - forward, ended - trained)
+    measured.add(state.step, step_time, trained - forward, ended - trained, time.process_time() - began_cpu)
     state.tokens += throughput.tokens_per_step
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,

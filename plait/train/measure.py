@@ -122,14 +122,20 @@ class RankRecord:
     optimizer_s: list[float] = field(default_factory=list)
     router_load: dict[str, list[float]] = field(default_factory=dict)
     """Mixture-of-experts models: per ep (as a string: JSON keys), per step, this rank's RouterLoad reading."""
+    cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds this rank's process (all its threads) spent in the step: its own work, which other work sharing
+    the cores does not stretch, where the wall-clock step_s also holds the time it waited while descheduled or for a
+    descheduled peer (empty in files written before it was recorded)."""
 
     def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float,
-            router_load: dict[int, float] | None = None) -> None:
+            router_load: dict[int, float] | None = None, cpu_s: float | None = None) -> None:
         self.steps.append(step)
         self.step_s.append(step_s)
         self.train_s.append(train_s)
         self.compute_s.append(compute_s)
         self.optimizer_s.append(optimizer_s)
+        if cpu_s is not None:
+            self.cpu_s.append(cpu_s)
         for ep, value in (router_load or {}).items():
             self.router_load.setdefault(str(ep), []).append(value)
 
@@ -231,7 +237,8 @@ def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
                       steps=record.steps[start:stop], step_s=record.step_s[start:stop],
                       train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
                       optimizer_s=record.optimizer_s[start:stop],
-                      router_load={ep: values[start:stop] for ep, values in record.router_load.items()})
+                      router_load={ep: values[start:stop] for ep, values in record.router_load.items()},
+                      cpu_s=record.cpu_s[start:stop])
 
 
 def _parts_of(ranks: list[RankRecord]) -> Parts | None:
@@ -504,8 +511,8 @@ class RunMeasurements:
         self.record = RankRecord(rank=dist.get_rank(), pp_rank=model.pp_rank, dp_rank=model.dp_rank,
                                  tp_rank=model.tp_rank)
 
-    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float) -> None:
-        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take())
+    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float, cpu_s: float | None = None) -> None:
+        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take(), cpu_s)
 
     def gathered(self) -> Segment:
         """The current segment with every rank's timings so far (collective)."""
