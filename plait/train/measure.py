@@ -104,6 +104,18 @@ class StepClock:
             self._backward_began = None
 
 
+SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def queued_seconds() -> float | None:
+    """Seconds the calling thread has sat ready to run without a core since it started (the run-queue delay Linux
+    keeps in /proc/thread-self/schedstat, second field, nanoseconds); None where the kernel does not report it."""
+    try:
+        return int(SCHEDSTAT.read_text().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # ---- records ---------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
@@ -126,9 +138,13 @@ class RankRecord:
     """CPU seconds this rank's process (all its threads) spent in the step: its own work, which other work sharing
     the cores does not stretch, where the wall-clock step_s also holds the time it waited while descheduled or for a
     descheduled peer (empty in files written before it was recorded)."""
+    queued_s: list[float] = field(default_factory=list)
+    """Seconds this rank's training thread sat ready to run but without a core during the step (Linux's run-queue
+    delay): time other work on the cores took from it (empty where the kernel does not report it)."""
 
     def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float,
-            router_load: dict[int, float] | None = None, cpu_s: float | None = None) -> None:
+            router_load: dict[int, float] | None = None, cpu_s: float | None = None,
+            queued_s: float | None = None) -> None:
         self.steps.append(step)
         self.step_s.append(step_s)
         self.train_s.append(train_s)
@@ -136,6 +152,8 @@ class RankRecord:
         self.optimizer_s.append(optimizer_s)
         if cpu_s is not None:
             self.cpu_s.append(cpu_s)
+        if queued_s is not None:
+            self.queued_s.append(queued_s)
         for ep, value in (router_load or {}).items():
             self.router_load.setdefault(str(ep), []).append(value)
 
@@ -238,7 +256,7 @@ def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
                       train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
                       optimizer_s=record.optimizer_s[start:stop],
                       router_load={ep: values[start:stop] for ep, values in record.router_load.items()},
-                      cpu_s=record.cpu_s[start:stop])
+                      cpu_s=record.cpu_s[start:stop], queued_s=record.queued_s[start:stop])
 
 
 def _parts_of(ranks: list[RankRecord]) -> Parts | None:
@@ -511,8 +529,9 @@ class RunMeasurements:
         self.record = RankRecord(rank=dist.get_rank(), pp_rank=model.pp_rank, dp_rank=model.dp_rank,
                                  tp_rank=model.tp_rank)
 
-    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float, cpu_s: float | None = None) -> None:
-        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take(), cpu_s)
+    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float, cpu_s: float | None = None,
+            queued_s: float | None = None) -> None:
+        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take(), cpu_s, queued_s)
 
     def gathered(self) -> Segment:
         """The current segment with every rank's timings so far (collective)."""

@@ -13,7 +13,7 @@ from plait.train.measure import Parts, RankRecord, Segment, read_measured, write
 def record(rank: int, steps: int = 6) -> RankRecord:
     out = RankRecord(rank=rank, pp_rank=0, dp_rank=rank)
     for k in range(steps):
-        out.add(k + 1, 0.2 + 0.01 * k, 0.15, 0.12, 0.03, cpu_s=0.1 + 0.01 * k + rank)
+        out.add(k + 1, 0.2 + 0.01 * k, 0.15, 0.12, 0.03, cpu_s=0.1 + 0.01 * k + rank, queued_s=0.001 * k)
     return out
 
 
@@ -28,14 +28,49 @@ def test_cpu_seconds_round_trip_and_share_the_warm_up_cut(tmp_path):
     assert [r.cpu_s for r in read.ranks] == [r.cpu_s for r in segment().ranks]
     window = read.measured_window(warmup=2)
     assert [len(r.cpu_s) for r in window] == [4, 4] and window[1].cpu_s[0] == 1.12
-    assert window[0].step_s[0] == 0.22  # cut at the same step
+    assert window[0].step_s[0] == 0.22 and window[0].queued_s == [0.002, 0.003, 0.004, 0.005]  # the same steps
 
 
 def test_files_without_cpu_seconds_still_read(tmp_path):
     path = write_measured(tmp_path, [segment()])
     data = json.loads(path.read_text())
     for rank in data["segments"][0]["ranks"]:
-        del rank["cpu_s"]
+        del rank["cpu_s"], rank["queued_s"]
     path.write_text(json.dumps(data))
     [read] = read_measured(tmp_path)
-    assert all(r.cpu_s == [] for r in read.ranks) and read.measured().step == pytest.approx(0.235)
+    assert all(r.cpu_s == [] and r.queued_s == [] for r in read.ranks) and read.measured().step == pytest.approx(0.235)
+
+
+def test_the_run_queue_delay_grows_while_another_thread_holds_the_only_core():
+    """Linux's run-queue delay, read per thread: pinned to one core beside a busy thread, this thread waits."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from plait.train.measure import queued_seconds
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the run-queue delay is Linux's")
+    assert queued_seconds() is not None
+    core = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    stop = time.perf_counter() + 0.4
+
+    def spin() -> None:
+        os.sched_setaffinity(0, {core})
+        while time.perf_counter() < stop:
+            pass
+
+    os.sched_setaffinity(0, {core})
+    try:
+        before, began = queued_seconds(), time.perf_counter()
+        other = threading.Thread(target=spin)
+        other.start()
+        while time.perf_counter() < stop:
+            sum(range(1000))
+        other.join()
+        waited, elapsed = queued_seconds() - before, time.perf_counter() - began
+    finally:
+        os.sched_setaffinity(0, saved)
+    assert 0.02 < waited <= elapsed
