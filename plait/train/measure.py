@@ -221,6 +221,17 @@ class Segment:
         chunks = [_parts_of([_slice(r, lo, hi) for r in ranks]) for lo, hi in zip(bounds, bounds[1:])]
         return [c for c in chunks if c is not None]
 
+    def queued_share(self, warmup: int = WARMUP_STEPS) -> float | None:
+        """The share of the median step the ranks sat ready to run without a core (per step, the rank that waited
+        longest; RankRecord.queued_s): how much of what was measured is other work on the cores, which no cost
+        model sees. None where the run did not record it."""
+        ranks = [r for r in self.measured_window(warmup) if r.steps]
+        if not ranks or not all(r.queued_s for r in ranks):
+            return None
+        step = statistics.median(max(v) for v in zip(*(r.step_s for r in ranks)))
+        queued = statistics.median(max(v) for v in zip(*(r.queued_s for r in ranks)))
+        return queued / step if step > 0 else None
+
     def router_imbalance(self, warmup: int = WARMUP_STEPS) -> dict[int, float]:
         """Per ep: the busiest expert-parallel rank's slots over the mean (ModelSpec.router_imbalance), the median
         over steps of the mean over ranks of RouterLoad's readings; {} for a dense model."""
@@ -360,6 +371,20 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
         imbalance = segment.router_imbalance()
         if imbalance:
             console.print(router_line(imbalance, plan))
+        queued = segment.queued_share()
+        if queued is not None and queued >= SHARED_CORES_SHARE:
+            console.print(shared_cores_line(queued))
+
+
+SHARED_CORES_SHARE = 0.1
+"""A run whose ranks waited for a core this share of their median step or more says the timings are partly other
+work's (on an otherwise idle machine the share is about 0)."""
+
+
+def shared_cores_line(share: float) -> str:
+    return (f"other work shared the cores: the ranks sat ready to run without a core for {share:.0%} of the median "
+            f"step (Linux's run-queue delay, the rank that waited longest); the measured times hold that load, which "
+            f"no prediction does")
 
 
 CALIBRATION_RATIO = 1.5
@@ -382,13 +407,17 @@ def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str
     ratio, segment = worst
     cluster = segment.plan.get("cluster", {}).get("name", "the cluster")
     direction = "slower" if ratio > 1 else "faster"
+    queued = segment.queued_share()
+    load = (f" This run's ranks waited for a core held by other work for {queued:.0%} of the step: a fit of it learns "
+            f"that load too; calibrate while the machine is otherwise idle, or from several runs."
+            if queued is not None and queued >= SHARED_CORES_SHARE else "")
     return (f"the measured step is {max(ratio, 1 / ratio):.1f}x {direction} than the plan predicted for {cluster!r}: "
             f"the cost model is not calibrated for this machine. Calibrate it with `plait profile --nproc {nproc} "
             f"--out cluster.yaml`, then `plait tune --from-run {log_dir} --cluster cluster.yaml --out "
             f"cluster.tuned.yaml` (with `--from-run DIR` once more for every other run of this config: on a machine "
             f"shared with other work each run is one sample of its load), and plan with plan.cluster = "
             f"\"cluster.tuned.yaml\" (a fit from one plan knows that plan: `plait tune --model M --cluster cluster.yaml` "
-            f"times several)")
+            f"times several)" + load)
 
 
 # ---- the router's balance ------------------------------------------------------------------------

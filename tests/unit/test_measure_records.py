@@ -74,3 +74,16 @@ def test_the_run_queue_delay_grows_while_another_thread_holds_the_only_core():
     finally:
         os.sched_setaffinity(0, saved)
     assert 0.02 < waited <= elapsed
+
+
+def test_the_share_of_a_step_spent_waiting_for_a_core():
+    """Per step the rank that waited longest, over the median step; None for a run that did not record it."""
+    seg = segment()
+    for rank in seg.ranks:
+        rank.queued_s = [0.05 * (rank.rank + 1)] * 6  # rank 1 waits 0.1 s a step
+    assert seg.queued_share() == pytest.approx(0.1 / 0.235)
+    from plait.train.measure import shared_cores_line
+
+    assert "43% of the median step" in shared_cores_line(seg.queued_share())
+    seg.ranks[0].queued_s = []
+    assert seg.queued_share() is None
