@@ -99,12 +99,11 @@ class Run:
     load: float
     """The machine's 1-minute load average at the end of the run (its cores: os.cpu_count()): the other work
     sharing the cores, which no cost model sees."""
+    queued_share: float | None = None
+    """The share of the median step the ranks sat ready to run without a core (Segment.queued_share)."""
     cpu_s: float | None = None
     """The median over timed steps of the largest CPU seconds any rank's process spent in the step
     (RankRecord.cpu_s): the work itself, without the waits other work on the cores adds (None: not recorded)."""
-    unqueued_s: float | None = None
-    """The median over timed steps of the step (slowest rank) less every rank's run-queue delay in it
-    (RankRecord.queued_s): a rank's wait for a core stalls the ranks that wait for it too (None: not recorded)."""
 
     @property
     def ratio(self) -> float:
@@ -175,12 +174,9 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     ranks = [r for r in segment.measured_window() if r.steps]
     fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
     cpu = statistics.median(max(t) for t in zip(*(r.cpu_s for r in ranks))) if all(r.cpu_s for r in ranks) else None
-    unqueued = (statistics.median(max(s) - sum(q) for s, q in zip(zip(*(r.step_s for r in ranks)),
-                                                                  zip(*(r.queued_s for r in ranks))))
-                if all(r.queued_s for r in ranks) else None)
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
                measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
-               cpu_s=cpu, unqueued_s=unqueued,
+               cpu_s=cpu, queued_share=segment.queued_share(),
                parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
@@ -269,8 +265,8 @@ def median_run(runs: list[dict]) -> dict | None:
             "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
             "cpu_ratio": (statistics.median(r["cpu_s"] / r["predicted_s"] for r in runs)
                           if all(r.get("cpu_s") for r in runs) else None),
-            "unqueued_ratio": (statistics.median(r["unqueued_s"] / r["predicted_s"] for r in runs)
-                               if all(r.get("unqueued_s") for r in runs) else None),
+            "queued_share": (statistics.median(r["queued_share"] for r in runs)
+                             if all(r.get("queued_share") is not None for r in runs) else None),
             "load": statistics.median(r["load"] for r in runs)}
 
 
@@ -279,7 +275,7 @@ def table(results: list[dict]) -> Table:
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
-                 "fastest step / predicted", "step CPU / predicted", "less queued / predicted", "load"):
+                 "fastest step / predicted", "step CPU / predicted", "waited for a core", "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -291,7 +287,8 @@ def table(results: list[dict]) -> Table:
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
                         f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
                         f"{row['fastest_ratio']:.2f}",
-                        *("-" if row[k] is None else f"{row[k]:.2f}" for k in ("cpu_ratio", "unqueued_ratio")),
+                        "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}",
+                        "-" if row["queued_share"] is None else f"{row['queued_share']:.0%}",
                         f"{row['load']:.1f}")
     return out
 
@@ -328,7 +325,8 @@ def main() -> int:
     Console(width=200).print(parts_table(results))
     print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores; step CPU: "
           f"the median step's CPU seconds of the busiest rank's process (what other work on the cores does not "
-          f"stretch), against the same prediction; less queued: the step less every rank's wait for a core in it")
+          f"stretch), against the same prediction; waited for a core: the share of the median step "
+          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the measured step)")
     for result in results:
         if result["refusal"]:
             print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "
