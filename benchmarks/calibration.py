@@ -101,6 +101,9 @@ class Run:
     sharing the cores, which no cost model sees."""
     queued_share: float | None = None
     """The share of the median step the ranks sat ready to run without a core (Segment.queued_share)."""
+    less_wait_s: float | None = None
+    """The median over timed steps of the step (slowest rank) less the longest run-queue delay any rank had in it:
+    a candidate for a step without the load (None: not recorded)."""
     cpu_s: float | None = None
     """The median over timed steps of the largest CPU seconds any rank's process spent in the step
     (RankRecord.cpu_s): the work itself, without the waits other work on the cores adds (None: not recorded)."""
@@ -174,9 +177,12 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     ranks = [r for r in segment.measured_window() if r.steps]
     fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
     cpu = statistics.median(max(t) for t in zip(*(r.cpu_s for r in ranks))) if all(r.cpu_s for r in ranks) else None
+    less_wait = (statistics.median(max(s) - max(q) for s, q in zip(zip(*(r.step_s for r in ranks)),
+                                                                   zip(*(r.queued_s for r in ranks))))
+                 if all(r.queued_s for r in ranks) else None)
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
                measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
-               cpu_s=cpu, queued_share=segment.queued_share(),
+               cpu_s=cpu, queued_share=segment.queued_share(), less_wait_s=less_wait,
                parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
@@ -265,6 +271,8 @@ def median_run(runs: list[dict]) -> dict | None:
             "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
             "cpu_ratio": (statistics.median(r["cpu_s"] / r["predicted_s"] for r in runs)
                           if all(r.get("cpu_s") for r in runs) else None),
+            "less_wait_ratio": (statistics.median(r["less_wait_s"] / r["predicted_s"] for r in runs)
+                                if all(r.get("less_wait_s") for r in runs) else None),
             "queued_share": (statistics.median(r["queued_share"] for r in runs)
                              if all(r.get("queued_share") is not None for r in runs) else None),
             "load": statistics.median(r["load"] for r in runs)}
@@ -275,7 +283,7 @@ def table(results: list[dict]) -> Table:
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
-                 "fastest step / predicted", "step CPU / predicted", "waited for a core", "load"):
+                 "fastest step / predicted", "step CPU / predicted", "less longest wait / predicted", "waited for a core", "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -287,7 +295,7 @@ def table(results: list[dict]) -> Table:
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
                         f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
                         f"{row['fastest_ratio']:.2f}",
-                        "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}",
+                        *("-" if row[k] is None else f"{row[k]:.2f}" for k in ("cpu_ratio", "less_wait_ratio")),
                         "-" if row["queued_share"] is None else f"{row['queued_share']:.0%}",
                         f"{row['load']:.1f}")
     return out
@@ -326,7 +334,8 @@ def main() -> int:
     print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores; step CPU: "
           f"the median step's CPU seconds of the busiest rank's process (what other work on the cores does not "
           f"stretch), against the same prediction; waited for a core: the share of the median step "
-          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the measured step)")
+          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the measured step); less "
+          f"longest wait: per step, the step less the longest wait for a core any rank had in it")
     for result in results:
         if result["refusal"]:
             print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "
