@@ -13,7 +13,10 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
   transfers, the data-parallel communication backward did not hide, the loss (forward and backward: it runs
   between the stage's forward and its backward) and its reduction;
 * **optimizer**: gradient clipping and the optimizer step;
-* **step**: all of it, from zeroing the gradients to the end of the optimizer step.
+* **step**: all of it, from zeroing the gradients to the end of the optimizer step;
+
+and beside them the step's CPU seconds of the rank's process and its training thread's wait for a core (Linux's
+run-queue delay), which say how much of a wall-clock step other work on the cores took (`Segment.queued_share`).
 
 The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
 pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
