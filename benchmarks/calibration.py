@@ -6,8 +6,10 @@
    itself (once per rank count: the benchmark keeps its own cache, ROOT/cache, so it is measured here);
 3. the calibration the preset run's end note asks for (its measured step is more than 1.5x from its prediction):
    `plait profile --nproc N --out cluster.yaml`, then `plait tune --from-run LOG_DIR --cluster cluster.yaml --out
-   cluster.tuned.yaml` (the profile runs once per process count and is shared by the cases of that count, as one
-   user on one machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
+   cluster.tuned.yaml` with `--from-run` once more for the other run of the config (2.; the note asks for every run
+   of the config: on a shared machine each run is one sample of its load; --fit-runs preset reads the preset run
+   alone) (the profile runs once per process count and is shared by the cases of that count, as one user on one
+   machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
    then pick another plan);
 4. print, per case and run: the plan, the predicted and measured step (median over the timed steps of the slowest
    rank, 2 warm-up steps left out) and measured / predicted.
@@ -18,8 +20,8 @@ examples/hf_finetune_setup.py) pinned to dp2 and to tp2 on 2 processes, the fine
 processes as the planner chooses. Nothing is downloaded. Target: measured / predicted within 1.3x after the
 calibration.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py [--root runs/calibration] [--steps 12]
-        [--cases llama-dp2 llama-tp2 finetune mixtral] [--rounds 1] [--json FILE]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py [--root runs/calibration] [--steps 20]
+        [--cases llama-dp2 llama-tp2 finetune mixtral] [--rounds 1] [--fit-runs both|preset] [--json FILE]
 
 With --rounds R each case's runs are repeated R times (the profiles and the fit from the first round) and the
 table gives medians.
@@ -97,6 +99,14 @@ class Run:
     load: float
     """The machine's 1-minute load average at the end of the run (its cores: os.cpu_count()): the other work
     sharing the cores, which no cost model sees."""
+    queued_share: float | None = None
+    """The share of the median step the ranks sat ready to run without a core (Segment.queued_share)."""
+    less_wait_s: float | None = None
+    """The median over timed steps of the step (slowest rank) less the longest run-queue delay any rank had in it:
+    a candidate for a step without the load (None: not recorded)."""
+    cpu_s: float | None = None
+    """The median over timed steps of the largest CPU seconds any rank's process spent in the step
+    (RankRecord.cpu_s): the work itself, without the waits other work on the cores adds (None: not recorded)."""
 
     @property
     def ratio(self) -> float:
@@ -166,8 +176,13 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     measured = segment.measured()
     ranks = [r for r in segment.measured_window() if r.steps]
     fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
+    cpu = statistics.median(max(t) for t in zip(*(r.cpu_s for r in ranks))) if all(r.cpu_s for r in ranks) else None
+    less_wait = (statistics.median(max(s) - max(q) for s, q in zip(zip(*(r.step_s for r in ranks)),
+                                                                   zip(*(r.queued_s for r in ranks))))
+                 if all(r.queued_s for r in ranks) else None)
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
                measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
+               cpu_s=cpu, queued_share=segment.queued_share(), less_wait_s=less_wait,
                parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
@@ -181,9 +196,10 @@ def advice_commands(output: str) -> list[str] | None:
     return [c for c in re.findall(r"`(plait [^`]+)`", note) if "--model M" not in c]
 
 
-def calibrate(case: Case, commands: list[str], root: Path) -> Path:
+def calibrate(case: Case, commands: list[str], root: Path, other_runs: list[Path]) -> Path:
     """Run the note's commands in a folder per process count (one profile per count, reused by its cases); the
-    tuned file is per case. Returns the tuned cluster file."""
+    tuned file is per case, and `plait tune --from-run` is given the case's other runs too (`--from-run DIR` once
+    more each, as the note says). Returns the tuned cluster file."""
     folder = root / f"nproc-{case.nproc}"
     folder.mkdir(parents=True, exist_ok=True)
     tuned = f"{case.name}.tuned.yaml"
@@ -191,6 +207,8 @@ def calibrate(case: Case, commands: list[str], root: Path) -> Path:
         args = shlex.split(command)[1:]
         if args[0] == "profile" and (folder / "cluster.yaml").is_file():
             continue
+        if args[0] == "tune":
+            args += [a for run in other_runs for a in ("--from-run", str(run.resolve()))]
         plait([a.replace("cluster.tuned.yaml", tuned) for a in args], folder)
     return folder / tuned
 
@@ -222,7 +240,7 @@ RUNS = ("preset", "quick profile", "after")
 """The rows of a case: planned on the local-cpu preset, on the run's own quick profile, after the calibration."""
 
 
-def run_case(case: Case, root: Path, steps: int, rounds: int) -> dict:
+def run_case(case: Case, root: Path, steps: int, rounds: int, fit_runs: str) -> dict:
     runs: dict[str, list[Run]] = {name: [] for name in RUNS}
     tuned, refusal = None, None
     for index in range(rounds):
@@ -232,7 +250,7 @@ def run_case(case: Case, root: Path, steps: int, rounds: int) -> dict:
         advice = runs["preset"][0].advice
         if tuned is None and advice and refusal is None:
             try:
-                tuned = calibrate(case, advice, root)
+                tuned = calibrate(case, advice, root, [folder / "quick"] if fit_runs == "both" else [])
             except Refused as e:  # what the user would read: no tuned file, and what would help
                 refusal = str(e)
                 print(f"  {case.name}: {refusal}", flush=True)
@@ -251,6 +269,12 @@ def median_run(runs: list[dict]) -> dict | None:
     return {"plan": runs[0]["plan"], "predicted_s": statistics.median(r["predicted_s"] for r in runs),
             "measured_s": statistics.median(r["measured_s"] for r in runs), "ratio": ratio,
             "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
+            "cpu_ratio": (statistics.median(r["cpu_s"] / r["predicted_s"] for r in runs)
+                          if all(r.get("cpu_s") for r in runs) else None),
+            "less_wait_ratio": (statistics.median(r["less_wait_s"] / r["predicted_s"] for r in runs)
+                                if all(r.get("less_wait_s") for r in runs) else None),
+            "queued_share": (statistics.median(r["queued_share"] for r in runs)
+                             if all(r.get("queued_share") is not None for r in runs) else None),
             "load": statistics.median(r["load"] for r in runs)}
 
 
@@ -259,7 +283,7 @@ def table(results: list[dict]) -> Table:
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
-                 "fastest step / predicted", "load"):
+                 "fastest step / predicted", "step CPU / predicted", "less longest wait / predicted", "waited for a core", "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -270,14 +294,20 @@ def table(results: list[dict]) -> Table:
             within = max(ratio, 1 / ratio) <= TARGET
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
                         f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
-                        f"{row['fastest_ratio']:.2f}", f"{row['load']:.1f}")
+                        f"{row['fastest_ratio']:.2f}",
+                        *("-" if row[k] is None else f"{row[k]:.2f}" for k in ("cpu_ratio", "less_wait_ratio")),
+                        "-" if row["queued_share"] is None else f"{row['queued_share']:.0%}",
+                        f"{row['load']:.1f}")
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path("runs/calibration"))
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm-up steps are left out)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per run (2 warm-up steps are left out)")
+    parser.add_argument("--fit-runs", choices=("both", "preset"), default="both",
+                        help="the runs `plait tune --from-run` reads: the preset run whose note asks for the "
+                             "calibration and the quick-profile run of the same config (both), or the preset run alone")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cases", nargs="+", default=["llama-dp2", "llama-tp2", "finetune", "mixtral"])
     parser.add_argument("--json", type=Path, help="write every run's figures here")
@@ -296,12 +326,16 @@ def main() -> int:
         return 2
     results = []
     for name in args.cases:
-        results.append(run_case(chosen[name], root, args.steps, args.rounds))
+        results.append(run_case(chosen[name], root, args.steps, args.rounds, args.fit_runs))
         if args.json:  # after each case: a long benchmark cut short keeps what it measured
             args.json.write_text(json.dumps(results, indent=1))
     Console(width=200).print(table(results))
     Console(width=200).print(parts_table(results))
-    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores")
+    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores; step CPU: "
+          f"the median step's CPU seconds of the busiest rank's process (what other work on the cores does not "
+          f"stretch), against the same prediction; waited for a core: the share of the median step "
+          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the measured step); less "
+          f"longest wait: per step, the step less the longest wait for a core any rank had in it")
     for result in results:
         if result["refusal"]:
             print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "

@@ -230,7 +230,7 @@ def from_run(log_dirs: list[str], cluster_name: str | None, out: Path, plot: Pat
         raise ConfigError(f"{', '.join(log_dirs)}: no plan measured on a uniform cluster; nothing to fit")
     first = Plan.from_dict(uniform[0][1].plan)
     cluster = resolve_cluster(cluster_name, first.num_devices) if cluster_name else first.cluster
-    observations = run_observations([s for _, s in uniform], cluster)
+    observations = run_observations(uniform, cluster)
     if not observations:
         raise ConfigError(f"{', '.join(log_dirs)}: the runs measured no step past their warm-up; train longer")
     advice = ("train longer (more steps measured per run), or give runs of other plans (--from-run once per "
@@ -239,16 +239,17 @@ def from_run(log_dirs: list[str], cluster_name: str | None, out: Path, plot: Pat
                          f"what {len(log_dirs)} run(s) of `plait train` measured ({len(uniform)} plan(s))")
 
 
-def run_observations(segments: list[Any], cluster: Any) -> list[Any]:
-    """Per segment (a plan a run trained with) and half of its measured steps: compute, waiting and optimizer; a
-    mixture-of-experts plan priced with the router balance its run measured."""
+def run_observations(segments: list[tuple[str, Any]], cluster: Any) -> list[Any]:
+    """Per (LOG_DIR, segment: a plan that run trained with) and half of its measured steps: compute, waiting and
+    optimizer, each marked with its run (Observation.launch); a mixture-of-experts plan priced with the router
+    balance its run measured."""
     from plait.plan import Plan
     from plait.profile.terms import Observation
 
     from plait.train.measure import measured_router_imbalance
 
     observations = []
-    for segment in segments:
+    for log_dir, segment in segments:
         plan = Plan.from_dict(segment.plan).replace(cluster=cluster, predicted=None)
         if plan.model.num_experts and (router := measured_router_imbalance([segment])):
             # the experts' wait for the busiest rank is the router's, not a constant of the cluster: price it as
@@ -257,7 +258,7 @@ def run_observations(segments: list[Any], cluster: Any) -> list[Any]:
                   f"{plan.model.router_imbalance:g})")
             plan = plan.replace(model=plan.model.replace(router_imbalance=router[0]))
         for parts in segment.measured_chunks(2):
-            observations += [Observation(plan=plan, measured_s=getattr(parts, part), part=part)
+            observations += [Observation(plan=plan, measured_s=getattr(parts, part), part=part, launch=str(log_dir))
                              for part in ("compute", "waiting", "optimizer") if getattr(parts, part) > 0]
     return observations
 

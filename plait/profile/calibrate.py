@@ -32,10 +32,13 @@ GEMM_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 @dataclass(frozen=True, kw_only=True)
 class HostSample:
-    """One probe plan (Plan.to_dict()) and its measured step time (median over steps, slowest rank)."""
+    """One probe plan (Plan.to_dict()) and its measured step time (the slowest rank's, at the median round:
+    plait.profile.host.steady_probe_times)."""
 
     plan: dict
     seconds: float
+    step_times: tuple[float, ...] = ()
+    """Its timed steps, slowest rank, one per round of the round-robin (kept in the samples file, to refit)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,5 +256,6 @@ def measurements_from_json(text: str) -> Measurements:
     data = json.loads(text)
     data["compute"] = tuple(ComputeSample(**s) for s in data["compute"])
     data["comm"] = {level: tuple(CommSample(**s) for s in rows) for level, rows in data["comm"].items()}
-    data["host_steps"] = tuple(HostSample(**s) for s in data.get("host_steps", ()))
+    data["host_steps"] = tuple(HostSample(**{**s, "step_times": tuple(s.get("step_times", ()))})
+                               for s in data.get("host_steps", ()))
     return Measurements(**data)

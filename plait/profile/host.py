@@ -22,6 +22,9 @@ the planned model itself.
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from plait.plan import Plan
 from plait.spec import ClusterSpec, Efficiency, LinkSpec, TrainSpec
 
@@ -52,3 +55,34 @@ def probe_plans(world_size: int) -> list[Plan]:
             plans += search(PROBE_MODEL, stand_in, train, num_devices=world_size, top=1, micro_batch=1,
                             recompute="none", **layout)
     return plans
+
+
+def steady_probe_times(step_times: list[list[float]], sweeps: int = 10) -> list[float]:
+    """Each probe's step time with the rounds' shared slowdown taken out, from `step_times[probe][round]`: the
+    probes are stepped round-robin (plait.profile.tune.time_plans), so a burst of other work on the cores slows the
+    probes of the rounds it lasts alike. Tukey's median polish of log times, log t[p, r] = level + probe[p] +
+    round[r] + residual, reads each probe against the others within its rounds (a probe's own median over rounds
+    moves with whichever rounds its middle steps fell in); a step that met a burst alone is a residual the medians
+    ignore. Returns exp(level + probe[p]): each probe at the median round.
+
+    Probes with fewer rounds than the others are read on the rounds they share (the first ones)."""
+    rounds = min(len(times) for times in step_times)
+    if rounds == 0:
+        raise ValueError("every probe needs at least one timed step")
+    table = [[math.log(t) for t in times[:rounds]] for times in step_times]
+    level, probe, by_round = 0.0, [0.0] * len(table), [0.0] * rounds
+    for _ in range(sweeps):
+        rows = [statistics.median(row) for row in table]
+        table = [[v - m for v in row] for row, m in zip(table, rows)]
+        probe = [p + m for p, m in zip(probe, rows)]
+        shift = statistics.median(by_round)
+        by_round, level = [b - shift for b in by_round], level + shift
+        columns = [statistics.median(column) for column in zip(*table)]
+        table = [[v - m for v, m in zip(row, columns)] for row in table]
+        by_round = [b + m for b, m in zip(by_round, columns)]
+        shift = statistics.median(probe)
+        probe, level = [p - shift for p in probe], level + shift
+        if max(map(abs, rows)) < 1e-12 and max(map(abs, columns)) < 1e-12:
+            break
+    centre = statistics.median(by_round)
+    return [math.exp(level + centre + p) for p in probe]

@@ -148,7 +148,7 @@ def comm_steps(device: devices.Device, topology: Topology, options: ProfileOptio
     return steps
 
 
-HOST_TIMING = {True: dict(steps=7, warmup=2), False: dict(steps=12, warmup=2)}
+HOST_TIMING = {True: dict(steps=9, warmup=2), False: dict(steps=12, warmup=2)}
 """Timed and warm-up steps of each probe plan (quick profile: True). The host fit reads the probes' differences
 (one micro-batch against four, DDP against fully_shard): with 3 steps a probe, timed one probe after another, a
 burst of other work on the cores landed on one probe and the fit followed it (0.8 ms per DTensor parameter in one
@@ -157,19 +157,23 @@ quick profile, 14 ms per TP layer pass and 35 ms per step in the next, on the sa
 
 def host_steps(options: ProfileOptions, out: list[HostSample]) -> list[Step]:
     """Time the probe plans of plait/profile/host.py end to end, all together, stepped round-robin (one step of each
-    in turn, plait.profile.tune.time_plans): other work on the cores then lands on every probe alike, so their
-    differences, which the host fit reads, hold; each probe's time is its median step."""
-    from plait.profile.host import probe_plans
+    in turn, plait.profile.tune.time_plans): other work on the cores then lands on every probe of a round alike,
+    and each probe's time is read against the others within the rounds (plait.profile.host.steady_probe_times), so
+    their differences, which the host fit reads, hold."""
+    from plait.profile.host import probe_plans, steady_probe_times
     from plait.profile.tune import TimingOptions, time_plans
 
     plans = probe_plans(dist.get_world_size())
     timing = TimingOptions(**HOST_TIMING[options.quick], batch=len(plans))
 
     def run() -> None:
-        for plan, result in zip(plans, time_plans(plans, timing)):
+        results = time_plans(plans, timing)
+        for plan, result in zip(plans, results):
             if result.median_s is None:  # the executor refused it: a bug in probe_plans, not the user's input
                 raise RuntimeError(f"probe plan {plan.describe()} was not timed: {result.error}")
-            out.append(HostSample(plan=plan.to_dict(), seconds=result.median_s))
+        steady = steady_probe_times([list(r.step_times_s) for r in results])
+        out.extend(HostSample(plan=plan.to_dict(), seconds=seconds, step_times=result.step_times_s)
+                   for plan, result, seconds in zip(plans, results, steady))
 
     return [Step(f"host: {len(plans)} probe plans, round-robin", run)]
 

@@ -100,6 +100,10 @@ class Observation:
     measured_s: float
     part: str = "step"
     """One of PARTS."""
+    launch: str = ""
+    """Which launch timed it (`plait tune --from-run`: the run's LOG_DIR; one `plait tune` times all its plans in
+    one). Plans timed in one launch, stepped together, differ by what they are; plans of separate runs differ by
+    their minutes' load on a shared machine too (separable_terms)."""
 
     def __post_init__(self) -> None:
         if self.part not in PARTS:
@@ -350,12 +354,18 @@ def separable_terms(observations: list[Observation], terms: tuple[str, ...]) -> 
     """`terms` less those the observations cannot tell from another: timings of one plan (a run's parts, `plait tune
     --from-run` of one run) grow with its FLOPs and with its layer passes alike, so the GEMM time ("compute") and the
     host time per layer pass ("layer_overhead") are one column to them, and a fit picks between the two by the
-    timings' noise. Another plan tells them apart (another micro-batch size: as many FLOPs, other passes), and the
-    one it picks generalises only if it is the right one. There the GEMM efficiency, which `plait profile` measures
-    on its own (GEMMs at the model's widths), keeps its value and the host terms take the difference: the host time
-    of the model's own layer code is what no profile measures (its probes run plait's tiny GPT)."""
-    one_plan = len({o.plan.to_json() for o in observations}) == 1
-    if one_plan and "compute" in terms and "layer_overhead" in terms:
+    timings' noise. Another plan timed in the same launch tells them apart (another micro-batch size: as many FLOPs,
+    other passes), and the one it picks generalises only if it is the right one. Plans of separate runs do not: on a
+    machine shared with other work, the minutes between them move their steps as much as the plans do (one plan
+    measured 0.10 s and 0.16 s a step in two runs minutes apart), and a fit that read that load as the difference
+    between the plans put it into the GEMM rate. There the GEMM efficiency, which `plait profile` measures on its
+    own (GEMMs at the model's widths), keeps its value and the host terms take the difference: the host time of the
+    model's own layer code is what no profile measures (its probes run plait's tiny GPT)."""
+    plans_per_launch: dict[str, set[str]] = {}
+    for o in observations:
+        plans_per_launch.setdefault(o.launch, set()).add(o.plan.to_json())
+    together = any(len(plans) > 1 for plans in plans_per_launch.values())
+    if not together and "compute" in terms and "layer_overhead" in terms:
         return tuple(t for t in terms if t != "compute")
     return terms
 

@@ -96,18 +96,35 @@ def beyond_margin(ratio: float, margin: float = ADAPT_MARGIN) -> bool:
 
 def slowed_peak(cluster: Any, plan: Any, factor: float) -> float:
     """The peak_flops at which one layer pass of `plan` takes `factor` times as long on `cluster`: its host time
-    does not scale with peak_flops, but a slow rank is slow at all of it (the throttle stretches the whole block)."""
+    does not scale with peak_flops, but a slow rank is slow at all of it (the throttle stretches the whole block).
+
+    Solved on the cost model's own layer time (plait.cost.compute.layer_cost), so how a pass's kernels and host time
+    add up stays its rule (`pass_time`: the sum on CPU processes, the longer of the two on a GPU): the pass time
+    grows with 1/peak_flops, monotonically, and is bisected for."""
     from plait.cost.compute import layer_cost
     from plait.cost.layout import Setting
 
-    setting = Setting(plan.model, cluster, plan.train)
-    lc = layer_cost(plan.model, cluster, plan.train.seq_len, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                    setting.dtype_bytes)
-    host = 3 * (cluster.host.layer_overhead_s + (cluster.host.tp_layer_overhead_s if plan.tp > 1 else 0.0))
-    flops_time = lc.fwd + lc.bwd - host
-    if flops_time <= 0 or factor <= 1.0:
+    if factor <= 1.0:
         return cluster.peak_flops / factor
-    return cluster.peak_flops * flops_time / (factor * (flops_time + host) - host)
+    dtype_bytes = Setting(plan.model, cluster, plan.train).dtype_bytes
+
+    def layer_time(slowdown: float) -> float:  # one layer pass with the kernels `slowdown` times as slow
+        lc = layer_cost(plan.model, cluster.replace(peak_flops=cluster.peak_flops / slowdown), plan.train.seq_len,
+                        plan.micro_batch, plan.tp, plan.sequence_parallel, dtype_bytes)
+        return lc.fwd + lc.bwd
+
+    target = factor * layer_time(1.0)
+    low, high = 1.0, factor
+    while layer_time(high) < target:  # the host part does not stretch: the kernels must stretch more
+        low, high = high, 2.0 * high
+        if high > 1e12 * factor:  # a pass with no kernel time cannot be slowed by the peak
+            return cluster.peak_flops / factor
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if layer_time(middle) < target else (low, middle)
+    return cluster.peak_flops / high
 
 
 def speed_view(base: Any, plan: Any, speeds: list[float], blocks: list[tuple[int, int]]) -> Any:

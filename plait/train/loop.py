@@ -26,7 +26,9 @@ from plait.train.config import Config, OptimizerConfig
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.adapt import Adaptation, switch_plan
-from plait.train.measure import RunMeasurements, calibration_advice, print_comparison, write_measured
+from plait.train.measure import (
+    RunMeasurements, calibration_advice, print_comparison, queued_seconds, write_measured,
+)
 from plait.train.evaluate import Evaluator
 from plait.train.metrics import ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.sinks import RunSinks
@@ -175,7 +177,7 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     tokens, targets = state.loader.next_batch()
-    began = time.perf_counter()
+    began, began_cpu, began_queued = time.perf_counter(), time.process_time(), queued_seconds()
     state.optimizer.zero_grad(set_to_none=True)
     forward = time.perf_counter()
     loss = state.model.train_step(tokens.to(device), targets.to(device))
@@ -185,7 +187,9 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     ended = time.perf_counter()
     step_time = ended - began
     state.step += 1
-    measured.add(state.step, step_time, trained - forward, ended - trained)
+    queued = queued_seconds()
+    measured.add(state.step, step_time, trained - forward, ended - trained, time.process_time() - began_cpu,
+                 None if queued is None or began_queued is None else queued - began_queued)
     state.tokens += throughput.tokens_per_step
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,

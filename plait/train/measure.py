@@ -13,7 +13,10 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
   transfers, the data-parallel communication backward did not hide, the loss (forward and backward: it runs
   between the stage's forward and its backward) and its reduction;
 * **optimizer**: gradient clipping and the optimizer step;
-* **step**: all of it, from zeroing the gradients to the end of the optimizer step.
+* **step**: all of it, from zeroing the gradients to the end of the optimizer step;
+
+and beside them the step's CPU seconds of the rank's process and its training thread's wait for a core (Linux's
+run-queue delay), which say how much of a wall-clock step other work on the cores took (`Segment.queued_share`).
 
 The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
 pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
@@ -104,6 +107,18 @@ class StepClock:
             self._backward_began = None
 
 
+SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def queued_seconds() -> float | None:
+    """Seconds the calling thread has sat ready to run without a core since it started (the run-queue delay Linux
+    keeps in /proc/thread-self/schedstat, second field, nanoseconds); None where the kernel does not report it."""
+    try:
+        return int(SCHEDSTAT.read_text().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # ---- records ---------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
@@ -122,14 +137,26 @@ class RankRecord:
     optimizer_s: list[float] = field(default_factory=list)
     router_load: dict[str, list[float]] = field(default_factory=dict)
     """Mixture-of-experts models: per ep (as a string: JSON keys), per step, this rank's RouterLoad reading."""
+    cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds this rank's process (all its threads) spent in the step: its own work, which other work sharing
+    the cores does not stretch, where the wall-clock step_s also holds the time it waited while descheduled or for a
+    descheduled peer (empty in files written before it was recorded)."""
+    queued_s: list[float] = field(default_factory=list)
+    """Seconds this rank's training thread sat ready to run but without a core during the step (Linux's run-queue
+    delay): time other work on the cores took from it (empty where the kernel does not report it)."""
 
     def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float,
-            router_load: dict[int, float] | None = None) -> None:
+            router_load: dict[int, float] | None = None, cpu_s: float | None = None,
+            queued_s: float | None = None) -> None:
         self.steps.append(step)
         self.step_s.append(step_s)
         self.train_s.append(train_s)
         self.compute_s.append(compute_s)
         self.optimizer_s.append(optimizer_s)
+        if cpu_s is not None:
+            self.cpu_s.append(cpu_s)
+        if queued_s is not None:
+            self.queued_s.append(queued_s)
         for ep, value in (router_load or {}).items():
             self.router_load.setdefault(str(ep), []).append(value)
 
@@ -197,6 +224,17 @@ class Segment:
         chunks = [_parts_of([_slice(r, lo, hi) for r in ranks]) for lo, hi in zip(bounds, bounds[1:])]
         return [c for c in chunks if c is not None]
 
+    def queued_share(self, warmup: int = WARMUP_STEPS) -> float | None:
+        """The share of the median step the ranks sat ready to run without a core (per step, the rank that waited
+        longest; RankRecord.queued_s): how much of what was measured is other work on the cores, which no cost
+        model sees. None where the run did not record it."""
+        ranks = [r for r in self.measured_window(warmup) if r.steps]
+        if not ranks or not all(r.queued_s for r in ranks):
+            return None
+        step = statistics.median(max(v) for v in zip(*(r.step_s for r in ranks)))
+        queued = statistics.median(max(v) for v in zip(*(r.queued_s for r in ranks)))
+        return queued / step if step > 0 else None
+
     def router_imbalance(self, warmup: int = WARMUP_STEPS) -> dict[int, float]:
         """Per ep: the busiest expert-parallel rank's slots over the mean (ModelSpec.router_imbalance), the median
         over steps of the mean over ranks of RouterLoad's readings; {} for a dense model."""
@@ -231,7 +269,8 @@ def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
                       steps=record.steps[start:stop], step_s=record.step_s[start:stop],
                       train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
                       optimizer_s=record.optimizer_s[start:stop],
-                      router_load={ep: values[start:stop] for ep, values in record.router_load.items()})
+                      router_load={ep: values[start:stop] for ep, values in record.router_load.items()},
+                      cpu_s=record.cpu_s[start:stop], queued_s=record.queued_s[start:stop])
 
 
 def _parts_of(ranks: list[RankRecord]) -> Parts | None:
@@ -335,6 +374,20 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
         imbalance = segment.router_imbalance()
         if imbalance:
             console.print(router_line(imbalance, plan))
+        queued = segment.queued_share()
+        if queued is not None and queued >= SHARED_CORES_SHARE:
+            console.print(shared_cores_line(queued))
+
+
+SHARED_CORES_SHARE = 0.1
+"""A run whose ranks waited for a core this share of their median step or more says the timings are partly other
+work's (on an otherwise idle machine the share is about 0)."""
+
+
+def shared_cores_line(share: float) -> str:
+    return (f"other work shared the cores: the ranks sat ready to run without a core for {share:.0%} of the median "
+            f"step (Linux's run-queue delay, the rank that waited longest); the measured times hold that load, which "
+            f"no prediction does")
 
 
 CALIBRATION_RATIO = 1.5
@@ -357,11 +410,17 @@ def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str
     ratio, segment = worst
     cluster = segment.plan.get("cluster", {}).get("name", "the cluster")
     direction = "slower" if ratio > 1 else "faster"
+    queued = segment.queued_share()
+    load = (f" This run's ranks waited for a core held by other work for {queued:.0%} of the step: a fit of it learns "
+            f"that load too; calibrate while the machine is otherwise idle, or from several runs."
+            if queued is not None and queued >= SHARED_CORES_SHARE else "")
     return (f"the measured step is {max(ratio, 1 / ratio):.1f}x {direction} than the plan predicted for {cluster!r}: "
             f"the cost model is not calibrated for this machine. Calibrate it with `plait profile --nproc {nproc} "
             f"--out cluster.yaml`, then `plait tune --from-run {log_dir} --cluster cluster.yaml --out "
-            f"cluster.tuned.yaml`, and plan with plan.cluster = \"cluster.tuned.yaml\" (a fit from one run knows that "
-            f"run's plan: `plait tune --model M --cluster cluster.yaml` times several)")
+            f"cluster.tuned.yaml` (with `--from-run DIR` once more for every other run of this config: on a machine "
+            f"shared with other work each run is one sample of its load), and plan with plan.cluster = "
+            f"\"cluster.tuned.yaml\" (a fit from one plan knows that plan: `plait tune --model M --cluster cluster.yaml` "
+            f"times several)" + load)
 
 
 # ---- the router's balance ------------------------------------------------------------------------
@@ -502,8 +561,9 @@ class RunMeasurements:
         self.record = RankRecord(rank=dist.get_rank(), pp_rank=model.pp_rank, dp_rank=model.dp_rank,
                                  tp_rank=model.tp_rank)
 
-    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float) -> None:
-        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take())
+    def add(self, step: int, step_s: float, train_s: float, optimizer_s: float, cpu_s: float | None = None,
+            queued_s: float | None = None) -> None:
+        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take(), cpu_s, queued_s)
 
     def gathered(self) -> Segment:
         """The current segment with every rank's timings so far (collective)."""

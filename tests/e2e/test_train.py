@@ -172,6 +172,7 @@ def test_a_moe_run_measures_its_routers_balance(tmp_path, config):
     for record in segment.ranks:  # tiny-moe: 4 experts, so ep 2 and 4; one reading per step
         assert sorted(record.router_load) == ["2", "4"]
         assert all(len(values) == 6 for values in record.router_load.values())
+        assert len(record.cpu_s) == 6 and all(c > 0 for c in record.cpu_s)  # the process's CPU seconds per step
         for ep, values in record.router_load.items():
             assert all(1.0 <= v <= int(ep) for v in values)
     imbalance = segment.router_imbalance()

@@ -222,7 +222,8 @@ def test_calibrate_fits_host_time_on_the_probe_plans():
     assert {(p.dp, p.tp, p.pp, p.zero, p.num_micro_batches) for p in probes} == {
         (4, 1, 1, 0, 1), (4, 1, 1, 0, 4), (4, 1, 1, 2, 1), (4, 1, 1, 2, 4), (2, 2, 1, 0, 1), (2, 2, 1, 0, 4),
         (2, 1, 2, 0, 2), (2, 1, 2, 0, 8)}
-    samples = tuple(HostSample(plan=p.to_dict(), seconds=predicted_step(p, truth)) for p in probes)
+    samples = tuple(HostSample(plan=p.to_dict(), seconds=predicted_step(p, truth),
+                               step_times=(predicted_step(p, truth),) * 3) for p in probes)
     m = Measurements(**{**synthetic_measurements().__dict__, "host_steps": samples})
     cal = calibrate(m)
     for name, value in host.items():

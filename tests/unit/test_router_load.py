@@ -165,7 +165,7 @@ def test_tune_and_adapt_price_a_moe_plan_with_the_balance_its_run_measured(tmp_p
 
     plan, segment = _moe_run(tmp_path, "tiny-moe", {2: 1.3, 4: 1.7})
     assert plan.model.router_imbalance == 1.25
-    observations = run_observations([segment], plan.cluster)
+    observations = run_observations([("runs/moe", segment)], plan.cluster)
     assert observations and all(o.plan.model.router_imbalance == pytest.approx(1.7) for o in observations)
     assert "router balance it measured: 1.7 (ep4" in capsys.readouterr().out
     assert with_measured_router(plan, segment).model.router_imbalance == pytest.approx(1.7)

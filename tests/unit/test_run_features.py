@@ -158,14 +158,19 @@ def test_a_run_far_off_its_prediction_names_the_calibration_commands() -> None:
 
     from plait.train.measure import calibration_advice
 
-    def segment(predicted: float, measured: float) -> SimpleNamespace:
+    def segment(predicted: float, measured: float, queued: float | None = None) -> SimpleNamespace:
         return SimpleNamespace(plan={"cluster": {"name": "local-cpu"}}, predicted=SimpleNamespace(step=predicted),
-                               measured=lambda: SimpleNamespace(step=measured))
+                               measured=lambda: SimpleNamespace(step=measured), queued_share=lambda: queued)
 
     assert calibration_advice([segment(1.0, 1.4)], "runs/x", 2) is None  # within 1.5x: nothing to say
     advice = calibration_advice([segment(1.0, 1.4), segment(0.1, 1.37)], "runs/x", 2)
     assert "13.7x slower" in advice and "'local-cpu'" in advice
     assert "plait profile --nproc 2" in advice and "plait tune --from-run runs/x" in advice
+    assert "`--from-run DIR` once more for every other run of this config" in advice
+    assert "waited for a core" not in advice and "waited for a core" not in calibration_advice(
+        [segment(0.1, 1.37, queued=0.05)], "runs/x", 2)
+    shared = calibration_advice([segment(0.1, 1.37, queued=0.4)], "runs/x", 2)
+    assert "waited for a core held by other work for 40% of the step" in shared
     assert "0.5x" not in calibration_advice([segment(1.0, 0.5)], "runs/x", 2) and "2.0x faster" in \
         calibration_advice([segment(1.0, 0.5)], "runs/x", 2)
 

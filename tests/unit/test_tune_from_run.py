@@ -4,6 +4,8 @@ belongs, the host time per layer pass, not the GEMM efficiency the profile measu
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -54,4 +56,34 @@ def test_timings_of_several_plans_may_fit_the_gemm_efficiency():
     one, two = plan(1), plan(4)
     terms = ("compute", "layer_overhead", "step_overhead")
     assert separable_terms(run_parts(one), terms) == ("layer_overhead", "step_overhead")
-    assert separable_terms(run_parts(one) + run_parts(two), terms) == terms
+    assert separable_terms(run_parts(one) + run_parts(two), terms) == terms  # timed in one launch
+    apart = [dataclasses.replace(o, launch="runs/a") for o in run_parts(one)] + \
+        [dataclasses.replace(o, launch="runs/b") for o in run_parts(two)]
+    assert separable_terms(apart, terms) == ("layer_overhead", "step_overhead")  # two runs: their load differs too
+
+
+def test_two_plans_of_two_runs_do_not_read_the_load_between_them_as_the_gemm_rate():
+    """The second run of another plan ran under more load (1.5x): fitting compute from the difference of the plans
+    would read that load as GEMM time; the host terms take it, and the GEMM rate stays the profile's."""
+    one, two = plan(1), plan(4)
+    first = [dataclasses.replace(o, launch="runs/a") for o in run_parts(one)]
+    second = [dataclasses.replace(o, launch="runs/b", measured_s=1.5 * o.measured_s) for o in run_parts(two, seed=1)]
+    fit = fit_terms(first + second, PROFILED)
+    assert "compute" not in fit.fitted and fit.cluster.efficiency.matmul == PROFILED.efficiency.matmul
+
+
+def test_two_runs_of_one_plan_under_other_loads_fit_between_them():
+    """On a machine shared with other work the same plan runs slower in one minute than the next: a fit of one run
+    reproduces that run's load, a fit of two (`--from-run A --from-run B`) lies between them."""
+    p = plan(1)
+    quiet = run_parts(p, seed=0)
+    busy = [Observation(plan=o.plan, part=o.part, measured_s=1.6 * o.measured_s) for o in run_parts(p, seed=1)]
+    quiet_s, busy_s = predicted_time(p, REAL), 1.6 * predicted_time(p, REAL)
+    alone = fit_terms(busy, PROFILED)
+    assert predicted_time(p, alone.cluster) == pytest.approx(busy_s, rel=0.05)
+    both = fit_terms(quiet + busy, PROFILED)
+    assert refusal(both) is None and "compute" not in both.fitted  # still one plan: the GEMM rate is the profile's
+    predicted = predicted_time(p, both.cluster)
+    assert quiet_s * 1.1 < predicted < busy_s / 1.1
+    # relative errors weigh the faster run's timings more: the fit leans to the less disturbed run
+    assert predicted < (quiet_s * busy_s) ** 0.5
