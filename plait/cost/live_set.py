@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from plait.cost.schedule import Action, rank_actions, stage_rank
+from plait.cost.schedule import Action, rank_actions, stage_rank, steady_micro_batches
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules torch runs with its single-stage loop (receives posted right before their compute)."""
@@ -142,19 +142,13 @@ def peak_buffers(order: Sequence[Action]) -> LiveBuffers:
     return LiveBuffers(inputs=peak_inputs, grads=peak_grads)
 
 
-STEADY_WITHIN = 4
-"""Every schedule but GPipe reaches its peak receive buffers within this many times pp micro-batches: after the
-warm-up each rank runs a forward per backward, so more micro-batches repeat the steady state
-(tests/unit/test_live_set.py checks it for every such schedule up to 12 ranks and 12p micro-batches). GPipe runs
-every forward first: its buffers grow with the micro-batches."""
-
-
 @lru_cache(maxsize=1024)
 def live_buffers(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[LiveBuffers, ...]:
     """Per pipeline rank, its receive buffers at their peak: what the executor's pool holds and the cost model
     prices."""
     if pp == 1:
         return (LiveBuffers(0, 0),)
-    if schedule != "gpipe" and num_micro_batches > STEADY_WITHIN * pp:  # the steady state repeats (STEADY_WITHIN)
-        return live_buffers(schedule, pp, STEADY_WITHIN * pp, interleave)
+    steady = steady_micro_batches(schedule, pp, num_micro_batches)
+    if steady < num_micro_batches:  # more micro-batches repeat the steady state
+        return live_buffers(schedule, pp, steady, interleave)
     return tuple(peak_buffers(order) for order in with_receives(schedule, pp, num_micro_batches, interleave))

@@ -49,7 +49,7 @@ from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_
 from plait.cost.compute import block_weights, layer_expert_weights, replicated_block_weights, replicated_kv_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
-from plait.cost.schedule import V_SCHEDULES, rank_actions
+from plait.cost.schedule import V_SCHEDULES, rank_actions, steady_micro_batches
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
@@ -193,12 +193,6 @@ def in_flight(layout: Layout, rank: int) -> float:
     return float(in_flight_all(layout)[rank])
 
 
-V_PEAK_WITHIN = 4
-"""The zero-bubble V schedules reach their largest in-flight count within this many times pp micro-batches (their
-warm-up fills 2p - 1 or 2p forwards; after it every step runs a forward and frees one): more micro-batches repeat the
-steady state (tests/unit/test_moe_cp_cost.py checks it up to 16p)."""
-
-
 def in_flight_all(layout: Layout) -> np.ndarray:
     """`in_flight` of every pipeline rank."""
     p, m, v = layout.pp, layout.num_micro_batches, layout.interleave
@@ -210,8 +204,8 @@ def in_flight_all(layout: Layout) -> np.ndarray:
     if layout.schedule == "interleaved":
         # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forward chunks before the first backward, then one more.
         return np.minimum(m * v, 2 * (p - ranks - 1) + (v - 1) * p + 1) / v
-    if layout.schedule in V_SCHEDULES:  # the V's steady state repeats: its peak is reached within 4p micro-batches
-        return np.array(live_peaks(layout.schedule, p, min(m, V_PEAK_WITHIN * p), v), dtype=float) / v
+    if layout.schedule in V_SCHEDULES:  # read from the V's own order, up to its steady state
+        return np.array(live_peaks(layout.schedule, p, steady_micro_batches(layout.schedule, p, m), v), dtype=float) / v
     return np.minimum(m, p - ranks).astype(float)
 
 

@@ -109,7 +109,7 @@ def test_korthikanti_gpt3_175b_fits_on_its_a100s():
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zbv", "dualpipev"])
 def test_more_micro_batches_than_the_steady_state_needs_hold_the_same_buffers(schedule):
     """live_buffers stops at STEADY_WITHIN x pp micro-batches: the full lowering of more gives the same peaks."""
-    from plait.cost.live_set import STEADY_WITHIN
+    from plait.cost.schedule import STEADY_WITHIN
 
     for pp in range(2, 13):
         v = 3 if schedule == "interleaved" else (2 if schedule in ("zbv", "dualpipev") else 1)
