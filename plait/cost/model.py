@@ -331,6 +331,40 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
 
 
+def tail_lower_bound(setting: Setting, layout: Layout) -> float:
+    """A lower bound on what `step_time` adds after the pipeline's makespan (the data-parallel tail and the optimizer
+    step of the rank that ends last), whatever the split of the blocks, on a uniform cluster.
+
+    That is max_r (tail_r + opt_r) >= tail + opt of the rank holding the most parameters, which holds at least the
+    mean, P/pp (P: every rank's blocks and ends); both grow with the parameters. The tail grows with the rank's
+    fully_shard units in its collectives' latency and shrinks with them in the one unit's exposed gather and
+    reduce-scatter, so each is taken at the end of the range that lowers it (v + 1 units: a block per virtual stage,
+    and the root; L - (pp - 1)·v + 1: every block the other stages leave); the overlap, at its best (compute long
+    enough to hide all but one unit's or bucket's). Dense models only: experts are sharded over other ranks, and
+    their tail is left at 0 (the optimizer then at the larger of the two shardings)."""
+    model, pp, v = setting.model, layout.pp, layout.interleave
+    layers = model.num_layers
+    # every rank's rank_params: the blocks, the embedding on rank 0 and the head on the last stage's rank
+    total = (layers * layer_params(model, layout.tp, layout.ep) + first_stage_params(model, layout.tp)
+             + last_stage_params(model, layout.tp, shares_embedding_rank=pp == 1))
+    mean = total / pp
+    host = setting.cluster.host.step_overhead_s
+    experts = expert_params(model, layout.tp, layout.ep)
+    if experts:
+        shards = max(optimizer_shards(layout), layout.expert_shards)
+        return optimizer_time(setting.cluster, mean / shards) + host
+    opt = optimizer_time(setting.cluster, mean / optimizer_shards(layout)) + host
+    if layout.shard_degree == 1:
+        return opt
+    fewest, most = (layers + 1,) * 2 if pp == 1 else (v + 1, layers - (pp - 1) * v + 1)
+    inf = float("inf")
+    all_comm = _dp_comm(setting, layout, mean, inf, inf, fewest)[0]
+    if setting.cluster.device_type == "cpu":  # no overlap there: dp_exposed counts all of it
+        return all_comm + opt
+    exposed = _dp_comm(setting, layout, mean, inf, inf, most)[1]
+    return (1 - OVERLAP_SLOWDOWN) * exposed + OVERLAP_SLOWDOWN * all_comm + opt
+
+
 def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
     """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
     lc = sliced_layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,

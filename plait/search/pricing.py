@@ -17,7 +17,8 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
-from plait.cost.model import StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time
+from plait.cost.model import (StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time,
+                              tail_lower_bound)
 from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
@@ -54,6 +55,7 @@ class Pricer:
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
         self._costs = lru_cache(maxsize=None)(self._layer_cost)
         self._overflows: dict[tuple, float] = {}
+        self._tails: dict[tuple, float] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
         self.bound_splits = False
@@ -102,6 +104,18 @@ class Pricer:
             fill = (work - work / pp) / v
         # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
         return max(spread, (spread + fill) / self.setting.cluster.oversubscription)
+
+    def tail_bound(self, layout: Layout) -> float:
+        """A lower bound on the step's data-parallel tail and optimizer step, whatever the split
+        (plait.cost.model.tail_lower_bound; 0 on a mixed cluster, whose ranks differ), less a margin far above
+        rounding. The step's estimate is at least lower_bound + tail_bound: the exact solver orders and stops by it."""
+        if self.setting.cluster.mixed:
+            return 0.0
+        key = (layout.degrees, layout.zero, layout.data_parallel, layout.schedule, layout.interleave,
+               layout.num_micro_batches, layout.grad_sync)
+        if key not in self._tails:
+            self._tails[key] = tail_lower_bound(self.setting, layout) * (1 - 1e-9)
+        return self._tails[key]
 
     def even_memory(self, layout: Layout) -> tuple[float, float]:
         """Peak bytes of the fullest rank with the layers spread evenly: (fully recomputed, nothing recomputed)."""
@@ -166,13 +180,14 @@ class Pricer:
         (plait.cost.model.closed_form_makespan grows with every stage's time; the forwards' share of the V's fill
         and the transfers, left at 0, only add), to which the step adds the data-parallel tail and the optimizer
         (>= 0). 0 where ranks share cores (lent cores may shrink the makespan: plait.cost.model.lent_cores_factor)."""
+        tail = self.tail_bound(layout)
         if self.setting.cluster.oversubscription > 1.0:
-            return 0.0
+            return tail
         if layout.pp == 1:
-            return layout.num_micro_batches * float(stage_seconds.sum())
+            return layout.num_micro_batches * float(stage_seconds.sum()) + tail
         stages = tuple(float(t) for t in stage_seconds)
         zeros = (0.0,) * len(stages)
-        return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0)
+        return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0) + tail
 
     def overflow(self, layout: Layout) -> float:
         """plait.cost.memory.states_overflow, once per layout but its micro-batch and key/value exchange."""

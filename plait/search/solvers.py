@@ -51,6 +51,9 @@ class ExactSolver:
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
                 return
+            if pricer.shortlist is not None and bounds[i] + pricer.tail_bound(base) >= pricer.cutoff():
+                pricer.pruned += space.count_orderings(d)  # its data-parallel tail and optimizer step add too much
+                continue
             for layout in space.layouts(d, [()] if not space.groups else None, base=base):
                 key = family_key(layout)
                 if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1) and layout.num_micro_batches > 1:
