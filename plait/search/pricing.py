@@ -42,6 +42,14 @@ class Candidate:
     recompute: tuple[str, ...]
 
 
+@lru_cache(maxsize=256)
+def stage_ranks(schedule: str, pp: int, interleave: int) -> np.ndarray:
+    """The pipeline rank of every virtual stage (plait.cost.schedule.stage_rank), read-only."""
+    ranks = np.array([stage_rank(schedule, pp, k) for k in range(pp * interleave)])
+    ranks.flags.writeable = False
+    return ranks
+
+
 class Pricer:
     """One search's pricing state: cached per-(tp, sp, b) costs, the feasible candidates priced so far, the
     shortlist's estimates, the closest miss."""
@@ -243,12 +251,12 @@ class Pricer:
         per_layer, fixed_mem, layer_states, layer_act, cap, ends_of = self.rank_tables(layout, memory)
         layer_mem = layer_states[:, None] + layer_act
         stages = layout.num_stages
-        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
+        ranks = stage_ranks(layout.schedule, pp, v)
         first, last = ends_of[ranks[0]], ends_of[ranks[-1]]
         fixed_time = np.zeros(stages)
         fixed_time[0] += first.embed_fwd + first.embed_bwd + first.embed_tp
         fixed_time[-1] += last.head_fwd + last.head_bwd + last.head_tp
-        allowed = np.array([[m in rank_modes[r] for m in all_modes] for r in range(pp)])
+        allowed = np.array([[m in modes for m in all_modes] for modes in rank_modes])
         if v > 1:
             choice = self._interleaved_modes(layout, fixed_mem, layer_mem, allowed, cap)
             if choice is None:
@@ -267,13 +275,13 @@ class Pricer:
         if split is None:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
-        chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
-        loads = block_loads(s.model, s.seq_len, split.layers)
-        owned = [layout.stages_of(r) for r in range(pp)]
-        peak = float(max(fixed_mem[r, i] + sum(loads[k][1] for k in owned[r]) * layer_states[r]
-                         + sum(loads[k][2] for k in owned[r]) * layer_act[r, i] for r, i in enumerate(chosen)))
-        modes = np.array(chosen)[ranks]
-        seconds = fixed_time + np.array([load[0] for load in loads]) * per_layer[ranks, modes]
+        chosen = np.array(split.modes) if v == 1 else np.argmax(allowed, axis=1)  # each rank's mode
+        loads = np.array(block_loads(s.model, s.seq_len, split.layers))  # [stage, (time, params, activations)]
+        # each rank's loads, its stages added in model order (plait.cost.layout.Layout.stages_of)
+        held = [np.bincount(ranks, weights=loads[:, j], minlength=pp) for j in (1, 2)]
+        on_rank = np.arange(pp)
+        peak = float((fixed_mem[on_rank, chosen] + held[0] * layer_states + held[1] * layer_act[on_rank, chosen]).max())
+        seconds = fixed_time + loads[:, 0] * per_layer[ranks, chosen[ranks]]
         return split.layers, tuple(all_modes[i] for i in chosen), peak, seconds
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:
