@@ -64,6 +64,7 @@ class Pricer:
         self._costs = lru_cache(maxsize=None)(self._layer_cost)
         self._overflows: dict[tuple, float] = {}
         self._tails: dict[tuple, float] = {}
+        self._work: dict[tuple, tuple[float, float]] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
         self.bound_splits = False
@@ -96,17 +97,12 @@ class Pricer:
         without recompute (the closed-form estimate is never below this; with shared cores, see
         plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work; on a V, a fill of one
         layer's forward per rank before it: see below)."""
-        groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
-        lc, ends = min((self.layer_cost(layout, g) for g in groups), key=lambda costs: costs[0].fwd + costs[0].bwd)
-        work = (self.setting.model.num_layers * lc.total
-                + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
+        work, layer_fwd = self._bound_work(layout.slicing, layout.micro_batch)
         pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
         spread = m * work / pp
         if layout.schedule in V_SCHEDULES:
             # the V's closed form is the latest rank's m micro-batches after the first forward reaches it: no less
             # than their mean, m·W/pp plus the mean wait, Σ_r Σ_{k<r} fwd_k / pp, each stage a layer at least
-            weights = block_weights(self.setting.model, self.setting.seq_len)
-            layer_fwd = (lc.fwd + lc.comm_fwd) * (min(weights.time) if weights else 1.0)
             fill = layer_fwd * (pp - 1) / 2
         else:
             fill = (work - work / pp) / v
@@ -124,6 +120,19 @@ class Pricer:
         if key not in self._tails:
             self._tails[key] = tail_lower_bound(self.setting, layout) * (1 - 1e-9)
         return self._tails[key]
+
+    def _bound_work(self, cut: Slicing, b: int) -> tuple[float, float]:
+        """lower_bound's W (a micro-batch through every stage, nothing recomputed) and the least forward of a stage
+        (one layer), at the fastest group's pace; cached per slicing and micro-batch size."""
+        key = (cut, b)
+        if key not in self._work:
+            groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
+            lc, ends = min((self._costs(cut, b, g) for g in groups), key=lambda costs: costs[0].fwd + costs[0].bwd)
+            work = (self.setting.model.num_layers * lc.total
+                    + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
+            weights = block_weights(self.setting.model, self.setting.seq_len)
+            self._work[key] = work, (lc.fwd + lc.comm_fwd) * (min(weights.time) if weights else 1.0)
+        return self._work[key]
 
     def even_memory(self, layout: Layout) -> tuple[float, float]:
         """Peak bytes of the fullest rank with the layers spread evenly: (fully recomputed, nothing recomputed)."""
