@@ -281,7 +281,7 @@ def test_v_closed_form_is_exact_on_uniform_stages_and_never_above_the_simulation
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_schedules_peak_within_four_pipelines_of_micro_batches(schedule):
+def test_v_schedules_peak_within_steady_within_pipelines_of_micro_batches(schedule):
     for p in (2, 3, 4, 8):
         steady = live_peaks(schedule, p, STEADY_WITHIN * p, 2)
         for m in range(STEADY_WITHIN * p, 16 * p + 1, p):
