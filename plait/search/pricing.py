@@ -115,8 +115,10 @@ class Pricer:
         rounding. The step's estimate is at least lower_bound + tail_bound: the exact solver orders and stops by it."""
         if self.setting.cluster.mixed:
             return 0.0
+        # the micro-batches count where the step reduces after each, or fully_shard gathers again for each
+        per_micro_batch = layout.grad_sync == "micro_batch" or layout.dp_mode.reshard_after_forward
         key = (layout.degrees, layout.zero, layout.data_parallel, layout.schedule, layout.interleave,
-               layout.num_micro_batches, layout.grad_sync)
+               layout.num_micro_batches if per_micro_batch else 0, layout.grad_sync)
         if key not in self._tails:
             self._tails[key] = tail_lower_bound(self.setting, layout) * (1 - 1e-9)
         return self._tails[key]
@@ -153,7 +155,8 @@ class Pricer:
         start = len(self.candidates)
         skipped = False
         for sync in grad_syncs(layout):
-            skipped |= self._evaluate_one(dataclasses.replace(layout, grad_sync=sync)) == math.inf
+            variant = layout if sync == layout.grad_sync else dataclasses.replace(layout, grad_sync=sync)
+            skipped |= self._evaluate_one(variant) == math.inf
         if len(self.candidates) == start:
             return math.inf if skipped else None  # inf: it fits, but cannot enter the shortlist (bound_splits)
         kept = min(self.candidates[start:], key=lambda c: c.estimate)
@@ -182,7 +185,8 @@ class Pricer:
         if split is None:
             return None
         layers, recompute, peak, stage_seconds = split
-        if self.bound_splits and self.split_bound(layout, stage_seconds) > self.cutoff() * (1 + 1e-9):
+        cutoff = self.cutoff()
+        if self.bound_splits and cutoff < math.inf and self.split_bound(layout, stage_seconds) > cutoff * (1 + 1e-9):
             self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # its bound cannot beat the shortlist
             return math.inf  # (a margin far above rounding: what is skipped is slower than the cutoff)
         est = step_time(self.setting, layout, layers, recompute, exact=False)

@@ -18,6 +18,7 @@ the layouts it chooses; they differ only in which, and in what order.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 from plait.axes import Degrees
@@ -51,7 +52,8 @@ class ExactSolver:
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
                 return
-            if pricer.shortlist is not None and bounds[i] + pricer.tail_bound(base) >= pricer.cutoff():
+            cutoff = pricer.cutoff()
+            if cutoff < math.inf and bounds[i] + pricer.tail_bound(base) >= cutoff:
                 pricer.pruned += space.count_orderings(d)  # its data-parallel tail and optimizer step add too much
                 continue
             for layout in space.layouts(d, [()] if not space.groups else None, base=base):
