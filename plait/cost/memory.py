@@ -309,7 +309,9 @@ class LayoutMemory:
         self.sent = (layout.num_micro_batches - 1) * _stage_hidden_bytes(setting, layout, self.dtypes) * (
             1 - self.first) if pp > 1 and layout.schedule == "gpipe" else self.zeros
         self._moments: dict[str, tuple[list, list]] = {}
-        self._loss_lines: dict[str, tuple[dict, dict]] = {}
+        self._loss_lines: dict[str, tuple[tuple[dict, dict], tuple[np.ndarray, np.ndarray]]] = {}
+        self._moment_totals: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._states_total = sum(self.per_layer.values())  # a block's model states: what every moment's per-layer adds to
 
     def layer_grads(self, which: str) -> float:
         """A layer's gradient bytes, dense and experts: `which` "accumulated" (between micro-batches) or "step" (at
@@ -327,6 +329,18 @@ class LayoutMemory:
                  "temporaries": temporaries + zeros}
         return fixed, {**self.per_layer, "activations": micro_batches * act + zeros,
                        "grads": held * self.layer_grads(which) + zeros}
+
+    def _totals(self, line: tuple[dict, dict], base: dict) -> tuple[np.ndarray, np.ndarray]:
+        """sum(fixed.values()), sum(per_layer.values()) of a moment whose parts start with `base`'s and the per-layer
+        model states' (`{**base, ...}`): their sums, then the parts the moment adds, in the dicts' order (the same
+        floats, without adding the shared parts again)."""
+        fixed, per_layer = line
+        fixed_total, per_layer_total = sum(base.values()), self._states_total
+        for key in list(fixed)[len(base):]:
+            fixed_total = fixed_total + fixed[key]
+        for key in list(per_layer)[len(self.per_layer):]:
+            per_layer_total = per_layer_total + per_layer[key]
+        return fixed_total, per_layer_total
 
     def _mode_base(self, mode: str) -> tuple[dict, float, float]:
         """(the fixed parts every moment of `mode` starts from, a block's activations, ZeRO-3's all-gather in flight)."""
@@ -350,9 +364,9 @@ class LayoutMemory:
         if mode not in self._loss_lines:
             base, act, gather = self._mode_base(mode)
             steady = self.flight < self.layout.num_micro_batches
-            self._loss_lines[mode] = self._line(base, act, self.flight, "accumulated", steady, 0.0, 0.0,
-                                                gather + self.loss)
-        return self._loss_lines[mode]
+            line = self._line(base, act, self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss)
+            self._loss_lines[mode] = line, self._totals(line, base)
+        return self._loss_lines[mode][0]
 
     def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
         """(each moment's (fixed, per-layer) parts as arrays over the ranks, where each moment exists)."""
@@ -392,7 +406,9 @@ class LayoutMemory:
                            "grads": states.step_grads * self.head_params - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
             present.append(np.ones(len(zeros), dtype=bool))
+        totals = [self._loss_lines[mode][1]] + [self._totals(x, base) for x in lines[1:]]
         self._moments[mode] = (lines, present)
+        self._moment_totals[mode] = totals
         return lines, present
 
     def rank(self, rank: int, mode: str) -> RankMemory:
@@ -405,8 +421,8 @@ class LayoutMemory:
         """(fixed, per block) bytes of every rank at its loss moment with full recompute: below any moment of any
         recompute mode of a rank holding a block or more (full recompute keeps only each block's input, and the
         received input is that same tensor)."""
-        fixed, per_layer = self.loss_line("full")
-        return sum(fixed.values()), sum(per_layer.values())
+        self.loss_line("full")
+        return self._loss_lines["full"][1]
 
     def may_fit(self) -> bool:
         """A necessary condition for some split of the blocks to fit (False: none does): at its `floor`, rank r holds
@@ -425,8 +441,9 @@ class LayoutMemory:
         """Per rank, RankMemory.coefficients: (fixed, per-layer model states, per-layer activations) of the moment
         that is the peak at `layers` blocks."""
         lines, present = self.moments(mode)
-        fixed = np.array([sum(f.values()) for f, _ in lines])  # [moment, rank]
-        per_layer = np.array([sum(p.values()) for _, p in lines])
+        totals = self._moment_totals[mode]
+        fixed = np.array([f for f, _ in totals])  # [moment, rank]
+        per_layer = np.array([p for _, p in totals])
         acts = np.array([p["activations"] for _, p in lines])
         totals = np.where(np.array(present), fixed + layers * per_layer, -np.inf)
         peak = totals.argmax(axis=0)  # the first of equal moments, as max() picks

@@ -239,7 +239,7 @@ def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ..
     """The per-micro-batch forward and backward times of every virtual stage the step is priced with (fully_shard's
     hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
     (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
-    rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
+    rank_of = {k: r for r, stages in enumerate(layout.rank_stages) for k in stages}
     if not layout.stage_groups:  # a uniform cluster: every rank on the same hardware
         per_stage = [rank_costs(setting, layout)] * len(layers)
     else:
@@ -278,7 +278,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     exact=False replaces the schedule simulation by its closed form (the search's estimate). On a mixed
     cluster every pipeline rank is priced on its own device group's hardware (Setting.at)."""
     pp, m = layout.pp, layout.num_micro_batches
-    owned = [layout.stages_of(r) for r in range(pp)]
+    owned = layout.rank_stages
     at = [setting.at(layout, r) for r in range(pp)]
     st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
@@ -412,7 +412,7 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
         # zero bubble on a V: once the first micro-batch's forward reaches rank r (through stages 0 .. r-1), the
         # rank is never idle again (exact for uniform stages; never above the simulation, and within 0.2% of it on
         # the median of random stage times: tests/unit/test_schedule.py)
-        per_rank = [sum(s[k] for k in layout.stages_of(r)) for r in range(pp)]
+        per_rank = [sum(s[k] for k in stages) for stages in layout.rank_stages]
         idle = max(m * per_rank[r] + sum(st.fwd[:r]) for r in range(pp))
     elif layout.schedule == "interleaved":
         per_rank = [sum(s[r::pp]) for r in range(pp)]
@@ -434,7 +434,7 @@ def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, .
             memory = LayoutMemory(at, layout)
             memories.append((at, memory))
         mem = memory.rank(r, recompute[r])
-        mine = [loads[k] for k in layout.stages_of(r)]
+        mine = [loads[k] for k in layout.rank_stages[r]]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     return per_rank
 
