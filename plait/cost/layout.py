@@ -25,6 +25,12 @@ def _rank_stages(schedule: str, pp: int, interleave: int) -> tuple[tuple[int, ..
     return tuple(tuple(rank + chunk * pp for chunk in range(interleave)) for rank in range(pp))
 
 
+def slicing_of(degrees: Degrees, sp: bool, context_parallel: str) -> Slicing:
+    """Layout.slicing of a layout with these degrees, sequence parallelism and key/value exchange."""
+    d = degrees
+    return Slicing(tp=d.tp, sp=sp, cp=d.cp, cp_kind=context_parallel, ep=d.ep)
+
+
 @dataclass(frozen=True)
 class Setting:
     """What is fixed during one search: the model, the cluster and the training step."""
@@ -79,8 +85,7 @@ class Layout:
     @cached_property
     def slicing(self) -> Slicing:
         """How one device's share of a layer is cut (tensor, context and expert parallelism)."""
-        d = self.degrees
-        return Slicing(tp=d.tp, sp=self.sp, cp=d.cp, cp_kind=self.context_parallel, ep=d.ep)
+        return slicing_of(self.degrees, self.sp, self.context_parallel)
 
     @property
     def shard_degree(self) -> int:

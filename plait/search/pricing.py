@@ -97,10 +97,14 @@ class Pricer:
         without recompute (the closed-form estimate is never below this; with shared cores, see
         plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work; on a V, a fill of one
         layer's forward per rank before it: see below)."""
-        work, layer_fwd = self._bound_work(layout.slicing, layout.micro_batch)
-        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        return self.bound(layout.slicing, layout.micro_batch, layout.pp, layout.num_micro_batches, layout.interleave,
+                          layout.schedule)
+
+    def bound(self, cut: Slicing, b: int, pp: int, m: int, v: int, schedule: str) -> float:
+        """`lower_bound` of a layout cut `cut` running m micro-batches of b on pp ranks with `schedule` (v chunks)."""
+        work, layer_fwd = self._bound_work(cut, b)
         spread = m * work / pp
-        if layout.schedule in V_SCHEDULES:
+        if schedule in V_SCHEDULES:
             # the V's closed form is the latest rank's m micro-batches after the first forward reaches it: no less
             # than their mean, m·W/pp plus the mean wait, Σ_r Σ_{k<r} fwd_k / pp, each stage a layer at least
             fill = layer_fwd * (pp - 1) / 2
