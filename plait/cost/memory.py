@@ -330,12 +330,12 @@ class LayoutMemory:
         return fixed, {**self.per_layer, "activations": micro_batches * act + zeros,
                        "grads": held * self.layer_grads(which) + zeros}
 
-    def _totals(self, line: tuple[dict, dict], base: dict) -> tuple[np.ndarray, np.ndarray]:
-        """sum(fixed.values()), sum(per_layer.values()) of a moment whose parts start with `base`'s and the per-layer
-        model states' (`{**base, ...}`): their sums, then the parts the moment adds, in the dicts' order (the same
-        floats, without adding the shared parts again)."""
+    def _totals(self, line: tuple[dict, dict], base: dict, base_total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """sum(fixed.values()), sum(per_layer.values()) of a moment whose parts start with `base`'s (which sum to
+        `base_total`) and the per-layer model states' (`{**base, ...}`): those sums, then the parts the moment adds,
+        in the dicts' order (the same floats, without adding the shared parts again)."""
         fixed, per_layer = line
-        fixed_total, per_layer_total = sum(base.values()), self._states_total
+        fixed_total, per_layer_total = base_total, self._states_total
         for key in list(fixed)[len(base):]:
             fixed_total = fixed_total + fixed[key]
         for key in list(per_layer)[len(self.per_layer):]:
@@ -365,7 +365,7 @@ class LayoutMemory:
             base, act, gather = self._mode_base(mode)
             steady = self.flight < self.layout.num_micro_batches
             line = self._line(base, act, self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss)
-            self._loss_lines[mode] = line, self._totals(line, base)
+            self._loss_lines[mode] = line, self._totals(line, base, sum(base.values()))
         return self._loss_lines[mode][0]
 
     def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
@@ -406,7 +406,8 @@ class LayoutMemory:
                            "grads": states.step_grads * self.head_params - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
             present.append(np.ones(len(zeros), dtype=bool))
-        totals = [self._loss_lines[mode][1]] + [self._totals(x, base) for x in lines[1:]]
+        base_total = sum(base.values())
+        totals = [self._loss_lines[mode][1]] + [self._totals(x, base, base_total) for x in lines[1:]]
         self._moments[mode] = (lines, present)
         self._moment_totals[mode] = totals
         return lines, present
