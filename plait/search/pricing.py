@@ -65,6 +65,7 @@ class Pricer:
         self._overflows: dict[tuple, float] = {}
         self._tails: dict[tuple, float] = {}
         self._work: dict[tuple, tuple[float, float]] = {}
+        self._slowest: dict[tuple, tuple[float, float]] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
         self.bound_splits = False
@@ -179,6 +180,10 @@ class Pricer:
         if self.overflow(layout) > 0:  # the model states alone overflow every split of this layout
             self._note_overflow(layout)
             return None
+        cutoff = self.cutoff()
+        if self.bound_splits and cutoff < math.inf and self.presplit_bound(layout) > cutoff * (1 + 1e-9):
+            self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # no split of it can beat the shortlist
+            return math.inf
         memory = None
         if not layout.stage_groups:  # a uniform cluster: one memory model for every rank, checked before splitting
             memory = LayoutMemory(self.setting, layout)
@@ -197,6 +202,65 @@ class Pricer:
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
         self.points.append((est.total, peak))
         return est.total
+
+    def presplit_bound(self, layout: Layout) -> float:
+        """`split_bound` of the best split there could be: no recompute, no memory limit, every rank's share of whole
+        blocks (0 where blocks differ, ranks differ, or ranks share cores). Rank r's stages take f_r + n_r·t (f_r:
+        the ends it holds, t: a block without recompute, n_r >= v blocks), so the slowest rank takes at least T*, the
+        least bound under which ranks can hold all L blocks; the closed form grows with the slowest rank (and, but
+        for the V, with the sum of the stages, the same for every split): 1F1B W + (m - 1)·T*, interleaved
+        (m - 1/v)·T* + W/v, a V m·T* (its forwards, priced 0 by split_bound, only add)."""
+        s = self.setting
+        if (layout.stage_groups or s.cluster.oversubscription > 1.0
+                or block_weights(s.model, s.seq_len) is not None):
+            return 0.0
+        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        if pp == 1:
+            return 0.0  # split_bound prices the one stage exactly
+        key = (layout.slicing, layout.micro_batch, layout.schedule, pp, v)
+        if key not in self._slowest:
+            self._slowest[key] = self._slowest_rank(layout)
+        slowest, work = self._slowest[key]
+        if layout.schedule in V_SCHEDULES:
+            pipe = m * slowest
+        elif layout.schedule == "interleaved":
+            pipe = (m - 1 / v) * slowest + work / v
+        else:
+            pipe = work + (m - 1) * slowest
+        return pipe + self.tail_bound(layout)
+
+    def _slowest_rank(self, layout: Layout) -> tuple[float, float]:
+        """(T*, W) of `presplit_bound`: the least time the slowest rank can take, less a margin far above rounding, and
+        the stages' sum without recompute."""
+        pp, v, num_layers = layout.pp, layout.interleave, self.setting.model.num_layers
+        lc, ends = self.layer_cost(layout)
+        t = lc.total
+        ranks = stage_ranks(layout.schedule, pp, v)
+        fixed = [0.0] * pp
+        fixed[ranks[0]] += ends.embed_fwd + ends.embed_bwd + ends.embed_tp
+        fixed[ranks[-1]] += ends.head_fwd + ends.head_bwd + ends.head_tp
+
+        def most(bound: float, f: float) -> int:  # the most n with f + n·t <= bound, as the candidates are summed
+            n = math.floor((bound - f) / t)
+            return n + 1 if f + (n + 1) * t <= bound else n
+
+        def holds(bound: float) -> bool:  # every rank within `bound` with v blocks or more, all L of them held
+            counts = [most(bound, f) for f in fixed]
+            return min(counts) >= v and sum(counts) >= num_layers
+
+        # T* is a rank time f + n·t between (⌊L/pp⌋ - 1)·t (below, every rank holds fewer than L/pp blocks) and
+        # max f + ⌈L/pp⌉·t (every rank holding ⌈L/pp⌉ >= v): only those candidates are looked at
+        low, high = (num_layers // pp - 1) * t, max(fixed) + -(-num_layers // pp) * t
+        candidates = sorted({f + n * t for f in set(fixed)
+                             for n in range(max(v, math.floor((low - f) / t)), math.ceil((high - f) / t) + 2)})
+        lo, hi = 0, len(candidates) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds(candidates[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return candidates[lo] * (1 - 1e-9), (sum(fixed) + num_layers * t) * (1 - 1e-9)
 
     def split_bound(self, layout: Layout, stage_seconds: np.ndarray) -> float:
         """A lower bound on the estimated step time of a split whose virtual stages take `stage_seconds` a
