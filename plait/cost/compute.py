@@ -301,9 +301,11 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
     return sliced_layer_cost(model, cluster, seq_len, micro_batch, Slicing(tp=tp, sp=sp), dtype_bytes)
 
 
+@lru_cache(maxsize=4096)
 def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
                       dtype_bytes: int = 2) -> LayerCost:
-    """Time of one layer for one micro-batch on one device of the groups `cut` describes."""
+    """Time of one layer for one micro-batch on one device of the groups `cut` describes (cached, like `ends_cost`:
+    the search prices many layouts of one slicing and micro-batch)."""
     tp, sp, cp = cut.tp, cut.sp, cut.cp
     tokens = cut.local_tokens(micro_batch, seq_len)
     dense, attn = layer_flops(model, tokens, seq_len)  # attention: the rank's queries against the whole sequence

@@ -7,13 +7,28 @@ fields map one to one (`Layout.of(plan)`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from plait.axes import ALL_AXES, Degrees
 from plait.cost.compute import Slicing
 from plait.legality import DataParallelMode, data_parallel_mode, expert_shards
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
+
+
+@lru_cache(maxsize=1024)
+def _rank_stages(schedule: str, pp: int, interleave: int) -> tuple[tuple[int, ...], ...]:
+    from plait.cost.schedule import V_SCHEDULES
+
+    if schedule in V_SCHEDULES and pp > 1:
+        return tuple((rank, 2 * pp - 1 - rank) for rank in range(pp))
+    return tuple(tuple(rank + chunk * pp for chunk in range(interleave)) for rank in range(pp))
+
+
+def slicing_of(degrees: Degrees, sp: bool, context_parallel: str) -> Slicing:
+    """Layout.slicing of a layout with these degrees, sequence parallelism and key/value exchange."""
+    d = degrees
+    return Slicing(tp=d.tp, sp=sp, cp=d.cp, cp_kind=context_parallel, ep=d.ep)
 
 
 @dataclass(frozen=True)
@@ -70,8 +85,7 @@ class Layout:
     @cached_property
     def slicing(self) -> Slicing:
         """How one device's share of a layer is cut (tensor, context and expert parallelism)."""
-        d = self.degrees
-        return Slicing(tp=d.tp, sp=self.sp, cp=d.cp, cp_kind=self.context_parallel, ep=d.ep)
+        return slicing_of(self.degrees, self.sp, self.context_parallel)
 
     @property
     def shard_degree(self) -> int:
@@ -117,11 +131,12 @@ class Layout:
     def stages_of(self, rank: int) -> list[int]:
         """Virtual stages on pipeline rank `rank` in model order (a loop, or a V for the zero-bubble V schedules:
         plait.cost.schedule.stage_rank's inverse)."""
-        from plait.cost.schedule import V_SCHEDULES
+        return list(self.rank_stages[rank])
 
-        if self.schedule in V_SCHEDULES and self.pp > 1:
-            return [rank, 2 * self.pp - 1 - rank]
-        return [rank + chunk * self.pp for chunk in range(self.interleave)]
+    @property
+    def rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """`stages_of` every pipeline rank (shared: the search asks for it thousands of times)."""
+        return _rank_stages(self.schedule, self.pp, self.interleave)
 
     @property
     def last_rank(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from plait.cost.schedule import Action, rank_actions, stage_rank
+from plait.cost.schedule import Action, rank_actions, stage_rank, steady_micro_batches
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules torch runs with its single-stage loop (receives posted right before their compute)."""
@@ -72,34 +72,44 @@ def receives_in_lockstep(compute: Sequence[Sequence[Action]], num_stages: int,
                          rank_of: Callable[[int], int]) -> tuple[tuple[Action, ...], ...]:
     """Receives where torch's multi-stage runtime posts them (module docstring): round after round, every rank in
     order runs its next compute action if its input is there (received, or produced by a stage of its own), and a
-    compute whose output goes to another rank posts that rank's receive at once."""
-    queues = [list(actions) for actions in compute]
+    compute whose output goes to another rank posts that rank's receive at once. (A rank whose next action waited
+    is not looked at again until a receive reaches it: nothing else can make that action ready.)"""
+    owner = [rank_of(stage) for stage in range(num_stages)]
+    num_ranks = len(compute)
+    next_action = [0] * num_ranks
     orders: list[list[Action]] = [[] for _ in compute]
     seen: list[set[Action]] = [set() for _ in compute]
-    produced = ("F", "B", "I")  # kinds whose output a neighbour stage consumes
-
-    def ready(rank: int, kind: str, stage: int, mb: int) -> bool:
-        if kind == "F" and stage > 0:
-            return ("RF", stage, mb) in seen[rank] or ("F", stage - 1, mb) in seen[rank]
-        if kind in ("B", "I") and stage < num_stages - 1:
-            return (("RB", stage, mb) in seen[rank] or ("B", stage + 1, mb) in seen[rank]
-                    or ("I", stage + 1, mb) in seen[rank])
-        return True
-
-    while any(queues):
+    waiting = [False] * num_ranks
+    left = sum(len(actions) for actions in compute)
+    while left:
         progress = False
-        for rank, queue in enumerate(queues):
-            if not queue or not ready(rank, *queue[0]):
+        for rank in range(num_ranks):
+            if waiting[rank] or next_action[rank] == len(compute[rank]):
                 continue
-            kind, stage, mb = queue.pop(0)
-            orders[rank].append((kind, stage, mb))
-            seen[rank].add((kind, stage, mb))
-            if kind in produced:
+            action = compute[rank][next_action[rank]]
+            kind, stage, mb = action
+            have = seen[rank]
+            if kind == "F" and stage > 0:
+                ready = ("RF", stage, mb) in have or ("F", stage - 1, mb) in have
+            elif kind in ("B", "I") and stage < num_stages - 1:
+                ready = ("RB", stage, mb) in have or ("B", stage + 1, mb) in have or ("I", stage + 1, mb) in have
+            else:
+                ready = True
+            if not ready:
+                waiting[rank] = True
+                continue
+            next_action[rank] += 1
+            left -= 1
+            orders[rank].append(action)
+            have.add(action)
+            if kind != "W":  # F, B and I produce what a neighbour stage consumes
                 peer_stage = stage + 1 if kind == "F" else stage - 1
-                if 0 <= peer_stage < num_stages and rank_of(peer_stage) != rank:
+                if 0 <= peer_stage < num_stages and owner[peer_stage] != rank:
+                    peer = owner[peer_stage]
                     receive = (_receive_of(kind), peer_stage, mb)
-                    orders[rank_of(peer_stage)].append(receive)
-                    seen[rank_of(peer_stage)].add(receive)
+                    orders[peer].append(receive)
+                    seen[peer].add(receive)
+                    waiting[peer] = False
             progress = True
         if not progress:
             raise ValueError("the schedule's actions cannot be ordered: an input is never produced")
@@ -142,19 +152,13 @@ def peak_buffers(order: Sequence[Action]) -> LiveBuffers:
     return LiveBuffers(inputs=peak_inputs, grads=peak_grads)
 
 
-STEADY_WITHIN = 4
-"""Every schedule but GPipe reaches its peak receive buffers within this many times pp micro-batches: after the
-warm-up each rank runs a forward per backward, so more micro-batches repeat the steady state
-(tests/unit/test_live_set.py checks it for every such schedule up to 12 ranks and 12p micro-batches). GPipe runs
-every forward first: its buffers grow with the micro-batches."""
-
-
 @lru_cache(maxsize=1024)
 def live_buffers(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[LiveBuffers, ...]:
     """Per pipeline rank, its receive buffers at their peak: what the executor's pool holds and the cost model
     prices."""
     if pp == 1:
         return (LiveBuffers(0, 0),)
-    if schedule != "gpipe" and num_micro_batches > STEADY_WITHIN * pp:  # the steady state repeats (STEADY_WITHIN)
-        return live_buffers(schedule, pp, STEADY_WITHIN * pp, interleave)
+    steady = steady_micro_batches(schedule, pp, num_micro_batches)
+    if steady < num_micro_batches:  # more micro-batches repeat the steady state
+        return live_buffers(schedule, pp, steady, interleave)
     return tuple(peak_buffers(order) for order in with_receives(schedule, pp, num_micro_batches, interleave))

@@ -49,7 +49,7 @@ from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_
 from plait.cost.compute import block_weights, layer_expert_weights, replicated_block_weights, replicated_kv_weights
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
-from plait.cost.schedule import V_SCHEDULES, rank_actions
+from plait.cost.schedule import V_SCHEDULES, rank_actions, steady_micro_batches
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
@@ -193,12 +193,6 @@ def in_flight(layout: Layout, rank: int) -> float:
     return float(in_flight_all(layout)[rank])
 
 
-V_PEAK_WITHIN = 4
-"""The zero-bubble V schedules reach their largest in-flight count within this many times pp micro-batches (their
-warm-up fills 2p - 1 or 2p forwards; after it every step runs a forward and frees one): more micro-batches repeat the
-steady state (tests/unit/test_moe_cp_cost.py checks it up to 16p)."""
-
-
 def in_flight_all(layout: Layout) -> np.ndarray:
     """`in_flight` of every pipeline rank."""
     p, m, v = layout.pp, layout.num_micro_batches, layout.interleave
@@ -210,8 +204,8 @@ def in_flight_all(layout: Layout) -> np.ndarray:
     if layout.schedule == "interleaved":
         # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forward chunks before the first backward, then one more.
         return np.minimum(m * v, 2 * (p - ranks - 1) + (v - 1) * p + 1) / v
-    if layout.schedule in V_SCHEDULES:  # the V's steady state repeats: its peak is reached within 4p micro-batches
-        return np.array(live_peaks(layout.schedule, p, min(m, V_PEAK_WITHIN * p), v), dtype=float) / v
+    if layout.schedule in V_SCHEDULES:  # read from the V's own order, up to its steady state
+        return np.array(live_peaks(layout.schedule, p, steady_micro_batches(layout.schedule, p, m), v), dtype=float) / v
     return np.minimum(m, p - ranks).astype(float)
 
 
@@ -315,12 +309,64 @@ class LayoutMemory:
         self.sent = (layout.num_micro_batches - 1) * _stage_hidden_bytes(setting, layout, self.dtypes) * (
             1 - self.first) if pp > 1 and layout.schedule == "gpipe" else self.zeros
         self._moments: dict[str, tuple[list, list]] = {}
+        self._loss_lines: dict[str, tuple[tuple[dict, dict], tuple[np.ndarray, np.ndarray]]] = {}
+        self._moment_totals: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._states_total = sum(self.per_layer.values())  # a block's model states: what every moment's per-layer adds to
 
     def layer_grads(self, which: str) -> float:
         """A layer's gradient bytes, dense and experts: `which` "accumulated" (between micro-batches) or "step" (at
         the optimizer step)."""
         return (getattr(self.states, f"{which}_grads") * self.n_layer
                 + getattr(self.expert_states, f"{which}_grads") * self.n_expert)
+
+    def _line(self, base: dict, act: float, micro_batches, which: str, held, grads_fixed, acts_fixed, temporaries
+              ) -> tuple[dict, dict]:
+        """One moment: `micro_batches` in flight of `act` bytes a block, `which` gradients ("accumulated" or "step")
+        where `held`."""
+        states, zeros = self.states, self.zeros
+        fixed = {**base, "activations": micro_batches * (self.ids + self.head) + acts_fixed,
+                 "grads": held * getattr(states, f"{which}_grads") * self.ends + grads_fixed,
+                 "temporaries": temporaries + zeros}
+        return fixed, {**self.per_layer, "activations": micro_batches * act + zeros,
+                       "grads": held * self.layer_grads(which) + zeros}
+
+    def _totals(self, line: tuple[dict, dict], base: dict, base_total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """sum(fixed.values()), sum(per_layer.values()) of a moment whose parts start with `base`'s (which sum to
+        `base_total`) and the per-layer model states' (`{**base, ...}`): those sums, then the parts the moment adds,
+        in the dicts' order (the same floats, without adding the shared parts again)."""
+        fixed, per_layer = line
+        fixed_total, per_layer_total = base_total, self._states_total
+        for key in list(fixed)[len(base):]:
+            fixed_total = fixed_total + fixed[key]
+        for key in list(per_layer)[len(self.per_layer):]:
+            per_layer_total = per_layer_total + per_layer[key]
+        return fixed_total, per_layer_total
+
+    def _mode_base(self, mode: str) -> tuple[dict, float, float]:
+        """(the fixed parts every moment of `mode` starts from, a block's activations, ZeRO-3's all-gather in flight)."""
+        setting, layout = self.setting, self.layout
+        model = setting.model
+        act = activation_bytes(model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes,
+                               layout.cp, layout.context_parallel, layout.ep)
+        # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
+        # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
+        # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
+        gather = setting.dtype_bytes * self.n_layer if self.states.gathered_units else 0.0
+        base = dict(self.base)
+        if stage_input_is_kept(model, mode, self.dtypes):  # the first block keeps the received input itself
+            base["buffers"] = base["buffers"] - self.kept_inputs
+        return base, act, gather
+
+    def loss_line(self, mode: str) -> tuple[dict, dict]:
+        """The loss moment of `mode` (moments' first): every in-flight micro-batch's activations, the loss's
+        gradients; the earlier micro-batches' gradients where the rank's largest in-flight count recurs after its
+        first backward (a steady state), not where every forward comes first (GPipe, one micro-batch, a short 1F1B)."""
+        if mode not in self._loss_lines:
+            base, act, gather = self._mode_base(mode)
+            steady = self.flight < self.layout.num_micro_batches
+            line = self._line(base, act, self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss)
+            self._loss_lines[mode] = line, self._totals(line, base, sum(base.values()))
+        return self._loss_lines[mode][0]
 
     def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
         """(each moment's (fixed, per-layer) parts as arrays over the ranks, where each moment exists)."""
@@ -329,36 +375,23 @@ class LayoutMemory:
         setting, layout, states, zeros = self.setting, self.layout, self.states, self.zeros
         model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
         cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
-        act = {x: activation_bytes(model, b, s, tp, sp, x, self.dtypes, cp, kind, ep) for x in ("none", mode)}
-        # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
-        # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
-        # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
-        gather = setting.dtype_bytes * self.n_layer if states.gathered_units else 0.0
+        base, act_mode, gather = self._mode_base(mode)
+        act_none = act_mode if mode == "none" else activation_bytes(model, b, s, tp, sp, "none", self.dtypes, cp, kind,
+                                                                    ep)
         # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
         per_micro_batch = layout.grad_sync == "micro_batch" and layout.dp_mode.carrier == "fully_shard"
         scatter = FP32_BYTES * self.n_layer if states.gathered_units or per_micro_batch else 0.0
         # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
         # (and on the math path swaps its probabilities for their two gradients)
-        backward = (gather + scatter + act["none"] - act[mode]
+        backward = (gather + scatter + act_none - act_mode
                     + layer_backward_bytes(model, s, self.tokens, tp, sp, self.dtypes, cp, kind, ep))
         released = self.head + probabilities_bytes(model, s, self.tokens, tp, self.dtypes, cp)
-        base = dict(self.base)
-        if stage_input_is_kept(model, mode, self.dtypes):  # the first block keeps the received input itself
-            base["buffers"] = base["buffers"] - self.kept_inputs
-        ids, head, ends, steady = self.ids, self.head, self.ends, self.flight < m
-        # the rank's largest in-flight count recurs after its first backward (a steady state), so earlier
-        # micro-batches' gradients are there; not where every forward comes first (GPipe, one micro-batch, a short
-        # 1F1B)
+        steady = self.flight < m
 
-        def line(micro_batches, which, held, grads_fixed, acts_fixed, temporaries) -> tuple[dict, dict]:
-            """`which` gradients ("accumulated" or "step") where `held`."""
-            fixed = {**base, "activations": micro_batches * (ids + head) + acts_fixed,
-                     "grads": held * getattr(states, f"{which}_grads") * ends + grads_fixed,
-                     "temporaries": temporaries + zeros}
-            return fixed, {**self.per_layer, "activations": micro_batches * act[mode] + zeros,
-                           "grads": held * self.layer_grads(which) + zeros}
+        def line(*args) -> tuple[dict, dict]:
+            return self._line(base, act_mode, *args)
 
-        lines = [line(self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss),           # the loss
+        lines = [self.loss_line(mode),                                                              # the loss
                  line(self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.head_params),
                       -released, backward),
                  line(zeros, "step", 1.0, 0.0, 0.0, 0.0)]                                           # optimizer step
@@ -369,11 +402,14 @@ class LayoutMemory:
             present.append(~steady)
         if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
             step_grads = self.layer_grads("step") + zeros
-            lines.append(({**base, "activations": ids + act[mode], "temporaries": backward + zeros,
+            lines.append(({**base, "activations": self.ids + act_mode, "temporaries": backward + zeros,
                            "grads": states.step_grads * self.head_params - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
             present.append(np.ones(len(zeros), dtype=bool))
+        base_total = sum(base.values())
+        totals = [self._loss_lines[mode][1]] + [self._totals(x, base, base_total) for x in lines[1:]]
         self._moments[mode] = (lines, present)
+        self._moment_totals[mode] = totals
         return lines, present
 
     def rank(self, rank: int, mode: str) -> RankMemory:
@@ -386,8 +422,8 @@ class LayoutMemory:
         """(fixed, per block) bytes of every rank at its loss moment with full recompute: below any moment of any
         recompute mode of a rank holding a block or more (full recompute keeps only each block's input, and the
         received input is that same tensor)."""
-        fixed, per_layer = self.moments("full")[0][0]
-        return sum(fixed.values()), sum(per_layer.values())
+        self.loss_line("full")
+        return self._loss_lines["full"][1]
 
     def may_fit(self) -> bool:
         """A necessary condition for some split of the blocks to fit (False: none does): at its `floor`, rank r holds
@@ -406,8 +442,9 @@ class LayoutMemory:
         """Per rank, RankMemory.coefficients: (fixed, per-layer model states, per-layer activations) of the moment
         that is the peak at `layers` blocks."""
         lines, present = self.moments(mode)
-        fixed = np.array([sum(f.values()) for f, _ in lines])  # [moment, rank]
-        per_layer = np.array([sum(p.values()) for _, p in lines])
+        totals = self._moment_totals[mode]
+        fixed = np.array([f for f, _ in totals])  # [moment, rank]
+        per_layer = np.array([p for _, p in totals])
         acts = np.array([p["activations"] for _, p in lines])
         totals = np.where(np.array(present), fixed + layers * per_layer, -np.inf)
         peak = totals.argmax(axis=0)  # the first of equal moments, as max() picks

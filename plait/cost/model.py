@@ -239,7 +239,7 @@ def pipeline_stage_times(setting: Setting, layout: Layout, layers: tuple[int, ..
     """The per-micro-batch forward and backward times of every virtual stage the step is priced with (fully_shard's
     hooks and the schedule's host time included, each stage on its own rank's device group), and the stages'
     (time, parameter, activation) loads. The report's timeline draws these very times (plait.report.plan_report)."""
-    rank_of = {k: r for r in range(layout.pp) for k in layout.stages_of(r)}
+    rank_of = {k: r for r, stages in enumerate(layout.rank_stages) for k in stages}
     if not layout.stage_groups:  # a uniform cluster: every rank on the same hardware
         per_stage = [rank_costs(setting, layout)] * len(layers)
     else:
@@ -278,7 +278,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     exact=False replaces the schedule simulation by its closed form (the search's estimate). On a mixed
     cluster every pipeline rank is priced on its own device group's hardware (Setting.at)."""
     pp, m = layout.pp, layout.num_micro_batches
-    owned = [layout.stages_of(r) for r in range(pp)]
+    owned = layout.rank_stages
     at = [setting.at(layout, r) for r in range(pp)]
     st, loads = pipeline_stage_times(setting, layout, layers, recompute)
     work = [m * sum(st.fwd[k] + st.bwd[k] for k in owned[r]) for r in range(pp)]
@@ -331,6 +331,40 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
 
 
+def tail_lower_bound(setting: Setting, layout: Layout) -> float:
+    """A lower bound on what `step_time` adds after the pipeline's makespan (the data-parallel tail and the optimizer
+    step of the rank that ends last), whatever the split of the blocks, on a uniform cluster.
+
+    That is max_r (tail_r + opt_r) >= tail + opt of the rank holding the most parameters, which holds at least the
+    mean, P/pp (P: every rank's blocks and ends); both grow with the parameters. The tail grows with the rank's
+    fully_shard units in its collectives' latency and shrinks with them in the one unit's exposed gather and
+    reduce-scatter, so each is taken at the end of the range that lowers it (v + 1 units: a block per virtual stage,
+    and the root; L - (pp - 1)·v + 1: every block the other stages leave); the overlap, at its best (compute long
+    enough to hide all but one unit's or bucket's). Dense models only: experts are sharded over other ranks, and
+    their tail is left at 0 (the optimizer then at the larger of the two shardings)."""
+    model, pp, v = setting.model, layout.pp, layout.interleave
+    layers = model.num_layers
+    # every rank's rank_params: the blocks, the embedding on rank 0 and the head on the last stage's rank
+    total = (layers * layer_params(model, layout.tp, layout.ep) + first_stage_params(model, layout.tp)
+             + last_stage_params(model, layout.tp, shares_embedding_rank=pp == 1))
+    mean = total / pp
+    host = setting.cluster.host.step_overhead_s
+    experts = expert_params(model, layout.tp, layout.ep)
+    if experts:
+        shards = max(optimizer_shards(layout), layout.expert_shards)
+        return optimizer_time(setting.cluster, mean / shards) + host
+    opt = optimizer_time(setting.cluster, mean / optimizer_shards(layout)) + host
+    if layout.shard_degree == 1:
+        return opt
+    fewest, most = (layers + 1,) * 2 if pp == 1 else (v + 1, layers - (pp - 1) * v + 1)
+    inf = float("inf")
+    all_comm = _dp_comm(setting, layout, mean, inf, inf, fewest)[0]
+    if setting.cluster.device_type == "cpu":  # no overlap there: dp_exposed counts all of it
+        return all_comm + opt
+    exposed = _dp_comm(setting, layout, mean, inf, inf, most)[1]
+    return (1 - OVERLAP_SLOWDOWN) * exposed + OVERLAP_SLOWDOWN * all_comm + opt
+
+
 def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
     """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
     lc = sliced_layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
@@ -378,7 +412,7 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
         # zero bubble on a V: once the first micro-batch's forward reaches rank r (through stages 0 .. r-1), the
         # rank is never idle again (exact for uniform stages; never above the simulation, and within 0.2% of it on
         # the median of random stage times: tests/unit/test_schedule.py)
-        per_rank = [sum(s[k] for k in layout.stages_of(r)) for r in range(pp)]
+        per_rank = [sum(s[k] for k in stages) for stages in layout.rank_stages]
         idle = max(m * per_rank[r] + sum(st.fwd[:r]) for r in range(pp))
     elif layout.schedule == "interleaved":
         per_rank = [sum(s[r::pp]) for r in range(pp)]
@@ -400,7 +434,7 @@ def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, .
             memory = LayoutMemory(at, layout)
             memories.append((at, memory))
         mem = memory.rank(r, recompute[r])
-        mine = [loads[k] for k in layout.stages_of(r)]
+        mine = [loads[k] for k in layout.rank_stages[r]]
         per_rank.append(mem.parts(sum(load[1] for load in mine), sum(load[2] for load in mine)))
     return per_rank
 

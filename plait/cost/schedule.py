@@ -31,6 +31,23 @@ backward GEMMs cost the same (2·tokens·params FLOPs each); the zero-bubble pap
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
+STEADY_WITHIN = 2
+"""Every schedule but GPipe repeats a steady state from this many times pp micro-batches on: after its warm-up (at
+most 2p forwards) each rank runs a forward per backward, so what a rank holds at once (its activations in flight, its
+receive buffers) peaks within 2p micro-batches, and more micro-batches repeat it (tests/unit/test_live_set.py checks
+the receive buffers of every such schedule up to 12 ranks and 12p micro-batches, tests/unit/test_moe_cp_cost.py the
+V schedules' activations up to 16p; checked once to 32 ranks and 5p). GPipe runs every forward first: what it holds
+grows with the micro-batches."""
+
+
+def steady_micro_batches(schedule: str, pp: int, num_micro_batches: int) -> int:
+    """The micro-batches whose action order reaches every peak `num_micro_batches` reach (STEADY_WITHIN): what a
+    schedule holds at once is read from this many."""
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(num_micro_batches, STEADY_WITHIN * pp)
+
+
 def stage_rank(schedule: str, pp: int, stage: int) -> int:
     """The pipeline rank of virtual stage `stage` (plait.plan.Plan.rank_of_stage, in the planner's room)."""
     if schedule in V_SCHEDULES and pp > 1:

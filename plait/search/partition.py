@@ -30,6 +30,11 @@ class Split:
     """Index of each stage's recompute mode (columns of layer_time)."""
 
 
+VECTOR_LIMIT = 2**16
+"""min_max_split tests every candidate bound at once where candidates x stages x modes stay within this many
+elements (a few arrays of this size: under a MiB each), and bisects one bound at a time beyond."""
+
+
 def _most_layers(fixed: np.ndarray, per_layer: np.ndarray, limit: np.ndarray) -> np.ndarray:
     """Largest k with fixed + k·per_layer <= limit, elementwise (may be < 1; inf when per_layer is 0).
 
@@ -71,15 +76,20 @@ def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem,
     times = fixed_time[:, None, None] + ks[None, None, :] * layer_time[:, :, None]  # [stage, mode, k]
     allowed = ks[None, None, :] <= by_mem[:, :, None]
     candidates = np.unique(times[allowed])
-
-    def feasible(bound: float) -> bool:
-        kmax = np.minimum(_max_by_time(bound, fixed_time, layer_time), by_mem).max(axis=1)
-        return bool(np.all(kmax >= 1) and np.minimum(kmax, num_layers).sum() >= num_layers)
+    if candidates.size * layer_time.size <= VECTOR_LIMIT:  # every candidate's test at once: fewer numpy calls
+        kmax = np.minimum(_most_layers(fixed_time[None, :, None], layer_time[None], candidates[:, None, None]),
+                          by_mem).max(axis=2)  # [candidate, stage]
+        verdicts = (kmax >= 1).all(axis=1) & (np.minimum(kmax, num_layers).sum(axis=1) >= num_layers)
+        feasible = verdicts.__getitem__
+    else:
+        def feasible(i: int) -> bool:
+            kmax = np.minimum(_max_by_time(candidates[i], fixed_time, layer_time), by_mem).max(axis=1)
+            return bool(np.all(kmax >= 1) and np.minimum(kmax, num_layers).sum() >= num_layers)
 
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(candidates[mid]):
+        if feasible(mid):
             hi = mid
         else:
             lo = mid + 1

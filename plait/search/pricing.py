@@ -17,7 +17,8 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
-from plait.cost.model import StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time
+from plait.cost.model import (StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time,
+                              tail_lower_bound)
 from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
@@ -41,6 +42,14 @@ class Candidate:
     recompute: tuple[str, ...]
 
 
+@lru_cache(maxsize=256)
+def stage_ranks(schedule: str, pp: int, interleave: int) -> np.ndarray:
+    """The pipeline rank of every virtual stage (plait.cost.schedule.stage_rank), read-only."""
+    ranks = np.array([stage_rank(schedule, pp, k) for k in range(pp * interleave)])
+    ranks.flags.writeable = False
+    return ranks
+
+
 class Pricer:
     """One search's pricing state: cached per-(tp, sp, b) costs, the feasible candidates priced so far, the
     shortlist's estimates, the closest miss."""
@@ -54,6 +63,9 @@ class Pricer:
         self.miss: tuple[float, Layout, tuple[int, ...], tuple[str, ...]] | None = None
         self._costs = lru_cache(maxsize=None)(self._layer_cost)
         self._overflows: dict[tuple, float] = {}
+        self._tails: dict[tuple, float] = {}
+        self._work: dict[tuple, tuple[float, float]] = {}
+        self._slowest: dict[tuple, tuple[float, float]] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
         self.bound_splits = False
@@ -86,22 +98,48 @@ class Pricer:
         without recompute (the closed-form estimate is never below this; with shared cores, see
         plait.cost.model.lent_cores_factor, the fill may shrink down to the spread work; on a V, a fill of one
         layer's forward per rank before it: see below)."""
-        groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
-        lc, ends = min((self.layer_cost(layout, g) for g in groups), key=lambda costs: costs[0].fwd + costs[0].bwd)
-        work = (self.setting.model.num_layers * lc.total
-                + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
-        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        return self.bound(layout.slicing, layout.micro_batch, layout.pp, layout.num_micro_batches, layout.interleave,
+                          layout.schedule)
+
+    def bound(self, cut: Slicing, b: int, pp: int, m: int, v: int, schedule: str) -> float:
+        """`lower_bound` of a layout cut `cut` running m micro-batches of b on pp ranks with `schedule` (v chunks)."""
+        work, layer_fwd = self._bound_work(cut, b)
         spread = m * work / pp
-        if layout.schedule in V_SCHEDULES:
+        if schedule in V_SCHEDULES:
             # the V's closed form is the latest rank's m micro-batches after the first forward reaches it: no less
             # than their mean, m·W/pp plus the mean wait, Σ_r Σ_{k<r} fwd_k / pp, each stage a layer at least
-            weights = block_weights(self.setting.model, self.setting.seq_len)
-            layer_fwd = (lc.fwd + lc.comm_fwd) * (min(weights.time) if weights else 1.0)
             fill = layer_fwd * (pp - 1) / 2
         else:
             fill = (work - work / pp) / v
         # where ranks share cores, idle stages lend theirs: the fill can shrink by up to `oversubscription`
         return max(spread, (spread + fill) / self.setting.cluster.oversubscription)
+
+    def tail_bound(self, layout: Layout) -> float:
+        """A lower bound on the step's data-parallel tail and optimizer step, whatever the split
+        (plait.cost.model.tail_lower_bound; 0 on a mixed cluster, whose ranks differ), less a margin far above
+        rounding. The step's estimate is at least lower_bound + tail_bound: the exact solver orders and stops by it."""
+        if self.setting.cluster.mixed:
+            return 0.0
+        # the micro-batches count where the step reduces after each, or fully_shard gathers again for each
+        per_micro_batch = layout.grad_sync == "micro_batch" or layout.dp_mode.reshard_after_forward
+        key = (layout.degrees, layout.zero, layout.data_parallel, layout.schedule, layout.interleave,
+               layout.num_micro_batches if per_micro_batch else 0, layout.grad_sync)
+        if key not in self._tails:
+            self._tails[key] = tail_lower_bound(self.setting, layout) * (1 - 1e-9)
+        return self._tails[key]
+
+    def _bound_work(self, cut: Slicing, b: int) -> tuple[float, float]:
+        """lower_bound's W (a micro-batch through every stage, nothing recomputed) and the least forward of a stage
+        (one layer), at the fastest group's pace; cached per slicing and micro-batch size."""
+        key = (cut, b)
+        if key not in self._work:
+            groups = [g.name for g in self.setting.cluster.groups] or [None]  # mixed: the fastest group's pace bounds
+            lc, ends = min((self._costs(cut, b, g) for g in groups), key=lambda costs: costs[0].fwd + costs[0].bwd)
+            work = (self.setting.model.num_layers * lc.total
+                    + ends.embed_fwd + ends.embed_bwd + ends.head_fwd + ends.head_bwd)
+            weights = block_weights(self.setting.model, self.setting.seq_len)
+            self._work[key] = work, (lc.fwd + lc.comm_fwd) * (min(weights.time) if weights else 1.0)
+        return self._work[key]
 
     def even_memory(self, layout: Layout) -> tuple[float, float]:
         """Peak bytes of the fullest rank with the layers spread evenly: (fully recomputed, nothing recomputed)."""
@@ -122,7 +160,8 @@ class Pricer:
         start = len(self.candidates)
         skipped = False
         for sync in grad_syncs(layout):
-            skipped |= self._evaluate_one(dataclasses.replace(layout, grad_sync=sync)) == math.inf
+            variant = layout if sync == layout.grad_sync else dataclasses.replace(layout, grad_sync=sync)
+            skipped |= self._evaluate_one(variant) == math.inf
         if len(self.candidates) == start:
             return math.inf if skipped else None  # inf: it fits, but cannot enter the shortlist (bound_splits)
         kept = min(self.candidates[start:], key=lambda c: c.estimate)
@@ -141,6 +180,10 @@ class Pricer:
         if self.overflow(layout) > 0:  # the model states alone overflow every split of this layout
             self._note_overflow(layout)
             return None
+        cutoff = self.cutoff()
+        if self.bound_splits and cutoff < math.inf and self.presplit_bound(layout) > cutoff * (1 + 1e-9):
+            self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # no split of it can beat the shortlist
+            return math.inf
         memory = None
         if not layout.stage_groups:  # a uniform cluster: one memory model for every rank, checked before splitting
             memory = LayoutMemory(self.setting, layout)
@@ -151,13 +194,73 @@ class Pricer:
         if split is None:
             return None
         layers, recompute, peak, stage_seconds = split
-        if self.bound_splits and self.split_bound(layout, stage_seconds) > self.cutoff() * (1 + 1e-9):
+        cutoff = self.cutoff()
+        if self.bound_splits and cutoff < math.inf and self.split_bound(layout, stage_seconds) > cutoff * (1 + 1e-9):
             self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # its bound cannot beat the shortlist
             return math.inf  # (a margin far above rounding: what is skipped is slower than the cutoff)
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
         self.points.append((est.total, peak))
         return est.total
+
+    def presplit_bound(self, layout: Layout) -> float:
+        """`split_bound` of the best split there could be: no recompute, no memory limit, every rank's share of whole
+        blocks (0 where blocks differ, ranks differ, or ranks share cores). Rank r's stages take f_r + n_r·t (f_r:
+        the ends it holds, t: a block without recompute, n_r >= v blocks), so the slowest rank takes at least T*, the
+        least bound under which ranks can hold all L blocks; the closed form grows with the slowest rank (and, but
+        for the V, with the sum of the stages, the same for every split): 1F1B W + (m - 1)·T*, interleaved
+        (m - 1/v)·T* + W/v, a V m·T* (its forwards, priced 0 by split_bound, only add)."""
+        s = self.setting
+        if (layout.stage_groups or s.cluster.oversubscription > 1.0
+                or block_weights(s.model, s.seq_len) is not None):
+            return 0.0
+        pp, m, v = layout.pp, layout.num_micro_batches, layout.interleave
+        if pp == 1:
+            return 0.0  # split_bound prices the one stage exactly
+        key = (layout.slicing, layout.micro_batch, layout.schedule, pp, v)
+        if key not in self._slowest:
+            self._slowest[key] = self._slowest_rank(layout)
+        slowest, work = self._slowest[key]
+        if layout.schedule in V_SCHEDULES:
+            pipe = m * slowest
+        elif layout.schedule == "interleaved":
+            pipe = (m - 1 / v) * slowest + work / v
+        else:
+            pipe = work + (m - 1) * slowest
+        return pipe + self.tail_bound(layout)
+
+    def _slowest_rank(self, layout: Layout) -> tuple[float, float]:
+        """(T*, W) of `presplit_bound`: the least time the slowest rank can take, less a margin far above rounding, and
+        the stages' sum without recompute."""
+        pp, v, num_layers = layout.pp, layout.interleave, self.setting.model.num_layers
+        lc, ends = self.layer_cost(layout)
+        t = lc.total
+        ranks = stage_ranks(layout.schedule, pp, v)
+        fixed = [0.0] * pp
+        fixed[ranks[0]] += ends.embed_fwd + ends.embed_bwd + ends.embed_tp
+        fixed[ranks[-1]] += ends.head_fwd + ends.head_bwd + ends.head_tp
+
+        def most(bound: float, f: float) -> int:  # the most n with f + n·t <= bound, as the candidates are summed
+            n = math.floor((bound - f) / t)
+            return n + 1 if f + (n + 1) * t <= bound else n
+
+        def holds(bound: float) -> bool:  # every rank within `bound` with v blocks or more, all L of them held
+            counts = [most(bound, f) for f in fixed]
+            return min(counts) >= v and sum(counts) >= num_layers
+
+        # T* is a rank time f + n·t between (⌊L/pp⌋ - 1)·t (below, every rank holds fewer than L/pp blocks) and
+        # max f + ⌈L/pp⌉·t (every rank holding ⌈L/pp⌉ >= v): only those candidates are looked at
+        low, high = (num_layers // pp - 1) * t, max(fixed) + -(-num_layers // pp) * t
+        candidates = sorted({f + n * t for f in set(fixed)
+                             for n in range(max(v, math.floor((low - f) / t)), math.ceil((high - f) / t) + 2)})
+        lo, hi = 0, len(candidates) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds(candidates[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return candidates[lo] * (1 - 1e-9), (sum(fixed) + num_layers * t) * (1 - 1e-9)
 
     def split_bound(self, layout: Layout, stage_seconds: np.ndarray) -> float:
         """A lower bound on the estimated step time of a split whose virtual stages take `stage_seconds` a
@@ -166,13 +269,14 @@ class Pricer:
         (plait.cost.model.closed_form_makespan grows with every stage's time; the forwards' share of the V's fill
         and the transfers, left at 0, only add), to which the step adds the data-parallel tail and the optimizer
         (>= 0). 0 where ranks share cores (lent cores may shrink the makespan: plait.cost.model.lent_cores_factor)."""
+        tail = self.tail_bound(layout)
         if self.setting.cluster.oversubscription > 1.0:
-            return 0.0
+            return tail
         if layout.pp == 1:
-            return layout.num_micro_batches * float(stage_seconds.sum())
+            return layout.num_micro_batches * float(stage_seconds.sum()) + tail
         stages = tuple(float(t) for t in stage_seconds)
         zeros = (0.0,) * len(stages)
-        return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0)
+        return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0) + tail
 
     def overflow(self, layout: Layout) -> float:
         """plait.cost.memory.states_overflow, once per layout but its micro-batch and key/value exchange."""
@@ -228,12 +332,12 @@ class Pricer:
         per_layer, fixed_mem, layer_states, layer_act, cap, ends_of = self.rank_tables(layout, memory)
         layer_mem = layer_states[:, None] + layer_act
         stages = layout.num_stages
-        ranks = np.array([stage_rank(layout.schedule, pp, k) for k in range(stages)])
+        ranks = stage_ranks(layout.schedule, pp, v)
         first, last = ends_of[ranks[0]], ends_of[ranks[-1]]
         fixed_time = np.zeros(stages)
         fixed_time[0] += first.embed_fwd + first.embed_bwd + first.embed_tp
         fixed_time[-1] += last.head_fwd + last.head_bwd + last.head_tp
-        allowed = np.array([[m in rank_modes[r] for m in all_modes] for r in range(pp)])
+        allowed = np.array([[m in modes for m in all_modes] for modes in rank_modes])
         if v > 1:
             choice = self._interleaved_modes(layout, fixed_mem, layer_mem, allowed, cap)
             if choice is None:
@@ -252,13 +356,13 @@ class Pricer:
         if split is None:
             self._note_miss(layout, fixed_mem, layer_mem, allowed, cap)
             return None
-        chosen = [split.modes[r] if v == 1 else int(np.argmax(allowed[r])) for r in range(pp)]
-        loads = block_loads(s.model, s.seq_len, split.layers)
-        owned = [layout.stages_of(r) for r in range(pp)]
-        peak = float(max(fixed_mem[r, i] + sum(loads[k][1] for k in owned[r]) * layer_states[r]
-                         + sum(loads[k][2] for k in owned[r]) * layer_act[r, i] for r, i in enumerate(chosen)))
-        modes = np.array(chosen)[ranks]
-        seconds = fixed_time + np.array([load[0] for load in loads]) * per_layer[ranks, modes]
+        chosen = np.array(split.modes) if v == 1 else np.argmax(allowed, axis=1)  # each rank's mode
+        loads = np.array(block_loads(s.model, s.seq_len, split.layers))  # [stage, (time, params, activations)]
+        # each rank's loads, its stages added in model order (plait.cost.layout.Layout.stages_of)
+        held = [np.bincount(ranks, weights=loads[:, j], minlength=pp) for j in (1, 2)]
+        on_rank = np.arange(pp)
+        peak = float((fixed_mem[on_rank, chosen] + held[0] * layer_states + held[1] * layer_act[on_rank, chosen]).max())
+        seconds = fixed_time + loads[:, 0] * per_layer[ranks, chosen[ranks]]
         return split.layers, tuple(all_modes[i] for i in chosen), peak, seconds
 
     def _interleaved_modes(self, layout, fixed_mem, layer_mem, allowed, cap) -> np.ndarray | None:

@@ -24,7 +24,8 @@ from typing import Any
 
 from plait import legality
 from plait.axes import ALL_AXES, Degrees
-from plait.cost.layout import Setting
+from plait.cost.layout import Layout, Setting
+from plait.cost.model import rank_capacities
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import Plan
 from plait.search.pricing import EXACT_SHORTLIST, OutOfTime, Pricer
@@ -82,6 +83,10 @@ def plan_with_stats(model: ModelSpec | str, cluster: ClusterSpec | str, train: T
     n = cluster.num_devices if num_devices is None else num_devices
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ConfigError(f"num_devices={n!r} must be a positive integer")
+    if cluster.mixed and n != cluster.num_devices:
+        groups = ", ".join(f"{g.name} {g.num_devices}" for g in cluster.groups)
+        raise ConfigError(f"num_devices={n}: mixed cluster {cluster.name} is planned whole ({groups}); give "
+                          f"{cluster.num_devices} or leave it out")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
         raise ConfigError(f"top={top!r} must be a positive integer")
     pins = Pins.from_kwargs(**pins)
@@ -142,6 +147,8 @@ def _infeasible_message(setting: Setting, pins: Pins, worst: Plan | None, n: int
     model, cluster = setting.model, setting.cluster
     if worst is None:
         return f"no plan for {model.name} on {n} devices of {cluster.name} fits"
+    if cluster.mixed:  # planned whole: no other device count to try (ClusterSpec.with_devices)
+        return _mixed_infeasible_message(setting, worst)
     miss = (worst.predicted.peak_memory_bytes - cluster.memory_bytes) / GiB
     smallest = smallest_fitting_devices(setting, pins, n)
     hint = (f"the smallest device count of {cluster.name} that fits is {smallest}" if smallest
@@ -149,6 +156,20 @@ def _infeasible_message(setting: Setting, pins: Pins, worst: Plan | None, n: int
     return (f"{model.name} fits no plan on {n} devices of {cluster.name} ({cluster.memory_bytes / GiB:.0f} GiB each): "
             f"the closest candidate ({worst.describe()}) needs {worst.predicted.peak_memory_bytes / GiB:.1f} GiB, "
             f"{miss:.1f} GiB too much; {hint}")
+
+
+def _mixed_infeasible_message(setting: Setting, worst: Plan) -> str:
+    """Nothing fits a mixed cluster: the closest candidate's fullest rank against its own group's memory."""
+    model, cluster = setting.model, setting.cluster
+    capacities = rank_capacities(setting, Layout.of(worst))
+    used = worst.predicted.memory_per_stage
+    r = max(range(len(used)), key=lambda k: used[k] - capacities[k])
+    group = worst.stage_groups[r] if worst.stage_groups else cluster.groups[0].name
+    groups = ", ".join(f"{g.name} {g.num_devices} x {g.memory_bytes / GiB:.0f} GiB" for g in cluster.groups)
+    return (f"{model.name} fits no plan on mixed cluster {cluster.name} ({groups}): the closest candidate "
+            f"({worst.describe()}) needs {used[r] / GiB:.1f} GiB on pipeline rank {r} ({group}), "
+            f"{(used[r] - capacities[r]) / GiB:.1f} GiB too much; a mixed cluster is planned whole, so give its groups "
+            f"more devices or memory in the cluster file, or lower seq_len or global_batch")
 
 
 def device_counts(cluster: ClusterSpec, start: int, limit: int) -> list[int]:

@@ -18,9 +18,11 @@ the layouts it chooses; they differ only in which, and in what order.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 from plait.axes import Degrees
+from plait.cost.layout import slicing_of
 from plait.errors import ConfigError
 
 from plait.search.pricing import Pricer
@@ -40,17 +42,23 @@ class ExactSolver:
     def solve(self, space: Space, pricer: Pricer) -> None:
         # layouts before device groups are placed; each one's placements are priced in turn (a mixed cluster's
         # bound does not depend on them: it assumes the fastest group everywhere)
-        bases = [(d, layout) for d in space.degrees for layout in space.base_layouts(d)]
-        bounds = [pricer.lower_bound(layout) for _, layout in bases]
+        # (Layouts are made only for the choices reached: most are pruned by their bound.)
+        bases = [(d, choice) for d in space.degrees for choice in space.base_choices(d)]
+        bounds = [_bound(pricer, d, choice) for d, choice in bases]
         if pricer.shortlist is not None:
             order = sorted(range(len(bases)), key=bounds.__getitem__)
             bases, bounds = [bases[i] for i in order], [bounds[i] for i in order]
         too_big: dict[tuple, int] = {}  # layout (but b) -> smallest micro-batch that missed memory
         pricer.bound_splits = pricer.shortlist is not None  # skipping what cannot enter the shortlist changes nothing
-        for i, (d, base) in enumerate(bases):
+        for i, (d, choice) in enumerate(bases):
             if pricer.shortlist is not None and bounds[i] >= pricer.cutoff():
                 pricer.pruned += sum(space.count_orderings(dd) for dd, _ in bases[i:])
                 return
+            base = space.layout(d, choice)
+            cutoff = pricer.cutoff()
+            if cutoff < math.inf and bounds[i] + pricer.tail_bound(base) >= cutoff:
+                pricer.pruned += space.count_orderings(d)  # its data-parallel tail and optimizer step add too much
+                continue
             for layout in space.layouts(d, [()] if not space.groups else None, base=base):
                 key = family_key(layout)
                 if layout.micro_batch >= too_big.get(key, layout.micro_batch + 1) and layout.num_micro_batches > 1:
@@ -60,6 +68,12 @@ class ExactSolver:
                     continue
                 if pricer.evaluate(layout) is None:
                     too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
+
+
+def _bound(pricer: Pricer, d: Degrees, choice: tuple) -> float:
+    """Pricer.lower_bound of `Space.layout(d, choice)`, without making the Layout."""
+    sp, _, b, m, schedule, v, kind = choice
+    return pricer.bound(slicing_of(d, sp, kind), b, d.pp, m, v, schedule)
 
 
 class DichotomySolver:

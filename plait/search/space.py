@@ -354,8 +354,19 @@ class Space:
 
     def base_layouts(self, d: Degrees) -> Iterator["Any"]:
         """The layouts of these degrees before device groups are assigned."""
+        return (self.layout(d, choice) for choice in self.base_choices(d))
+
+    @staticmethod
+    def layout(d: Degrees, choice: tuple) -> "Any":
+        """The Layout of degrees `d` and one of `base_choices(d)`."""
         from plait.cost.layout import Layout
 
+        sp, zero, b, m, schedule, v, kind = choice
+        return Layout(d, sp, zero, b, m, schedule, v, context_parallel=kind)
+
+    def base_choices(self, d: Degrees) -> Iterator[tuple[bool, int, int, int, str, int, str]]:
+        """`base_layouts` as (sequence parallel, ZeRO, micro-batch, micro-batches, schedule, interleave, key/value
+        exchange), before any Layout is made (the exact solver makes only those it reaches)."""
         pins = self.pins
         # Unpinned, sequence parallelism is always on for tp > 1: it moves the same bytes as tensor parallelism's
         # all-reduces and keeps less activation memory, so the cost model never prefers it off (unless the
@@ -379,7 +390,7 @@ class Space:
                         for kind in kinds:
                             if kind == "all_to_all" and self._swap_dominated(d, b):
                                 continue
-                            yield Layout(d, sp and d.tp > 1, zero, b, m, schedule, v, context_parallel=kind)
+                            yield sp and d.tp > 1, zero, b, m, schedule, v, kind
 
     def _split_sequences_dominated(self, d: Degrees, b: int) -> bool:
         """Whether context parallelism over micro-batches of `b` sequences is never faster nor smaller than data

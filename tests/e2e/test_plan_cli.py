@@ -122,6 +122,26 @@ def test_model_that_fits_nowhere_says_by_how_much():
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+MIXED = ["--cluster", "examples/clusters/mixed-local.yaml", "--global-batch", "8", "--seq-len", "32"]
+
+
+def test_a_mixed_cluster_that_nothing_fits_is_one_line():
+    """A mixed cluster is planned whole: no other device count is searched for, and the miss is against the group's
+    memory of the fullest rank."""
+    result = plait_plan("--model", "gpt3-175b", *MIXED)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "gpt3-175b fits no plan on mixed cluster mixed-local (fast 2 x 2 GiB, slow 2 x 2 GiB)" in result.stderr
+    assert "GiB too much" in result.stderr and "lower seq_len or global_batch" in result.stderr
+
+
+def test_a_mixed_cluster_refuses_another_device_count():
+    result = plait_plan("--model", "tiny-gpt", *MIXED, "--devices", "8")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == ("plait plan: error: num_devices=8: mixed cluster mixed-local is planned whole "
+                                     "(fast 2, slow 2); give 4 or leave it out")
+
+
 MIXTRAL_64 = ["--model", "mixtral-8x7b", "--cluster", "h100-80g", "--devices", "64", "--global-batch", "256",
               "--seq-len", "4096", "--top", "1"]
 

@@ -15,7 +15,8 @@ from plait.cost.comm import Group, all_gather, all_to_all, axis_group, reduce_sc
 from plait.cost.compute import (Slicing, busiest_rank_load, context_exchange, expert_dispatch, expert_weights,
                                 layer_flops, sliced_layer_cost)
 from plait.cost.layout import Layout, Setting
-from plait.cost.memory import V_PEAK_WITHIN, expert_params, layer_params, live_peaks
+from plait.cost.memory import expert_params, layer_params, live_peaks
+from plait.cost.schedule import STEADY_WITHIN
 from plait.cost.model import closed_form_makespan, pipeline_stage_times
 from plait.cost.schedule import simulate
 from plait.search import plan_with_stats
@@ -280,10 +281,10 @@ def test_v_closed_form_is_exact_on_uniform_stages_and_never_above_the_simulation
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_schedules_peak_within_four_pipelines_of_micro_batches(schedule):
+def test_v_schedules_peak_within_steady_within_pipelines_of_micro_batches(schedule):
     for p in (2, 3, 4, 8):
-        steady = live_peaks(schedule, p, V_PEAK_WITHIN * p, 2)
-        for m in range(V_PEAK_WITHIN * p, 16 * p + 1, p):
+        steady = live_peaks(schedule, p, STEADY_WITHIN * p, 2)
+        for m in range(STEADY_WITHIN * p, 16 * p + 1, p):
             assert live_peaks(schedule, p, m, 2) == steady
 
 

@@ -68,11 +68,13 @@ def test_the_ranked_plans_and_their_figures_are_the_fixtures(name):
                 mine[key] == value, (name, mine["plan"], key)
 
 
-@pytest.mark.parametrize("name", ["gpt3-175b/a100/64/top10", "llama3-8b/h100/8/cp", "mixtral-8x7b/h100/64/top5",
-                                  "qwen2-0.5b/a100/16/top5"])
+@pytest.mark.parametrize("name", ["gpt3-175b/a100/64/top10", "gpt3-175b/a100/1024/top10", "llama3-8b/h100/8/cp",
+                                  "mixtral-8x7b/h100/64/top5", "qwen2-0.5b/a100/16/top5"])
 def test_a_splits_bound_is_never_above_its_estimate(name):
     """Pricer.split_bound, which lets the exact solver skip pricing a split, is a lower bound on the closed-form
-    estimate of that split (about 100 layouts spread over the space)."""
+    estimate of that split, and the bounds it prunes with before splitting are below it: presplit_bound (the best
+    split there could be) and lower_bound + tail_bound (the work spread evenly, the data-parallel tail and optimizer
+    step) (about 100 layouts spread over the space)."""
     from plait.cost.layout import Setting
     from plait.cost.memory import LayoutMemory
     from plait.cost.model import step_time
@@ -96,7 +98,10 @@ def test_a_splits_bound_is_never_above_its_estimate(name):
             continue
         layers, recompute, _, seconds = split
         estimate = step_time(setting, layout, layers, recompute, exact=False).total
-        assert pricer.split_bound(layout, seconds) <= estimate, (layout, layers, recompute)
+        split_bound = pricer.split_bound(layout, seconds)
+        assert split_bound <= estimate, (layout, layers, recompute)
+        assert pricer.presplit_bound(layout) <= split_bound, (layout, layers, recompute)
+        assert pricer.lower_bound(layout) + pricer.tail_bound(layout) <= estimate, (layout, layers, recompute)
         checked += 1
     assert checked >= 5, checked  # most of the space misses memory on 64 devices
 

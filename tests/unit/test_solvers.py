@@ -292,3 +292,25 @@ def test_placements_on_families_kept_out_of_training_come_close_to_the_best_orde
             gaps.append(min(p.time(o) for o in solver.placements(p.pricer, p.layout, p.counts)) / best - 1)
     assert len(gaps) >= 4
     assert np.mean(gaps) <= 0.01 and max(gaps) <= 0.05
+
+
+def test_nothing_fits_a_mixed_cluster_names_the_fullest_rank_against_its_groups_memory():
+    """Planned whole, a mixed cluster has no other device count to suggest (a traceback before); the miss is the
+    closest candidate's worst rank against its own group's memory, not the first group's."""
+    from plait import NoFeasiblePlan
+
+    cluster = _mixed(4, 4, memory=20 * 2**30)  # a100 ranks hold 20 GiB, h100 ranks 80
+    train = _train(64, 2048)
+    result = plan_with_stats("gpt3-175b", cluster, train, top=1, explain_infeasible=False)
+    worst = result.best_infeasible
+    assert not result.plans and worst is not None
+    caps = [cluster.group(g).memory_bytes for g in worst.stage_groups]
+    misses = [used - cap for used, cap in zip(worst.predicted.memory_per_stage, caps)]
+    r = max(range(len(misses)), key=misses.__getitem__)
+    with pytest.raises(NoFeasiblePlan) as info:
+        plan_with_stats("gpt3-175b", cluster, train, top=1)
+    message = str(info.value)
+    assert f"on pipeline rank {r} ({worst.stage_groups[r]}), {misses[r] / 2**30:.1f} GiB too much" in message
+    assert "mixed cluster mixed (h100 4 x 80 GiB, a100 4 x 20 GiB)" in message
+    with pytest.raises(ConfigError, match="num_devices=16: mixed cluster mixed is planned whole"):
+        plan_with_stats("gpt-7.5b", cluster, train, num_devices=16)
