@@ -54,8 +54,10 @@ TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 TRACEBACK_ENV = "PLAIT_TRACEBACK"
 """Set to 1 to print every rank's full traceback, also of errors caused by a lost peer."""
 
-STOP_WAIT_S = 30.0
-"""How long a rank that lost a peer waits, after its line, for the launcher to stop it (see _end_after_a_peer)."""
+STOP_WAIT_S = 5.0
+"""How long a rank that lost a peer waits, after its line, for the launcher to stop it (see _end_after_a_peer):
+long enough for a failed rank of this machine to finish exiting and the launcher (polling every 0.1-0.2 s) to see
+it; short, as a lost machine's agent cannot stop the ranks here, whose exit is what makes their agent restart."""
 
 
 def in_torchrun() -> bool:
