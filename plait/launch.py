@@ -10,8 +10,9 @@ once and names the rank.
 The one place a rank's failure becomes plait's summary is `_report_failure`: it names the rank
 that caused it (the one that died, raised first, or -- from the progress each rank notes -- hung),
 then the ranks that only lost it. A rank that failed because of a peer prints one line of its own
-error, not a traceback (PLAIT_TRACEBACK=1 shows them all), and ends without the interpreter's teardown,
-once the launcher stops it (`_end_after_a_peer`): the rank that caused it is seen to exit first.
+error, not a traceback (PLAIT_TRACEBACK=1 shows them all). A failed rank ends without the interpreter's
+teardown once its failure is on record, and one that lost a peer only once the launcher stops it (or after
+STOP_WAIT_S), so that the rank that caused it is seen to exit first (`_wait_to_be_stopped`).
 
 Ctrl-C has one handler: the launcher's. The terminal sends SIGINT to the launcher and every rank;
 each rank of `run_local` exits at once and silently (exit 130; checkpoints are atomic, so the last
@@ -55,7 +56,7 @@ TRACEBACK_ENV = "PLAIT_TRACEBACK"
 """Set to 1 to print every rank's full traceback, also of errors caused by a lost peer."""
 
 STOP_WAIT_S = 5.0
-"""How long a rank that lost a peer waits, after its line, for the launcher to stop it (see _end_after_a_peer):
+"""How long a rank that lost a peer waits, after its line, for the launcher to stop it (see _wait_to_be_stopped):
 long enough for a failed rank of this machine to finish exiting and the launcher (polling every 0.1-0.2 s) to see
 it; short, as a lost machine's agent cannot stop the ranks here, whose exit is what makes their agent restart."""
 
@@ -277,33 +278,36 @@ def _record_uncaught_failures() -> None:
 
     def hook(kind, error, traceback):
         note_failure(error)
-        if not caused_by_a_peer(error):
-            previous(kind, error, traceback)
-            return
-        if is_local_worker() and os.environ.get(TRACEBACK_ENV) != "1":
+        from_a_peer = caused_by_a_peer(error)
+        if from_a_peer and is_local_worker() and os.environ.get(TRACEBACK_ENV) != "1":
             # The cause is another rank, which the launcher names; this rank's traceback would only bury it.
             print(f"plait: rank {os.environ['RANK']}: {essential_line(error)}", file=sys.stderr, flush=True)
         else:
             previous(kind, error, traceback)
-        _end_after_a_peer(error)
+        if from_a_peer and lost_a_peer(str(error)):
+            _wait_to_be_stopped()
+        # On record (note, message), a failed rank skips the teardown, where it could abort or stall: one that lost
+        # a peer everywhere, one that failed of its own where plait's launcher waits for it (under a bare torchrun,
+        # a user's script keeps its atexit handlers). Not Ctrl-C, which Python ends with SIGINT's own status.
+        if isinstance(error, Exception) and (from_a_peer or is_local_worker()):
+            exit_rank(1)
 
     hook._plait = True
     sys.excepthook = hook
 
 
-def _end_after_a_peer(error: BaseException) -> None:
-    """End a rank whose error came from a peer, without the interpreter's teardown: gloo's threads, cut off
-    mid-read by the dead peer, abort it there ("terminate called without an active exception", SIGABRT).
+def _wait_to_be_stopped() -> None:
+    """Give the launcher time to stop this rank, which lost a peer, before it ends on its own.
 
-    A rank that lost a peer first waits (up to STOP_WAIT_S) for the launcher to stop it: the rank that failed
-    first then exits before it, so the launcher sees the cause's exit first and the peers' stops after it.
-    torchrun's own report names the failure with the smallest timestamp, in whole seconds (the time the agent
-    saw the exit when the rank wrote no error file), ties going to the one seen first; run_local's launcher
-    reads the notes, in which the cause's time comes first. A rank that timed out exits at once: its peer is
-    alive (hung), and only this rank's exit makes the launcher stop it."""
-    if lost_a_peer(str(error)):
-        time.sleep(STOP_WAIT_S)  # the launcher's SIGTERM ends the process here (Python keeps its default action)
-    exit_rank(1)
+    A failed rank ends without the interpreter's teardown (exit_rank): with a dead peer, gloo's threads, cut off
+    mid-read, aborted it there ("terminate called without an active exception", SIGABRT), and with live ones a
+    teardown can stall. But a rank that lost a peer does not end at once: the rank that failed first then exits
+    before it, so the launcher sees the cause's exit first and these ranks' stops after it. torchrun's own report
+    names the failure with the smallest timestamp, in whole seconds (the time the agent saw the exit when the
+    rank wrote no error file), ties going to the one it saw first; run_local's launcher reads the notes, in which
+    the cause's time comes first (and names a cause it had to stop on its way out). A rank that timed out does
+    not wait: its peer is alive (hung), and only this rank's exit makes the launcher stop it."""
+    time.sleep(STOP_WAIT_S)  # the launcher's SIGTERM ends the process here (Python keeps its default action)
 
 
 def shutdown_distributed(together: bool = True) -> None:
@@ -317,9 +321,9 @@ def shutdown_distributed(together: bool = True) -> None:
         if together:
             dist.barrier()
         dist.destroy_process_group()
-    from plait.execute.mesh import forget_meshes
-
-    forget_meshes()
+    mesh = sys.modules.get("plait.execute.mesh")
+    if mesh is not None:  # else no mesh was built; importing the executor would cost a failing rank seconds
+        mesh.forget_meshes()
 
 
 @contextlib.contextmanager
@@ -328,7 +332,7 @@ def ending_together():
 
     A rank that raised notes its failure first, so that its note is older than those of the peers that see it
     go. A rank that lost a peer leaves the group as it is: gloo's destructor would first wait out the work the
-    dead peer left queued, and the process ends without its teardown anyway (_end_after_a_peer)."""
+    dead peer left queued, and the process ends without its teardown anyway (_wait_to_be_stopped)."""
     try:
         yield
     except BaseException as error:

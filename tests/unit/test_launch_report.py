@@ -54,7 +54,7 @@ def test_a_rank_stopped_on_its_way_out_after_its_own_error_is_the_cause(capsys):
 
 
 def test_stopped_ranks_that_lost_a_peer_are_left_out(capsys):
-    """Ranks that lost a peer wait for the launcher to stop them (plait.launch._end_after_a_peer)."""
+    """Ranks that lost a peer wait for the launcher to stop them (plait.launch._wait_to_be_stopped)."""
     err = report(capsys, failure(r0=(-15, "SIGTERM"), r1=(-9, "SIGKILL"), r2=(-15, "SIGTERM")),
                  {0: {"time_ns": 20, "error": PEER}, 2: {"time_ns": 30, "error": PEER}})
     assert err.splitlines() == ["plait: rank 1 failed (signal SIGKILL)", "plait: the other ranks were stopped"]
