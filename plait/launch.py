@@ -10,7 +10,9 @@ once and names the rank.
 The one place a rank's failure becomes plait's summary is `_report_failure`: it names the rank
 that caused it (the one that died, raised first, or -- from the progress each rank notes -- hung),
 then the ranks that only lost it. A rank that failed because of a peer prints one line of its own
-error, not a traceback (PLAIT_TRACEBACK=1 shows them all).
+error, not a traceback (PLAIT_TRACEBACK=1 shows them all). A failed rank ends without the interpreter's
+teardown once its failure is on record, and one that lost a peer only once the launcher stops it (or after
+STOP_WAIT_S), so that the rank that caused it is seen to exit first (`_wait_to_be_stopped`).
 
 Ctrl-C has one handler: the launcher's. The terminal sends SIGINT to the launcher and every rank;
 each rank of `run_local` exits at once and silently (exit 130; checkpoints are atomic, so the last
@@ -52,6 +54,11 @@ TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 TRACEBACK_ENV = "PLAIT_TRACEBACK"
 """Set to 1 to print every rank's full traceback, also of errors caused by a lost peer."""
+
+STOP_WAIT_S = 5.0
+"""How long a rank that lost a peer waits, after its line, for the launcher to stop it (see _wait_to_be_stopped):
+long enough for a failed rank of this machine to finish exiting and the launcher (polling every 0.1-0.2 s) to see
+it; short, as a lost machine's agent cannot stop the ranks here, whose exit is what makes their agent restart."""
 
 
 def in_torchrun() -> bool:
@@ -99,9 +106,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
         round_ = _local_restart_count()
+    _record_uncaught_failures()  # from the first collective on: a peer may die in it
     global _RESTART_ROUND
     _RESTART_ROUND = _agreed_round(round_, "cuda" if backend == "nccl" else "cpu")
-    _record_uncaught_failures()
     # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
     # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -210,8 +217,17 @@ def quiet_worker_interrupts() -> None:
         signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
 
+_NOTED = False  # this process has left its failure note: the first one stands
+
+
 def note_failure(error: BaseException) -> None:
-    """Leave this rank's failure note for run_local's launcher (a no-op outside run_local)."""
+    """Leave this rank's failure note for run_local's launcher (a no-op outside run_local). Only the first note
+    of a process counts: the same error noted again on its way out would take a later time than the peers that
+    lost this rank, and the launcher orders causes by that time."""
+    global _NOTED
+    if _NOTED:
+        return
+    _NOTED = True
     _write_note("json", {"time_ns": time.time_ns(), "error": essential_line(error)})
 
 
@@ -244,8 +260,15 @@ def essential_line(error: BaseException) -> str:
 
 
 def caused_by_a_peer(error: BaseException) -> bool:
-    text = str(error)
-    return any(sign in text for sign in PEER_LOST + TIMED_OUT)
+    return lost_a_peer(str(error)) or timed_out(str(error))
+
+
+def lost_a_peer(text: str) -> bool:
+    return any(sign in text for sign in PEER_LOST)
+
+
+def timed_out(text: str) -> bool:
+    return any(sign in text for sign in TIMED_OUT)
 
 
 def _record_uncaught_failures() -> None:
@@ -255,14 +278,36 @@ def _record_uncaught_failures() -> None:
 
     def hook(kind, error, traceback):
         note_failure(error)
-        if is_local_worker() and caused_by_a_peer(error) and os.environ.get(TRACEBACK_ENV) != "1":
+        from_a_peer = caused_by_a_peer(error)
+        if from_a_peer and is_local_worker() and os.environ.get(TRACEBACK_ENV) != "1":
             # The cause is another rank, which the launcher names; this rank's traceback would only bury it.
             print(f"plait: rank {os.environ['RANK']}: {essential_line(error)}", file=sys.stderr, flush=True)
-            return
-        previous(kind, error, traceback)
+        else:
+            previous(kind, error, traceback)
+        if from_a_peer and lost_a_peer(str(error)):
+            _wait_to_be_stopped()
+        # On record (note, message), a failed rank skips the teardown, where it could abort or stall: one that lost
+        # a peer everywhere, one that failed of its own where plait's launcher waits for it (under a bare torchrun,
+        # a user's script keeps its atexit handlers). Not Ctrl-C, which Python ends with SIGINT's own status.
+        if isinstance(error, Exception) and (from_a_peer or is_local_worker()):
+            exit_rank(1)
 
     hook._plait = True
     sys.excepthook = hook
+
+
+def _wait_to_be_stopped() -> None:
+    """Give the launcher time to stop this rank, which lost a peer, before it ends on its own.
+
+    A failed rank ends without the interpreter's teardown (exit_rank): with a dead peer, gloo's threads, cut off
+    mid-read, aborted it there ("terminate called without an active exception", SIGABRT), and with live ones a
+    teardown can stall. But a rank that lost a peer does not end at once: the rank that failed first then exits
+    before it, so the launcher sees the cause's exit first and these ranks' stops after it. torchrun's own report
+    names the failure with the smallest timestamp, in whole seconds (the time the agent saw the exit when the
+    rank wrote no error file), ties going to the one it saw first; run_local's launcher reads the notes, in which
+    the cause's time comes first (and names a cause it had to stop on its way out). A rank that timed out does
+    not wait: its peer is alive (hung), and only this rank's exit makes the launcher stop it."""
+    time.sleep(STOP_WAIT_S)  # the launcher's SIGTERM ends the process here (Python keeps its default action)
 
 
 def shutdown_distributed(together: bool = True) -> None:
@@ -276,18 +321,25 @@ def shutdown_distributed(together: bool = True) -> None:
         if together:
             dist.barrier()
         dist.destroy_process_group()
-    from plait.execute.mesh import forget_meshes
-
-    forget_meshes()
+    mesh = sys.modules.get("plait.execute.mesh")
+    if mesh is not None:  # else no mesh was built; importing the executor would cost a failing rank seconds
+        mesh.forget_meshes()
 
 
 @contextlib.contextmanager
 def ending_together():
-    """End the process group when the block ends: with every rank when it ended normally, at once when it raised."""
+    """End the process group when the block ends: with every rank when it ended normally, at once when it raised.
+
+    A rank that raised notes its failure first, so that its note is older than those of the peers that see it
+    go. A rank that lost a peer leaves the group as it is: gloo's destructor would first wait out the work the
+    dead peer left queued, and the process ends without its teardown anyway (_wait_to_be_stopped)."""
     try:
         yield
-    except BaseException:
-        shutdown_distributed(together=False)
+    except BaseException as error:
+        if isinstance(error, Exception):
+            note_failure(error)
+        if not lost_a_peer(str(error)):
+            shutdown_distributed(together=False)
         raise
     shutdown_distributed()
 
@@ -440,26 +492,29 @@ def _read_notes(folder: str) -> dict[int, dict]:
 def _report_failure(failure, notes: dict[int, dict]) -> None:
     """Name the rank(s) that caused the failure, then the ranks that only lost them as a peer.
 
-    Ranks the launcher itself stopped (SIGTERM) are left out, unless they hung: when the failed ranks
-    timed out waiting in a collective, a stopped rank whose progress note is behind theirs is the one
-    that never came, and is named as hung. A rank that died without a note (killed by a signal, or
-    exited with a code) comes first: its peers fail after it. Among ranks with notes, the earliest is
-    a cause, and so is any later one whose error is not a lost peer."""
+    Ranks the launcher itself stopped (SIGTERM) are left out, unless they failed of their own first (a note
+    of an error that is not a lost peer or a timeout: the launcher stopped them on their way out) or hung:
+    when the failed ranks timed out waiting in a collective, a stopped rank whose progress note is behind
+    theirs is the one that never came, and is named as hung. A rank that died without a note (killed by a
+    signal, or exited with a code) comes first: its peers fail after it. Among ranks with notes, the
+    earliest is a cause, and so is any later one whose error is not a lost peer."""
     errors = {rank: note["error"] for rank, note in notes.items() if "error" in note}
     hung = _hung_ranks(failure, notes, errors)
     if hung:
         _report_hang(hung, notes, failure, errors)
         return
-    failed = {rank: info for rank, info in failure.failures.items() if info.signal_name() != "SIGTERM"}
+    failed = {rank: info for rank, info in failure.failures.items()
+              if info.signal_name() != "SIGTERM" or _failed_of_its_own(errors.get(rank))}
     failed = failed or dict(failure.failures)
     silent = sorted(rank for rank in failed if rank not in errors)
     noted = sorted((rank for rank in failed if rank in errors), key=lambda rank: notes[rank]["time_ns"])
     causes = silent or noted[:1]
-    causes += [rank for rank in noted if rank not in causes
-               and not any(sign in errors[rank] for sign in PEER_LOST)]
+    causes += [rank for rank in noted if rank not in causes and not lost_a_peer(errors[rank])]
     for rank in causes:
         info = failed[rank]
         reason = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {info.signal_name()}"
+        if info.signal_name() == "SIGTERM" and rank in errors:
+            reason = "stopped by the launcher as it ended"
         error = f": {errors[rank]}" if rank in errors else ""
         print(f"plait: rank {rank} failed ({reason}){error}", file=sys.stderr)
     followers = [rank for rank in sorted(failed) if rank not in causes]
@@ -469,13 +524,17 @@ def _report_failure(failure, notes: dict[int, dict]) -> None:
     print("plait: the other ranks were stopped", file=sys.stderr)
 
 
+def _failed_of_its_own(error: str | None) -> bool:
+    return error is not None and not lost_a_peer(error) and not timed_out(error)
+
+
 def _hung_ranks(failure, notes: dict[int, dict], errors: dict[int, str]) -> list[int]:
     """Ranks the launcher stopped that are behind the ranks whose collective timed out (see _report_failure)."""
-    timed_out = [rank for rank, error in errors.items() if any(sign in error for sign in TIMED_OUT)]
+    waited = [rank for rank, error in errors.items() if timed_out(error)]
     progress = {rank: note["progress"]["count"] for rank, note in notes.items() if "progress" in note}
-    if not timed_out or not all(rank in progress for rank in timed_out):
+    if not waited or not all(rank in progress for rank in waited):
         return []
-    waiting_at = min(progress[rank] for rank in timed_out)
+    waiting_at = min(progress[rank] for rank in waited)
     stopped = {rank for rank, info in failure.failures.items() if info.signal_name() == "SIGTERM"}
     alive = set(progress) - set(failure.failures)
     return sorted(rank for rank in stopped | alive if rank not in errors and progress.get(rank, -1) < waiting_at)

@@ -40,3 +40,36 @@ def test_independent_errors_are_all_named_and_stopped_ranks_left_out(capsys):
                  {0: {"time_ns": 1, "error": "PlaitError: bad data"}, 1: {"time_ns": 2, "error": "PlaitError: bad data"}})
     assert "rank 0 failed (exit code 2)" in err and "rank 1 failed (exit code 2)" in err
     assert "rank 2" not in err
+
+
+def test_a_rank_stopped_on_its_way_out_after_its_own_error_is_the_cause(capsys):
+    """The launcher stops every rank once one exits; a rank that raised first may still be ending (printing its
+    traceback) when the peers that lost it have exited: its note, older than theirs, names it."""
+    err = report(capsys, failure(r0=(1, "Signals.0"), r1=(-15, "SIGTERM"), r2=(1, "Signals.0")),
+                 {1: {"time_ns": 10, "error": "RuntimeError: gives up"}, 0: {"time_ns": 20, "error": PEER},
+                  2: {"time_ns": 30, "error": PEER}})
+    assert err.splitlines()[0] == "plait: rank 1 failed (stopped by the launcher as it ended): RuntimeError: gives up"
+    assert "ranks 0, 2 lost a peer and stopped" in err
+    assert "rank 0 failed" not in err and "rank 2 failed" not in err
+
+
+def test_stopped_ranks_that_lost_a_peer_are_left_out(capsys):
+    """Ranks that lost a peer wait for the launcher to stop them (plait.launch._wait_to_be_stopped)."""
+    err = report(capsys, failure(r0=(-15, "SIGTERM"), r1=(-9, "SIGKILL"), r2=(-15, "SIGTERM")),
+                 {0: {"time_ns": 20, "error": PEER}, 2: {"time_ns": 30, "error": PEER}})
+    assert err.splitlines() == ["plait: rank 1 failed (signal SIGKILL)", "plait: the other ranks were stopped"]
+
+
+def test_a_rank_notes_its_first_failure_only(tmp_path, monkeypatch):
+    """ending_together notes the error before the group ends; the CLI or the excepthook meet it again later."""
+    import json
+
+    import plait.launch as launch
+
+    monkeypatch.setenv(launch.FAILURE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(launch, "_NOTED", False)
+    launch.note_failure(RuntimeError("the first"))
+    launch.note_failure(RuntimeError("the same, on its way out"))
+    note = json.loads((tmp_path / "rank3.json").read_text())
+    assert note["error"] == "RuntimeError: the first"
