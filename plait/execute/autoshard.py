@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
@@ -164,7 +164,46 @@ class PlannedReads(TorchFunctionMode):
                 if isinstance(arg, DTensor) and arg.placements[0] != placement:
                     flat[position] = arg.redistribute(self.mesh, [placement])
             args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        inputs = [a for a in flat if isinstance(a, DTensor)]
+        return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the backward all-reduces a Partial (pending-sum) gradient: Megatron's f."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor) -> DTensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        if any(p.is_partial() for p in grad.placements):
+            return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+        return grad
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _summed_gradient(value: DTensor, inputs: list[DTensor]) -> DTensor:
+    """A replicated value a gradient reaches gets its gradient all-reduced once, where its readers' gradients have
+    been added: a reader that reads it as it is into split work (the norm's output into column-split q, k and v)
+    returns a Partial gradient, autograd adds those of every reader on this one tensor, and the sum is reduced
+    here, at the value, as the planner prices it (plait.operators.planner's gradient-sum node). Left to DTensor,
+    the pending sum would travel on backward through the producer (the norm, the residual stream) to a row-split
+    matmul's backward, which has no Partial x Shard strategy and gathers the weight. A view of an input is left
+    alone: its gradient passes the pending sum on to the value it views, which joins the sum there."""
+    if not (value.requires_grad and value.is_floating_point()
+            and all(isinstance(p, Replicate) for p in value.placements)):
+        return value
+    local = _root(value._local_tensor)
+    if any(_root(a._local_tensor) is local for a in inputs):
+        return value
+    return _ReduceGradient.apply(value)
 
 
 def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:
