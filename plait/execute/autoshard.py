@@ -1,15 +1,15 @@
 """Apply a per-operator plan (plan.operators) with DTensor, and prove it equal to one process.
 
-apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the
-plan chose; the module's batch arguments enter replicated on that axis; during the forward, each torch-level call
-(F.linear, torch.cat, ...) gets its tensor arguments redistributed to the placements the plan's strategies read
-them in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispatch, which picks each
-operator's strategy from its inputs' placements, runs the strategies that were priced, and the backward carries
-each redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated
-value's Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
-(_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already tensor-parallel) parameters
-further, as for a hand-written tensor plan (2-D DTensors). A plan written before function_reads redistributes at
-module boundaries only (its inputs, outputs and param_reads).
+apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the plan
+chose; the module's batch arguments enter replicated on that axis; during the forward, each torch-level call
+(F.linear, torch.cat, ...) gets its tensor arguments redistributed to the placements the plan's strategies read them
+in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispatch, which picks each operator's
+strategy from its inputs' placements, runs the strategies that were priced, and the backward carries each
+redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
+Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
+(_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
+tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors). A plan written before
+function_reads redistributes at module boundaries only (its inputs, outputs and param_reads).
 
 The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
 tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
