@@ -141,7 +141,8 @@ class PlannedReads(TorchFunctionMode):
     redistributions are DTensor.redistribute, above autograd: the backward sends each gradient back to the
     producer's placement, the image the cost model prices. `matched` counts the planned calls the last forward
     met (a call the plan names and the forward does not make is only communication DTensor then picks itself:
-    the numerics do not depend on placements)."""
+    the numerics do not depend on placements). Each replicated output a gradient reaches goes through
+    _summed_gradient, so its readers' Partial gradients are reduced once, there."""
 
     def __init__(self, mesh: DeviceMesh, function_reads: dict[str, dict[str, str]]) -> None:
         super().__init__()
