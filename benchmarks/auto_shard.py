@@ -27,7 +27,8 @@ Llamas) cut into N stages, planned and measured per stage; `--decoders --pp N` p
 stages (pipeline_8b_table).
 
 `--decoders` prints the decoders' table instead (decoders_table): plait's reference Llama and a Hugging Face
-Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, and
+Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, the
+automatic plan's measured bytes against predicted (as above), and
 Llama 3 8B's shape (32 layers, sequence 8192) planned only on 64 and 512 devices (dp8 x tp8, dp64 x tp8):
 capture, build and solve seconds with the repeated block solved once, next to a fixed reference computation timed
 in the same run (the machine may be shared: the ratio is the figure that travels).
@@ -139,8 +140,8 @@ def decoders_table(full_program: bool) -> None:
 
     table = Table(title="per-operator sharding of decoders (local-cpu cluster model; machine shared)")
     for column in ("model", "mesh", "solve s", "auto ms", "Megatron ms", "dp-only ms", "heuristic gap",
-                   "projections as Megatron"):
-        table.add_column(column, justify="left" if column in ("model", "mesh") else "right")
+                   "projections as Megatron", "predicted bytes", "measured bytes", "bytes error", "collectives"):
+        table.add_column(column, justify="left" if column in ("model", "mesh", "collectives") else "right")
     for model in ("llama", "hf_llama"):
         for tp in (2, 4):
             plans = {}
@@ -148,15 +149,19 @@ def decoders_table(full_program: bool) -> None:
                                        ("heuristic", "propagation", None)):
                 start = time.perf_counter()
                 plans[name] = (auto_plan(f"decoders:{model}", "decoders:tokens", CLUSTER_PRESETS["local-cpu"],
-                                         global_batch=4, tp=tp, solver=solver, pins=pins).operators,
+                                         global_batch=4, tp=tp, solver=solver, pins=pins),
                                time.perf_counter() - start)
-            auto, megatron, heuristic = (plans[k][0] for k in ("auto", "megatron", "heuristic"))
+            measured, counts, _ = measure(plans["auto"][0])
+            auto, megatron, heuristic = (plans[k][0].operators for k in ("auto", "megatron", "heuristic"))
             weights = {k: v for k, v in megatron_pins(model).items() if k.endswith(".weight")}
             same = sum(auto.params[k] == v for k, v in weights.items())
             table.add_row(model, f"tp{tp}", f"{plans['auto'][1]:.2f}", f"{auto.step_time_s * 1e3:.2f}",
                           f"{megatron.step_time_s * 1e3:.2f}", f"{auto.data_parallel_step_time_s * 1e3:.2f}",
-                          f"{heuristic.step_time_s / auto.step_time_s - 1:+.2%}", f"{same}/{len(weights)}")
-    Console(width=200).print(table)
+                          f"{heuristic.step_time_s / auto.step_time_s - 1:+.2%}", f"{same}/{len(weights)}",
+                          f"{auto.comm_bytes / 1024:.0f} KiB", f"{measured / 1024:.0f} KiB",
+                          f"{(measured - auto.comm_bytes) / auto.comm_bytes:+.1%}",
+                          ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    Console(width=260).print(table)
     reference = reference_seconds()
     big = Table(title=f"Llama 3 8B's shape planned on h100-80g (reference computation {reference:.2f} s this run)")
     for column in ("mesh", "nodes", "tied nodes", "capture s", "build s", "solve s", "build + solve s",

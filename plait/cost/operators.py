@@ -11,7 +11,9 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
   DTensor redistributes the gradient back to the producer's placement (Partial read as Replicate), and the
   gradient arriving is Partial where the consumer read a replicated input into split work (the gradient of a
   matmul's replicated input under a sharded weight: Megatron's backward all-reduce). Readers of one replicated
-  value that each return such a Partial gradient share one all-reduce (`joins_gradient_sum`).
+  value that each return such a Partial gradient share one all-reduce (`joins_gradient_sum`), made at the value
+  (the executor reduces a replicated value's summed Partial gradient there; left to DTensor, the pending sum
+  would travel on to a row-split matmul's backward, which gathers the weight).
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
   sharded; each call's floating outputs, as what autograd may save for backward, over the axis when sharded
   (an upper bound: views and outputs not saved count too).
@@ -110,9 +112,9 @@ def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group
 def joins_gradient_sum(src: str, dst: str, grad: str) -> bool:
     """Whether one reader's backward image is a share of its value's single pending sum rather than a collective
     of its own: a replicated value read as it is (no forward redistribution) into split work returns a Partial
-    gradient, autograd adds the Partial gradients of every such reader, and DTensor reduces the sum once (ViT's q,
-    k and v read one replicated input: one all-reduce, not three). The planner prices that all-reduce once per
-    value (its gradient-sum node) and refunds each such reader's own."""
+    gradient, autograd adds the Partial gradients of every such reader, and the executor reduces the sum once
+    (ViT's q, k and v read one replicated input: one all-reduce, not three). The planner prices that all-reduce
+    once per value (its gradient-sum node) and refunds each such reader's own."""
     return src == "R" and dst == "R" and grad == "P"
 
 

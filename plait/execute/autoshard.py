@@ -1,14 +1,15 @@
 """Apply a per-operator plan (plan.operators) with DTensor, and prove it equal to one process.
 
-apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the
-plan chose; the module's batch arguments enter replicated on that axis; during the forward, each torch-level call
-(F.linear, torch.cat, ...) gets its tensor arguments redistributed to the placements the plan's strategies read
-them in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispatch, which picks each
-operator's strategy from its inputs' placements, runs the strategies that were priced, and the backward carries
-each redistribution's gradient image (the communication step_collectives measures is the plan's); the loss leaves
-replicated. Then fully_shard over the data-parallel axis shards the (already tensor-parallel) parameters
-further, as for a hand-written tensor plan (2-D DTensors). A plan written before function_reads redistributes at
-module boundaries only (its inputs, outputs and param_reads).
+apply_operator_sharding: each parameter becomes a DTensor on the tensor-parallel axis with the placement the plan
+chose; the module's batch arguments enter replicated on that axis; during the forward, each torch-level call
+(F.linear, torch.cat, ...) gets its tensor arguments redistributed to the placements the plan's strategies read them
+in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispatch, which picks each operator's
+strategy from its inputs' placements, runs the strategies that were priced, and the backward carries each
+redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
+Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
+(_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
+tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors). A plan written before
+function_reads redistributes at module boundaries only (its inputs, outputs and param_reads).
 
 The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
 tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
@@ -140,7 +141,8 @@ class PlannedReads(TorchFunctionMode):
     redistributions are DTensor.redistribute, above autograd: the backward sends each gradient back to the
     producer's placement, the image the cost model prices. `matched` counts the planned calls the last forward
     met (a call the plan names and the forward does not make is only communication DTensor then picks itself:
-    the numerics do not depend on placements)."""
+    the numerics do not depend on placements). Each replicated output a gradient reaches goes through
+    _summed_gradient, so its readers' Partial gradients are reduced once, there."""
 
     def __init__(self, mesh: DeviceMesh, function_reads: dict[str, dict[str, str]]) -> None:
         super().__init__()
@@ -164,7 +166,46 @@ class PlannedReads(TorchFunctionMode):
                 if isinstance(arg, DTensor) and arg.placements[0] != placement:
                     flat[position] = arg.redistribute(self.mesh, [placement])
             args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        inputs = [a for a in flat if isinstance(a, DTensor)]
+        return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the backward all-reduces a Partial (pending-sum) gradient: Megatron's f."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor) -> DTensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        if any(p.is_partial() for p in grad.placements):
+            return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+        return grad
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _summed_gradient(value: DTensor, inputs: list[DTensor]) -> DTensor:
+    """A replicated value a gradient reaches gets its gradient all-reduced once, where its readers' gradients have
+    been added: a reader that reads it as it is into split work (the norm's output into column-split q, k and v)
+    returns a Partial gradient, autograd adds those of every reader on this one tensor, and the sum is reduced
+    here, at the value, as the planner prices it (plait.operators.planner's gradient-sum node). Left to DTensor,
+    the pending sum would travel on backward through the producer (the norm, the residual stream) to a row-split
+    matmul's backward, which has no Partial x Shard strategy and gathers the weight. A view of an input is left
+    alone: its gradient passes the pending sum on to the value it views, which joins the sum there."""
+    if not (value.requires_grad and value.is_floating_point()
+            and all(isinstance(p, Replicate) for p in value.placements)):
+        return value
+    local = _root(value._local_tensor)
+    if any(_root(a._local_tensor) is local for a in inputs):
+        return value
+    return _ReduceGradient.apply(value)
 
 
 def _redistribute_output(mesh: DeviceMesh, placement) -> Callable:

@@ -42,6 +42,56 @@ def test_executor_issues_the_planned_backward_collectives_of_a_batch_split_cnn()
     assert counts == plan.operators.comm_counts and nbytes == plan.operators.comm_bytes
 
 
+@pytest.mark.parametrize("model, tp", [("llama", 2), ("hf_llama", 4)])
+def test_a_decoders_backward_reduces_where_the_plan_prices_and_gathers_no_weight(model, tp):
+    """Megatron's pattern on both Llamas: the norm's output, replicated, is read as it is by the column-split q/k/v
+    (w1/w3) and each returns a Partial gradient. Summed at the value and all-reduced there once (the plan's
+    gradient-sum node), the residual stream's gradient reaches the row-split wo/w2 replicated; left pending, it
+    reached their matmul backward as Partial, which DTensor has no Partial x Shard rule for, so it all-gathered
+    each row-split weight (reference Llama tp2: 2432 KiB = 6 all_reduce + 7 all_gather + 2 reduce_scatter against
+    the plan's 1280 KiB = 9 all_reduce + 1 all_gather). A weight gather coming back adds all-gathers here."""
+    plan = auto_plan(f"decoders:{model}", "decoders:tokens", CLUSTER_PRESETS["local-cpu"], global_batch=4, tp=tp)
+    assert plan.operators.params["model.model.layers.0.mlp.down_proj.weight" if model == "hf_llama"
+                                 else "model.layers.0.feed_forward.w2.weight"] == "S1"
+    nbytes, counts, _ = step_collectives(plan)
+    assert counts == plan.operators.comm_counts and nbytes == plan.operators.comm_bytes
+    assert counts.get("all_gather", 0) <= 1  # the one gather is not a weight's: none of the 4 row-split weights
+
+
+def test_readers_partial_gradients_are_summed_then_reduced_once():
+    """A replicated value read by three column-split linears (q, k, v): autograd adds the three Partial gradients
+    on the value and one all-reduce turns the sum Replicate, not three, and the value's producer (here the batch)
+    receives it Replicate. The fake group moves no data: counts and placements, not values."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plait.execute.autoshard import PlannedReads
+    from plait.execute.dryrun import CollectiveCounter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        split = [distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) for _ in range(3)]
+        x = DTensor.from_local(torch.randn(3, 4), mesh, [Replicate()], run_check=False).requires_grad_()
+        seen = []
+        x.register_hook(lambda grad: seen.append(grad.placements) or grad)
+        counter = CollectiveCounter()
+        with counter:
+            with PlannedReads(mesh, {}):  # no planned reads: the forward's values as DTensor leaves them
+                normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # the norm, as the decoders' blocks
+                q, k, v = (F.linear(normed, w) for w in split)  # [3, 8] each, split by columns
+            (q * k * v).to_local().sum().backward()  # a loss of the local shard: its backward issues nothing
+    finally:
+        dist.destroy_process_group()
+    assert counter.counts == {"all-reduce": 1}  # the three readers' gradients summed, then one all-reduce
+    assert seen == [(Replicate(),)]
+
+
 def test_a_fused_table_is_priced_as_its_weights_alone_and_fits_at_five_times_a_ranks_budget():
     """The 4 MiB table on 8 ranks under 0.75 MiB each: with AdamW (weights, gradient, two moments) no placement
     fits; with the fused row-wise SGD a rank holds an eighth of the weights and nothing else for the table."""
