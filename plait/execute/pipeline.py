@@ -40,6 +40,28 @@ PIPELINE_BUFFERS = ("pool", "torch")
 "torch", torch.distributed.pipelining's own (one per micro-batch and stage, for the life of the schedule; sends kept
 until the step ends): the reference benchmarks/pipeline_bubble.py and memory_accuracy.py compare against."""
 
+STAGE_HOOKS = ("_setup_forward_recv_info", "_resolve_peer_global_rank")
+"""The PipelineStage internals plait overrides (torch 2.12 and later): the pooled receive buffers and the
+positions a mixed cluster reorders. Older torch (2.11 on a GPU machine) has neither: its own buffers run instead,
+and a reordered pipeline is refused (`check_stage_support`)."""
+
+
+def stage_hooks_missing(stage_class: type = PipelineStage) -> list[str]:
+    """Which of STAGE_HOOKS `stage_class` lacks (none on the torch plait is built against)."""
+    return [name for name in STAGE_HOOKS if not hasattr(stage_class, name)]
+
+
+def check_stage_support(position_ranks: list[int], stage_class: type = PipelineStage) -> bool:
+    """Whether this torch's stages take plait's pooled buffers; refuses, naming the fix, a pipeline whose positions
+    are not its group's rank order (a mixed cluster's slow group first) where the stage cannot be told them."""
+    missing = stage_hooks_missing(stage_class)
+    if missing and position_ranks != sorted(position_ranks):
+        raise RuntimeError(f"this pipeline places its stages out of rank order ({position_ranks}), which needs "
+                           f"torch.distributed.pipelining's {', '.join(missing)} (torch 2.12 or later; this is "
+                           f"torch {torch.__version__}): install torch>=2.13, or order the cluster's groups by rank")
+    return not missing
+
+
 SCHEDULE_CLASSES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -142,7 +164,7 @@ def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_
     position = position_ranks.index(torch.distributed.get_rank())
     schedule_class = SCHEDULE_CLASSES[plan.schedule]
     single = issubclass(schedule_class, PipelineScheduleSingle)
-    pooled = buffers == "pool"
+    pooled = check_stage_support(position_ranks) and buffers == "pool"  # older torch: its own buffers
     pools = RankBuffers.sized(LiveBuffers(0, 0))
     stages = []
     for stage_id, part in zip(stage_ids, parts):

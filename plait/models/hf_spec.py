@@ -207,9 +207,14 @@ def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, cal
                               f"values passed from layer to layer), and plait's stages pass on hidden states only "
                               f"[rule hf-layers-pass-hidden-states]") from None
         except Exception as error:  # a forward that needs real data
+            import transformers
+
             raise ConfigError(f"Hugging Face model type {adapter.family!r}: layer {index} ({type(block).__name__}) "
                               f"cannot run on meta to be measured ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0][:120]}) [rule hf-layer-measured-on-meta]") from None
+                              f"{str(error).splitlines()[0][:120]}) on transformers {transformers.__version__}; "
+                              f"a newer transformers may run such a layer "
+                              f"on meta (Mixtral's experts call torch.nonzero on 5.17, not on 5.24) "
+                              f"[rule hf-layer-measured-on-meta]") from None
     return measured[kind]
 
 

@@ -144,3 +144,22 @@ def test_shards_on_meta_at_16_ranks(fake_world, rank):
     cores = [m for n, m in math_part.named_modules() if n.endswith("attention.core")]
     assert len(cores) == len(p.stage_layers(pp_rank))
     assert all(isinstance(m, CheckpointWrapper) for m in cores) == (pp_rank == 1)
+
+
+def test_stage_support_on_a_torch_without_plaits_stage_hooks():
+    """torch 2.11's PipelineStage (a GPU machine's) lacks the internals the pooled buffers and a reordered pipeline
+    override: plait then runs torch's own buffers, and refuses, naming the fix, a pipeline out of rank order."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from plait.execute.pipeline import STAGE_HOOKS, check_stage_support, stage_hooks_missing
+
+    class OldStage:  # the attributes torch 2.11's stage has of these: none
+        pass
+
+    assert stage_hooks_missing(PipelineStage) == []  # the torch plait is built against
+    assert stage_hooks_missing(OldStage) == list(STAGE_HOOKS)
+    assert check_stage_support([0, 1, 2], PipelineStage) is True
+    assert check_stage_support([2, 0, 1], PipelineStage) is True
+    assert check_stage_support([0, 1, 2], OldStage) is False  # in order: torch's own buffers
+    with pytest.raises(RuntimeError, match=r"out of rank order \(\[2, 0, 1\]\).*torch>=2.13"):
+        check_stage_support([2, 0, 1], OldStage)
