@@ -35,6 +35,7 @@ from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.execute.parallelize import clip_grad_norm
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
@@ -284,12 +285,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
-                dp_group=None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """K AdamW steps; (losses averaged over dp, first gradients, final parameters), full tensors."""
+                dp_group=None, clip: Callable | None = None
+                ) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """K AdamW steps; (losses averaged over dp, gradient norms before clipping, first gradients, final parameters),
+    full tensors. With settings.max_norm each step clips by `clip(parameters, max_norm)` (torch's
+    clip_grad_norm_ by default: one process's)."""
     dtype = DTYPES[settings.dtype]
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                                   foreach=False)
-    losses, first = [], {}
+    clip = clip or torch.nn.utils.clip_grad_norm_
+    losses, norms, first = [], [], {}
     for step in range(settings.steps):
         batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
         loss = model(*dp_slice(batch, dp, dp_rank))
@@ -302,10 +307,12 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
         losses.append(value.item())
         if step == 0:
             first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if settings.max_norm is not None:
+            norms.append(float(clip(list(model.parameters()), settings.max_norm)))
         optimizer.step()
         optimizer.zero_grad()
     params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    return losses, first, params
+    return losses, norms, first, params
 
 
 def run_parallel(plan: Plan, settings: CheckSettings):
@@ -316,17 +323,18 @@ def run_parallel(plan: Plan, settings: CheckSettings):
     mesh = build_mesh(plan)
     model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
     model = apply_operator_sharding(model, plan, mesh, settings.lr)
-    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group())
+    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group(),
+                       clip=clip_grad_norm)
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     """Collective: the parallel run on every rank; rank 0 runs one process's and compares (others: None)."""
-    losses, grads, params = run_parallel(plan, settings)
+    losses, norms, grads, params = run_parallel(plan, settings)
     if dist.get_rank() != 0:
         return None
     reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
     use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
-    ref_losses, ref_grads, ref_params = train_steps(reference, plan, settings)
+    ref_losses, ref_norms, ref_grads, ref_params = train_steps(reference, plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
                   if n in grads else math.inf for n, g in ref_grads.items()}
@@ -335,7 +343,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     max_diff = max((params[n].double() - p.double()).abs().max().item() for n, p in ref_params.items())
     return CheckResult(plan=plan.describe() + " auto", losses=losses, reference_losses=ref_losses,
                        grad_rel_diffs=grad_diffs, update_rel_diffs=updates, max_param_diff=max_diff,
-                       runtime={"operators": plan.operators.describe()})
+                       grad_norms=norms, reference_grad_norms=ref_norms, runtime={"operators": plan.operators.describe()})
 
 
 _COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",

@@ -18,6 +18,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
                                      make_batch)
 from plait.execute.equivalence import CheckSettings
+from plait.execute.parallelize import clip_grad_norm
 from plait.execute.pipeline import build_schedule
 from plait.operators.stages import build_stage, find_layout
 from plait.plan import Plan
@@ -69,28 +70,17 @@ def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tens
     return value
 
 
-def clip_across_stages(params: list, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip gradients to `max_norm` by the norm over every stage's gradients (each stage's own over its shards, then
-    summed over the pipeline), as one process clips the whole model's."""
-    from plait.execute.parallelize import global_squared_norm
-
-    squared = global_squared_norm([p.grad for p in params if p.grad is not None], torch.device("cpu"))
-    dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
-    return total
-
-
 def run_pipeline(plan: Plan, settings: CheckSettings):
-    """K AdamW steps of the pipeline; (losses averaged over dp, first gradients, final parameters), full tensors of
-    every stage on every rank."""
+    """K AdamW steps of the pipeline; (losses averaged over dp, gradient norms before clipping (with
+    settings.max_norm: over every stage, plait.execute.parallelize.clip_grad_norm), first gradients, final
+    parameters), full tensors of every stage on every rank."""
     dtype = DTYPES[settings.dtype]
     mesh = build_mesh(plan)
     position, stage, schedule = build_pipeline_stage(plan, mesh, seed=settings.seed, dtype=dtype, lr=settings.lr)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                                   foreach=False)
     dp_rank = mesh["dp"].get_local_rank()
-    losses, first = [], {}
+    losses, norms, first = [], [], {}
     for step in range(settings.steps):
         batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
                          plan.dp, dp_rank)
@@ -101,10 +91,12 @@ def run_pipeline(plan: Plan, settings: CheckSettings):
         losses.append(value.item())
         if step == 0:
             first = _gathered({n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None})
+        if settings.max_norm is not None:
+            norms.append(clip_grad_norm(stage.parameters(), settings.max_norm, mesh["pp"].get_group()).item())
         optimizer.step()
         optimizer.zero_grad()
     params = _gathered({n: _full(p) for n, p in stage.named_parameters()})
-    return losses, first, params
+    return losses, norms, first, params
 
 
 def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
