@@ -165,13 +165,25 @@ class PlannedReads(TorchFunctionMode):
             for position, placement in planned.items():
                 arg = flat[position] if position < len(flat) else None
                 if isinstance(arg, DTensor) and arg.placements[0] != placement:
-                    flat[position] = arg.redistribute(self.mesh, [placement])
+                    flat[position] = _read_as(arg, self.mesh, placement)
             args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out
         inputs = [a for a in flat if isinstance(a, DTensor)]
         return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+def _read_as(value: DTensor, mesh: DeviceMesh, placement) -> DTensor:
+    """`value` redistributed to `placement` for one reader. A pending sum read as replicated (a row-split output into
+    the next column-split linear) gets its reader's Partial gradient all-reduced here, the edge's backward image the
+    plan prices (plait.cost.operators.edge_time): DTensor's redistribute hands a Partial gradient back to a Partial
+    producer as it is, and the row-split matmul's backward, having no Partial x Shard strategy, then gathers its
+    weight."""
+    read = value.redistribute(mesh, [placement])
+    if value.placements[0].is_partial() and placement.is_replicate() and read.requires_grad:
+        return _ReduceGradient.apply(read)
+    return read
 
 
 class _ReduceGradient(torch.autograd.Function):
