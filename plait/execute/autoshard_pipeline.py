@@ -20,7 +20,8 @@ from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, bui
 from plait.execute.equivalence import CheckSettings
 from plait.execute.parallelize import clip_grad_norm
 from plait.execute.pipeline import build_schedule
-from plait.operators.stages import build_stage, find_layout
+from plait.errors import ConfigError
+from plait.operators.stages import StageLayout, build_stage, find_layout
 from plait.plan import Plan
 
 
@@ -29,15 +30,23 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
+def stage_layout(plan: Plan) -> StageLayout:
+    """Where the plan's module holds its repeated blocks and what runs around them, found as the planner found them
+    (plait.operators.stages.find_layout on meta at the plan's micro-batch); ConfigError when those blocks are not
+    the ones the plan's stages cut."""
+    meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
+    micro = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+    layout = find_layout(meta, tuple(t.to("meta") for t in micro))
+    if layout.blocks_path != plan.operators.blocks:
+        raise ConfigError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
+                          f"{layout.blocks_path!r}: plan again for this module")
+    return layout
+
+
 def build_pipeline_stage(plan: Plan, mesh, *, seed: int, dtype: torch.dtype, lr: float):
     """(this rank's pipeline position, its stage module with the plan's placements, the schedule)."""
     position = int(mesh.get_coordinate()[0])
-    meta = build_module(plan.model.source, seed=seed, dtype=dtype, device="meta")
-    micro = tuple(t.to("meta") for t in make_batch(plan.operators.batch, plan.micro_batch, seed, 0, dtype))
-    layout = find_layout(meta, micro)
-    if layout.blocks_path != plan.operators.blocks:
-        raise ValueError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
-                         f"{layout.blocks_path!r}: plan again for this module")
+    layout = stage_layout(plan)
     model = build_module(plan.model.source, seed=seed, dtype=dtype)
     stage = build_stage(model, layout, plan.stage_layers(position), first=position == 0, last=position == plan.pp - 1)
     stage = apply_operator_sharding(stage, plan, mesh, lr, plan.operators.stages[position], caller_replicates=True)
@@ -126,8 +135,7 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     try:
         mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
         batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
-        meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
-        layout = find_layout(meta, tuple(t.to("meta") for t in batch))
+        layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}
         counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]

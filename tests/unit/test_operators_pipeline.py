@@ -167,3 +167,20 @@ def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
     for (nbytes, counts, matched), stage in zip(measured, plan.operators.stages):
         assert matched == len(stage.function_reads) > 0
         assert counts == stage.comm_counts and nbytes == pytest.approx(stage.comm_bytes)
+
+
+def test_the_executor_finds_the_blocks_the_plan_cut_once_for_every_stage_and_refuses_others():
+    """plait.execute.autoshard_pipeline.stage_layout, which a pipeline rank and the stage collectives' count both
+    build their stages from: the repeated blocks and the parts around them the planner found for this module, and a
+    ConfigError naming both paths for a plan whose stages cut other blocks."""
+    import dataclasses
+
+    from plait.execute.autoshard_pipeline import stage_layout
+
+    plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, pp=2)
+    layout = stage_layout(plan)
+    assert layout.blocks_path == plan.operators.blocks and layout.num_blocks == sum(plan.layers_per_stage)
+    assert layout.pre and layout.post  # the patch embedding before the blocks, the head after them
+    other = plan.replace(operators=dataclasses.replace(plan.operators, blocks="mixers"))
+    with pytest.raises(ConfigError, match=f"cut 'mixers', the module's blocks are '{layout.blocks_path}'"):
+        stage_layout(other)
