@@ -358,10 +358,6 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
                        grad_norms=norms, reference_grad_norms=ref_norms, runtime={"operators": plan.operators.describe()})
 
 
-_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
-
-
 def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
     """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on rank
     0 of a fake process group of tp ranks: what the executor asks the tensor-parallel axis to carry, against the
@@ -374,7 +370,7 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
         model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
-        counter, debug = CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)), CommDebugMode()
+        counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
             loss = model(*batch)
             with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)

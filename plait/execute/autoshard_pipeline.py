@@ -128,7 +128,6 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.execute.autoshard import _COLLECTIVES
     from plait.execute.dryrun import CollectiveCounter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
@@ -138,7 +137,7 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
         layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}
-        counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]
+        counters = [CollectiveCounter() for _ in range(plan.pp)]
         outputs, inputs, matched = [], [], []
         with implicit_replication():
             hidden = None

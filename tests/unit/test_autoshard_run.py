@@ -88,7 +88,7 @@ def test_readers_partial_gradients_are_summed_then_reduced_once():
             (q * k * v).to_local().sum().backward()  # a loss of the local shard: its backward issues nothing
     finally:
         dist.destroy_process_group()
-    assert counter.counts == {"all-reduce": 1}  # the three readers' gradients summed, then one all-reduce
+    assert counter.counts == {"all_reduce": 1}  # the three readers' gradients summed, then one all-reduce
     assert seen == [(Replicate(),)]
 
 
