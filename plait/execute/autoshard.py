@@ -281,7 +281,10 @@ def _read_parameters_as(module: nn.Module, mesh: DeviceMesh, reads: dict) -> Non
 
 
 def _replicate_inputs(mesh: DeviceMesh) -> Callable:
-    """The batch (and a pipeline stage's received hidden states, keyword batches too) enter replicated on tp."""
+    """The batch (and a pipeline stage's received hidden states, keyword batches too) enter replicated on tp. Hidden
+    states read into split work (a column-split first linear) get Partial gradients; DTensor.from_local's backward
+    redistributes their sum to the Replicate they entered as, one all-reduce after autograd has added every
+    reader's, which is _summed_gradient's rule for values made inside the forward: the input needs no wrapping."""
     def replicated(a):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
             return DTensor.from_local(a, mesh, [Replicate()], run_check=False)
