@@ -563,9 +563,7 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
         sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
                                 solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
     num_params = sum(p.numel() for p in model.parameters())
-    layers = max(1, len(split))
-    if split:
-        layers = sum(split)
+    layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
     spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
                      num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
                      post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
