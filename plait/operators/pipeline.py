@@ -145,7 +145,7 @@ def _in_flight(settings: PipelineSettings, dp: int, tp: int, micro_batch: int) -
     from plait.cost.layout import Layout
     from plait.cost.memory import in_flight_all
 
-    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), sp=False, zero=3 if dp > 1 else 0,
+    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), sp=False, zero=planner.zero_stage(dp),
                     micro_batch=micro_batch, num_micro_batches=settings.num_micro_batches,
                     schedule=settings.schedule, interleave=1)
     return in_flight_all(layout)

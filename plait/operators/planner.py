@@ -520,6 +520,12 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
     return tuple(name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
 
 
+def zero_stage(dp: int) -> int:
+    """The ZeRO stage of a per-operator plan: its data parallelism rides on fully_shard (ZeRO-3) whenever there is
+    more than one data-parallel rank (plait.execute.autoshard.apply_operator_sharding)."""
+    return 3 if dp > 1 else 0
+
+
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The factory's batch at `batch_size`, moved to meta for capture (the factory runs once on CPU: batches are
     small next to the model)."""
@@ -574,4 +580,4 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
                    train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
                    cluster=cluster.with_devices(dp * tp * pp), micro_batch=micro_batch,
                    num_micro_batches=micro_batches, schedule=schedule, layers_per_stage=tuple(split),
-                   zero=3 if dp > 1 else 0, predicted=prediction, operators=sharding_)
+                   zero=zero_stage(dp), predicted=prediction, operators=sharding_)
