@@ -164,7 +164,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     limit = memory_limit if memory_limit is not None else cluster.memory_bytes
     whole = planner.build_problem(capture(model, batch), tp, dp, cluster, limit, fused=frozenset(fused))
     planner.apply_pins(whole, pins)
-    solution = _solve(whole, solver, limit, pins, fused, model)
+    solution = planner.solve_or_refuse(whole, solver, pins, fused, model)
     split = settings.layers_per_stage or stage_split(whole, solution.choice, layout, settings.pp)
     ranges = [range(sum(split[:s]), sum(split[:s + 1])) for s in range(settings.pp)]
     check_boundary_pins(pins, layout, ranges)
@@ -191,7 +191,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             # the whole module's block placements do not fit here, or do not run from the stage's replicated input
             # (a read DTensor would postpone): the stage is solved freely
             reused = built
-            stage_solution = _solve(built, solver, limit, pins, fused, model)
+            stage_solution = planner.solve_or_refuse(built, solver, pins, fused, model)
         described = planner.describe(reused, stage_solution, batch_source, {k: v for k, v in pins.items()
                                                                             if k in names},
                                      tp, dp, cluster, time.perf_counter() - stage_start)
@@ -222,13 +222,6 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         fused_tables=fused, synchronised_norms=planner.batch_norms_to_synchronise(model, dp),
         blocks=layout.blocks_path, stages=tuple(stages))
     return sharding_, tuple(split), bubble
-
-
-def _solve(built: planner.Built, solver: str, limit: float, pins, fused, model) -> sharding.Solution:
-    try:
-        return planner.solve(built, solver)
-    except sharding.Infeasible as e:
-        raise planner.infeasible_error(e, limit, pins, fused, model) from None
 
 
 def _sync_seconds(built: planner.Built, choice: tuple[int, ...]) -> float:

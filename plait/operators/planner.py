@@ -360,22 +360,23 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     graph = capture(model, batch)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
-    try:
-        solution = solve(built, solver)
-    except sharding.Infeasible as e:
-        limit = memory_limit if memory_limit is not None else cluster.memory_bytes
-        raise infeasible_error(e, limit, pins, fused, model) from None
+    solution = solve_or_refuse(built, solver, pins, fused, model)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
 
 
-def infeasible_error(error: Exception, limit: float, pins: dict[str, str], fused: dict[str, str], model: nn.Module
-                     ) -> ConfigError:
-    hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
-            if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-    return ConfigError(f"no placement fits {limit / 2**20:.2f} MiB per device"
-                       + (f" with pins {pins}" if pins else "") + f"{hint}: {error}")
+def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
+                    ) -> sharding.Solution:
+    """`solve`, or a ConfigError in one line when no placement fits the problem's memory limit (naming the limit,
+    the pins, and a fused table optimizer where the module has embedding tables without one)."""
+    try:
+        return solve(built, solver)
+    except sharding.Infeasible as e:
+        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+        raise ConfigError(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
+                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:

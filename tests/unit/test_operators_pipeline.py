@@ -184,3 +184,13 @@ def test_the_executor_finds_the_blocks_the_plan_cut_once_for_every_stage_and_ref
     other = plan.replace(operators=dataclasses.replace(plan.operators, blocks="mixers"))
     with pytest.raises(ConfigError, match=f"cut 'mixers', the module's blocks are '{layout.blocks_path}'"):
         stage_layout(other)
+
+
+def test_a_pipeline_no_placement_fits_is_refused_as_a_whole_module_is():
+    """plait.operators.planner.solve_or_refuse, the one refusal both paths ask: under a budget nothing fits, pp2 is
+    refused in the same line as pp1, naming the budget and the pins."""
+    for pp in (1, 2):
+        with pytest.raises(ConfigError, match=r"^no placement fits 0\.01 MiB per device with pins "
+                                              r"\{'blocks.0.channel1.weight': 'S0'\}"):
+            auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=pp, memory_limit=0.01 * 2**20,
+                      pins={"blocks.0.channel1.weight": "S0"})
