@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -237,10 +238,6 @@ def _with_constants_replicated(forward: Callable, planned: PlannedReads | None =
     inside implicit_replication, as the planner captured them (constants, replicated). With `planned`, its reads
     hold for the forward (numbered from the forward's first call, as capture numbered them). Without `replicate`
     the caller holds implicit_replication around it."""
-    from contextlib import nullcontext
-
-    from torch.distributed.tensor.experimental import implicit_replication
-
     @functools.wraps(forward)
     def run(*args, **kwargs):
         with implicit_replication() if replicate else nullcontext():
@@ -361,16 +358,25 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
                        grad_norms=norms, reference_grad_norms=ref_norms, runtime={"operators": plan.operators.describe()})
 
 
-def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
-    """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on rank
-    0 of a fake process group of tp ranks: what the executor asks the tensor-parallel axis to carry, against the
-    plan's comm_bytes. The fake group moves no data. Starts and destroys its own process group."""
-    from torch.distributed.tensor.debug import CommDebugMode
+@contextmanager
+def fake_tensor_parallel_mesh(tp: int) -> Iterator[DeviceMesh]:
+    """A ("dp", "tp") mesh of 1 x tp on rank 0 of a fake process group, which moves no data: where the executor's
+    collectives on the tensor-parallel axis are counted without ranks. Starts and destroys its own process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
-        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+        yield init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
+    """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on a fake
+    tensor-parallel mesh: what the executor asks the tensor-parallel axis to carry, against the plan's comm_bytes."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
         model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
         counter, debug = CollectiveCounter(), CommDebugMode()
@@ -379,5 +385,3 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
             with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
                 loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()
-    finally:
-        dist.destroy_process_group()

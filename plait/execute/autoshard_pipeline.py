@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
-                                     make_batch)
+                                     fake_tensor_parallel_mesh, make_batch)
 from plait.execute.equivalence import CheckSettings
 from plait.execute.parallelize import clip_grad_norm
 from plait.execute.pipeline import build_schedule
@@ -118,21 +118,14 @@ def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return merged
 
 
-
 def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     """Per stage, (bytes, collectives by kind, planned calls the forward met) of one micro-batch's forward and
-    backward on the tensor-parallel
-    axis (dp = 1): every stage built as its pipeline rank builds it, chained in one process on rank 0 of a fake
-    process group of tp ranks (the hidden states handed on as a send would), against each stage's comm_bytes.
-    Starts and destroys its own process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    backward on the tensor-parallel axis (dp = 1): every stage built as its pipeline rank builds it, chained in one
+    process on a fake tensor-parallel mesh (the hidden states handed on as a send would), against each stage's
+    comm_bytes."""
     from plait.execute.dryrun import CollectiveCounter
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
-    try:
-        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
         batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
         layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
@@ -157,5 +150,3 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
                     outputs[s].backward(grad)
                 grad = inputs[s].grad if inputs[s] is not None else None
         return [(c.nbytes, c.counts, n) for c, n in zip(counters, matched)]
-    finally:
-        dist.destroy_process_group()

@@ -169,3 +169,17 @@ def test_a_pending_sum_read_into_split_work_has_its_gradient_reduced_where_the_p
     assert [stage.comm_counts for stage in plan.operators.stages] == [{"all_reduce": 3}, {"all_reduce": 4}]
     for (nbytes, counts, _), stage in zip(stage_collectives(plan), plan.operators.stages):
         assert counts == stage.comm_counts and nbytes == stage.comm_bytes
+
+
+def test_the_fake_tensor_parallel_mesh_leaves_no_process_group_behind():
+    """step_collectives and stage_collectives count on one fake mesh of 1 x tp ranks; it is gone after the block, an
+    error inside included (a group left behind would make the next count's init_process_group fail)."""
+    import torch.distributed as dist
+
+    from plait.execute.autoshard import fake_tensor_parallel_mesh
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with fake_tensor_parallel_mesh(4) as mesh:
+            assert mesh.mesh_dim_names == ("dp", "tp") and mesh["tp"].size() == 4 and dist.get_world_size() == 4
+            raise RuntimeError("inside")
+    assert not dist.is_initialized()
