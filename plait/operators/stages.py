@@ -61,7 +61,7 @@ def find_blocks(model: nn.Module, name: str = "the model") -> str:
     found = []
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2:
-            blocks = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
+            blocks = _blocks(module)
             shapes = {(type(b), tuple((n, tuple(p.shape)) for n, p in b.named_parameters())) for b in blocks}
             if len(shapes) == 1 and any(True for _ in blocks[0].parameters()):
                 found.append(path)

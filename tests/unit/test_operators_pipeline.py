@@ -194,3 +194,32 @@ def test_a_pipeline_no_placement_fits_is_refused_as_a_whole_module_is():
                                               r"\{'blocks.0.channel1.weight': 'S0'\}"):
             auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=pp, memory_limit=0.01 * 2**20,
                       pins={"blocks.0.channel1.weight": "S0"})
+
+
+def test_blocks_held_in_a_module_dict_are_found_and_cut_under_their_keys():
+    """A ModuleDict of identical blocks is a list of blocks too (stages._blocks, the one reading of both containers):
+    found by find_blocks, and each stage keeps the blocks it holds under their keys, the others stood in for."""
+    from plait.operators.stages import find_blocks
+
+    class Keyed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.blocks = nn.ModuleDict({name: nn.Linear(8, 8) for name in ("a", "b", "c")})
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for block in self.blocks.values():
+                x = torch.relu(block(x))
+            return self.out(x).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Keyed().double(), torch.randn(3, 4, dtype=torch.float64)
+    assert find_blocks(model) == "blocks"
+    layout = find_layout(Keyed().to("meta"), (x.to("meta"),))
+    first = build_stage(model, layout, range(0, 2), first=True, last=False)
+    last = build_stage(model, layout, range(2, 3), first=False, last=True)
+    assert [n for n, _ in first.named_parameters() if n.startswith("blocks")] == \
+        ["blocks.a.weight", "blocks.a.bias", "blocks.b.weight", "blocks.b.bias"]
+    assert torch.allclose(last(first(x), **{"0": x}), model(x), rtol=1e-12, atol=0)
