@@ -223,3 +223,32 @@ def test_blocks_held_in_a_module_dict_are_found_and_cut_under_their_keys():
     assert [n for n, _ in first.named_parameters() if n.startswith("blocks")] == \
         ["blocks.a.weight", "blocks.a.bias", "blocks.b.weight", "blocks.b.bias"]
     assert torch.allclose(last(first(x), **{"0": x}), model(x), rtol=1e-12, atol=0)
+
+
+def test_a_parameter_tied_across_stages_is_refused_in_one_line():
+    """An output layer sharing the embedding's weight: the first and the last stage would each train their own copy
+    and never sum their gradients (plait check said DIFFERENT, embed.weight's gradient 88% off), so pipeline stages
+    refuse it, naming both parameters, before any rank starts; untied, the same module cuts."""
+
+    class Tied(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.head = nn.Linear(16, 32, bias=False)
+            if tie:
+                self.head.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return self.head(x).logsumexp(-1).mean()
+
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        tied, untied = Tied(tie=True), Tied(tie=False)
+    with pytest.raises(ConfigError, match=r"^the model ties embed\.weight and head\.weight \(one parameter, before "
+                                          r"the blocks and after the blocks\).*use pp=1, or untie them$"):
+        find_layout(tied, (tokens,))
+    assert find_layout(untied, (tokens,)).post == ("head",)
