@@ -296,6 +296,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def mean_over_dp(loss: torch.Tensor, dp: int, dp_group=None) -> float:
+    """A step's loss: the mean of the data-parallel ranks' losses, each the mean over as many samples (collective
+    over `dp_group` when dp > 1)."""
+    value = loss.detach().clone()
+    if dp > 1:
+        dist.all_reduce(value, group=dp_group)
+        value /= dp
+    return value.item()
+
+
 def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
                 dp_group=None, clip: Callable | None = None
                 ) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -312,11 +322,7 @@ def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: 
         loss = model(*dp_slice(batch, dp, dp_rank))
         with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
             loss.backward()
-        value = loss.detach().clone()
-        if dp > 1:
-            dist.all_reduce(value, group=dp_group)
-            value /= dp
-        losses.append(value.item())
+        losses.append(mean_over_dp(loss, dp, dp_group))
         if step == 0:
             first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         if settings.max_norm is not None:

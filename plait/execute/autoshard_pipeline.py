@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
-                                     fake_tensor_parallel_mesh, make_batch)
+                                     fake_tensor_parallel_mesh, make_batch, mean_over_dp)
 from plait.execute.equivalence import CheckSettings
 from plait.execute.parallelize import clip_grad_norm
 from plait.execute.pipeline import build_schedule
@@ -93,11 +93,8 @@ def run_pipeline(plan: Plan, settings: CheckSettings):
     for step in range(settings.steps):
         batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
                          plan.dp, dp_rank)
-        value = pipeline_losses(schedule, plan, position, batch, mesh)
-        if plan.dp > 1:
-            dist.all_reduce(value, group=mesh["dp"].get_group())
-            value /= plan.dp
-        losses.append(value.item())
+        losses.append(mean_over_dp(pipeline_losses(schedule, plan, position, batch, mesh), plan.dp,
+                                   mesh["dp"].get_group()))
         if step == 0:
             first = _gathered({n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None})
         if settings.max_norm is not None:

@@ -118,7 +118,8 @@ def run_auto(config: Any) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module, dp_slice, make_batch
+    from plait.execute.autoshard import (apply_operator_sharding, build_mesh, build_module, dp_slice, make_batch,
+                                         mean_over_dp)
     from plait.execute.parallelize import clip_grad_norm
     from plait.launch import ending_together, init_distributed
     from plait.train.hooks import TrainState, make_checkpoint_hooks
@@ -167,11 +168,9 @@ def run_auto(config: Any) -> list[float]:
                 clip_grad_norm(trained, opt.clip, mesh["pp"].get_group() if schedule is not None else None)
             optimizer.step()
             optimizer.zero_grad()
-            value = loss.detach().clone()
-            dist.all_reduce(value, group=dp_group)
             state.step += 1
             state.tokens += plan.train.global_batch  # samples: a module's batch has no tokens
-            losses.append(value.item() / plan.dp)
+            losses.append(mean_over_dp(loss, plan.dp, dp_group))
             if rank0:
                 _log(metrics, state.step, losses[-1], lr, time.perf_counter() - start, config.log.every,
                      config.train.steps)
