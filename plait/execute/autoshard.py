@@ -361,7 +361,8 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     max_diff = max((params[n].double() - p.double()).abs().max().item() for n, p in ref_params.items())
     return CheckResult(plan=plan.describe() + " auto", losses=losses, reference_losses=ref_losses,
                        grad_rel_diffs=grad_diffs, update_rel_diffs=updates, max_param_diff=max_diff,
-                       grad_norms=norms, reference_grad_norms=ref_norms, runtime={"operators": plan.operators.describe()})
+                       grad_norms=norms, reference_grad_norms=ref_norms,
+                       runtime={"operators": plan.operators.describe()})
 
 
 @contextmanager
