@@ -38,10 +38,15 @@ FUSED_TABLE_COPIES = 1
 """An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""The collectives a redistribution makes, as plans count them (OperatorSharding.comm_counts) and the executor's
+counts name them (plait.execute.dryrun.CollectiveCounter)."""
+
+
 @dataclass(frozen=True)
 class Redistribution:
     collective: str
-    """"all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "" (none, or a local slice)."""
+    """One of COLLECTIVES, or "" (none, or a local slice)."""
     seconds: float
     nbytes: float
     """Bytes of the whole tensor the collective produces or reduces (the logical payload)."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from plait.errors import ConfigError
 from plait.models.factory import load_factory
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
+from plait.execute.parallelize import clip_grad_norm
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
 from plait.operators.capture import FunctionKeys
@@ -164,13 +166,25 @@ class PlannedReads(TorchFunctionMode):
             for position, placement in planned.items():
                 arg = flat[position] if position < len(flat) else None
                 if isinstance(arg, DTensor) and arg.placements[0] != placement:
-                    flat[position] = arg.redistribute(self.mesh, [placement])
+                    flat[position] = _read_as(arg, self.mesh, placement)
             args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out
         inputs = [a for a in flat if isinstance(a, DTensor)]
         return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+def _read_as(value: DTensor, mesh: DeviceMesh, placement) -> DTensor:
+    """`value` redistributed to `placement` for one reader. A pending sum read as replicated (a row-split output into
+    the next column-split linear) gets its reader's Partial gradient all-reduced here, the edge's backward image the
+    plan prices (plait.cost.operators.edge_time): DTensor's redistribute hands a Partial gradient back to a Partial
+    producer as it is, and the row-split matmul's backward, having no Partial x Shard strategy, then gathers its
+    weight."""
+    read = value.redistribute(mesh, [placement])
+    if value.placements[0].is_partial() and placement.is_replicate() and read.requires_grad:
+        return _ReduceGradient.apply(read)
+    return read
 
 
 class _ReduceGradient(torch.autograd.Function):
@@ -224,10 +238,6 @@ def _with_constants_replicated(forward: Callable, planned: PlannedReads | None =
     inside implicit_replication, as the planner captured them (constants, replicated). With `planned`, its reads
     hold for the forward (numbered from the forward's first call, as capture numbered them). Without `replicate`
     the caller holds implicit_replication around it."""
-    from contextlib import nullcontext
-
-    from torch.distributed.tensor.experimental import implicit_replication
-
     @functools.wraps(forward)
     def run(*args, **kwargs):
         with implicit_replication() if replicate else nullcontext():
@@ -268,7 +278,10 @@ def _read_parameters_as(module: nn.Module, mesh: DeviceMesh, reads: dict) -> Non
 
 
 def _replicate_inputs(mesh: DeviceMesh) -> Callable:
-    """The batch (and a pipeline stage's received hidden states, keyword batches too) enter replicated on tp."""
+    """The batch (and a pipeline stage's received hidden states, keyword batches too) enter replicated on tp. Hidden
+    states read into split work (a column-split first linear) get Partial gradients; DTensor.from_local's backward
+    redistributes their sum to the Replicate they entered as, one all-reduce after autograd has added every
+    reader's, which is _summed_gradient's rule for values made inside the forward: the input needs no wrapping."""
     def replicated(a):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
             return DTensor.from_local(a, mesh, [Replicate()], run_check=False)
@@ -283,29 +296,41 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def mean_over_dp(loss: torch.Tensor, dp: int, dp_group=None) -> float:
+    """A step's loss: the mean of the data-parallel ranks' losses, each the mean over as many samples (collective
+    over `dp_group` when dp > 1)."""
+    value = loss.detach().clone()
+    if dp > 1:
+        dist.all_reduce(value, group=dp_group)
+        value /= dp
+    return value.item()
+
+
 def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
-                dp_group=None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """K AdamW steps; (losses averaged over dp, first gradients, final parameters), full tensors."""
+                dp_group=None, clip: Callable | None = None
+                ) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """K AdamW steps; (losses averaged over dp, gradient norms before clipping, first gradients, final parameters),
+    full tensors. With settings.max_norm each step clips by `clip(parameters, max_norm)` (torch's
+    clip_grad_norm_ by default: one process's)."""
     dtype = DTYPES[settings.dtype]
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                                   foreach=False)
-    losses, first = [], {}
+    clip = clip or torch.nn.utils.clip_grad_norm_
+    losses, norms, first = [], [], {}
     for step in range(settings.steps):
         batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
         loss = model(*dp_slice(batch, dp, dp_rank))
         with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
             loss.backward()
-        value = loss.detach().clone()
-        if dp > 1:
-            dist.all_reduce(value, group=dp_group)
-            value /= dp
-        losses.append(value.item())
+        losses.append(mean_over_dp(loss, dp, dp_group))
         if step == 0:
             first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if settings.max_norm is not None:
+            norms.append(float(clip(list(model.parameters()), settings.max_norm)))
         optimizer.step()
         optimizer.zero_grad()
     params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    return losses, first, params
+    return losses, norms, first, params
 
 
 def run_parallel(plan: Plan, settings: CheckSettings):
@@ -316,17 +341,18 @@ def run_parallel(plan: Plan, settings: CheckSettings):
     mesh = build_mesh(plan)
     model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
     model = apply_operator_sharding(model, plan, mesh, settings.lr)
-    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group())
+    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group(),
+                       clip=clip_grad_norm)
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     """Collective: the parallel run on every rank; rank 0 runs one process's and compares (others: None)."""
-    losses, grads, params = run_parallel(plan, settings)
+    losses, norms, grads, params = run_parallel(plan, settings)
     if dist.get_rank() != 0:
         return None
     reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
     use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
-    ref_losses, ref_grads, ref_params = train_steps(reference, plan, settings)
+    ref_losses, ref_norms, ref_grads, ref_params = train_steps(reference, plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
                   if n in grads else math.inf for n, g in ref_grads.items()}
@@ -335,30 +361,34 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     max_diff = max((params[n].double() - p.double()).abs().max().item() for n, p in ref_params.items())
     return CheckResult(plan=plan.describe() + " auto", losses=losses, reference_losses=ref_losses,
                        grad_rel_diffs=grad_diffs, update_rel_diffs=updates, max_param_diff=max_diff,
+                       grad_norms=norms, reference_grad_norms=ref_norms,
                        runtime={"operators": plan.operators.describe()})
 
 
-_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+@contextmanager
+def fake_tensor_parallel_mesh(tp: int) -> Iterator[DeviceMesh]:
+    """A ("dp", "tp") mesh of 1 x tp on rank 0 of a fake process group, which moves no data: where the executor's
+    collectives on the tensor-parallel axis are counted without ranks. Starts and destroys its own process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
 
 
 def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
-    """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on rank
-    0 of a fake process group of tp ranks: what the executor asks the tensor-parallel axis to carry, against the
-    plan's comm_bytes. The fake group moves no data. Starts and destroys its own process group."""
+    """(bytes, collectives by kind, CommDebugMode's count) of one forward and backward of `plan` (dp = 1) on a fake
+    tensor-parallel mesh: what the executor asks the tensor-parallel axis to carry, against the plan's comm_bytes."""
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
-    try:
-        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
         model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
-        counter, debug = CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)), CommDebugMode()
+        counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
             loss = model(*batch)
             with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
                 loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()
-    finally:
-        dist.destroy_process_group()

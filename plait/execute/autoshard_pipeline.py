@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
-                                     make_batch)
+                                     fake_tensor_parallel_mesh, make_batch, mean_over_dp)
 from plait.execute.equivalence import CheckSettings
+from plait.execute.parallelize import clip_grad_norm
 from plait.execute.pipeline import build_schedule
-from plait.operators.stages import build_stage, find_layout
+from plait.errors import ConfigError
+from plait.operators.stages import StageLayout, build_stage, find_layout
 from plait.plan import Plan
 
 
@@ -28,15 +30,23 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
+def stage_layout(plan: Plan) -> StageLayout:
+    """Where the plan's module holds its repeated blocks and what runs around them, found as the planner found them
+    (plait.operators.stages.find_layout on meta at the plan's micro-batch); ConfigError when those blocks are not
+    the ones the plan's stages cut."""
+    meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
+    micro = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+    layout = find_layout(meta, tuple(t.to("meta") for t in micro))
+    if layout.blocks_path != plan.operators.blocks:
+        raise ConfigError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
+                          f"{layout.blocks_path!r}: plan again for this module")
+    return layout
+
+
 def build_pipeline_stage(plan: Plan, mesh, *, seed: int, dtype: torch.dtype, lr: float):
     """(this rank's pipeline position, its stage module with the plan's placements, the schedule)."""
     position = int(mesh.get_coordinate()[0])
-    meta = build_module(plan.model.source, seed=seed, dtype=dtype, device="meta")
-    micro = tuple(t.to("meta") for t in make_batch(plan.operators.batch, plan.micro_batch, seed, 0, dtype))
-    layout = find_layout(meta, micro)
-    if layout.blocks_path != plan.operators.blocks:
-        raise ValueError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
-                         f"{layout.blocks_path!r}: plan again for this module")
+    layout = stage_layout(plan)
     model = build_module(plan.model.source, seed=seed, dtype=dtype)
     stage = build_stage(model, layout, plan.stage_layers(position), first=position == 0, last=position == plan.pp - 1)
     stage = apply_operator_sharding(stage, plan, mesh, lr, plan.operators.stages[position], caller_replicates=True)
@@ -69,42 +79,30 @@ def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tens
     return value
 
 
-def clip_across_stages(params: list, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip gradients to `max_norm` by the norm over every stage's gradients (each stage's own over its shards, then
-    summed over the pipeline), as one process clips the whole model's."""
-    from plait.execute.parallelize import global_squared_norm
-
-    squared = global_squared_norm([p.grad for p in params if p.grad is not None], torch.device("cpu"))
-    dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
-    return total
-
-
 def run_pipeline(plan: Plan, settings: CheckSettings):
-    """K AdamW steps of the pipeline; (losses averaged over dp, first gradients, final parameters), full tensors of
-    every stage on every rank."""
+    """K AdamW steps of the pipeline; (losses averaged over dp, gradient norms before clipping (with
+    settings.max_norm: over every stage, plait.execute.parallelize.clip_grad_norm), first gradients, final
+    parameters), full tensors of every stage on every rank."""
     dtype = DTYPES[settings.dtype]
     mesh = build_mesh(plan)
     position, stage, schedule = build_pipeline_stage(plan, mesh, seed=settings.seed, dtype=dtype, lr=settings.lr)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                                   foreach=False)
     dp_rank = mesh["dp"].get_local_rank()
-    losses, first = [], {}
+    losses, norms, first = [], [], {}
     for step in range(settings.steps):
         batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
                          plan.dp, dp_rank)
-        value = pipeline_losses(schedule, plan, position, batch, mesh)
-        if plan.dp > 1:
-            dist.all_reduce(value, group=mesh["dp"].get_group())
-            value /= plan.dp
-        losses.append(value.item())
+        losses.append(mean_over_dp(pipeline_losses(schedule, plan, position, batch, mesh), plan.dp,
+                                   mesh["dp"].get_group()))
         if step == 0:
             first = _gathered({n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None})
+        if settings.max_norm is not None:
+            norms.append(clip_grad_norm(stage.parameters(), settings.max_norm, mesh["pp"].get_group()).item())
         optimizer.step()
         optimizer.zero_grad()
     params = _gathered({n: _full(p) for n, p in stage.named_parameters()})
-    return losses, first, params
+    return losses, norms, first, params
 
 
 def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,28 +115,19 @@ def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return merged
 
 
-
 def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     """Per stage, (bytes, collectives by kind, planned calls the forward met) of one micro-batch's forward and
-    backward on the tensor-parallel
-    axis (dp = 1): every stage built as its pipeline rank builds it, chained in one process on rank 0 of a fake
-    process group of tp ranks (the hidden states handed on as a send would), against each stage's comm_bytes.
-    Starts and destroys its own process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from plait.execute.autoshard import _COLLECTIVES
+    backward on the tensor-parallel axis (dp = 1): every stage built as its pipeline rank builds it, chained in one
+    process on a fake tensor-parallel mesh (the hidden states handed on as a send would), against each stage's
+    comm_bytes."""
     from plait.execute.dryrun import CollectiveCounter
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.tp)
-    try:
-        mesh = init_device_mesh("cpu", (1, plan.tp), mesh_dim_names=("dp", "tp"))
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
         batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
-        meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
-        layout = find_layout(meta, tuple(t.to("meta") for t in batch))
+        layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}
-        counters = [CollectiveCounter(_COLLECTIVES, ("_c10d_functional",)) for _ in range(plan.pp)]
+        counters = [CollectiveCounter() for _ in range(plan.pp)]
         outputs, inputs, matched = [], [], []
         with implicit_replication():
             hidden = None
@@ -158,5 +147,3 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
                     outputs[s].backward(grad)
                 grad = inputs[s].grad if inputs[s] is not None else None
         return [(c.nbytes, c.counts, n) for c, n in zip(counters, matched)]
-    finally:
-        dist.destroy_process_group()

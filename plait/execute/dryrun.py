@@ -23,33 +23,37 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait import legality
+from plait.cost.operators import COLLECTIVES
 from plait.plan import Plan
 
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = COLLECTIVES
 COLLECTIVE_NAMES = {
-    "all_reduce": "all-reduce", "allreduce_": "all-reduce", "all_gather_into_tensor": "all-gather",
-    "_allgather_base_": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
-    "_reduce_scatter_base_": "reduce-scatter", "all_to_all_single": "all-to-all", "broadcast": "broadcast",
-    "allgather_": "all-gather", "alltoall_base_": "all-to-all", "broadcast_": "broadcast",
-    "shard_dim_alltoall": "all-to-all", "all_reduce_coalesced": "all-reduce", "allreduce_coalesced_": "all-reduce",
-    "all_gather_into_tensor_coalesced": "all-gather", "reduce_scatter_tensor_coalesced": "reduce-scatter",
-    "alltoall_": "all-to-all", "reduce_scatter_": "reduce-scatter",
+    "all_reduce": ALL_REDUCE, "allreduce_": ALL_REDUCE, "all_reduce_coalesced": ALL_REDUCE,
+    "allreduce_coalesced_": ALL_REDUCE,
+    "all_gather_into_tensor": ALL_GATHER, "_allgather_base_": ALL_GATHER, "allgather_": ALL_GATHER,
+    "all_gather_into_tensor_coalesced": ALL_GATHER,
+    "reduce_scatter_tensor": REDUCE_SCATTER, "_reduce_scatter_base_": REDUCE_SCATTER, "reduce_scatter_": REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
+    "all_to_all_single": ALL_TO_ALL, "alltoall_base_": ALL_TO_ALL, "alltoall_": ALL_TO_ALL,
+    "shard_dim_alltoall": ALL_TO_ALL,
+    "broadcast": "broadcast", "broadcast_": "broadcast",
 }
+"""torch's collective operators -> their kind, named as the cost model names what plans count
+(plait.cost.operators.COLLECTIVES), and broadcast."""
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 """Where torch's collectives live as operators (functional, autograd-functional, in-place c10d, DTensor's own)."""
 
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives DTensor issues while active (its redistributions, forward and backward, explicit or
-    inside its op dispatch), by kind (`names`: operator name -> kind; operators of `namespaces` only), and their
+    inside its op dispatch), by kind (COLLECTIVE_NAMES, operators of COLLECTIVE_NAMESPACES), and their
     bytes: the whole tensor a collective produces (all-gather) or reduces (a shard for all-to-all). The dry run's
     and the per-operator executor's counts both come from here. torch's CommDebugMode counts the same but also
     tracks modules, and its tracker fails (an empty parent list) on a Hugging Face stage, whose class forward runs
     stub layers; counting needs no module tracking."""
 
-    def __init__(self, names: dict[str, str] = COLLECTIVE_NAMES,
-                 namespaces: tuple[str, ...] = COLLECTIVE_NAMESPACES) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.names, self.namespaces = names, namespaces
         self.counts: dict[str, int] = {}
         self.nbytes = 0.0
 
@@ -62,19 +66,13 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor lower the call into local ops and collectives first
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        kind = self.names.get(name)
-        if kind is not None and func.namespace in self.namespaces:
+        kind = COLLECTIVE_NAMES.get(name)
+        if kind is not None and func.namespace in COLLECTIVE_NAMESPACES:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             tensor = out if "gather" in name else args[0]
             if isinstance(tensor, torch.Tensor):
                 self.nbytes += tensor.numel() * tensor.element_size()
         return out
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor lower the call into local ops and collectives first
-        name = func._overloadpacket.__name__
-        if func.namespace in COLLECTIVE_NAMESPACES and name in COLLECTIVE_NAMES:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -94,7 +92,7 @@ class StageReport:
     shards: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = field(default_factory=list)
     """(name, global shape, local shape, placements) of every parameter."""
     collectives: dict[str, int] = field(default_factory=dict)
-    """Per step: "tp all-gather": count, ... (traced for tensor parallelism, counted for the rest)."""
+    """Per step: "tp all_gather": count, ... (traced for tensor parallelism, counted for the rest)."""
 
 
 def _trace_tensor_parallel(plan: Plan, parts: list, pp_rank: int) -> dict[str, int]:
@@ -132,17 +130,17 @@ def _counted(plan: Plan, report: StageReport) -> dict[str, int]:
     units = len(report.blocks) + len(report.stages)  # one fully_shard unit per block and one per stage root
     if mode.carrier == "fully_shard":
         gathers = units * (2 * m if mode.reshard_after_forward else 1)
-        out["dp all-gather"] = gathers
-        out["dp reduce-scatter"] = units
+        out["dp all_gather"] = gathers
+        out["dp reduce_scatter"] = units
     elif mode.carrier == "ddp":
-        out["dp all-reduce (DDP buckets)"] = max(1, math.ceil(report.full_bytes / (25 * 2**20)))
+        out["dp all_reduce (DDP buckets)"] = max(1, math.ceil(report.full_bytes / (25 * 2**20)))
         if plan.zero == 1:
             out["dp broadcast (ZeRO-1 shards)"] = plan.dp
     if plan.pp > 1:
         sends = 2 * m * len(report.stages)
         out["pp send/recv"] = sends - (m if 0 in report.stages else 0) - (m if plan.num_stages - 1 in report.stages else 0)
         if plan.model.tied_embeddings and (0 in report.stages or plan.num_stages - 1 in report.stages):
-            out["pp all-reduce (tied embedding)"] = 1
+            out["pp all_reduce (tied embedding)"] = 1
     return out
 
 

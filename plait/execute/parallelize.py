@@ -90,6 +90,28 @@ def global_squared_norm(grads: list[torch.Tensor], device: torch.device) -> torc
     return squared
 
 
+def clip_grad_norm(params, max_norm: float, pp_group=None, *, counted=None,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """Scale the gradients of `params` so their global L2 norm is at most `max_norm`, as one process clips the whole
+    model (torch.nn.utils.clip_grad_norm_'s formula); returns the norm before, on every rank. The norm is each rank's
+    `global_squared_norm` (over its shards) summed over `pp_group`, whose ranks hold disjoint parameters (one
+    all-reduce; None without a pipeline). `counted`: the parameters whose gradients count (default: all of
+    `params`; a tied copy is scaled but left out). `device`: where the norm lives (default: the gradients')."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = grads if counted is None else [p.grad for p in counted if p.grad is not None]
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    squared = global_squared_norm(counted, device)
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
+    for grad in grads:
+        grad.mul_(coef.to(grad.dtype))
+    return total
+
+
 def _no_outputs_kwargs() -> dict[str, bool]:
     """Ask the pipeline schedule not to keep every micro-batch's logits to concatenate them after the step (plait
     reads the losses only): m logits tensors held on the last stage, b·s·V each (torch >= 2.7 has the flag)."""
@@ -254,20 +276,11 @@ class ParallelModel:
         return value.item() / shared.size()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale gradients so their global L2 norm is at most max_norm; returns the norm before.
-
-        Pipeline ranks hold disjoint parameters (a tied output layer's copy is left out), so their
-        squared norms add (one all-reduce over "pp"); within a rank see `global_squared_norm`."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.parameters() if p.grad is not None and self.tied.counts_in_norm(p)]
-        squared = global_squared_norm(counted, self.device)
-        if self.plan.pp > 1:
-            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
-        total = squared.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
-        return total.item()
+        """Scale gradients so their global L2 norm is at most max_norm; returns the norm before (clip_grad_norm;
+        a tied output layer's copy of the embedding is scaled but not counted twice)."""
+        counted = [p for p in self.parameters() if self.tied.counts_in_norm(p)]
+        pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
+        return clip_grad_norm(self.parameters(), max_norm, pp_group, counted=counted, device=self.device).item()
 
     def runtime_summary(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
         """Which PyTorch building blocks this rank actually runs (for tests and reports)."""

@@ -145,7 +145,7 @@ def _in_flight(settings: PipelineSettings, dp: int, tp: int, micro_batch: int) -
     from plait.cost.layout import Layout
     from plait.cost.memory import in_flight_all
 
-    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), sp=False, zero=3 if dp > 1 else 0,
+    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), sp=False, zero=planner.zero_stage(dp),
                     micro_batch=micro_batch, num_micro_batches=settings.num_micro_batches,
                     schedule=settings.schedule, interleave=1)
     return in_flight_all(layout)
@@ -161,14 +161,14 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
-    limit = memory_limit if memory_limit is not None else cluster.memory_bytes
-    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, limit, fused=frozenset(fused))
+    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, memory_limit, fused=frozenset(fused))
     planner.apply_pins(whole, pins)
-    solution = _solve(whole, solver, limit, pins, fused, model)
+    solution = planner.solve_or_refuse(whole, solver, pins, fused, model)
     split = settings.layers_per_stage or stage_split(whole, solution.choice, layout, settings.pp)
     ranges = [range(sum(split[:s]), sum(split[:s + 1])) for s in range(settings.pp)]
     check_boundary_pins(pins, layout, ranges)
     flight = _in_flight(settings, dp, tp, batch[0].shape[0])
+    norms = planner.batch_norms_to_synchronise(model, dp)
     stages, syncs, hidden = [], [], None
     for s, blocks in enumerate(ranges):
         stage_start = time.perf_counter()
@@ -176,10 +176,12 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         inputs = batch if hidden is None else (hidden, *batch)
         graph = capture(module, inputs)
         names = {*graph.params, *graph.buffers, *graph.module_outputs}
-        built = planner.build_problem(graph, tp, dp, cluster, limit, fused=frozenset(n for n in fused if n in names))
+        stage_pins = {k: v for k, v in pins.items() if k in names}
+        built = planner.build_problem(graph, tp, dp, cluster, memory_limit,
+                                      fused=frozenset(n for n in fused if n in names))
         for node in built.call_node.values():  # activations of every micro-batch this stage holds
             built.problem.node_memory[node] = built.problem.node_memory[node] * flight[s]
-        planner.apply_pins(built, {k: v for k, v in pins.items() if k in names})
+        planner.apply_pins(built, stage_pins)
         reused = dataclasses.replace(built, problem=dataclasses.replace(
             built.problem, allowed=[m.copy() for m in built.problem.allowed]))
         _reuse_blocks(reused, whole, solution.choice)
@@ -191,13 +193,12 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             # the whole module's block placements do not fit here, or do not run from the stage's replicated input
             # (a read DTensor would postpone): the stage is solved freely
             reused = built
-            stage_solution = _solve(built, solver, limit, pins, fused, model)
-        described = planner.describe(reused, stage_solution, batch_source, {k: v for k, v in pins.items()
-                                                                            if k in names},
-                                     tp, dp, cluster, time.perf_counter() - stage_start)
+            stage_solution = planner.solve_or_refuse(built, solver, pins, fused, model)
+        described = planner.describe(reused, stage_solution, batch_source, stage_pins, tp, dp, cluster,
+                                     time.perf_counter() - stage_start)
         stages.append(dataclasses.replace(described, fused_tables={k: v for k, v in fused.items() if k in names},
-                                          synchronised_norms=tuple(n for n in planner.batch_norms_to_synchronise(
-                                              model, dp) if any(m.startswith(n) for m in names))))
+                                          synchronised_norms=tuple(n for n in norms
+                                                                   if any(m.startswith(n) for m in names))))
         syncs.append(_sync_seconds(reused, stage_solution.choice))
         if s < settings.pp - 1:
             out = graph.output
@@ -219,16 +220,9 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         costliest=tuple(sorted((c for st in stages for c in st.costliest),
                                key=lambda c: -(c.compute_s + c.comm_s))[:planner.COSTLIEST]),
         replicated_ops=tuple(dict.fromkeys(op for st in stages for op in st.replicated_ops)),
-        fused_tables=fused, synchronised_norms=planner.batch_norms_to_synchronise(model, dp),
+        fused_tables=fused, synchronised_norms=norms,
         blocks=layout.blocks_path, stages=tuple(stages))
     return sharding_, tuple(split), bubble
-
-
-def _solve(built: planner.Built, solver: str, limit: float, pins, fused, model) -> sharding.Solution:
-    try:
-        return planner.solve(built, solver)
-    except sharding.Infeasible as e:
-        raise planner.infeasible_error(e, limit, pins, fused, model) from None
 
 
 def _sync_seconds(built: planner.Built, choice: tuple[int, ...]) -> float:

@@ -360,22 +360,23 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     graph = capture(model, batch)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
-    try:
-        solution = solve(built, solver)
-    except sharding.Infeasible as e:
-        limit = memory_limit if memory_limit is not None else cluster.memory_bytes
-        raise infeasible_error(e, limit, pins, fused, model) from None
+    solution = solve_or_refuse(built, solver, pins, fused, model)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
 
 
-def infeasible_error(error: Exception, limit: float, pins: dict[str, str], fused: dict[str, str], model: nn.Module
-                     ) -> ConfigError:
-    hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
-            if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-    return ConfigError(f"no placement fits {limit / 2**20:.2f} MiB per device"
-                       + (f" with pins {pins}" if pins else "") + f"{hint}: {error}")
+def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
+                    ) -> sharding.Solution:
+    """`solve`, or a ConfigError in one line when no placement fits the problem's memory limit (naming the limit,
+    the pins, and a fused table optimizer where the module has embedding tables without one)."""
+    try:
+        return solve(built, solver)
+    except sharding.Infeasible as e:
+        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+        raise ConfigError(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
+                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
@@ -520,6 +521,12 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
     return tuple(name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
 
 
+def zero_stage(dp: int) -> int:
+    """The ZeRO stage of a per-operator plan: its data parallelism rides on fully_shard (ZeRO-3) whenever there is
+    more than one data-parallel rank (plait.execute.autoshard.apply_operator_sharding)."""
+    return 3 if dp > 1 else 0
+
+
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The factory's batch at `batch_size`, moved to meta for capture (the factory runs once on CPU: batches are
     small next to the model)."""
@@ -563,9 +570,7 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
         sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
                                 solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
     num_params = sum(p.numel() for p in model.parameters())
-    layers = max(1, len(split))
-    if split:
-        layers = sum(split)
+    layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
     spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
                      num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
                      post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
@@ -576,4 +581,4 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
                    train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
                    cluster=cluster.with_devices(dp * tp * pp), micro_batch=micro_batch,
                    num_micro_batches=micro_batches, schedule=schedule, layers_per_stage=tuple(split),
-                   zero=3 if dp > 1 else 0, predicted=prediction, operators=sharding_)
+                   zero=zero_stage(dp), predicted=prediction, operators=sharding_)

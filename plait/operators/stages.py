@@ -61,7 +61,7 @@ def find_blocks(model: nn.Module, name: str = "the model") -> str:
     found = []
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2:
-            blocks = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
+            blocks = _blocks(module)
             shapes = {(type(b), tuple((n, tuple(p.shape)) for n, p in b.named_parameters())) for b in blocks}
             if len(shapes) == 1 and any(True for _ in blocks[0].parameters()):
                 found.append(path)
@@ -144,8 +144,33 @@ def find_layout(model: nn.Module, batch: tuple[torch.Tensor, ...], name: str = "
                           f"it to; use pp=1")
     pre = tuple(dict.fromkeys(entered)) + tuple(p for p in bare if p in uses.used)
     post = tuple(p for p in (*modules, *bare) if p not in pre)
+    _refuse_ties_across_stages(model, blocks_path, pre, post, name)
     return StageLayout(blocks_path, len(container), pre, post, tuple_out[0],
                        {p: outputs[p] for p in pre if p in outputs})
+
+
+def _refuse_ties_across_stages(model: nn.Module, blocks_path: str, pre: tuple[str, ...], post: tuple[str, ...],
+                               name: str) -> None:
+    """ConfigError when one parameter is held by parts that may sit on different stages (an output layer tied to the
+    embedding, blocks sharing weights): each stage would train its own copy, their gradients never summed."""
+    parts = {path: "before the blocks" for path in pre} | {path: "after the blocks" for path in post}
+    container = get_module(model, blocks_path)
+    keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else range(len(container))
+    parts |= {f"{blocks_path}.{key}": f"block {i}" for i, key in enumerate(keys)}
+    holders: dict[int, dict[str, str]] = {}
+    for path, part in parts.items():
+        owner_path, _, leaf = path.rpartition(".")
+        owner = get_module(model, owner_path) if owner_path else model
+        if leaf in owner._parameters:  # a bare parameter
+            held = [(path, owner._parameters[leaf])]
+        else:
+            held = [(f"{path}.{n}", p) for n, p in get_module(model, path).named_parameters(remove_duplicate=False)]
+        for param_name, param in held:
+            holders.setdefault(id(param), {}).setdefault(part, param_name)
+    for found in holders.values():
+        if len(found) > 1:
+            raise ConfigError(f"{name} ties {' and '.join(found.values())} (one parameter, {' and '.join(found)}): "
+                              f"pipeline stages would each train their own copy; use pp=1, or untie them")
 
 
 @dataclass

@@ -118,7 +118,9 @@ def run_auto(config: Any) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module, dp_slice, make_batch
+    from plait.execute.autoshard import (apply_operator_sharding, build_mesh, build_module, dp_slice, make_batch,
+                                         mean_over_dp)
+    from plait.execute.parallelize import clip_grad_norm
     from plait.launch import ending_together, init_distributed
     from plait.train.hooks import TrainState, make_checkpoint_hooks
     from plait.train.loop import DIST_TIMEOUT_S, lr_at
@@ -129,7 +131,7 @@ def run_auto(config: Any) -> list[float]:
         mesh = build_mesh(plan)
         schedule = None
         if plan.pp > 1:  # this rank's pipeline stage, run by the plan's schedule
-            from plait.execute.autoshard_pipeline import build_pipeline_stage, clip_across_stages, pipeline_losses
+            from plait.execute.autoshard_pipeline import build_pipeline_stage, pipeline_losses
 
             position, model, schedule = build_pipeline_stage(plan, mesh, seed=config.train.seed, dtype=torch.float32,
                                                              lr=config.optimizer.lr)
@@ -162,17 +164,13 @@ def run_auto(config: Any) -> list[float]:
             else:
                 loss = model(*dp_slice(batch, plan.dp, dp_rank))
                 loss.backward()
-            if opt.clip > 0 and schedule is not None:
-                clip_across_stages(trained, opt.clip, mesh["pp"].get_group())
-            elif opt.clip > 0:
-                torch.nn.utils.clip_grad_norm_(trained, opt.clip)
+            if opt.clip > 0:  # over every stage's gradients under a pipeline
+                clip_grad_norm(trained, opt.clip, mesh["pp"].get_group() if schedule is not None else None)
             optimizer.step()
             optimizer.zero_grad()
-            value = loss.detach().clone()
-            dist.all_reduce(value, group=dp_group)
             state.step += 1
             state.tokens += plan.train.global_batch  # samples: a module's batch has no tokens
-            losses.append(value.item() / plan.dp)
+            losses.append(mean_over_dp(loss, plan.dp, dp_group))
             if rank0:
                 _log(metrics, state.step, losses[-1], lr, time.perf_counter() - start, config.log.every,
                      config.train.steps)

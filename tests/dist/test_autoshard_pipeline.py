@@ -80,3 +80,38 @@ def test_check_proves_pipeline_stages_under_fully_shard_equal(tmp_path, monkeypa
                      num_micro_batches=4, schedule="gpipe")
     assert plan.dp == 2 and plan.zero == 3 and plan.num_micro_batches == 4
     check_equal(plan, tmp_path)
+
+
+def test_check_clips_a_per_operator_pipeline_as_one_process_clips(tmp_path, monkeypatch):
+    """pp2 x tp2 on 4 ranks, float64, with --clip below the real norm: each rank's squared norm over its tensor
+    shards, summed over the pipeline (plait.execute.parallelize.clip_grad_norm, the rule the decoders' Runner clips
+    by) against torch's clip_grad_norm_ on the whole module in one process, every step; a norm summed over the wrong
+    ranks or not at all fails the norms' comparison. The module's blocks read their input straight into
+    column-split work (tests/split_readers.py), so the second stage's first call reads the hidden states it received
+    into split work: their gradient, Partial, is reduced once where DTensor.from_local made them replicated (its
+    backward), before the stage sends it back."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(tests))
+    from split_readers import MEGATRON
+
+    plan = auto_plan("split_readers:build", "split_readers:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8,
+                     tp=2, pp=2, pins=MEGATRON)
+    first = plan.operators.stages[1].function_reads["linear(4x8x64,256x64,256)#0"]
+    assert first == {"0": "R", "1": "S0", "2": "S0"}  # the received hidden states, read as they are, into split work
+    path, out = tmp_path / "plan.json", tmp_path / "check.json"
+    path.write_text(plan.to_json())
+    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "2", "--clip",
+                           "0.02", "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["passed"] and len(result["grad_norms"]) == 2
+    assert min(result["reference_grad_norms"]) > 0.02  # clipping acted on both steps
+    for ours, ref in zip(result["grad_norms"], result["reference_grad_norms"]):
+        assert abs(ours - ref) <= 1e-12 * ref

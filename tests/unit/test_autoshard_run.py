@@ -88,7 +88,7 @@ def test_readers_partial_gradients_are_summed_then_reduced_once():
             (q * k * v).to_local().sum().backward()  # a loss of the local shard: its backward issues nothing
     finally:
         dist.destroy_process_group()
-    assert counter.counts == {"all-reduce": 1}  # the three readers' gradients summed, then one all-reduce
+    assert counter.counts == {"all_reduce": 1}  # the three readers' gradients summed, then one all-reduce
     assert seen == [(Replicate(),)]
 
 
@@ -148,3 +148,38 @@ def test_plait_train_refuses_a_bad_per_operator_config_in_one_line(tmp_path, cap
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_pending_sum_read_into_split_work_has_its_gradient_reduced_where_the_plan_prices(monkeypatch):
+    """Blocks that read their input straight into a column-split linear (tests/split_readers.py, Megatron's pattern
+    pinned), pp2 x tp2, each stage built as its pipeline rank builds it. On the first stage the first block's
+    row-split output, a pending sum, is all-reduced for the second block's first linear, whose backward returns a
+    Partial gradient: the plan prices its all-reduce on that edge (3 all-reduces: 2 forward, 1 backward); DTensor's
+    redistribute handed the pending sum back to the row-split linear, whose backward gathered its weight and
+    reduce-scattered its gradient (2 all_reduce + 2 all_gather + 1 reduce_scatter, 6x the bytes; 5.7x at pp1). The
+    second stage's first linear reads the hidden states it received: their Partial gradient is reduced once, where
+    DTensor.from_local made them replicated (its backward), as that stage's plan prices."""
+    from plait.execute.autoshard_pipeline import stage_collectives
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from split_readers import MEGATRON
+
+    plan = auto_plan("split_readers:build", "split_readers:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8,
+                     tp=2, pp=2, pins=MEGATRON)
+    assert [stage.comm_counts for stage in plan.operators.stages] == [{"all_reduce": 3}, {"all_reduce": 4}]
+    for (nbytes, counts, _), stage in zip(stage_collectives(plan), plan.operators.stages):
+        assert counts == stage.comm_counts and nbytes == stage.comm_bytes
+
+
+def test_the_fake_tensor_parallel_mesh_leaves_no_process_group_behind():
+    """step_collectives and stage_collectives count on one fake mesh of 1 x tp ranks; it is gone after the block, an
+    error inside included (a group left behind would make the next count's init_process_group fail)."""
+    import torch.distributed as dist
+
+    from plait.execute.autoshard import fake_tensor_parallel_mesh
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with fake_tensor_parallel_mesh(4) as mesh:
+            assert mesh.mesh_dim_names == ("dp", "tp") and mesh["tp"].size() == 4 and dist.get_world_size() == 4
+            raise RuntimeError("inside")
+    assert not dist.is_initialized()

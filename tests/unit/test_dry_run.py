@@ -33,7 +33,7 @@ def test_gpt3_175b_on_1024_a100_builds():
         on = {0: first, plan.pp - 1: last}[plan.rank_of_stage(plan.num_stages - 1)]  # a V ends on rank 0
         assert 0 in first.stages and plan.num_stages - 1 in on.stages
         # tied embedding: the first stage's embedding and the last stage's output layer are kept in step
-        assert first.collectives["pp all-reduce (tied embedding)"] == 1
+        assert first.collectives["pp all_reduce (tied embedding)"] == 1
         # shards: this rank holds 1/(tp·dp) of its stages' weights under ZeRO-3 ... or 1/tp when not sharded
         assert 0 < first.local_bytes < first.full_bytes / plan.tp * 1.01
 
@@ -78,7 +78,7 @@ def test_context_and_tensor_parallel_plan_builds_and_traces(kind):
     reports = dry_run(plan)
     assert [r.pp_rank for r in reports] == [0, 1]
     for report in reports:
-        assert report.collectives["tp all-gather"] > 0 and report.collectives["pp send/recv"] > 0
+        assert report.collectives["tp all_gather"] > 0 and report.collectives["pp send/recv"] > 0
 
 
 @pytest.mark.parametrize("zero, ep, tp, sharded", [(3, 2, 1, True), (2, 1, 2, True), (1, 4, 1, True),
@@ -117,5 +117,24 @@ def test_hugging_face_tensor_parallel_plan_traces_its_collectives(family, tmp_pa
                    train=TrainSpec(global_batch=2, seq_len=32, precision="fp32"),
                    cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2))
     (report,) = dry_run(plan)
-    assert report.collectives["tp all-gather"] > 0 and report.collectives["tp reduce-scatter"] > 0
+    assert report.collectives["tp all_gather"] > 0 and report.collectives["tp reduce_scatter"] > 0
     assert all(name.startswith(("tp ", "dp ", "pp ")) for name in report.collectives)
+
+
+def test_collectives_are_counted_under_the_names_plans_count_them():
+    """One spelling: the executor's counter (the dry run's and the per-operator executor's counts) names each kind as
+    the cost model does (plait.cost.operators.COLLECTIVES, the keys of a plan's comm_counts), and the dry run's
+    report keys follow ("tp all_gather", was "tp all-gather" beside the plans' "all_gather")."""
+    from plait import Plan
+    from plait.cost.operators import COLLECTIVES
+    from plait.execute.dryrun import COLLECTIVE_NAMES
+    from plait.spec.models import MODEL_PRESETS
+
+    assert set(COLLECTIVE_NAMES.values()) == {*COLLECTIVES, "broadcast"}
+    assert all(COLLECTIVE_NAMES[kind] == kind for kind in COLLECTIVES if kind in COLLECTIVE_NAMES)
+    plan = Plan.of(dp=2, tp=2, zero=3, micro_batch=1, num_micro_batches=1, model=MODEL_PRESETS["tiny-gpt"],
+                   train=TrainSpec(global_batch=2, seq_len=32, precision="fp32"),
+                   cluster=CLUSTER_PRESETS["local-cpu"].with_devices(4))
+    (report,) = dry_run(plan)
+    assert report.collectives["tp all_reduce"] > 0 and report.collectives["dp all_gather"] > 0
+    assert {key.split(" ")[1] for key in report.collectives} <= {*COLLECTIVES, "broadcast", "send/recv"}

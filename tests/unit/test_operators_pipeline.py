@@ -167,3 +167,88 @@ def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
     for (nbytes, counts, matched), stage in zip(measured, plan.operators.stages):
         assert matched == len(stage.function_reads) > 0
         assert counts == stage.comm_counts and nbytes == pytest.approx(stage.comm_bytes)
+
+
+def test_the_executor_finds_the_blocks_the_plan_cut_once_for_every_stage_and_refuses_others():
+    """plait.execute.autoshard_pipeline.stage_layout, which a pipeline rank and the stage collectives' count both
+    build their stages from: the repeated blocks and the parts around them the planner found for this module, and a
+    ConfigError naming both paths for a plan whose stages cut other blocks."""
+    import dataclasses
+
+    from plait.execute.autoshard_pipeline import stage_layout
+
+    plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, pp=2)
+    layout = stage_layout(plan)
+    assert layout.blocks_path == plan.operators.blocks and layout.num_blocks == sum(plan.layers_per_stage)
+    assert layout.pre and layout.post  # the patch embedding before the blocks, the head after them
+    other = plan.replace(operators=dataclasses.replace(plan.operators, blocks="mixers"))
+    with pytest.raises(ConfigError, match=f"cut 'mixers', the module's blocks are '{layout.blocks_path}'"):
+        stage_layout(other)
+
+
+def test_a_pipeline_no_placement_fits_is_refused_as_a_whole_module_is():
+    """plait.operators.planner.solve_or_refuse, the one refusal both paths ask: under a budget nothing fits, pp2 is
+    refused in the same line as pp1, naming the budget and the pins."""
+    for pp in (1, 2):
+        with pytest.raises(ConfigError, match=r"^no placement fits 0\.01 MiB per device with pins "
+                                              r"\{'blocks.0.channel1.weight': 'S0'\}"):
+            auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=pp, memory_limit=0.01 * 2**20,
+                      pins={"blocks.0.channel1.weight": "S0"})
+
+
+def test_blocks_held_in_a_module_dict_are_found_and_cut_under_their_keys():
+    """A ModuleDict of identical blocks is a list of blocks too (stages._blocks, the one reading of both containers):
+    found by find_blocks, and each stage keeps the blocks it holds under their keys, the others stood in for."""
+    from plait.operators.stages import find_blocks
+
+    class Keyed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.blocks = nn.ModuleDict({name: nn.Linear(8, 8) for name in ("a", "b", "c")})
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for block in self.blocks.values():
+                x = torch.relu(block(x))
+            return self.out(x).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Keyed().double(), torch.randn(3, 4, dtype=torch.float64)
+    assert find_blocks(model) == "blocks"
+    layout = find_layout(Keyed().to("meta"), (x.to("meta"),))
+    first = build_stage(model, layout, range(0, 2), first=True, last=False)
+    last = build_stage(model, layout, range(2, 3), first=False, last=True)
+    assert [n for n, _ in first.named_parameters() if n.startswith("blocks")] == \
+        ["blocks.a.weight", "blocks.a.bias", "blocks.b.weight", "blocks.b.bias"]
+    assert torch.allclose(last(first(x), **{"0": x}), model(x), rtol=1e-12, atol=0)
+
+
+def test_a_parameter_tied_across_stages_is_refused_in_one_line():
+    """An output layer sharing the embedding's weight: the first and the last stage would each train their own copy
+    and never sum their gradients (plait check said DIFFERENT, embed.weight's gradient 88% off), so pipeline stages
+    refuse it, naming both parameters, before any rank starts; untied, the same module cuts."""
+
+    class Tied(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.head = nn.Linear(16, 32, bias=False)
+            if tie:
+                self.head.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return self.head(x).logsumexp(-1).mean()
+
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        tied, untied = Tied(tie=True), Tied(tie=False)
+    with pytest.raises(ConfigError, match=r"^the model ties embed\.weight and head\.weight \(one parameter, before "
+                                          r"the blocks and after the blocks\).*use pp=1, or untie them$"):
+        find_layout(tied, (tokens,))
+    assert find_layout(untied, (tokens,)).post == ("head",)
