@@ -150,3 +150,26 @@ def test_parts_are_recorded_with_the_delay_inside_them():
     record.add(6, 1.0, 0.8, 0.6, 0.2, queued_s=None, queued_train_s=0.2, queued_compute_s=0.1)
     assert len(record.queued_s) == len(record.queued_train_s) == len(record.queued_compute_s) == 5
     assert record.window(3).queued_train_s == [3.2, 4.2] and record.window(3).queued_compute_s == [0.1, 0.1]
+
+
+def test_adapting_does_not_re_plan_for_the_load():
+    """`plait train --adapt`: every rank at the speed the plan was priced for, their wall-clock steps twice the
+    prediction because each waited for a core half the step. Read less the wait the step is as predicted: keep the
+    plan (the wall clock alone would call for a refit and a re-plan)."""
+    from plait.train.adapt import Adaptation
+    from plait.train.config import Config, PlanConfig
+
+    calibrated = PLAN.replace(cluster=REAL)
+    loaded = segment([], calibrated)
+    step, compute = loaded.predicted.step, loaded.predicted_rank_compute[0]
+    for rank in range(2):
+        record = RankRecord(rank=rank, pp_rank=0, dp_rank=rank)
+        for k in range(8):
+            record.add(k + 1, 2 * step, 2 * (step - 0.001), 2 * compute, 0.001, queued_s=step,
+                       queued_train_s=step - 0.001, queued_compute_s=compute)
+        loaded.ranks.append(record)
+    decision, speeds, _ = Adaptation(Config(plan=PlanConfig(adapt=True)), calibrated, "/nonexistent", 0.0,
+                                     rank=1).decide(loaded, step=8, total=200)
+    assert decision.action == "keep", decision.reason
+    assert decision.figures["measured_step_s"] == pytest.approx(2 * step, rel=1e-3)
+    assert decision.figures["measured_step_less_wait_s"] == pytest.approx(step, rel=1e-3)
