@@ -155,8 +155,11 @@ class Refused(Exception):
 def plait(args: list[str], cwd: Path) -> str:
     """Run `plait ARGS` in `cwd`; its output (stdout and stderr). Refused on exit 2, exits on any other failure."""
     command = [sys.executable, "-m", "plait", *args]
+    # this checkout's plait wherever the command runs (a relative PYTHONPATH=. would name `cwd`, and the venv's
+    # installed plait may be another checkout's)
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "400"})
+                          env={**os.environ, "COLUMNS": "400", "PYTHONPATH": path})
     output = done.stdout + done.stderr
     if done.returncode == 2:
         raise Refused(output.strip().splitlines()[-1] if output.strip() else "exit 2")
