@@ -121,13 +121,14 @@ def test_files_without_the_delay_by_part_read_as_before(tmp_path):
     assert read.measured() == read.measured(wall_clock=True)
 
 
-def test_the_fit_does_not_read_the_load_as_slower_host_time():
+def test_the_fit_does_not_read_the_load_as_slower_host_time(capsys):
     """`plait tune --from-run` of a run whose rank waited for a core half as long as it computed. Read by the wall
     clock (a file without the delays by part: the old rule) the fit puts the load into the host time per layer pass
     and predicts the plan 1.3x slower than the machine runs it; read less the wait it finds the machine."""
     parts = {p: truth(p) for p in ("compute", "waiting", "optimizer")}
     loaded = segment(two_ranks(parts["compute"], parts["waiting"], parts["optimizer"], load=0.5))
     new = fit_terms(run_observations([("runs/loaded", loaded)], PROFILED), PROFILED)
+    assert "runs/loaded: its ranks waited for a core held by other work for" in capsys.readouterr().out
     old_rule = segment(two_ranks(parts["compute"], parts["waiting"], parts["optimizer"], load=0.5))
     for record in old_rule.ranks:
         record.queued_s, record.queued_train_s, record.queued_compute_s = [], [], []
