@@ -475,7 +475,7 @@ def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str
     loaded = queued is not None and queued >= SHARED_CORES_SHARE
     load = (f" This run's ranks waited for a core held by other work for {queued:.0%} of the step (the wall clock "
             f"read {wall.step:.4g} s a step, {wall.step / segment.predicted.step:.1f}x the prediction); the step above "
-            f"and what `plait tune --from-run` fits are read less that wait, but a machine otherwise idle gives the "
+            f"and what plait tune --from-run fits are read less that wait, but a machine otherwise idle gives the "
             f"cleanest fit." if loaded else "")
     return (f"the measured step{' (less the wait for a core)' if loaded else ''} is {max(ratio, 1 / ratio):.1f}x "
             f"{direction} than the plan predicted for {cluster!r}: "

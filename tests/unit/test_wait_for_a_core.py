@@ -6,6 +6,8 @@ delay) nothing changes."""
 from __future__ import annotations
 
 import io
+import re
+import shlex
 
 import pytest
 from rich.console import Console
@@ -103,6 +105,13 @@ def test_the_end_note_reads_the_step_less_the_wait_and_gives_the_wall_clock_too(
     ratio = less.step / loaded.predicted.step
     assert 2.5 < ratio < 3.5 and f"{ratio:.1f}x slower" in note and "(less the wait for a core)" in note
     assert f"{wall.step:.4g} s a step, {wall.step / loaded.predicted.step:.1f}x the prediction" in note
+    # every command the note quotes runs as written (benchmarks/calibration.py runs them)
+    from plait.cli import build_parser
+
+    commands = re.findall(r"`(plait [^`]+)`", note)
+    assert len(commands) == 3
+    for command in commands:
+        build_parser().parse_args(shlex.split(command)[1:])
 
 
 def test_files_without_the_delay_by_part_read_as_before(tmp_path):
