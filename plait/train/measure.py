@@ -16,7 +16,11 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
 * **step**: all of it, from zeroing the gradients to the end of the optimizer step;
 
 and beside them the step's CPU seconds of the rank's process and its training thread's wait for a core (Linux's
-run-queue delay), which say how much of a wall-clock step other work on the cores took (`Segment.queued_share`).
+run-queue delay: in the step, before the optimizer, inside compute), which say how much of a wall-clock step other
+work on the cores took (`Segment.queued_share`). What a run reports, and what `plait tune --from-run` and `plait
+train --adapt` fit, is each part and the step less that wait (`Segment.measured`; `wall_clock=True` reads them as
+the clock did): on a machine shared with other jobs the wall clock holds their load, which no cost model sees; on
+an idle one the two are the same.
 
 The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
 pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
@@ -103,7 +107,8 @@ class StepClock:
             x.register_hook(self._backward_end)
 
     def _backward_start(self, grad: Any) -> None:
-        # CPU autograd runs the backward on the thread that called it, so this thread's run-queue delay is its
+        # CPU autograd runs the backward on the thread that called it: this thread's run-queue delay is the
+        # backward's
         self._backward_began = (time.perf_counter(), queued_seconds())
 
     def _backward_end(self, grad: Any) -> None:
@@ -272,9 +277,11 @@ class Segment:
         return dict(sorted(out.items()))
 
     def rank_compute(self, warmup: int = WARMUP_STEPS) -> list[tuple[RankRecord, float, float]]:
-        """(rank, predicted compute, measured median compute) per rank, in rank order."""
-        return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(r.compute_s))
-                for r in sorted(self.measured_window(warmup), key=lambda r: r.rank) if r.steps]
+        """(rank, predicted compute, measured median compute, less the rank's wait for a core in it) per rank, in
+        rank order."""
+        ranks = [r for r in self.measured_window(warmup) if r.steps]
+        return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(_less_wait(r, ranks).compute_s))
+                for r in sorted(ranks, key=lambda r: r.rank)]
 
     def to_dict(self) -> dict:
         return {"plan": self.plan, "predicted": asdict(self.predicted),
@@ -416,7 +423,8 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
             table.add_row(label, f"{p:.4f}", f"{m:.4f}", f"{m / p:.2f}" if p > 0 else "-",
                           *([f"{getattr(wall, key):.4f}"] if both else []))
         console.print(table)
-        ranks = Table(title="compute per rank (a rank far above the others is a straggler)", title_justify="left")
+        ranks = Table(title="compute per rank (a rank far above the others is a straggler)"
+                      + ("; less each rank's wait for a core in it" if both else ""), title_justify="left")
         for name in ("rank", "pipeline rank", "layers", "predicted s", "measured s", "measured / predicted"):
             ranks.add_column(name, justify="right")
         for record, p, m in segment.rank_compute():

@@ -183,3 +183,13 @@ def test_adapting_does_not_re_plan_for_the_load():
     assert decision.action == "keep", decision.reason
     assert decision.figures["measured_step_s"] == pytest.approx(2 * step, rel=1e-3)
     assert decision.figures["measured_step_less_wait_s"] == pytest.approx(step, rel=1e-3)
+
+
+def test_the_ranks_compute_is_read_less_each_ranks_own_wait():
+    """The per-rank table: rank 1 waited for a core half as long as it computed; less that wait it is no
+    straggler."""
+    loaded = segment(two_ranks(0.15, 0.02, 0.03, load=0.5))
+    assert [round(m, 6) for _, _, m in loaded.rank_compute()] == [0.15, 0.15]
+    for record in loaded.ranks:
+        record.queued_compute_s = []
+    assert [round(m, 6) for _, _, m in loaded.rank_compute()] == [0.15, 0.225]
