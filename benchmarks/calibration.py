@@ -11,8 +11,10 @@
    alone) (the profile runs once per process count and is shared by the cases of that count, as one user on one
    machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
    then pick another plan);
-4. print, per case and run: the plan, the predicted and measured step (median over the timed steps of the slowest
-   rank, 2 warm-up steps left out) and measured / predicted.
+4. print, per case and run: the plan, the predicted and measured step (what the run reports, Segment.measured: the
+   median over the timed steps of the slowest rank, 2 warm-up steps left out, less the time the ranks sat ready to
+   run without a core), the wall clock's step beside it, and measured / predicted; then how often two runs of the
+   same plan agree within 1.3x, by the wall clock and as the runs report them.
 
 The four cases (issue 25): a 4-layer Hugging Face Llama (the fine-tune example's base, built by
 examples/hf_finetune_setup.py) pinned to dp2 and to tp2 on 2 processes, the fine-tune example itself
@@ -22,6 +24,7 @@ calibration.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py [--root runs/calibration] [--steps 20]
         [--cases llama-dp2 llama-tp2 finetune mixtral] [--rounds 1] [--fit-runs both|preset] [--json FILE]
+    .venv/bin/python benchmarks/calibration.py --pairs FILE [FILE ...]     # the agreement line of saved runs
 
 With --rounds R each case's runs are repeated R times (the profiles and the fit from the first round) and the
 table gives medians.
@@ -91,6 +94,9 @@ class Run:
     plan: str
     predicted_s: float
     measured_s: float
+    """What the run reports (Segment.measured): the step less the time its ranks sat ready to run without a core."""
+    wall_clock_s: float
+    """The same median step as the wall clock read it, the load included (Segment.measured(wall_clock=True))."""
     fastest_s: float
     """The fastest timed step (of the slowest rank): the one least disturbed by other work on the cores."""
     advice: list[str] | None
@@ -101,9 +107,6 @@ class Run:
     sharing the cores, which no cost model sees."""
     queued_share: float | None = None
     """The share of the median step the ranks sat ready to run without a core (Segment.queued_share)."""
-    less_wait_s: float | None = None
-    """The median over timed steps of the step (slowest rank) less the longest run-queue delay any rank had in it:
-    a candidate for a step without the load (None: not recorded)."""
     cpu_s: float | None = None
     """The median over timed steps of the largest CPU seconds any rank's process spent in the step
     (RankRecord.cpu_s): the work itself, without the waits other work on the cores adds (None: not recorded)."""
@@ -152,8 +155,11 @@ class Refused(Exception):
 def plait(args: list[str], cwd: Path) -> str:
     """Run `plait ARGS` in `cwd`; its output (stdout and stderr). Refused on exit 2, exits on any other failure."""
     command = [sys.executable, "-m", "plait", *args]
+    # this checkout's plait wherever the command runs (a relative PYTHONPATH=. would name `cwd`, and the venv's
+    # installed plait may be another checkout's)
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "400"})
+                          env={**os.environ, "COLUMNS": "400", "PYTHONPATH": path})
     output = done.stdout + done.stderr
     if done.returncode == 2:
         raise Refused(output.strip().splitlines()[-1] if output.strip() else "exit 2")
@@ -177,13 +183,10 @@ def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None,
     ranks = [r for r in segment.measured_window() if r.steps]
     fastest = min(max(times) for times in zip(*(r.step_s for r in ranks)))
     cpu = statistics.median(max(t) for t in zip(*(r.cpu_s for r in ranks))) if all(r.cpu_s for r in ranks) else None
-    less_wait = (statistics.median(max(s) - max(q) for s, q in zip(zip(*(r.step_s for r in ranks)),
-                                                                   zip(*(r.queued_s for r in ranks))))
-                 if all(r.queued_s for r in ranks) else None)
     return Run(plan=Plan.from_dict(segment.plan).describe(), predicted_s=segment.predicted.step,
-               measured_s=measured.step, fastest_s=fastest, advice=advice_commands(output), load=os.getloadavg()[0],
-               cpu_s=cpu, queued_share=segment.queued_share(), less_wait_s=less_wait,
-               parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
+               measured_s=measured.step, wall_clock_s=segment.measured(wall_clock=True).step, fastest_s=fastest,
+               advice=advice_commands(output), load=os.getloadavg()[0], cpu_s=cpu,
+               queued_share=segment.queued_share(), parts={part: (getattr(segment.predicted, part), getattr(measured, part)) for part in PARTS})
 
 
 def advice_commands(output: str) -> list[str] | None:
@@ -268,11 +271,10 @@ def median_run(runs: list[dict]) -> dict | None:
     ratio = statistics.median(r["measured_s"] / r["predicted_s"] for r in runs)
     return {"plan": runs[0]["plan"], "predicted_s": statistics.median(r["predicted_s"] for r in runs),
             "measured_s": statistics.median(r["measured_s"] for r in runs), "ratio": ratio,
+            "wall_clock_ratio": statistics.median(r["wall_clock_s"] / r["predicted_s"] for r in runs),
             "fastest_ratio": statistics.median(r["fastest_s"] / r["predicted_s"] for r in runs),
             "cpu_ratio": (statistics.median(r["cpu_s"] / r["predicted_s"] for r in runs)
                           if all(r.get("cpu_s") for r in runs) else None),
-            "less_wait_ratio": (statistics.median(r["less_wait_s"] / r["predicted_s"] for r in runs)
-                                if all(r.get("less_wait_s") for r in runs) else None),
             "queued_share": (statistics.median(r["queued_share"] for r in runs)
                              if all(r.get("queued_share") is not None for r in runs) else None),
             "load": statistics.median(r["load"] for r in runs)}
@@ -283,7 +285,8 @@ def table(results: list[dict]) -> Table:
                       f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
-                 "fastest step / predicted", "step CPU / predicted", "less longest wait / predicted", "waited for a core", "load"):
+                 "wall clock / predicted", "fastest step / predicted", "step CPU / predicted", "waited for a core",
+                 "load"):
         out.add_column(name, justify="left" if name in ("case", "planned on", "plan") else "right")
     for result in results:
         for when in RUNS:
@@ -294,10 +297,27 @@ def table(results: list[dict]) -> Table:
             within = max(ratio, 1 / ratio) <= TARGET
             out.add_row(result["case"], str(result["nproc"]), when, row["plan"], f"{row['predicted_s']:.4f}",
                         f"{row['measured_s']:.4f}", f"{ratio:.2f}", "yes" if within else "no",
-                        f"{row['fastest_ratio']:.2f}",
-                        *("-" if row[k] is None else f"{row[k]:.2f}" for k in ("cpu_ratio", "less_wait_ratio")),
+                        f"{row['wall_clock_ratio']:.2f}", f"{row['fastest_ratio']:.2f}",
+                        "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}",
                         "-" if row["queued_share"] is None else f"{row['queued_share']:.0%}",
                         f"{row['load']:.1f}")
+    return out
+
+
+def same_plan_pairs(results: list[dict]) -> dict[str, tuple[int, int]]:
+    """Over every pair of runs of one plan (any case, any row): how many agree within TARGET, by the wall clock and
+    as the runs report their step (less the wait for a core); (agreeing, pairs) each. Reads the JSON of one or more
+    invocations alike."""
+    by_plan: dict[str, list[dict]] = {}
+    for result in results:
+        for when in RUNS:
+            for run in result.get(when, []):
+                by_plan.setdefault(f"{result['case']}: {run['plan']}", []).append(run)
+    out = {}
+    for key in ("wall_clock_s", "measured_s"):
+        pairs = [(a[key], b[key]) for runs in by_plan.values() for i, a in enumerate(runs) for b in runs[i + 1:]
+                 if a.get(key) and b.get(key)]
+        out[key] = (sum(max(a, b) / min(a, b) <= TARGET for a, b in pairs), len(pairs))
     return out
 
 
@@ -311,7 +331,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cases", nargs="+", default=["llama-dp2", "llama-tp2", "finetune", "mixtral"])
     parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("--pairs", type=Path, nargs="+", metavar="JSON",
+                        help="measure nothing: how often runs of one plan agree, over these --json files")
     args = parser.parse_args()
+    if args.pairs:
+        print_pairs([r for path in args.pairs for r in json.loads(path.read_text())])
+        return 0
     root = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     for stale in [root / "cache", *root.glob("nproc-*")]:  # profiles of an earlier invocation: measure again
@@ -331,16 +356,26 @@ def main() -> int:
             args.json.write_text(json.dumps(results, indent=1))
     Console(width=200).print(table(results))
     Console(width=200).print(parts_table(results))
-    print(f"load: the 1-minute load average at the end of each run (medians), on {os.cpu_count()} cores; step CPU: "
+    print_pairs(results)
+    print(f"measured: what the run reports (Segment.measured: the step less the time its ranks sat ready to run "
+          f"without a core); wall clock: the same median step with that wait; load: the 1-minute load average at the "
+          f"end of each run (medians), on {os.cpu_count()} cores; step CPU: "
           f"the median step's CPU seconds of the busiest rank's process (what other work on the cores does not "
           f"stretch), against the same prediction; waited for a core: the share of the median step "
-          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the measured step); less "
-          f"longest wait: per step, the step less the longest wait for a core any rank had in it")
+          f"the ranks sat ready to run without a core (Segment.queued_share: the load's part of the wall clock's step)")
     for result in results:
         if result["refusal"]:
             print(f"{result['case']}: no calibrated run: `plait tune --from-run` refused the preset run's timings "
                   f"({result['refusal']})")
     return 0
+
+
+def print_pairs(results: list[dict]) -> None:
+    pairs = same_plan_pairs(results)
+    (wall, count), (less, _) = pairs["wall_clock_s"], pairs["measured_s"]
+    if count:
+        print(f"runs of one plan within {TARGET}x of each other: {wall} of {count} pairs by the wall clock, {less} of "
+              f"{count} as the runs report their step (less the wait for a core)")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: long enough for a slow first step on a busy CPU, short enough not to hang for long."""
@@ -355,8 +356,29 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def threads_per_rank(nproc: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nproc)
+CPU_QUOTA_FILE = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group: "QUOTA PERIOD" (microseconds), or "max QUOTA" for none."""
+
+
+def usable_cores(affinity: set[int] | None = None, quota_file: Path = CPU_QUOTA_FILE) -> float:
+    """The cores this process may run on: its CPU affinity where the OS has one (`taskset`, a cgroup's cpuset,
+    Slurm's cpu binding all set it; `affinity` stands for it, else os.sched_getaffinity), every core where it has
+    none, capped by a cgroup v2 CPU quota where one is set (a container's --cpus). At least 1; may be fractional."""
+    if affinity is None and hasattr(os, "sched_getaffinity"):
+        affinity = os.sched_getaffinity(0)
+    cores = float(len(affinity) if affinity else (os.cpu_count() or 1))
+    try:
+        quota, period = quota_file.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1.0)
+
+
+def threads_per_rank(nproc: int, cores: float | None = None) -> int:
+    """The OMP threads each of `nproc` local ranks gets when they share `cores` (default: usable_cores())."""
+    return max(1, int(usable_cores() if cores is None else cores) // nproc)
 
 
 def rank_threads(nproc: int) -> int:

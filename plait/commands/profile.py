@@ -14,7 +14,6 @@ per parameter, per step; more under tensor parallelism and fully_shard).
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +135,8 @@ def _run_local(nproc: int, argv: list[str], timeout_s: float) -> int:
 def _default_nproc() -> int:
     import torch
 
+    from plait.launch import usable_cores
+
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return os.cpu_count() or 1
+    return int(usable_cores())

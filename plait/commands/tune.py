@@ -246,7 +246,7 @@ def run_observations(segments: list[tuple[str, Any]], cluster: Any) -> list[Any]
     from plait.plan import Plan
     from plait.profile.terms import Observation
 
-    from plait.train.measure import measured_router_imbalance
+    from plait.train.measure import SHARED_CORES_SHARE, measured_router_imbalance
 
     observations = []
     for log_dir, segment in segments:
@@ -257,6 +257,10 @@ def run_observations(segments: list[tuple[str, Any]], cluster: Any) -> list[Any]
             print(f"tune: priced {plan.describe()} with the router balance it measured: {router[1]} (planned with "
                   f"{plan.model.router_imbalance:g})")
             plan = plan.replace(model=plan.model.replace(router_imbalance=router[0]))
+        if (queued := segment.queued_share()) is not None and queued >= SHARED_CORES_SHARE:
+            wall, less = segment.measured(wall_clock=True), segment.measured()
+            print(f"tune: {log_dir}: its ranks waited for a core held by other work for {queued:.0%} of the step; "
+                  f"read less that wait ({less.step:.4g} s a step; {wall.step:.4g} s by the wall clock)")
         for parts in segment.measured_chunks(2):
             observations += [Observation(plan=plan, measured_s=getattr(parts, part), part=part, launch=str(log_dir))
                              for part in ("compute", "waiting", "optimizer") if getattr(parts, part) > 0]

@@ -7,7 +7,6 @@ rank returns the same `Measurements`.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from plait.launch import usable_cores
 from plait.profile import collectives, devices
 from plait.profile.calibrate import GEMM_NAMES, HostSample, Measurements
 from plait.profile.collectives import GroupSet, Level, Topology
@@ -90,16 +90,6 @@ def oversubscription(device: devices.Device, ranks_per_node: int) -> float:
     return max(1.0, ranks_per_node * torch.get_num_threads() / usable_cores())
 
 
-def usable_cores() -> float:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
-    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            cores = min(cores, int(quota) / int(period))
-    except (OSError, ValueError):
-        pass
-    return max(cores, 1.0)
 
 
 def compute_steps(device: devices.Device, options: ProfileOptions, out: list[ComputeSample]) -> list[Step]:

@@ -5,8 +5,8 @@ Every WINDOW_STEPS steps (after WARMUP_STEPS of each plan) every rank's timings 
 
 1. **Is anything off?** Each rank's compute over what the cost model predicted for it, against the median rank's:
    a rank more than ADAPT_MARGIN above it is a straggler (below it, a rank the plan gives too little work); its
-   speed is updated by that factor. The step as a whole departing from the prediction by more than ADAPT_MARGIN
-   also triggers a re-plan (until the constants were refitted once). Otherwise: keep.
+   speed is updated by that factor. The step as a whole (less the ranks' wait for a core: Segment.measured)
+   departing from the prediction by more than ADAPT_MARGIN also triggers a re-plan (until the constants were refitted once). Otherwise: keep.
 2. **Refit.** The cost model's constants are refitted from the median rank's compute and optimizer parts
    (plait.profile.terms.fit_terms, only where that predicts held-out timings better), once, on the first plan.
 3. **Re-plan** with the mixed-cluster planner: for every block size b dividing the world, a cluster whose device
@@ -274,14 +274,19 @@ class Adaptation:
         relative, typical = rank_speeds(segment, self.speeds)
         speeds = [round(s * r, 1) if beyond_margin(r) else s for s, r in zip(self.speeds, relative)]
         measured = statistics.median([max(v) for v in zip(*(r.step_s[-WINDOW_STEPS:] for r in segment.ranks))])
-        off = measured / segment.predicted.step
-        figures = {"measured_step_s": round(measured, 5), "predicted_step_s": round(segment.predicted.step, 5),
+        # whether the step departs from its prediction: read less the ranks' wait for a core (Segment.measured), as
+        # the refit reads it; what a switch saves stays in the wall clock's seconds
+        steps = min(len(r.steps) for r in segment.ranks)
+        less_wait = segment.measured(warmup=max(0, steps - WINDOW_STEPS)).step
+        off = less_wait / segment.predicted.step
+        figures = {"measured_step_s": round(measured, 5), "measured_step_less_wait_s": round(less_wait, 5),
+                   "predicted_step_s": round(segment.predicted.step, 5),
                    "rank_compute_vs_median": [round(r, 3) for r in relative], "speeds": speeds}
         slow = [rank for rank, r in enumerate(relative) if beyond_margin(r)]
         departs = beyond_margin(off) and not self.refitted
         if not slow and not departs:
             return Decision(step=step, action="keep", reason=(
-                f"every rank within {ADAPT_MARGIN:.0%} of the median rank's compute, step {measured:.4f} s against "
+                f"every rank within {ADAPT_MARGIN:.0%} of the median rank's compute, step {less_wait:.4f} s against "
                 f"{segment.predicted.step:.4f} s predicted"), figures=figures), self.speeds, self.base
         if self.stayed_at is not None and not any(beyond_margin(a / b) for a, b in zip(speeds, self.stayed_at)):
             return Decision(step=step, action="keep", reason=(

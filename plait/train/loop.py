@@ -181,15 +181,16 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     state.optimizer.zero_grad(set_to_none=True)
     forward = time.perf_counter()
     loss = state.model.train_step(tokens.to(device), targets.to(device))
-    trained = time.perf_counter()
+    trained, trained_queued = time.perf_counter(), queued_seconds()
     grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
     state.optimizer.step()
     ended = time.perf_counter()
     step_time = ended - began
     state.step += 1
     queued = queued_seconds()
+    recorded = None not in (began_queued, trained_queued, queued)  # the kernel reports the run-queue delay
     measured.add(state.step, step_time, trained - forward, ended - trained, time.process_time() - began_cpu,
-                 None if queued is None or began_queued is None else queued - began_queued)
+                 queued - began_queued if recorded else None, trained_queued - began_queued if recorded else None)
     state.tokens += throughput.tokens_per_step
     return StepMetrics(step=state.step, loss=float(loss), lr=lr,
                        grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=step_time,

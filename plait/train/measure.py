@@ -16,7 +16,11 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
 * **step**: all of it, from zeroing the gradients to the end of the optimizer step;
 
 and beside them the step's CPU seconds of the rank's process and its training thread's wait for a core (Linux's
-run-queue delay), which say how much of a wall-clock step other work on the cores took (`Segment.queued_share`).
+run-queue delay: in the step, before the optimizer, inside compute), which say how much of a wall-clock step other
+work on the cores took (`Segment.queued_share`). What a run reports, and what `plait tune --from-run` and `plait
+train --adapt` fit, is each part and the step less that wait (`Segment.measured`; `wall_clock=True` reads them as
+the clock did): on a machine shared with other jobs the wall clock holds their load, which no cost model sees; on
+an idle one the two are the same.
 
 The cost model's parts map onto these: compute + recompute + tp_comm (+ cp_comm, ep_comm) onto compute, bubble +
 pp_comm + dp_comm + loss onto waiting, optimizer (with the fixed host time of a step) onto optimizer. Its parts are
@@ -33,6 +37,7 @@ switched plans has two), with, for a mixture-of-experts model, how evenly its ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -57,8 +62,10 @@ class StepClock:
 
     def __init__(self, model_parts: list[Any]) -> None:
         self.compute_s = 0.0
-        self._forward_began: float | None = None
-        self._backward_began: float | None = None
+        self.queued_s = 0.0
+        """The run-queue delay (queued_seconds) inside the compute windows: how much of compute_s other work took."""
+        self._forward_began: tuple[float, float | None] | None = None
+        self._backward_began: tuple[float, float | None] | None = None
         self._handles: list[Any] = []
         for part in model_parts:
             stage = getattr(part, "module", part)  # a DistributedDataParallel wraps the Stage
@@ -70,10 +77,11 @@ class StepClock:
             elif not stage.first:
                 self._handles.append(stage.register_forward_hook(self._watch_input))
 
-    def take(self) -> float:
-        """Compute seconds since the last call."""
-        value, self.compute_s = self.compute_s, 0.0
-        return value
+    def take(self) -> tuple[float, float]:
+        """(compute seconds, the run-queue delay within them) since the last call."""
+        value, queued = self.compute_s, self.queued_s
+        self.compute_s = self.queued_s = 0.0
+        return value, queued
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -81,11 +89,11 @@ class StepClock:
         self._handles.clear()
 
     def _forward_start(self, module: Any, args: Any) -> None:
-        self._forward_began = time.perf_counter()
+        self._forward_began = (time.perf_counter(), queued_seconds())
 
     def _forward_end(self, module: Any, args: Any, output: Any) -> None:
         if self._forward_began is not None:
-            self.compute_s += time.perf_counter() - self._forward_began
+            self._close(self._forward_began)
             self._forward_began = None
         out = output[0] if isinstance(output, tuple) else output
         if getattr(out, "requires_grad", False):
@@ -99,12 +107,21 @@ class StepClock:
             x.register_hook(self._backward_end)
 
     def _backward_start(self, grad: Any) -> None:
-        self._backward_began = time.perf_counter()
+        # CPU autograd runs the backward on the thread that called it: this thread's run-queue delay is the
+        # backward's
+        self._backward_began = (time.perf_counter(), queued_seconds())
 
     def _backward_end(self, grad: Any) -> None:
         if self._backward_began is not None:
-            self.compute_s += time.perf_counter() - self._backward_began
+            self._close(self._backward_began)
             self._backward_began = None
+
+    def _close(self, began: tuple[float, float | None]) -> None:
+        """Add the window opened at `began` (clock, run-queue delay) to the compute time and its delay."""
+        self.compute_s += time.perf_counter() - began[0]
+        queued = queued_seconds()
+        if queued is not None and began[1] is not None:
+            self.queued_s += queued - began[1]
 
 
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
@@ -144,10 +161,16 @@ class RankRecord:
     queued_s: list[float] = field(default_factory=list)
     """Seconds this rank's training thread sat ready to run but without a core during the step (Linux's run-queue
     delay): time other work on the cores took from it (empty where the kernel does not report it)."""
+    queued_train_s: list[float] = field(default_factory=list)
+    """The part of queued_s before the optimizer (the forward-backward call and the gradients' zeroing); the rest
+    is the optimizer's (empty in files written before it was recorded)."""
+    queued_compute_s: list[float] = field(default_factory=list)
+    """The part of queued_s inside the compute windows (StepClock): how much of compute_s other work took."""
 
     def add(self, step: int, step_s: float, train_s: float, compute_s: float, optimizer_s: float,
             router_load: dict[int, float] | None = None, cpu_s: float | None = None,
-            queued_s: float | None = None) -> None:
+            queued_s: float | None = None, queued_train_s: float | None = None,
+            queued_compute_s: float | None = None) -> None:
         self.steps.append(step)
         self.step_s.append(step_s)
         self.train_s.append(train_s)
@@ -157,6 +180,9 @@ class RankRecord:
             self.cpu_s.append(cpu_s)
         if queued_s is not None:
             self.queued_s.append(queued_s)
+            if queued_train_s is not None and queued_compute_s is not None:
+                self.queued_train_s.append(queued_train_s)
+                self.queued_compute_s.append(queued_compute_s)
         for ep, value in (router_load or {}).items():
             self.router_load.setdefault(str(ep), []).append(value)
 
@@ -210,18 +236,20 @@ class Segment:
         start = warmup if steps > warmup else 0
         return [r.window(start) for r in self.ranks]
 
-    def measured(self, warmup: int = WARMUP_STEPS) -> Parts | None:
-        """Medians on the rank that computed longest; step time: the median over steps of the slowest rank."""
-        return _parts_of([r for r in self.measured_window(warmup) if r.steps])
+    def measured(self, warmup: int = WARMUP_STEPS, *, wall_clock: bool = False) -> Parts | None:
+        """What the run measured: medians on the rank that computed longest; step time: the median over steps of the
+        slowest rank. Less the time the ranks sat ready to run without a core (other work on the cores, which no
+        cost model sees: _parts_of), or as the wall clock read them (`wall_clock`)."""
+        return _parts_of([r for r in self.measured_window(warmup) if r.steps], wall_clock)
 
-    def measured_chunks(self, count: int, warmup: int = WARMUP_STEPS) -> list[Parts]:
+    def measured_chunks(self, count: int, warmup: int = WARMUP_STEPS, *, wall_clock: bool = False) -> list[Parts]:
         """`measured` over `count` consecutive runs of the steps (fewer where there are fewer steps): repeated
         timings of one plan, which `plait tune --from-run` checks a fit with."""
         ranks = [r for r in self.measured_window(warmup) if r.steps]
         steps = min((len(r.steps) for r in ranks), default=0)
         count = max(1, min(count, steps))
         bounds = [round(i * steps / count) for i in range(count + 1)]
-        chunks = [_parts_of([_slice(r, lo, hi) for r in ranks]) for lo, hi in zip(bounds, bounds[1:])]
+        chunks = [_parts_of([_slice(r, lo, hi) for r in ranks], wall_clock) for lo, hi in zip(bounds, bounds[1:])]
         return [c for c in chunks if c is not None]
 
     def queued_share(self, warmup: int = WARMUP_STEPS) -> float | None:
@@ -249,9 +277,11 @@ class Segment:
         return dict(sorted(out.items()))
 
     def rank_compute(self, warmup: int = WARMUP_STEPS) -> list[tuple[RankRecord, float, float]]:
-        """(rank, predicted compute, measured median compute) per rank, in rank order."""
-        return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(r.compute_s))
-                for r in sorted(self.measured_window(warmup), key=lambda r: r.rank) if r.steps]
+        """(rank, predicted compute, measured median compute, less the rank's wait for a core in it) per rank, in
+        rank order."""
+        ranks = [r for r in self.measured_window(warmup) if r.steps]
+        return [(r, self.predicted_rank_compute[r.pp_rank], statistics.median(_less_wait(r, ranks).compute_s))
+                for r in sorted(ranks, key=lambda r: r.rank)]
 
     def to_dict(self) -> dict:
         return {"plan": self.plan, "predicted": asdict(self.predicted),
@@ -270,18 +300,43 @@ def _slice(record: RankRecord, start: int, stop: int) -> RankRecord:
                       train_s=record.train_s[start:stop], compute_s=record.compute_s[start:stop],
                       optimizer_s=record.optimizer_s[start:stop],
                       router_load={ep: values[start:stop] for ep, values in record.router_load.items()},
-                      cpu_s=record.cpu_s[start:stop], queued_s=record.queued_s[start:stop])
+                      cpu_s=record.cpu_s[start:stop], queued_s=record.queued_s[start:stop],
+                      queued_train_s=record.queued_train_s[start:stop],
+                      queued_compute_s=record.queued_compute_s[start:stop])
 
 
-def _parts_of(ranks: list[RankRecord]) -> Parts | None:
-    """Medians on the rank that computed longest (the cost model's parts are its); the step: the slowest rank's."""
+def _parts_of(ranks: list[RankRecord], wall_clock: bool = False) -> Parts | None:
+    """Medians on the rank that computed longest (the cost model's parts are its); the step: the slowest rank's.
+
+    Less the time the ranks sat ready to run without a core (`wall_clock` False, where the run recorded it): per
+    step, the step less the longest run-queue delay any rank had in it (a rank that waits for a core delays its
+    peers at their next collective by as much); compute less the rank's own delay inside it; the forward-backward
+    call less the longest delay any rank had in theirs (so waiting, the call less compute, loses what the rank
+    waited for peers that waited for a core); the optimizer less the rank's own delay in it. On an otherwise idle
+    machine the delays are about 0 and these are the wall-clock figures."""
     if not ranks or not ranks[0].steps:
         return None
-    slowest = max(ranks, key=lambda r: statistics.median(r.compute_s))
+    timed = [_less_wait(r, ranks) if not wall_clock else r for r in ranks]
+    slowest = max(timed, key=lambda r: statistics.median(r.compute_s))
     steps = [max(values) for values in zip(*(r.step_s for r in ranks))]
+    if not wall_clock and all(r.queued_s for r in ranks):
+        steps = [s - max(q) for s, q in zip(steps, zip(*(r.queued_s for r in ranks)))]
     return Parts(step=statistics.median(steps), compute=statistics.median(slowest.compute_s),
-                 waiting=statistics.median([t - c for t, c in zip(slowest.train_s, slowest.compute_s)]),
+                 waiting=statistics.median([max(0.0, t - c) for t, c in zip(slowest.train_s, slowest.compute_s)]),
                  optimizer=statistics.median(slowest.optimizer_s))
+
+
+def _less_wait(record: RankRecord, ranks: list[RankRecord]) -> RankRecord:
+    """`record`'s forward-backward, compute and optimizer seconds less the run-queue delays in them (see _parts_of);
+    `record` itself where some rank did not record them by part."""
+    if not all(r.queued_compute_s for r in ranks):
+        return record
+    longest = [max(q) for q in zip(*(r.queued_train_s for r in ranks))]
+    return dataclasses.replace(
+        record, train_s=[max(0.0, t - q) for t, q in zip(record.train_s, longest)],
+        compute_s=[max(0.0, c - q) for c, q in zip(record.compute_s, record.queued_compute_s)],
+        optimizer_s=[max(0.0, o - (q - t)) for o, q, t in zip(record.optimizer_s, record.queued_s,
+                                                                record.queued_train_s)])
 
 
 def predicted_segment(plan: Any) -> Segment:
@@ -354,16 +409,22 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
             continue
         plan = Plan.from_dict(segment.plan)
         steps = len(segment.measured_window()[0].steps)
+        wall = segment.measured(wall_clock=True)
+        both = wall_clock_differs(measured, wall)
         title = (f"predicted vs measured per step{f' (plan {index + 1} of {len(segments)})' if len(segments) > 1 else ''}: "
-                 f"{plan.describe()}; median of {steps} steps, rank that computed longest")
+                 f"{plan.describe()}; median of {steps} steps, rank that computed longest"
+                 + ("; measured: less the time the ranks sat ready to run without a core (other work's), beside "
+                    "the wall clock's" if both else ""))
         table = Table(title=title, title_justify="left")
-        for name in ("part", "predicted s", "measured s", "measured / predicted"):
+        for name in ("part", "predicted s", "measured s", "measured / predicted", *(["wall clock s"] if both else [])):
             table.add_column(name, justify="left" if name == "part" else "right")
         for key, label in PART_LABELS.items():
             p, m = getattr(segment.predicted, key), getattr(measured, key)
-            table.add_row(label, f"{p:.4f}", f"{m:.4f}", f"{m / p:.2f}" if p > 0 else "-")
+            table.add_row(label, f"{p:.4f}", f"{m:.4f}", f"{m / p:.2f}" if p > 0 else "-",
+                          *([f"{getattr(wall, key):.4f}"] if both else []))
         console.print(table)
-        ranks = Table(title="compute per rank (a rank far above the others is a straggler)", title_justify="left")
+        ranks = Table(title="compute per rank (a rank far above the others is a straggler)"
+                      + ("; less each rank's wait for a core in it" if both else ""), title_justify="left")
         for name in ("rank", "pipeline rank", "layers", "predicted s", "measured s", "measured / predicted"):
             ranks.add_column(name, justify="right")
         for record, p, m in segment.rank_compute():
@@ -379,6 +440,13 @@ def print_comparison(segments: list[Segment], console: Any = None) -> None:
             console.print(shared_cores_line(queued))
 
 
+def wall_clock_differs(measured: Parts, wall: Parts, share: float = 0.1) -> bool:
+    """Whether any part measured less the wait for a core differs from the wall clock's by `share` or more (the
+    report then gives both)."""
+    return any(abs(getattr(wall, k) - getattr(measured, k)) >= share * max(getattr(measured, k), 1e-12)
+               for k in PART_LABELS)
+
+
 SHARED_CORES_SHARE = 0.1
 """A run whose ranks waited for a core this share of their median step or more says the timings are partly other
 work's (on an otherwise idle machine the share is about 0)."""
@@ -386,8 +454,8 @@ work's (on an otherwise idle machine the share is about 0)."""
 
 def shared_cores_line(share: float) -> str:
     return (f"other work shared the cores: the ranks sat ready to run without a core for {share:.0%} of the median "
-            f"step (Linux's run-queue delay, the rank that waited longest); the measured times hold that load, which "
-            f"no prediction does")
+            f"step (Linux's run-queue delay, the rank that waited longest); the measured times are read less that "
+            f"wait, which no prediction holds (what it leaves, a peer's slowed collectives or caches, remains)")
 
 
 CALIBRATION_RATIO = 1.5
@@ -411,10 +479,14 @@ def calibration_advice(segments: list[Segment], log_dir: Any, nproc: int) -> str
     cluster = segment.plan.get("cluster", {}).get("name", "the cluster")
     direction = "slower" if ratio > 1 else "faster"
     queued = segment.queued_share()
-    load = (f" This run's ranks waited for a core held by other work for {queued:.0%} of the step: a fit of it learns "
-            f"that load too; calibrate while the machine is otherwise idle, or from several runs."
-            if queued is not None and queued >= SHARED_CORES_SHARE else "")
-    return (f"the measured step is {max(ratio, 1 / ratio):.1f}x {direction} than the plan predicted for {cluster!r}: "
+    wall = segment.measured(wall_clock=True)
+    loaded = queued is not None and queued >= SHARED_CORES_SHARE
+    load = (f" This run's ranks waited for a core held by other work for {queued:.0%} of the step (the wall clock "
+            f"read {wall.step:.4g} s a step, {wall.step / segment.predicted.step:.1f}x the prediction); the step above "
+            f"and what plait tune --from-run fits are read less that wait, but a machine otherwise idle gives the "
+            f"cleanest fit." if loaded else "")
+    return (f"the measured step{' (less the wait for a core)' if loaded else ''} is {max(ratio, 1 / ratio):.1f}x "
+            f"{direction} than the plan predicted for {cluster!r}: "
             f"the cost model is not calibrated for this machine. Calibrate it with `plait profile --nproc {nproc} "
             f"--out cluster.yaml`, then `plait tune --from-run {log_dir} --cluster cluster.yaml --out "
             f"cluster.tuned.yaml` (with `--from-run DIR` once more for every other run of this config: on a machine "
@@ -562,8 +634,12 @@ class RunMeasurements:
                                  tp_rank=model.tp_rank)
 
     def add(self, step: int, step_s: float, train_s: float, optimizer_s: float, cpu_s: float | None = None,
-            queued_s: float | None = None) -> None:
-        self.record.add(step, step_s, train_s, self.clock.take(), optimizer_s, self.router.take(), cpu_s, queued_s)
+            queued_s: float | None = None, queued_train_s: float | None = None) -> None:
+        """One step's timings; `queued_s` the step's run-queue delay, `queued_train_s` its part before the
+        optimizer (the clock has the part inside compute)."""
+        compute_s, queued_compute_s = self.clock.take()
+        self.record.add(step, step_s, train_s, compute_s, optimizer_s, self.router.take(), cpu_s, queued_s,
+                        queued_train_s, queued_compute_s)
 
     def gathered(self) -> Segment:
         """The current segment with every rank's timings so far (collective)."""

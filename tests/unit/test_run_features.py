@@ -160,7 +160,7 @@ def test_a_run_far_off_its_prediction_names_the_calibration_commands() -> None:
 
     def segment(predicted: float, measured: float, queued: float | None = None) -> SimpleNamespace:
         return SimpleNamespace(plan={"cluster": {"name": "local-cpu"}}, predicted=SimpleNamespace(step=predicted),
-                               measured=lambda: SimpleNamespace(step=measured), queued_share=lambda: queued)
+                               measured=lambda wall_clock=False: SimpleNamespace(step=measured), queued_share=lambda: queued)
 
     assert calibration_advice([segment(1.0, 1.4)], "runs/x", 2) is None  # within 1.5x: nothing to say
     advice = calibration_advice([segment(1.0, 1.4), segment(0.1, 1.37)], "runs/x", 2)
