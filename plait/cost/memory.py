@@ -487,10 +487,14 @@ def states_overflow(setting: Setting, layout: Layout) -> float:
     micro-batch and no recompute fits where the sum exceeds the ranks' capacity: the search skips such a layout
     unpriced."""
     need = have = 0.0
+    held: dict[tuple, float] = {}  # ranks of one device group holding the same ends hold the same
     for r in range(layout.pp):
         at = setting.at(layout, r)
-        fixed, per_layer = held_states(at, layout, r)
-        need += sum(fixed.values()) + setting.model.num_layers / layout.pp * sum(per_layer.values())
+        key = (layout.stage_groups[r] if layout.stage_groups else None, r == 0, r == layout.last_rank)
+        if key not in held:
+            fixed, per_layer = held_states(at, layout, r)
+            held[key] = sum(fixed.values()) + setting.model.num_layers / layout.pp * sum(per_layer.values())
+        need += held[key]
         have += at.cluster.memory_bytes
     return need - have
 
