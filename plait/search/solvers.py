@@ -44,8 +44,7 @@ class ExactSolver:
         # bound does not depend on them: it assumes the fastest group everywhere)
         # (Layouts are made only for the choices reached: most are pruned by their bound.)
         bases = [(d, choice) for d in space.degrees for choice in space.base_choices(d)]
-        known: dict[tuple, float] = {}
-        bounds = [_bound(pricer, d, choice, known) for d, choice in bases]
+        bounds = [_bound(pricer, d, choice) for d, choice in bases]
         if pricer.shortlist is not None:
             order = sorted(range(len(bases)), key=bounds.__getitem__)
             bases, bounds = [bases[i] for i in order], [bounds[i] for i in order]
@@ -71,14 +70,10 @@ class ExactSolver:
                     too_big[key] = min(layout.micro_batch, too_big.get(key, layout.micro_batch))
 
 
-def _bound(pricer: Pricer, d: Degrees, choice: tuple, known: dict[tuple, float]) -> float:
-    """Pricer.lower_bound of `Space.layout(d, choice)`, without making the Layout; `known` holds those found already
-    (the bound does not depend on the ZeRO stage)."""
+def _bound(pricer: Pricer, d: Degrees, choice: tuple) -> float:
+    """Pricer.lower_bound of `Space.layout(d, choice)`, without making the Layout."""
     sp, _, b, m, schedule, v, kind = choice
-    key = (d, sp, b, m, schedule, v, kind)
-    if key not in known:
-        known[key] = pricer.bound(slicing_of(d, sp, kind), b, d.pp, m, v, schedule)
-    return known[key]
+    return pricer.bound(slicing_of(d, sp, kind), b, d.pp, m, v, schedule)
 
 
 class DichotomySolver:
