@@ -21,6 +21,7 @@ Where torch.distributed.pipelining posts the receives:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -78,41 +79,47 @@ def receives_in_lockstep(compute: Sequence[Sequence[Action]], num_stages: int,
     num_ranks = len(compute)
     next_action = [0] * num_ranks
     orders: list[list[Action]] = [[] for _ in compute]
-    seen: list[set[Action]] = [set() for _ in compute]
+    # A stage's input (gradient) is there once its producer ran: on the same rank, or on another, whose send posted
+    # the receive then. Each stage has one rank, so one flag per (stage, micro-batch) serves every rank.
+    width = 1 + max((mb for actions in compute for _, _, mb in actions), default=0)
+    has_input, has_grad = bytearray(num_stages * width), bytearray(num_stages * width)
+    # Each round visits the ranks in order; one that waited is left out until a receive wakes it (nothing else can
+    # make its action ready), and joins this round if the waking rank comes before it, the next one otherwise.
     waiting = [False] * num_ranks
-    left = sum(len(actions) for actions in compute)
-    while left:
-        progress = False
-        for rank in range(num_ranks):
-            if waiting[rank] or next_action[rank] == len(compute[rank]):
-                continue
-            action = compute[rank][next_action[rank]]
-            kind, stage, mb = action
-            have = seen[rank]
-            if kind == "F" and stage > 0:
-                ready = ("RF", stage, mb) in have or ("F", stage - 1, mb) in have
-            elif kind in ("B", "I") and stage < num_stages - 1:
-                ready = ("RB", stage, mb) in have or ("B", stage + 1, mb) in have or ("I", stage + 1, mb) in have
-            else:
+    this_round, next_round = [r for r in range(num_ranks) if compute[r]], []
+    while this_round:
+        while this_round:
+            rank = heapq.heappop(this_round)
+            kind, stage, mb = action = compute[rank][next_action[rank]]
+            if kind == "F":
+                ready = stage == 0 or has_input[stage * width + mb]
+            elif kind == "W":
                 ready = True
+            else:
+                ready = stage == num_stages - 1 or has_grad[stage * width + mb]
             if not ready:
                 waiting[rank] = True
                 continue
             next_action[rank] += 1
-            left -= 1
             orders[rank].append(action)
-            have.add(action)
+            if next_action[rank] < len(compute[rank]):
+                next_round.append(rank)
             if kind != "W":  # F, B and I produce what a neighbour stage consumes
                 peer_stage = stage + 1 if kind == "F" else stage - 1
-                if 0 <= peer_stage < num_stages and owner[peer_stage] != rank:
+                if 0 <= peer_stage < num_stages:
+                    (has_input if kind == "F" else has_grad)[peer_stage * width + mb] = 1
                     peer = owner[peer_stage]
-                    receive = (_receive_of(kind), peer_stage, mb)
-                    orders[peer].append(receive)
-                    seen[peer].add(receive)
-                    waiting[peer] = False
-            progress = True
-        if not progress:
-            raise ValueError("the schedule's actions cannot be ordered: an input is never produced")
+                    if peer != rank:
+                        orders[peer].append((_receive_of(kind), peer_stage, mb))
+                        if waiting[peer]:
+                            waiting[peer] = False
+                            if peer > rank:
+                                heapq.heappush(this_round, peer)
+                            else:
+                                next_round.append(peer)
+        this_round, next_round = sorted(next_round), []
+    if any(n < len(actions) for n, actions in zip(next_action, compute)):
+        raise ValueError("the schedule's actions cannot be ordered: an input is never produced")
     return tuple(tuple(order) for order in orders)
 
 
@@ -136,19 +143,21 @@ def peak_buffers(order: Sequence[Action]) -> LiveBuffers:
     split = {(stage, mb) for kind, stage, mb in order if kind == "W"}  # backward split: the input lives until W
     peak_inputs = peak_grads = 0
     for kind, stage, mb in order:
-        key = (stage, mb)
         if kind == "RF":
-            inputs.add(key)
-            peak_inputs = max(peak_inputs, len(inputs))
+            inputs.add((stage, mb))
+            if len(inputs) > peak_inputs:
+                peak_inputs = len(inputs)
         elif kind == "RB":
-            grads.add(key)
-            peak_grads = max(peak_grads, len(grads))
-        elif kind in ("B", "I"):
+            grads.add((stage, mb))
+            if len(grads) > peak_grads:
+                peak_grads = len(grads)
+        elif kind == "B" or kind == "I":
+            key = (stage, mb)
             grads.discard(key)
             if key not in split:
                 inputs.discard(key)
         elif kind == "W":
-            inputs.discard(key)
+            inputs.discard((stage, mb))
     return LiveBuffers(inputs=peak_inputs, grads=peak_grads)
 
 

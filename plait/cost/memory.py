@@ -312,6 +312,9 @@ class LayoutMemory:
         self._loss_lines: dict[str, tuple[tuple[dict, dict], tuple[np.ndarray, np.ndarray]]] = {}
         self._moment_totals: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._states_total = sum(self.per_layer.values())  # a block's model states: what every moment's per-layer adds to
+        self._bases: dict[bool, tuple[dict, np.ndarray]] = {}  # _mode_base's parts and their sum, by whether kept
+        self._shared: dict[str, tuple] = {}  # _moment's parts that no recompute mode changes, by moment
+        self._partial_totals: dict[tuple[str, bool], np.ndarray] = {}  # _moment_totals' sums of those, by moment, base
 
     def layer_grads(self, which: str) -> float:
         """A layer's gradient bytes, dense and experts: `which` "accumulated" (between micro-batches) or "step" (at
@@ -319,16 +322,49 @@ class LayoutMemory:
         return (getattr(self.states, f"{which}_grads") * self.n_layer
                 + getattr(self.expert_states, f"{which}_grads") * self.n_expert)
 
-    def _line(self, base: dict, act: float, micro_batches, which: str, held, grads_fixed, acts_fixed, temporaries
-              ) -> tuple[dict, dict]:
-        """One moment: `micro_batches` in flight of `act` bytes a block, `which` gradients ("accumulated" or "step")
-        where `held`."""
-        states, zeros = self.states, self.zeros
-        fixed = {**base, "activations": micro_batches * (self.ids + self.head) + acts_fixed,
-                 "grads": held * getattr(states, f"{which}_grads") * self.ends + grads_fixed,
-                 "temporaries": temporaries + zeros}
-        return fixed, {**self.per_layer, "activations": micro_batches * act + zeros,
-                       "grads": held * self.layer_grads(which) + zeros}
+    def _moment_parts(self, name: str) -> tuple:
+        """What moment `name` ("loss", "recompute", "step" or "last": `moments`) holds whatever the recompute mode
+        (made once for every mode): (its fixed activations and gradients, its micro-batches in flight, a block's
+        gradients)."""
+        if name not in self._shared:
+            states, zeros, m = self.states, self.zeros, self.layout.num_micro_batches
+            steady = self.flight < m
+            if name in ("recompute", "last"):
+                setting, layout = self.setting, self.layout
+                released = self.head + probabilities_bytes(setting.model, setting.seq_len, self.tokens, layout.tp,
+                                                           self.dtypes, layout.cp)
+            # (micro-batches in flight, which gradients, where held, fixed gradients, fixed activations)
+            if name == "loss":
+                args = (self.flight, "accumulated", steady, 0.0, 0.0)
+            elif name == "recompute":
+                args = (self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.head_params),
+                        -released)
+            elif name == "step":
+                args = (zeros, "step", 1.0, 0.0, 0.0)
+            else:
+                args = (1.0 + zeros, "accumulated", 1.0, 0.0, -released)
+            micro_batches, which, held, grads_fixed, acts_fixed = args
+            self._shared[name] = (micro_batches * (self.ids + self.head) + acts_fixed,
+                                  held * getattr(states, f"{which}_grads") * self.ends + grads_fixed,
+                                  micro_batches, held * self.layer_grads(which) + zeros)
+        return self._shared[name]
+
+    def _moment(self, name: str, base: dict, act: float, temporaries) -> tuple[dict, dict]:
+        """Moment `name` of a recompute mode whose moments start from `base`, with `act` bytes of a block's
+        activations and these temporaries (`_moment_parts` the rest)."""
+        activations, grads, micro_batches, layer_grads = self._moment_parts(name)
+        fixed = {**base, "activations": activations, "grads": grads, "temporaries": temporaries + self.zeros}
+        return fixed, {**self.per_layer, "activations": micro_batches * act + self.zeros, "grads": layer_grads}
+
+    def _moment_totals_of(self, name: str, line: tuple[dict, dict], kept: bool) -> tuple[np.ndarray, np.ndarray]:
+        """`_totals` of `_moment`'s `line` of moment `name` from the base `kept` picks, the sum of its parts that no
+        mode changes made once (the same floats, added in the same order)."""
+        fixed, per_layer = line
+        key = (name, kept)
+        if key not in self._partial_totals:
+            self._partial_totals[key] = self._bases[kept][1] + fixed["activations"] + fixed["grads"]
+        return (self._partial_totals[key] + fixed["temporaries"],
+                self._states_total + per_layer["activations"] + per_layer["grads"])
 
     def _totals(self, line: tuple[dict, dict], base: dict, base_total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """sum(fixed.values()), sum(per_layer.values()) of a moment whose parts start with `base`'s (which sum to
@@ -342,8 +378,9 @@ class LayoutMemory:
             per_layer_total = per_layer_total + per_layer[key]
         return fixed_total, per_layer_total
 
-    def _mode_base(self, mode: str) -> tuple[dict, float, float]:
-        """(the fixed parts every moment of `mode` starts from, a block's activations, ZeRO-3's all-gather in flight)."""
+    def _mode_base(self, mode: str) -> tuple[dict, float, float, bool]:
+        """(the fixed parts every moment of `mode` starts from, a block's activations, ZeRO-3's all-gather in flight,
+        whether the first block keeps the received input: the base's key)."""
         setting, layout = self.setting, self.layout
         model = setting.model
         act = activation_bytes(model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes,
@@ -352,20 +389,22 @@ class LayoutMemory:
         # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
         # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
         gather = setting.dtype_bytes * self.n_layer if self.states.gathered_units else 0.0
-        base = dict(self.base)
-        if stage_input_is_kept(model, mode, self.dtypes):  # the first block keeps the received input itself
-            base["buffers"] = base["buffers"] - self.kept_inputs
-        return base, act, gather
+        kept = stage_input_is_kept(model, mode, self.dtypes)  # the first block keeps the received input itself
+        if kept not in self._bases:
+            base = dict(self.base)
+            if kept:
+                base["buffers"] = base["buffers"] - self.kept_inputs
+            self._bases[kept] = base, sum(base.values())
+        return self._bases[kept][0], act, gather, kept
 
     def loss_line(self, mode: str) -> tuple[dict, dict]:
         """The loss moment of `mode` (moments' first): every in-flight micro-batch's activations, the loss's
         gradients; the earlier micro-batches' gradients where the rank's largest in-flight count recurs after its
         first backward (a steady state), not where every forward comes first (GPipe, one micro-batch, a short 1F1B)."""
         if mode not in self._loss_lines:
-            base, act, gather = self._mode_base(mode)
-            steady = self.flight < self.layout.num_micro_batches
-            line = self._line(base, act, self.flight, "accumulated", steady, 0.0, 0.0, gather + self.loss)
-            self._loss_lines[mode] = line, self._totals(line, base, sum(base.values()))
+            base, act, gather, kept = self._mode_base(mode)
+            line = self._moment("loss", base, act, gather + self.loss)
+            self._loss_lines[mode] = line, self._moment_totals_of("loss", line, kept)
         return self._loss_lines[mode][0]
 
     def moments(self, mode: str) -> tuple[list[tuple[dict, dict]], list[np.ndarray]]:
@@ -375,7 +414,7 @@ class LayoutMemory:
         setting, layout, states, zeros = self.setting, self.layout, self.states, self.zeros
         model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
         cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
-        base, act_mode, gather = self._mode_base(mode)
+        base, act_mode, gather, kept = self._mode_base(mode)
         act_none = act_mode if mode == "none" else activation_bytes(model, b, s, tp, sp, "none", self.dtypes, cp, kind,
                                                                     ep)
         # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
@@ -385,20 +424,16 @@ class LayoutMemory:
         # (and on the math path swaps its probabilities for their two gradients)
         backward = (gather + scatter + act_none - act_mode
                     + layer_backward_bytes(model, s, self.tokens, tp, sp, self.dtypes, cp, kind, ep))
-        released = self.head + probabilities_bytes(model, s, self.tokens, tp, self.dtypes, cp)
         steady = self.flight < m
-
-        def line(*args) -> tuple[dict, dict]:
-            return self._line(base, act_mode, *args)
-
-        lines = [self.loss_line(mode),                                                              # the loss
-                 line(self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.head_params),
-                      -released, backward),
-                 line(zeros, "step", 1.0, 0.0, 0.0, 0.0)]                                           # optimizer step
+        names = ["loss", "recompute", "step"]
+        lines = [self.loss_line(mode),                                   # the loss
+                 self._moment("recompute", base, act_mode, backward),   # a block's backward, its temporaries
+                 self._moment("step", base, act_mode, 0.0)]             # the optimizer step
         present = [np.ones(len(zeros), dtype=bool)] * 3
         if m > 1:  # the last micro-batch's backward: every micro-batch's gradients, its own activations (GPipe
             # waits on its gradient sends when the step ends: the m - 1 sent before stay held); not where steady
-            lines.append(line(1.0 + zeros, "accumulated", 1.0, 0.0, -released, backward + self.sent))
+            names.append("last")
+            lines.append(self._moment("last", base, act_mode, backward + self.sent))
             present.append(~steady)
         if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
             step_grads = self.layer_grads("step") + zeros
@@ -406,8 +441,9 @@ class LayoutMemory:
                            "grads": states.step_grads * self.head_params - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
             present.append(np.ones(len(zeros), dtype=bool))
-        base_total = sum(base.values())
-        totals = [self._loss_lines[mode][1]] + [self._totals(x, base, base_total) for x in lines[1:]]
+        totals = [self._loss_lines[mode][1]] + [self._moment_totals_of(name, x, kept) for name, x in zip(names[1:], lines[1:])]
+        if len(lines) > len(names):  # the first block's backward (one micro-batch), whose parts are its own
+            totals.append(self._totals(lines[-1], base, self._bases[kept][1]))
         self._moments[mode] = (lines, present)
         self._moment_totals[mode] = totals
         return lines, present
@@ -487,10 +523,14 @@ def states_overflow(setting: Setting, layout: Layout) -> float:
     micro-batch and no recompute fits where the sum exceeds the ranks' capacity: the search skips such a layout
     unpriced."""
     need = have = 0.0
+    held: dict[tuple, float] = {}  # ranks of one device group holding the same ends hold the same
     for r in range(layout.pp):
         at = setting.at(layout, r)
-        fixed, per_layer = held_states(at, layout, r)
-        need += sum(fixed.values()) + setting.model.num_layers / layout.pp * sum(per_layer.values())
+        key = (layout.stage_groups[r] if layout.stage_groups else None, r == 0, r == layout.last_rank)
+        if key not in held:
+            fixed, per_layer = held_states(at, layout, r)
+            held[key] = sum(fixed.values()) + setting.model.num_layers / layout.pp * sum(per_layer.values())
+        need += held[key]
         have += at.cluster.memory_bytes
     return need - have
 

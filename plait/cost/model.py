@@ -302,14 +302,7 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
         key = (n, first, last, sum(st.fwd[k] for k in mine), sum(st.bwd[k] for k in mine),
                sum(loads[k][1] for k in mine), at[r].cluster.name)
         if key not in seen:  # ranks with the same share cost the same: most of them
-            s_r = at[r]
-            params = rank_params(s_r, layout, r, key[5])
-            experts = key[5] * expert_params(s_r.model, layout.tp, layout.ep)
-            seen[key] = (dp_exposed(s_r, layout, params, key[3], key[4], units=n + 1, experts=experts),
-                         optimizer_time(s_r.cluster, (params - experts) / optimizer_shards(layout)
-                                        + experts / layout.expert_shards)
-                         + dtensor_step_overhead(s_r, layout, n, first, last)
-                         + s_r.cluster.host.step_overhead_s)
+            seen[key] = rank_tail(at[r], layout, r, n, first, last, key[3], key[4], key[5])
         tail.append(seen[key][0])
         opt.append(seen[key][1])
     last = max(range(pp), key=lambda r: tail[r] + opt[r])
@@ -329,6 +322,21 @@ def step_time(setting: Setting, layout: Layout, layers: tuple[int, ...], recompu
     }
     total = sum(parts.values())
     return StepTime(total=total, parts=parts, bubble_fraction=parts["bubble"] / (lent * pipe) if pipe > 0 else 0.0)
+
+
+def rank_tail(setting: Setting, layout: Layout, rank: int, layers: int, first: bool, last: bool, fwd: float,
+              bwd: float, param_load: float) -> tuple[float, float]:
+    """(the data-parallel communication compute does not hide, the optimizer step with the step's host time) of
+    pipeline rank `rank` holding `layers` blocks (`param_load` mean blocks of parameters; the first and the last
+    virtual stage where `first`, `last`) whose micro-batch takes `fwd` and `bwd` seconds (what step_time adds after
+    the makespan, on the rank that ends last). The exposed part only falls as `fwd` and `bwd` grow."""
+    params = rank_params(setting, layout, rank, param_load)
+    experts = param_load * expert_params(setting.model, layout.tp, layout.ep)
+    return (dp_exposed(setting, layout, params, fwd, bwd, units=layers + 1, experts=experts),
+            optimizer_time(setting.cluster, (params - experts) / optimizer_shards(layout)
+                           + experts / layout.expert_shards)
+            + dtensor_step_overhead(setting, layout, layers, first, last)
+            + setting.cluster.host.step_overhead_s)
 
 
 def tail_lower_bound(setting: Setting, layout: Layout) -> float:

@@ -105,15 +105,15 @@ def _zbv(rank: int, pp: int, m: int) -> list[Action]:
     Micro-batches beyond m (the schedule needs 2p - 1 to fill) are left out."""
     n = max(2 * pp - 1, m)
     first, second = rank, 2 * pp - 1 - rank
-    count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    stages = (first, second)
+    count = [0, 0, 0, 0]  # forwards of chunk 0, of chunk 1; backwards (each an I, then a W) of chunk 0, of chunk 1
     out: list[Action] = []
 
     def add(kind: str, chunk: int) -> None:
-        stage = first if chunk == 0 else second
-        key = ("F" if kind == "F" else "B") + str(chunk)
-        out.append((kind, stage, count[key]))
+        slot = chunk if kind == "F" else 2 + chunk
+        out.append((kind, stages[chunk], count[slot]))
         if kind != "I":
-            count[key] += 1
+            count[slot] += 1
 
     for _ in range(2 * (pp - rank) - 1):
         add("F", 0)
@@ -122,23 +122,23 @@ def _zbv(rank: int, pp: int, m: int) -> list[Action]:
         add("F", 0)
     for _ in range(pp - rank):
         add("F", 1), add("I", 1), add("W", 1)
-    while count["F1"] < count["F0"] or count["F0"] < n:
-        if count["F0"] < n:
+    while count[1] < count[0] or count[0] < n:
+        if count[0] < n:
             add("F", 0)
         add("I", 0), add("W", 0), add("F", 1), add("I", 1), add("W", 1)
     # cool-down: input gradients first, the weight gradients they leave behind after
-    pending = {0: count["B0"], 1: count["B1"]}
+    pending = {0: count[2], 1: count[3]}
     for _ in range(rank):
-        out.append(("I", first, count["B0"])), out.append(("I", second, count["B1"]))
-        count["B0"] += 1
-        count["B1"] += 1
+        out.append(("I", first, count[2])), out.append(("I", second, count[3]))
+        count[2] += 1
+        count[3] += 1
     for _ in range(pp - rank):
-        out.append(("I", first, count["B0"]))
-        count["B0"] += 1
+        out.append(("I", first, count[2]))
+        count[2] += 1
         out.append(("W", first, pending[0]))
         pending[0] += 1
-    out += [("W", second, i) for i in range(pending[1], count["B1"])]
-    out += [("W", first, i) for i in range(pending[0], count["B0"])]
+    out += [("W", second, i) for i in range(pending[1], count[3])]
+    out += [("W", first, i) for i in range(pending[0], count[2])]
     return [a for a in out if a[2] < m]
 
 
@@ -266,23 +266,25 @@ def _compiled(schedule: str, pp: int, m: int, stages: int) -> tuple[tuple[tuple[
     backward (or input gradient) at (stages + k)·m + mb, the last slot always 0.0."""
     ranks = [stage_rank(schedule, pp, k) for k in range(stages)]
     first = 2 * stages * m
-
-    def compile_one(kind: str, k: int, mb: int) -> tuple[int, int, int, int]:
-        if not 0 <= mb < m:
-            raise ValueError(f"schedule {schedule!r} with pp={pp} needs more than m={m} micro-batches")
-        if kind == "W":
-            needs, cross = (stages + k) * m + mb, 0
-        elif kind == "F":
-            needs, cross = (first, 0) if k == 0 else ((k - 1) * m + mb, int(ranks[k - 1] != ranks[k]))
-        elif k == stages - 1:
-            needs, cross = k * m + mb, 0
-        else:
-            needs, cross = (stages + k + 1) * m + mb, int(ranks[k + 1] != ranks[k])
-        produces = -1 if kind == "W" else (k if kind == "F" else stages + k) * m + mb
-        return needs, cross, _KIND_CODE[kind] * stages + k, produces
-
-    return tuple(tuple(compile_one(*action) for action in queue)
-                 for queue in rank_actions(schedule, pp, m, stages // pp))
+    # per (kind code, stage): the slot its input is in less the micro-batch (None: the first slot, always there),
+    # whether it crosses ranks, the slot it produces less the micro-batch (None for W, which produces nothing)
+    forward = [(None, 0, 0) if k == 0 else ((k - 1) * m, int(ranks[k - 1] != ranks[k]), k * m) for k in range(stages)]
+    backward = [(k * m, 0, (stages + k) * m) if k == stages - 1 else
+                ((stages + k + 1) * m, int(ranks[k + 1] != ranks[k]), (stages + k) * m) for k in range(stages)]
+    weight = [((stages + k) * m, 0, None) for k in range(stages)]
+    table = (forward, backward, backward, weight)  # F, B, I, W (_KIND_CODE)
+    out = []
+    for queue in rank_actions(schedule, pp, m, stages // pp):
+        compiled = []
+        for kind, k, mb in queue:
+            if not 0 <= mb < m:
+                raise ValueError(f"schedule {schedule!r} with pp={pp} needs more than m={m} micro-batches")
+            code = _KIND_CODE[kind]
+            needs, cross, produces = table[code][k]
+            compiled.append((first if needs is None else needs + mb, cross, code * stages + k,
+                             -1 if produces is None else produces + mb))
+        out.append(tuple(compiled))
+    return tuple(out)
 
 
 def _simulate_traced(fwd: Sequence[float], bwd: Sequence[float], pp: int, m: int, schedule: str, p2p: float,

@@ -81,9 +81,13 @@ def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem,
                           by_mem).max(axis=2)  # [candidate, stage]
         verdicts = (kmax >= 1).all(axis=1) & (np.minimum(kmax, num_layers).sum(axis=1) >= num_layers)
         feasible = verdicts.__getitem__
+        most = kmax.__getitem__
     else:
+        def most(i: int) -> np.ndarray:
+            return np.minimum(_max_by_time(candidates[i], fixed_time, layer_time), by_mem).max(axis=1)
+
         def feasible(i: int) -> bool:
-            kmax = np.minimum(_max_by_time(candidates[i], fixed_time, layer_time), by_mem).max(axis=1)
+            kmax = most(i)
             return bool(np.all(kmax >= 1) and np.minimum(kmax, num_layers).sum() >= num_layers)
 
     lo, hi = 0, len(candidates) - 1
@@ -93,15 +97,14 @@ def min_max_split(num_layers: int, fixed_time, layer_time, fixed_mem, layer_mem,
             hi = mid
         else:
             lo = mid + 1
-    bound = float(candidates[lo])
-    return _assign(num_layers, bound, fixed_time, layer_time, by_mem)
+    return _assign(num_layers, most(lo), fixed_time, layer_time, by_mem)
 
 
-def _assign(num_layers: int, bound: float, fixed_time, layer_time, by_mem) -> Split:
-    """Counts under `bound` summing to L: start from each stage's most, then take layers off the slowest stages
-    a round at a time (so the split is balanced, not front-loaded); each stage runs its fastest mode that fits."""
-    by_time = _max_by_time(bound, fixed_time, layer_time)
-    counts = np.minimum(np.minimum(by_time, by_mem).max(axis=1), num_layers).astype(np.int64)
+def _assign(num_layers: int, most: np.ndarray, fixed_time, layer_time, by_mem) -> Split:
+    """Counts under the optimal bound summing to L: start from each stage's `most` layers under it (its kmax), then
+    take layers off the slowest stages a round at a time (so the split is balanced, not front-loaded); each stage runs
+    its fastest mode that fits."""
+    counts = np.minimum(most, num_layers).astype(np.int64)
 
     def best(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         times = fixed_time[:, None] + k[:, None] * layer_time

@@ -17,8 +17,8 @@ import numpy as np
 from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
 from plait.cost.layout import Layout, Setting
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
-from plait.cost.model import (StageTimes, closed_form_makespan, predict_layout, rank_capacities, step_time,
-                              tail_lower_bound)
+from plait.cost.model import (StageTimes, closed_form_makespan, predict_layout, rank_capacities, rank_costs, rank_tail,
+                              step_time, tail_lower_bound)
 from plait.cost.schedule import V_SCHEDULES, stage_rank
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
@@ -66,6 +66,7 @@ class Pricer:
         self._tails: dict[tuple, float] = {}
         self._work: dict[tuple, tuple[float, float]] = {}
         self._slowest: dict[tuple, tuple[float, float]] = {}
+        self._added: dict[tuple, tuple[float, float, float]] = {}
         self.deadline: float | None = None
         """time.perf_counter() after which evaluate() raises OutOfTime (None: no limit)."""
         self.bound_splits = False
@@ -195,9 +196,12 @@ class Pricer:
             return None
         layers, recompute, peak, stage_seconds = split
         cutoff = self.cutoff()
-        if self.bound_splits and cutoff < math.inf and self.split_bound(layout, stage_seconds) > cutoff * (1 + 1e-9):
-            self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # its bound cannot beat the shortlist
-            return math.inf  # (a margin far above rounding: what is skipped is slower than the cutoff)
+        if self.bound_splits and cutoff < math.inf:
+            bound = self.split_bound(layout, stage_seconds)
+            if bound > cutoff * (1 + 1e-9) or self.rank_tail_bound(layout, layers, stage_seconds, bound) > cutoff * (
+                    1 + 1e-9):  # (a margin far above rounding: what is skipped is slower than the cutoff)
+                self.evaluated, self.pruned = self.evaluated - 1, self.pruned + 1  # it cannot beat the shortlist
+                return math.inf
         est = step_time(self.setting, layout, layers, recompute, exact=False)
         self.candidates.append(Candidate(est.total, layout, layers, recompute))
         self.points.append((est.total, peak))
@@ -277,6 +281,35 @@ class Pricer:
         stages = tuple(float(t) for t in stage_seconds)
         zeros = (0.0,) * len(stages)
         return closed_form_makespan(StageTimes(zeros, stages, stages, zeros, zeros), layout, 0.0) + tail
+
+    def rank_tail_bound(self, layout: Layout, layers: tuple[int, ...], stage_seconds: np.ndarray,
+                        split_bound: float | None = None) -> float:
+        """A lower bound on the estimated step time of a split, tighter than `split_bound` where the data-parallel
+        tail is exposed (looser where rank 0 holds fewer parameters than the mean and the tail hides: both are
+        checked): the split's makespan bound, plus rank 0's tail and optimizer step as the estimate prices them
+        (plait.cost.model.rank_tail; the estimate adds the largest rank's, which is no less), with its micro-batch's
+        forward and backward each taken at most at the whole of its stages' time, which only hides more of the
+        tail: the split's seconds, plus what the estimate adds to them (fully_shard's hooks, the schedule's host
+        time, the loss); less a margin far above rounding. 0 on a mixed cluster or shared cores (like split_bound).
+        `split_bound`: the split's, where the caller has it already."""
+        s = self.setting
+        if s.cluster.mixed or s.cluster.oversubscription > 1.0:
+            return 0.0
+        key = (layout.slicing, layout.micro_batch, layout.dp_mode.carrier, layout.pp, layout.schedule)
+        if key not in self._added:  # what the estimate adds to a layer (per time load) and to a stage, and the loss
+            lc, ends = self.layer_cost(layout)
+            hooked, _, stage_host = rank_costs(s, layout)  # the layer as the estimate prices it
+            per_layer = hooked.total - lc.total + max(hooked.recompute[m] - lc.recompute[m] for m in lc.recompute)
+            self._added[key] = per_layer, 2 * stage_host, ends.loss_fwd + ends.loss_bwd
+        per_layer, per_stage, loss = self._added[key]
+        stages = layout.rank_stages[0]
+        loads = block_loads(s.model, s.seq_len, layers)
+        most = (sum(float(stage_seconds[k]) + loads[k][0] * per_layer + per_stage for k in stages) + loss) * (1 + 1e-6)
+        tail, opt = rank_tail(s, layout, 0, sum(layers[k] for k in stages), True, layout.num_stages - 1 in stages,
+                              most, most, sum(loads[k][1] for k in stages))
+        if split_bound is None:
+            split_bound = self.split_bound(layout, stage_seconds)
+        return (split_bound - self.tail_bound(layout) + tail + opt) * (1 - 1e-9)
 
     def overflow(self, layout: Layout) -> float:
         """plait.cost.memory.states_overflow, once per layout but its micro-batch and key/value exchange."""

@@ -385,11 +385,11 @@ class Space:
                 if self._split_sequences_dominated(d, b):
                     continue
                 m = per_replica // b
+                schedules = list(schedule_choices(pins, d.pp, m, self.num_layers, self.v_schedules))
+                b_kinds = [k for k in kinds if k != "all_to_all" or not self._swap_dominated(d, b)]
                 for zero in zeros:
-                    for schedule, v in schedule_choices(pins, d.pp, m, self.num_layers, self.v_schedules):
-                        for kind in kinds:
-                            if kind == "all_to_all" and self._swap_dominated(d, b):
-                                continue
+                    for schedule, v in schedules:
+                        for kind in b_kinds:
                             yield sp and d.tp > 1, zero, b, m, schedule, v, kind
 
     def _split_sequences_dominated(self, d: Degrees, b: int) -> bool:

@@ -1,5 +1,8 @@
 """Cost-model pieces: collectives, FLOPs, activation and ZeRO memory, schedules' memory, predict()."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from plait import Plan, TrainSpec
@@ -193,3 +196,71 @@ def test_closed_form_estimate_is_exact_on_uniform_stages_without_transfers():
     exact = predict_layout(setting, layout, layers, ("full",) * 4).step_time_s
     estimate = predict_layout(setting, layout, layers, ("full",) * 4, exact=False).step_time_s
     assert estimate == pytest.approx(exact, rel=0.01)  # the ends and transfers differ a little
+
+
+# a Hugging Face Llama: its first block keeps the received input itself under full and selective recompute, not
+# without (plait.cost.activations.stage_input_is_kept): those modes' moments start from another base
+HF_LLAMA70 = dataclasses.replace(MODEL_PRESETS["llama3-70b"], source="hf:llama")
+
+
+@pytest.mark.parametrize("model, layout", [
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b",
+                         interleave=1)),
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6,
+                         schedule="interleaved", interleave=3)),
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="zbv",
+                         interleave=2)),
+    (GPT175, Layout.make(dp=128, tp=8, pp=1, sp=False, zero=3, micro_batch=1, num_micro_batches=1, schedule="1f1b",
+                         interleave=1)),
+    (HF_LLAMA70, Layout.make(dp=4, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=16,
+                             schedule="interleaved", interleave=2)),
+])
+def test_memory_moments_are_the_same_whichever_mode_is_asked_first(model, layout):
+    """LayoutMemory makes the parts of a moment that no recompute mode changes once, for every mode: each mode's
+    moments, their totals and its table column are the very floats a LayoutMemory asked for that mode alone gives,
+    in whatever order the modes are asked (a mode whose first block keeps its input starts from another base)."""
+    from plait.cost.memory import LayoutMemory
+
+    setting = Setting(model, A100, TrainSpec(global_batch=1536, seq_len=2048))
+    modes = ("none", "selective", "full")
+    share = -(-model.num_layers // layout.pp)
+    alone = {}
+    for mode in modes:
+        memory = LayoutMemory(setting, layout)
+        alone[mode] = (memory.moments(mode), memory.coefficients(mode, share), memory._moment_totals[mode])
+    for order in (modes, modes[::-1], ("selective", "full", "none")):
+        memory = LayoutMemory(setting, layout)
+        memory.floor()  # the search asks for full recompute's loss moment first
+        for mode in order:
+            (lines, present), coefficients, totals = alone[mode]
+            got_lines, got_present = memory.moments(mode)
+            assert [np.array_equal(a, b) for a, b in zip(got_present, present)] == [True] * len(present)
+            for (fixed, per_layer), (want_fixed, want_per_layer) in zip(got_lines, lines):
+                assert list(fixed) == list(want_fixed) and list(per_layer) == list(want_per_layer)
+                assert all(np.array_equal(fixed[k], want_fixed[k]) for k in fixed), mode
+                assert all(np.array_equal(per_layer[k], want_per_layer[k]) for k in per_layer), mode
+            for got, want in zip(memory._moment_totals[mode], totals):
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), mode
+            for got, want in zip(memory.coefficients(mode, share), coefficients):
+                assert np.array_equal(got, want), mode
+
+
+@pytest.mark.parametrize("layout", [
+    Layout.make(dp=2, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=2, tp=8, pp=8, sp=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="dualpipev",
+                interleave=2),
+    Layout.make(dp=1, tp=8, pp=1, sp=True, zero=0, micro_batch=1, num_micro_batches=4, schedule="1f1b", interleave=1),
+])
+def test_states_overflow_is_every_ranks_held_states_against_its_memory(layout):
+    """states_overflow adds up each pipeline rank's held states (ranks holding the same ends computed once) less the
+    devices' memory: the sum over the ranks, one by one, to the float."""
+    from plait.cost.memory import held_states, states_overflow
+
+    setting = Setting(GPT175, A100, TrainSpec(global_batch=1536, seq_len=2048))
+    need = have = 0.0
+    for r in range(layout.pp):
+        fixed, per_layer = held_states(setting, layout, r)
+        need += sum(fixed.values()) + GPT175.num_layers / layout.pp * sum(per_layer.values())
+        have += A100.memory_bytes
+    assert states_overflow(setting, layout) == need - have
+    assert need > 0 and have > 0

@@ -106,6 +106,42 @@ def test_a_splits_bound_is_never_above_its_estimate(name):
     assert checked >= 5, checked  # most of the space misses memory on 64 devices
 
 
+@pytest.mark.parametrize("name", ["gpt3-175b/a100/64/top10", "gpt3-175b/a100/1024/top10", "llama3-405b/h100/16384/top3",
+                                  "llama3-8b/h100/8/cp", "mixtral-8x7b/h100/64/top5", "qwen2-0.5b/a100/16/top5",
+                                  "tiny-gpt/local-cpu/4/all"])
+def test_a_splits_rank_tail_bound_is_never_above_its_estimate(name):
+    """Pricer.rank_tail_bound (the split's makespan bound plus rank 0's own tail and optimizer step, its micro-batch
+    taken at most at its stages' whole time), which lets the exact solver skip the closed-form estimate, is a lower
+    bound on that estimate (about 150 layouts spread over the space)."""
+    from plait.cost.layout import Setting
+    from plait.cost.memory import LayoutMemory
+    from plait.cost.model import step_time
+    from plait.search.pricing import Pricer
+    from plait.search.space import Pins, Space, degree_choices, searched_v_schedules
+    from plait.spec.load import load_cluster, load_model
+
+    case = CASES[name]
+    model, cluster = load_model(case["model"]), load_cluster(case["cluster"])
+    train = TrainSpec(global_batch=case["batch"], seq_len=case["seq"])
+    setting = Setting(model, cluster.with_devices(case["devices"]), train)
+    pricer, pins = Pricer(setting, Pins(), None), Pins()
+    degrees = degree_choices(pins, model, cluster, train, case["devices"])
+    space = Space(pins, degrees, train.global_batch, model.num_layers, (), model, train.seq_len,
+                  v_schedules=searched_v_schedules(cluster))
+    layouts = [layout for d in degrees for layout in space.base_layouts(d)]
+    checked = 0
+    for layout in layouts[::max(1, len(layouts) // 150)]:
+        split = pricer.split(layout, LayoutMemory(setting, layout))
+        if split is None:
+            continue
+        layers, recompute, _, seconds = split
+        estimate = step_time(setting, layout, layers, recompute, exact=False).total
+        bound = pricer.rank_tail_bound(layout, layers, seconds)
+        assert bound <= estimate, (layout, layers, recompute, bound, estimate)
+        checked += 1
+    assert checked >= 5, checked
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: PYTHONPATH=. python tests/unit/test_planner_rankings.py --write")
