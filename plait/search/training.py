@@ -169,13 +169,14 @@ def proposal_gap(weights: dict[str, np.ndarray], problems: list[LayoutProblem], 
 
 
 def train(seed: int = 0, problems: int = 60, epochs: int = 40, samples: int = 16, temperature: float = 0.5,
-          log=print) -> dict[str, np.ndarray]:
+          log=print, validation_problems: int | None = None) -> dict[str, np.ndarray]:
     """Train from scratch; returns the weights learned.load_weights reads (layout_* arrays): those of the epoch
     whose proposals came closest to the optimum on validation problems of the training family (90th
-    percentile of the gap, then the median)."""
+    percentile of the gap, then the median; `validation_problems` of them, by default a quarter of `problems`
+    and at least 10)."""
     began = time.perf_counter()
     data = make_problems(seed, problems, "train")
-    validation = make_problems(seed + 1, max(10, problems // 4), "train")
+    validation = make_problems(seed + 1, validation_problems or max(10, problems // 4), "train")
     log(f"priced {len(data)} training problems ({sum(len(p.times) for p in data)} layouts) "
         f"in {time.perf_counter() - began:.0f} s")
     stacked = np.concatenate([p.features for p in data])

@@ -9,6 +9,7 @@ verdict as `plait check` (plait.execute.equivalence.Tolerance)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -42,16 +43,22 @@ FACTORY = "module:tiny_decoder:build"
 
 
 def model_of(case: dict) -> ModelSpec:
-    if case["model"].endswith("-math"):  # the unfused attention path (its selective recompute checkpoints the core)
-        return model_of({**case, "model": case["model"].removesuffix("-math")}).replace(attention="math")
-    model = case["model"]
+    return _spec(case["model"], case.get("layers", 4))
+
+
+@functools.cache
+def _spec(model: str, layers: int) -> ModelSpec:
+    """Loaded once per process (a ModelSpec is frozen): measuring a Hugging Face class or the factory's blocks on
+    meta takes about a second, and every rank of a launch, and the test process, plans several cases of each."""
+    if model.endswith("-math"):  # the unfused attention path (its selective recompute checkpoints the core)
+        return _spec(model.removesuffix("-math"), layers).replace(attention="math")
     if model == "factory":
         from tiny_decoder import TP_PLAN
 
         return load_model(FACTORY).replace(tp_plan=TP_PLAN)
     if model.startswith("hf:"):
         return load_model(str(Path(os.environ[HF_DIR_ENV]) / model.removeprefix("hf:")))
-    return tiny_spec(model, case.get("layers", 4))
+    return tiny_spec(model, layers)
 
 
 def make_plan(case: dict) -> Plan:

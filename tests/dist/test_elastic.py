@@ -34,10 +34,11 @@ MODEL = {"name": "elastic-tiny-gpt", "arch": "gpt", "num_layers": 2, "hidden_siz
          "vocab_size": 128, "max_seq_len": 32}
 STEPS = 10
 JOB_TIMEOUT_S = 300
-RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5"
-"""A lost machine is noticed after 5 missed 1 s heartbeats, and a round of fewer machines starts 3 s after the
+RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
+"""A lost machine is noticed after 5 missed 1 s heartbeats, and a round of fewer machines starts 5 s after the
 minimum is there (torch's defaults: 3 x 5 s and 30 s). Fewer missed beats (2 were tried) declared a live agent
-lost when the 2 cores were busy with other work."""
+lost when the 2 cores were busy with other work. The last call is also how late the second agent may join the
+first round (start_agents): its store client retries about once a second, and a busy machine delays it more."""
 
 
 @pytest.fixture()
@@ -68,22 +69,22 @@ def start_agents(config: Path, nnodes: str, *, fault: str | None = None) -> list
     if fault:
         env["PLAIT_FAULT"] = fault
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", config.stem,
-               "--rdzv-conf", RDZV_CONF, "--max-restarts", "1", "-m", "plait", "train", str(config)]
+
+    def command(hosts_store: bool) -> list[str]:
+        conf = f"{RDZV_CONF},is_host={int(hosts_store)}"
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", config.stem,
+                "--rdzv-conf", conf, "--max-restarts", "1", "-m", "plait", "train", str(config)]
+
     logs = [open(config.with_suffix(f".agent{n}.log"), "w") for n in range(2)]
     try:
-        agents = [subprocess.Popen(command, env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]
-        # agent 0 hosts the rendezvous store (the first to bind the endpoint does): the tests kill agent 1, as a
-        # lost machine that did not host the job's store; a job whose store host dies cannot go on
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and agents[0].poll() is None:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        agents.append(subprocess.Popen(command, env=env, stdout=logs[1], stderr=subprocess.STDOUT,
-                                       start_new_session=True))
+        # Both start at once, so that both are in the first round: with `--nnodes 1:2` an agent that came more than
+        # last_call_timeout late would join a second round, which torch 2.13's shared store does not give it
+        # (the first round's host does not write MASTER_ADDR again; the late agent times out after 60 s reading it).
+        # Agent 0 hosts the rendezvous store (is_host; agent 1's client waits for it): the tests kill agent 1, as a
+        # lost machine that did not host the job's store; a job whose store host dies cannot go on.
+        agents = [subprocess.Popen(command(n == 0), env=env, stdout=logs[n], stderr=subprocess.STDOUT,
+                                   start_new_session=True) for n in range(2)]
         return agents
     finally:
         for log in logs:
@@ -124,13 +125,13 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def wait_for(path: Path, agents: list[subprocess.Popen], timeout: float = JOB_TIMEOUT_S) -> None:
+def wait_for(path: Path, agents: list[subprocess.Popen], config: Path, timeout: float = JOB_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
             for agent in agents:
                 kill_tree(agent.pid)
-            pytest.fail(f"{path} never appeared")
+            pytest.fail(f"{path} never appeared; the agents said:\n{output(config)[-6000:]}")
         time.sleep(0.2)
 
 
@@ -162,7 +163,7 @@ def test_two_agents_restart_in_place_after_a_rank_dies(workdir: Path) -> None:
 def test_survivor_replans_for_the_smaller_world(workdir: Path) -> None:
     config = write_config(workdir, "shrink", plan="auto")
     agents = start_agents(config, "1:2")
-    wait_for(workdir / "shrink" / "ckpt" / "step_000004", agents)
+    wait_for(workdir / "shrink" / "ckpt" / "step_000004", agents, config)
     kill_tree(agents[1].pid)
     codes = finish(agents)
     text = output(config)
@@ -175,7 +176,7 @@ def test_survivor_replans_for_the_smaller_world(workdir: Path) -> None:
 def test_fixed_plan_for_the_old_world_is_refused(workdir: Path) -> None:
     config = write_config(workdir, "fixed")
     agents = start_agents(config, "1:2")
-    wait_for(workdir / "fixed" / "ckpt" / "step_000004", agents)
+    wait_for(workdir / "fixed" / "ckpt" / "step_000004", agents, config)
     kill_tree(agents[1].pid)
     codes = finish(agents)
     text = output(config)

@@ -242,8 +242,9 @@ def test_solver_training_is_seeded():
     proposals come to the optimum is benchmarks/solvers.py's question."""
     from plait.search.training import make_problems, proposal_gap, train
 
-    a = train(seed=3, problems=6, epochs=3, samples=8, log=lambda *_: None)
-    b = train(seed=3, problems=6, epochs=3, samples=8, log=lambda *_: None)
+    # pricing every layout of the problems is the cost (training itself takes milliseconds): few, small problems
+    a = train(seed=3, problems=3, validation_problems=2, epochs=3, samples=8, log=lambda *_: None)
+    b = train(seed=3, problems=3, validation_problems=2, epochs=3, samples=8, log=lambda *_: None)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     held_out = make_problems(seed=99, count=6, family="test")
     assert np.all(np.isfinite(proposal_gap(a, held_out)))
