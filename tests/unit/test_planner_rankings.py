@@ -68,13 +68,9 @@ def test_the_ranked_plans_and_their_figures_are_the_fixtures(name):
                 mine[key] == value, (name, mine["plan"], key)
 
 
-@pytest.mark.parametrize("name", ["gpt3-175b/a100/64/top10", "gpt3-175b/a100/1024/top10", "llama3-8b/h100/8/cp",
-                                  "mixtral-8x7b/h100/64/top5", "qwen2-0.5b/a100/16/top5"])
-def test_a_splits_bound_is_never_above_its_estimate(name):
-    """Pricer.split_bound, which lets the exact solver skip pricing a split, is a lower bound on the closed-form
-    estimate of that split, and the bounds it prunes with before splitting are below it: presplit_bound (the best
-    split there could be) and lower_bound + tail_bound (the work spread evenly, the data-parallel tail and optimizer
-    step) (about 100 layouts spread over the space)."""
+def _priced_splits(name: str, samples: int):
+    """(pricer, layout, layers, recompute, split seconds, closed-form estimate) for about `samples` layouts spread
+    over case `name`'s space, each at the split the exact solver finds (layouts that fit no split left out)."""
     from plait.cost.layout import Setting
     from plait.cost.memory import LayoutMemory
     from plait.cost.model import step_time
@@ -91,13 +87,24 @@ def test_a_splits_bound_is_never_above_its_estimate(name):
     space = Space(pins, degrees, train.global_batch, model.num_layers, (), model, train.seq_len,
                   v_schedules=searched_v_schedules(cluster))
     layouts = [layout for d in degrees for layout in space.base_layouts(d)]
-    checked = 0
-    for layout in layouts[::max(1, len(layouts) // 100)]:
+    for layout in layouts[::max(1, len(layouts) // samples)]:
         split = pricer.split(layout, LayoutMemory(setting, layout))
         if split is None:
             continue
         layers, recompute, _, seconds = split
-        estimate = step_time(setting, layout, layers, recompute, exact=False).total
+        yield pricer, layout, layers, recompute, seconds, step_time(setting, layout, layers, recompute,
+                                                                   exact=False).total
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b/a100/64/top10", "gpt3-175b/a100/1024/top10", "llama3-8b/h100/8/cp",
+                                  "mixtral-8x7b/h100/64/top5", "qwen2-0.5b/a100/16/top5"])
+def test_a_splits_bound_is_never_above_its_estimate(name):
+    """Pricer.split_bound, which lets the exact solver skip pricing a split, is a lower bound on the closed-form
+    estimate of that split, and the bounds it prunes with before splitting are below it: presplit_bound (the best
+    split there could be) and lower_bound + tail_bound (the work spread evenly, the data-parallel tail and optimizer
+    step) (about 100 layouts spread over the space)."""
+    checked = 0
+    for pricer, layout, layers, recompute, seconds, estimate in _priced_splits(name, 100):
         split_bound = pricer.split_bound(layout, seconds)
         assert split_bound <= estimate, (layout, layers, recompute)
         assert pricer.presplit_bound(layout) <= split_bound, (layout, layers, recompute)
@@ -113,29 +120,8 @@ def test_a_splits_rank_tail_bound_is_never_above_its_estimate(name):
     """Pricer.rank_tail_bound (the split's makespan bound plus rank 0's own tail and optimizer step, its micro-batch
     taken at most at its stages' whole time), which lets the exact solver skip the closed-form estimate, is a lower
     bound on that estimate (about 150 layouts spread over the space)."""
-    from plait.cost.layout import Setting
-    from plait.cost.memory import LayoutMemory
-    from plait.cost.model import step_time
-    from plait.search.pricing import Pricer
-    from plait.search.space import Pins, Space, degree_choices, searched_v_schedules
-    from plait.spec.load import load_cluster, load_model
-
-    case = CASES[name]
-    model, cluster = load_model(case["model"]), load_cluster(case["cluster"])
-    train = TrainSpec(global_batch=case["batch"], seq_len=case["seq"])
-    setting = Setting(model, cluster.with_devices(case["devices"]), train)
-    pricer, pins = Pricer(setting, Pins(), None), Pins()
-    degrees = degree_choices(pins, model, cluster, train, case["devices"])
-    space = Space(pins, degrees, train.global_batch, model.num_layers, (), model, train.seq_len,
-                  v_schedules=searched_v_schedules(cluster))
-    layouts = [layout for d in degrees for layout in space.base_layouts(d)]
     checked = 0
-    for layout in layouts[::max(1, len(layouts) // 150)]:
-        split = pricer.split(layout, LayoutMemory(setting, layout))
-        if split is None:
-            continue
-        layers, recompute, _, seconds = split
-        estimate = step_time(setting, layout, layers, recompute, exact=False).total
+    for pricer, layout, layers, recompute, seconds, estimate in _priced_splits(name, 150):
         bound = pricer.rank_tail_bound(layout, layers, seconds)
         assert bound <= estimate, (layout, layers, recompute, bound, estimate)
         checked += 1
