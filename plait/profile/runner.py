@@ -90,8 +90,6 @@ def oversubscription(device: devices.Device, ranks_per_node: int) -> float:
     return max(1.0, ranks_per_node * torch.get_num_threads() / usable_cores())
 
 
-
-
 def compute_steps(device: devices.Device, options: ProfileOptions, out: list[ComputeSample]) -> list[Step]:
     """GEMMs, attention and a whole block per width; each rank's rate is the slowest rank's."""
     steps = []
