@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.cost import predict
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
 from plait.cost.memory import model_state_bytes
 from plait.cost.model import predict_layout
 from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
@@ -160,7 +160,7 @@ def fit_h100_sxm(base: ClusterSpec, rounds: int = 2) -> Efficiency:
 
 def _closed_form_h100_tflops(row, plan, cluster: ClusterSpec) -> float:
     c = cluster.with_devices(row.devices)
-    step = predict_layout(Setting(plan.model, c, plan.train), Layout.of(plan), plan.layers_per_stage, plan.recompute,
+    step = predict_layout(Setting(plan.model, c, plan.train), plan.layout, plan.layers_per_stage, plan.recompute,
                           exact=False).step_time_s
     return megatron_h100_flops(row) / (row.devices * step) / 1e12
 

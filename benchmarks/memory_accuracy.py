@@ -242,11 +242,11 @@ def measure(plans: list[Plan], nproc: int) -> list[list[dict]]:
 
 def rows_of(plan: Plan, peaks: list[dict]) -> list[dict]:
     """One row per pipeline rank: predicted (reserve left out) and measured (largest over its peers) bytes."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.memory import rank_memory
 
     prediction = predict(plan)
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     rows = []
     for pp_rank in range(plan.pp):
         mine = [p for p in peaks if p["pp_rank"] == pp_rank]

@@ -164,7 +164,8 @@ def report(args: argparse.Namespace, rows) -> None:
     p = args.nproc
     table = Table(title=f"pipeline bubble: p={p}, {args.layers_per_stage} layers of h={args.hidden} per stage, "
                         f"micro-batch {args.micro_batch}x{args.seq_len}, median of {args.steps} steps")
-    from plait.cost.schedule import V_SCHEDULES, simulate
+    from plait.cost.schedule import simulate
+    from plait.plan import V_SCHEDULES
 
     for column in ("schedule", "m", "buffers", "step T", "busy per rank", "measured bubble", "closed form", "sim",
                    "measured - closed form"):

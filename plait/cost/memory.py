@@ -47,9 +47,11 @@ from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_
                                     layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
                                     stage_input_is_kept)
 from plait.cost.compute import block_weights, layer_expert_weights, replicated_block_weights, replicated_kv_weights
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.live_set import live_buffers
-from plait.cost.schedule import V_SCHEDULES, rank_actions, steady_micro_batches
+from plait.cost.schedule import rank_actions, steady_micro_batches
+from plait.plan import V_SCHEDULES
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 

@@ -34,10 +34,12 @@ from plait.cost import comm
 from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
                                 param_tensors, sliced_layer_cost)
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.memory import (LayoutMemory, expert_params, first_stage_params, last_stage_params, layer_params,
                                optimizer_shards)
-from plait.cost.schedule import V_SCHEDULES, makespan
+from plait.cost.schedule import makespan
+from plait.plan import V_SCHEDULES
 from plait.plan import Plan, Prediction
 
 
@@ -471,7 +473,7 @@ def rank_capacities(setting: Setting, layout: Layout) -> list[float]:
 def predict(plan: Plan) -> Prediction:
     """Everything the Plan carries -> its predicted step time and memory, by part."""
     setting = Setting(plan.model, plan.cluster, plan.train)
-    return predict_layout(setting, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+    return predict_layout(setting, plan.layout, plan.layers_per_stage, plan.recompute)
 
 
 def predict_layout(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 from plait import legality
-from plait.axes import ALL_AXES, Degrees
+from plait.axes import ALL_AXES, Degrees, OnAxes
 from plait.errors import ConfigError
 from plait.plan import RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -26,7 +26,7 @@ each extra chunk adds p2p messages (a pin may ask for more)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pins:
+class Pins(OnAxes):
     degrees: Mapping[str, int] = field(default_factory=dict)
     """The pinned axes only (plait.axes), e.g. {"tp": 8}."""
     zero: int | None = None
@@ -55,19 +55,8 @@ class Pins:
         return cls(degrees=degrees, **{k: v for k, v in pins.items() if v is not None or k == "allow_cross_node_tp"})
 
     def axis(self, name: str) -> int | None:
+        """The pinned degree of `name`, None where not pinned (pins.dp, pins.tp, ... read it: plait.axes.OnAxes)."""
         return self.degrees.get(name)
-
-    @property
-    def dp(self) -> int | None:
-        return self.degrees.get("dp")
-
-    @property
-    def tp(self) -> int | None:
-        return self.degrees.get("tp")
-
-    @property
-    def pp(self) -> int | None:
-        return self.degrees.get("pp")
 
     def to_kwargs(self) -> dict[str, Any]:
         """The keywords `from_kwargs` reads back (for a search on another device count)."""
@@ -359,10 +348,11 @@ class Space:
     @staticmethod
     def layout(d: Degrees, choice: tuple) -> "Any":
         """The Layout of degrees `d` and one of `base_choices(d)`."""
-        from plait.cost.layout import Layout
+        from plait.plan import Layout
 
         sp, zero, b, m, schedule, v, kind = choice
-        return Layout(d, sp, zero, b, m, schedule, v, context_parallel=kind)
+        return Layout(degrees=d, sequence_parallel=sp, zero=zero, micro_batch=b, num_micro_batches=m, schedule=schedule,
+                      interleave=v, context_parallel=kind)
 
     def base_choices(self, d: Degrees) -> Iterator[tuple[bool, int, int, int, str, int, str]]:
         """`base_layouts` as (sequence parallel, ZeRO, micro-batch, micro-batches, schedule, interleave, key/value

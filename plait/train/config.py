@@ -371,25 +371,23 @@ def dump_toml(config: Config) -> str:
 
 
 def toml_text(sections: dict[str, dict[str, Any]]) -> str:
-    """Tables of key -> value as a TOML config file (None values are left out: they are defaults)."""
-    lines: list[str] = []
-    for section, table in sections.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in table.items() if value is not None]
-        lines.append("")
-    return "\n".join(lines)
+    """Tables of key -> value as a TOML config file, written by tomli-w (None values are left out: they are
+    defaults; TOML has no null)."""
+    import tomli_w
+
+    return tomli_w.dumps(_without_none(sections))
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+def toml_value(value: Any) -> str:
+    """One value as TOML text, as an override `section.key=value` takes it."""
+    import tomli_w
+
+    return tomli_w.dumps({"v": _without_none(value)}).partition("=")[2].strip()
+
+
+def _without_none(value: Any) -> Any:
     if isinstance(value, dict):
-        # keys quoted: a tp_plan's module names hold dots and stars
-        return "{" + ", ".join(f"{_toml(str(k))} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
-    raise ConfigError(f"cannot write {value!r} as TOML")
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_none(v) for v in value]
+    return value
