@@ -50,7 +50,7 @@ max(kernels, host) per layer pass): ``layer_overhead_s`` 0.87 ms (forward; backw
 ``recompute_layer_overhead_s`` 0.84 ms, ``selective_layer_overhead_s`` 1.74 ms (the per-op policy's dispatch
 mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures, not the GPU's: checked
 unchanged on an H100 machine (2026-11-26, the same grid's 41 rows, another host): median step-time error 17.3%
-with host time 0, 6.6% with these figures as they are (a refit there gives 5.3% with figures that trade the
+with host time 0, 6.8% with these figures as they are (a refit there gives 5.3% with figures that trade the
 forward pass against recompute, so the H200's are kept). Every GPU preset carries them, since plait's runs on
 any GPU pay them; A100 hosts were not measured. Published runs of other software (Megatron-LM's, torchtitan's)
 are priced without them (`plait.cost.published.their_software`).

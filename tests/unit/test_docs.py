@@ -237,3 +237,33 @@ def test_an_unmarked_benchmark_table_is_refused(tmp_path):
     assert any("line 3 has no marker" in p for p in problems)
     assert any("nowhere.py, which does not exist" in p for p in problems)
     assert any("benchmarks/results/nothing does not exist" in p for p in problems)
+
+
+# ---- the version ----------------------------------------------------------------------------------------
+
+def newest_release(changelog: str) -> str:
+    """The first `## [X.Y.Z]` heading of a Keep a Changelog file (Unreleased is not a release)."""
+    for match in re.finditer(r"^## \[([^\]]+)\]", changelog, flags=re.M):
+        if match.group(1).lower() != "unreleased":
+            return match.group(1)
+    raise AssertionError("CHANGELOG.md has no released version")
+
+
+def test_the_changelog_newest_release_is_the_package_version():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert newest_release((ROOT / "CHANGELOG.md").read_text()) == project
+    from plait.cli import version
+
+    assert version() == project
+    result = subprocess.run([sys.executable, "-m", "plait", "--version"], cwd=ROOT, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"plait {project}"
+
+
+def test_the_changelog_keeps_a_changelog():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(r"^## \[Unreleased\]", text, flags=re.M)
+    kinds = set(re.findall(r"^### (\w+)", text, flags=re.M))
+    assert kinds and kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+    for word in ("Stop ", "stop 2", "helper", "session", "lent "):
+        assert word not in text, f"CHANGELOG.md speaks of how the work was organised: {word!r}"
