@@ -11,8 +11,8 @@ saved artefact repriced by the tree as it is (RENDERERS), it renders the rows ag
     python benchmarks/check_tables.py            # list what is out of step (exit 1), or say all is well
     python benchmarks/check_tables.py --write    # rewrite the rendered rows in place
 
-A renderer owns the rows it returns, matched by their first cell; a table may keep other rows (history, figures of
-earlier code), which are not checked. tests/unit/test_docs.py runs the check.
+A renderer owns the rows it returns, matched by their first cells; a table may keep other rows (history, figures of
+earlier code), which are not checked, and a renderer leaves a cell unchecked by giving None for it (timings). tests/unit/test_docs.py runs the check.
 """
 
 from __future__ import annotations
@@ -146,6 +146,15 @@ def render_cost_accuracy() -> list[list[str]]:
     ]
 
 
+def render_mixtral_router() -> list[list[str]]:
+    """benchmarks/cost_accuracy.py's Mixtral table, cell for cell."""
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    table = _script("cost_accuracy").mixtral_table(CLUSTER_PRESETS["h100-80g"])
+    columns = [[_plain(str(cell)) for cell in column.cells] for column in table.columns]
+    return [list(row) for row in zip(*columns)]
+
+
 def _zero_cell_exact(cell: str) -> bool:
     """A ZeRO cell "published / plait" agrees to the published figure's last digit."""
     published, predicted = (part.strip() for part in str(cell).split("/"))
@@ -164,6 +173,40 @@ def render_gpt3_memory() -> list[list[str]]:
              ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "reserve")]
     return [["now (autocast's 16-bit weight copies priced, as measured on a GPU)",
              *(f"{v / 2**30:.1f}" for v in parts), f"{p.peak_memory_bytes / 2**30:.1f}"]]
+
+
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
+
+
+def short_plan(description: str) -> str:
+    """A plan's description as the page writes it: `dp16 tp2 pp16 cp2 (all-to-all) SP ZeRO-2 DualPipeV`."""
+    words = []
+    for word in description.split(" mb")[0].split():
+        if word.startswith("context="):
+            words.append("(" + word.removeprefix("context=").replace("_", "-") + ")")
+        elif word == "sp":
+            words.append("SP")
+        elif word.startswith("zero"):
+            words.append("ZeRO-" + word.removeprefix("zero"))
+        else:
+            name, _, rest = word.partition("(")
+            words.append(SCHEDULE_NAMES.get(name, word) if name in SCHEDULE_NAMES else word)
+    return " ".join(words)
+
+
+def render_planner_speed() -> list[list[str | None]]:
+    """benchmarks/planner_speed.py's rows: what the search answers (priced, pruned, best plan, MFU); the seconds
+    are timings, left as the page has them (None)."""
+    speed = _script("planner_speed")
+    labels = {("gpt3-175b", 64): "GPT-3 175B, B 1536, s 2048", ("llama3-405b", 16384): "Llama 3 405B, B 2048, s 8192"}
+    rows = []
+    for index, (model, cluster, devices, _, _, top) in enumerate(speed.ROWS):
+        top = top or 10  # the script's default --top
+        found = speed.run_row(index, top, 1)
+        rows.append([labels.get((model, devices), "GPT-3 175B" if model == "gpt3-175b" else model), cluster,
+                     f"{devices:,}", str(top), f"{found['priced']:,}", f"{found['pruned']:,}", None, None,
+                     short_plan(found["best"]), f"{found['mfu']:.1%}"])
+    return rows
 
 
 GPU_RESULTS = ROOT / "benchmarks" / "results" / "gpu"
@@ -269,7 +312,9 @@ def render_calibration() -> list[list[str]]:
 # (the first two for tables whose first cell repeats, as the calibration's and the grid's do).
 RENDERERS: dict[str, tuple[Callable[[], list[list[str]]], bool, int]] = {
     "cost-accuracy": (render_cost_accuracy, True, 1),
+    "mixtral-router": (render_mixtral_router, True, 0),
     "gpt3-175b-memory": (render_gpt3_memory, False, 1),
+    "planner-speed": (render_planner_speed, True, 3),
     "gpu-h200-summary": (render_gpu_h200_summary, True, 1),
     "gpu-h200-grid": (render_gpu_h200_grid, True, 3),
     "gpu-h100": (render_gpu_h100, True, 1),
@@ -295,12 +340,16 @@ def _compare(rid: str, page: Path, table: list[str], rendered: list[list[str]], 
         k = tuple(values[:key])
         seen.add(k)
         if k not in index:
-            problems.append(f"{page}: table {rid!r} lacks the row {row_text(values)}")
-            new_rows.append(row_text(values))
-        elif cells(rows[index[k]]) != values:
-            problems.append(f"{page}: table {rid!r}, row {' / '.join(k)}: the page says {rows[index[k]]}, "
-                            f"the command gives {row_text(values)}")
-            new_rows[index[k]] = row_text(values)
+            filled = ["?" if v is None else v for v in values]
+            problems.append(f"{page}: table {rid!r} lacks the row {row_text(filled)}")
+            new_rows.append(row_text(filled))
+        else:
+            page_values = cells(rows[index[k]])
+            values = [mine if mine is not None else theirs for mine, theirs in zip(values, page_values)]
+            if page_values != values:
+                problems.append(f"{page}: table {rid!r}, row {' / '.join(k)}: the page says {rows[index[k]]}, "
+                                f"the command gives {row_text(values)}")
+                new_rows[index[k]] = row_text(values)
     if whole:
         extra = [r for r in rows if tuple(cells(r)[:key]) not in seen]
         problems += [f"{page}: table {rid!r} has a row its command no longer gives: {r}" for r in extra]
