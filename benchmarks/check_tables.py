@@ -77,8 +77,9 @@ def row_text(values: list[str]) -> str:
 
 # ---- renderers: the rows a command gives today ---------------------------------------------------
 
+@cache
 def _script(name: str):  # noqa: ANN202
-    """A benchmark script as a module (benchmarks/ is not a package)."""
+    """A benchmark script as a module (benchmarks/ is not a package), loaded once."""
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -375,7 +376,12 @@ def check(root: Path = ROOT, write: bool = False, render: bool = True) -> list[s
             ids[rid] = rel
             if render and rid in RENDERERS:
                 fn, whole, key = RENDERERS[rid]
-                found, new = _compare(rid, rel, lines[first:end], fn(), whole, key)
+                try:
+                    rendered = fn()
+                except Exception as error:  # a renamed function or a moved result: say which table, not a traceback
+                    problems.append(f"{rel}: table {rid!r} could not be rendered: {type(error).__name__}: {error}")
+                    continue
+                found, new = _compare(rid, rel, lines[first:end], rendered, whole, key)
                 problems += found
                 if write and found:
                     lines[first:end] = new

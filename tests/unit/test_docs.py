@@ -73,7 +73,7 @@ def test_every_cited_repository_path_exists():
     missing = []
     for source in [*tracked("*.py"), *pages()]:
         text = source.read_text(errors="replace")
-        for path in cited_paths(text, markdown=source.suffix == ".md"):
+        for path in cited_paths(text, markdown=True):
             if not (ROOT / path).exists():
                 missing.append(f"{source.relative_to(ROOT)} cites {path}")
     assert not missing, "\n".join(missing)
