@@ -1,6 +1,7 @@
 """The map stays true: every repository path the code, README, docs and benchmarks cite exists, every docs page is
-reachable from the index, the presets page names the presets, the import rules of docs/architecture.md hold, the
-benchmark tables are in step with their commands, and the changelog's newest release is the package's version."""
+reachable from the index, the presets and plan-file pages name every preset and key, the import rules of
+docs/architecture.md hold, the benchmark tables are in step with their commands, and the changelog's newest release
+is the package's version."""
 
 from __future__ import annotations
 
@@ -138,6 +139,18 @@ def test_the_presets_page_names_every_preset_and_no_other():
     named = lambda part: set(re.findall(r"^\| `([\w.-]+)` \|", part, flags=re.M))  # noqa: E731
     assert named(model_part) == set(MODEL_PRESETS)
     assert named(cluster_part) == set(CLUSTER_PRESETS)
+
+
+def test_the_plan_file_page_names_every_key_of_a_plan():
+    import dataclasses
+
+    from plait.plan import Plan, Prediction
+
+    rows = re.findall(r"^\| (`[^|]+) \|", (ROOT / "docs" / "plan-file.md").read_text(), flags=re.M)
+    keys = {key for row in rows for key in re.findall(r"`([\w.]+)`", row)}
+    assert {k for k in keys if "." not in k} == {f.name for f in dataclasses.fields(Plan)}
+    assert {k.removeprefix("predicted.") for k in keys if k.startswith("predicted.")} == {
+        f.name for f in dataclasses.fields(Prediction)}
 
 
 # Who never imports whom (docs/architecture.md, "The rules between folders"); lazy imports count too.
