@@ -1,5 +1,5 @@
 """The map stays true: every repository path the code, README, docs and benchmarks cite exists, every docs page is
-reachable from the index, the presets and plan-file pages name every preset and key, the import rules of
+reachable from the index, the presets, plan-file and config pages name every preset and key, the import rules of
 docs/architecture.md hold, the benchmark tables are in step with their commands, and the changelog's newest release
 is the package's version."""
 
@@ -151,6 +151,17 @@ def test_the_plan_file_page_names_every_key_of_a_plan():
     assert {k for k in keys if "." not in k} == {f.name for f in dataclasses.fields(Plan)}
     assert {k.removeprefix("predicted.") for k in keys if k.startswith("predicted.")} == {
         f.name for f in dataclasses.fields(Prediction)}
+
+
+def test_the_config_page_names_every_key_of_every_section():
+    import dataclasses
+
+    from plait.train.config import Config
+
+    rows = re.findall(r"^\| `\[(\w+)\]` \| ([^|]+) \|", (ROOT / "docs" / "config.md").read_text(), flags=re.M)
+    on_page = {section: set(re.findall(r"`(\w+)`", keys)) for section, keys in rows}
+    in_code = {f.name: {g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(Config)}
+    assert on_page == in_code
 
 
 # Who never imports whom (docs/architecture.md, "The rules between folders"); lazy imports count too.
