@@ -164,6 +164,14 @@ def test_the_config_page_names_every_key_of_every_section():
     assert on_page == in_code
 
 
+def test_the_errors_page_names_every_environment_variable():
+    """Every PLAIT_* name the code reads as a string ("PLAIT_X") or sets (PLAIT_X=...) is in the page's table."""
+    in_code = {name for path in (ROOT / "plait").glob("**/*.py")
+               for name in re.findall(r"[\"\s](PLAIT_[A-Z_]*[A-Z])(?:\"|=)", path.read_text())}
+    on_page = set(re.findall(r"^\| `(PLAIT_\w+)", (ROOT / "docs" / "errors.md").read_text(), flags=re.M))
+    assert in_code and on_page == in_code
+
+
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
