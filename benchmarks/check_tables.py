@@ -163,17 +163,33 @@ def _zero_cell_exact(cell: str) -> bool:
     return abs(float(published) - float(predicted)) <= 0.5 * 10 ** -digits + 1e-9
 
 
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "reserve")
+
+
+def _memory_row(label: str, plan) -> list[str]:  # noqa: ANN001
+    """A memory table's row: the plan's predicted parts and peak, GiB per device."""
+    from plait.cost import predict
+
+    p = predict(plan)
+    return [label, *(f"{p.memory_parts[k] / 2**30:.1f}" for k in MEMORY_PARTS), f"{p.peak_memory_bytes / 2**30:.1f}"]
+
+
 def render_gpt3_memory() -> list[list[str]]:
     """GPT-3 175B as Korthikanti et al. ran it, priced by the tree: the "now" row of its memory table."""
-    from plait.cost import predict
     from plait.cost.published import MegatronRow, megatron_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    p = predict(megatron_plan(MegatronRow(175.0, 96, 12288, 96, 8, 8, 64, 64, 0.0), CLUSTER_PRESETS["a100-80g"]))
-    parts = [p.memory_parts[k] for k in
-             ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "reserve")]
-    return [["now (autocast's 16-bit weight copies priced, as measured on a GPU)",
-             *(f"{v / 2**30:.1f}" for v in parts), f"{p.peak_memory_bytes / 2**30:.1f}"]]
+    plan = megatron_plan(MegatronRow(175.0, 96, 12288, 96, 8, 8, 64, 64, 0.0), CLUSTER_PRESETS["a100-80g"])
+    return [_memory_row("now (autocast's 16-bit weight copies priced, as measured on a GPU)", plan)]
+
+
+def render_llama2_13b_memory() -> list[list[str]]:
+    """torchtitan's Llama 2 13B FSDP row on 64 A100s, priced by the tree."""
+    from plait.cost.published_2024 import TORCHTITAN_A100_ROWS, torchtitan_plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    row = next(r for r in TORCHTITAN_A100_ROWS if r.model == "llama2-13b")
+    return [_memory_row("torchtitan's Llama 2 13B row, priced", torchtitan_plan(row, CLUSTER_PRESETS["a100-80g"]))]
 
 
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
@@ -315,6 +331,7 @@ RENDERERS: dict[str, tuple[Callable[[], list[list[str]]], bool, int]] = {
     "cost-accuracy": (render_cost_accuracy, True, 1),
     "mixtral-router": (render_mixtral_router, True, 0),
     "gpt3-175b-memory": (render_gpt3_memory, False, 1),
+    "llama2-13b-memory": (render_llama2_13b_memory, True, 1),
     "planner-speed": (render_planner_speed, True, 3),
     "gpu-h200-summary": (render_gpu_h200_summary, True, 1),
     "gpu-h200-grid": (render_gpu_h200_grid, True, 3),
