@@ -2,7 +2,7 @@
 
 Every table in benchmarks/README.md is preceded by a marker naming its command and the saved results it comes from:
 
-    <!-- table id="gpu-h100" command="python benchmarks/gpu_check.py --reprice ..." results="benchmarks/results/gpu/..." -->
+  <!-- table id="gpu-h100" command="python benchmarks/gpu_check.py --reprice DIR" results="benchmarks/results/gpu/" -->
 
 (`results="none"`: timings of a run that was not saved; run the command to measure again). A marker may stand before
 a table on any page (README.md, docs/*.md). For the tables this script can make cheaply, by pure pricing or from a
@@ -12,7 +12,8 @@ saved artefact repriced by the tree as it is (RENDERERS), it renders the rows ag
     python benchmarks/check_tables.py --write    # rewrite the rendered rows in place
 
 A renderer owns the rows it returns, matched by their first cells; a table may keep other rows (history, figures of
-earlier code), which are not checked, and a renderer leaves a cell unchecked by giving None for it (timings). tests/unit/test_docs.py runs the check.
+earlier code), which are not checked, and a renderer leaves a cell unchecked by giving None for it (timings).
+tests/unit/test_docs.py runs the check.
 """
 
 from __future__ import annotations

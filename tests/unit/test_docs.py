@@ -176,7 +176,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def never_imports() -> dict[str, set[str]]:
-    """docs/architecture.md's table of who never imports whom: the page owns the rule, this test holds the code to it."""
+    """docs/architecture.md's table of who never imports whom (the page owns the rule; tests hold the code to it)."""
     rows = re.findall(r"^\s*\| `(\w+)` \| ((?:`\w+`(?:, )?)+) \|$", ARCHITECTURE.read_text(), flags=re.M)
     return {folder: set(re.findall(r"`(\w+)`", forbidden)) for folder, forbidden in rows}
 
@@ -271,9 +271,10 @@ def test_a_table_out_of_step_is_found():
 def test_an_unmarked_benchmark_table_is_refused(tmp_path):
     ct = _load_check_tables()
     (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "README.md").write_text("# B\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
-                                                      '<!-- table id="x" command="python benchmarks/' 'nowhere.py" '
-                                                      'results="benchmarks/results/nothing" -->\n\n| c |\n|---|\n| 3 |\n')
+    page = ("# B\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+            '<!-- table id="x" command="python benchmarks/' 'nowhere.py" results="benchmarks/results/nothing" -->\n\n'
+            "| c |\n|---|\n| 3 |\n")
+    (tmp_path / "benchmarks" / "README.md").write_text(page)
     problems = ct.check(root=tmp_path, render=False)
     assert any("line 3 has no marker" in p for p in problems)
     assert any("nowhere.py, which does not exist" in p for p in problems)
