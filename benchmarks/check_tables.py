@@ -100,7 +100,8 @@ def _column(table, header: str, index: int = 0) -> list[str]:  # noqa: ANN001
     return [_plain(str(cell)) for cell in found[index].cells]
 
 
-def _pct(value: float) -> float:
+def _pct(value: str) -> float:
+    """"+4.9%" -> 0.049."""
     return float(value.rstrip("%")) / 100
 
 
