@@ -34,7 +34,8 @@ def version() -> str:
     """The package's version: the pyproject.toml of the source tree plait runs from (a checkout on PYTHONPATH may
     be another version than the one installed), else the installed distribution's metadata."""
     import tomllib
-    from importlib.metadata import PackageNotFoundError, version as installed
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
     from pathlib import Path
 
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -13,7 +13,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP_DIRS = ("plait", "tests", "benchmarks", "examples", "docs", ".ci")
@@ -130,15 +129,18 @@ def test_every_docs_page_is_reachable_from_the_index():
     assert not unreachable, f"docs pages no link from docs/README.md reaches: {unreachable}"
 
 
+def names_in_first_column(markdown: str) -> set[str]:
+    return set(re.findall(r"^\| `([\w.-]+)` \|", markdown, flags=re.M))
+
+
 def test_the_presets_page_names_every_preset_and_no_other():
     from plait.spec.clusters import CLUSTER_PRESETS
     from plait.spec.models import MODEL_PRESETS
 
     text = (ROOT / "docs" / "presets.md").read_text()
     model_part, cluster_part = text.split("## Cluster presets")
-    named = lambda part: set(re.findall(r"^\| `([\w.-]+)` \|", part, flags=re.M))  # noqa: E731
-    assert named(model_part) == set(MODEL_PRESETS)
-    assert named(cluster_part) == set(CLUSTER_PRESETS)
+    assert names_in_first_column(model_part) == set(MODEL_PRESETS)
+    assert names_in_first_column(cluster_part) == set(CLUSTER_PRESETS)
 
 
 def test_the_plan_file_page_names_every_key_of_a_plan():
