@@ -13,7 +13,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 TOP_DIRS = ("plait", "tests", "benchmarks", "examples", "docs", ".ci")
 TOP_FILES = ("README.md", "CHANGELOG.md", "Makefile", "pyproject.toml")
