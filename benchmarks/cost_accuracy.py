@@ -1,4 +1,4 @@
-"""Cost model vs published runs (reference/published.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
+"""Cost model vs published runs (docs/published-runs.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
 ZeRO memory, Megatron-LM's H100 weak scaling, torchtitan's FSDP2 runs on A100 and on H100 96GB (throughput and
 memory), and Megatron-Core's Mixtral 8x7B run on 64 H100s priced at three router imbalances (a check, no fit).
 

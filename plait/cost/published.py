@@ -1,4 +1,4 @@
-"""Published measurements (reference/published.md) and the cost model's prediction of each.
+"""Published measurements (docs/published-runs.md) and the cost model's prediction of each.
 
 Used by tests/unit/test_cost_accuracy.py (tolerances) and benchmarks/cost_accuracy.py
 (tables and the fit of the Efficiency constants in plait/spec/clusters.py).

@@ -255,7 +255,7 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     no effect (the pin, or 1f1b, is kept). The zero-bubble V schedules (ZB-V, DualPipeV: two stages per rank)
     are priced by the schedule simulator like the others; under them plait keeps fully_shard's parameters
     gathered through the schedule (plait.legality.data_parallel_mode: resharding between a micro-batch's
-    forward and its split backward gives wrong gradients, ../shared/reference/torch-on-cpu.md)."""
+    forward and its split backward gives wrong gradients, docs/torch-on-cpu.md)."""
     m = num_micro_batches
     if pp == 1:
         if not legality.interleave_problems(pp, pins.interleave or 1):  # a pinned interleave needs a pipeline
