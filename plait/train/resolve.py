@@ -58,15 +58,17 @@ def check_pretrained(config: ModelConfig, spec: ModelSpec) -> None:
 
 def check_export(config: Config, model: ModelSpec) -> None:
     """checkpoint.export_hf writes a Hugging Face folder: for a Hugging Face model, into an empty folder unless
-    checkpoint.export_overwrite."""
+    checkpoint.export_overwrite, or a resume of the run that exported there (its checkpoints name the folder)."""
     from plait.outputs import filled_dir
+    from plait.train.checkpoint import exports_here
 
     if config.checkpoint.export_hf is None:
         return
     if not model.source.startswith("hf:"):
         raise ConfigError(f"checkpoint.export_hf writes a Hugging Face folder, but the model {model.name!r} is not a "
                           f"Hugging Face model; set model.file to a Hugging Face model folder or unset export_hf")
-    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite,
+    own = exports_here(config)
+    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite or own,
                "set checkpoint.export_overwrite=true")
 
 
@@ -235,11 +237,20 @@ def check_data(config: Config, model: ModelSpec) -> int:
 
 
 def check_eval_data(config: Config, model: ModelSpec) -> None:
-    """The held-out tokens must fill at least one batch."""
-    from plait.train.data import BatchLoader, eval_tokens
+    """The held-out tokens must fill at least one batch; validating on the training documents is said."""
+    import sys
+
+    from plait.train.data import BatchLoader, eval_tokens, same_documents
 
     held_out = eval_tokens(config, model)
-    where = f"eval.path {config.eval.path!r}" if config.eval.path else f"eval.fraction={config.eval.fraction}"
+    ev = config.eval
+    where = (f"eval.path {ev.path!r}" if ev.path else f"eval.split {ev.split!r}" if ev.split else
+             f"eval.fraction={ev.fraction}")
+    same = same_documents(config)
+    if same:
+        print(f"plait: warning: validation reads the training documents ({same}): its loss says how well the run "
+              f"fits them, not how it does on unseen text; set eval.split (or eval.path) to held-out documents, or "
+              f"eval.fraction", file=sys.stderr, flush=True)
     try:
         BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:
