@@ -69,7 +69,8 @@ def run(tmp_path_factory) -> dict:
         "model": {"file": str(base), "weights": "pretrained"},
         "data": {"source": "jsonl", "path": str(root / "chat.jsonl"), "text_key": "messages", "chat": True},
         "optimizer": {"lr": LR, "warmup": 1}, "train": {"steps": 4, "global_batch": 4, "seq_len": 32},
-        "plan": {"devices": 1, "profile": False}, "checkpoint": {"dir": str(root / "ckpt"), "every": 2, "export_hf": str(root / "hf")},
+        "plan": {"devices": 1, "profile": False},
+        "checkpoint": {"dir": str(root / "ckpt"), "every": 2, "export_hf": str(root / "hf")},
         "log": {"dir": str(root / "log"), "progress": False, "tensorboard": True}}))
     plait("train", str(config))
     # interrupted after step 4 was logged, before its checkpoint: the resume starts from step 2, with 2 more steps
