@@ -86,11 +86,22 @@ def check_hf_run(config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"model folder {str(folder)!r} holds no tokenizer.json, so the text has no tokenizer of "
                           f"this model; put the model's tokenizer.json there, set data.tokenizer to a folder holding "
                           f"it, or set data.tokenizer = \"byte\" to train on bytes on purpose")
+    check_position_limit(model, config.train.seq_len)
+
+
+def check_position_limit(model: ModelSpec, seq_len: int, key: str = "train.seq_len") -> None:
+    """A Hugging Face model trains (and is planned) within the positions its config.json states; `key` names the
+    setting that gave `seq_len` (`plait plan` passes "--seq-len")."""
+    if not model.source.startswith("hf:"):
+        return
+    folder = Path(model.source.removeprefix("hf:"))
+    folder = folder.parent if folder.is_file() else folder
     found = position_limit(folder)
-    if found is not None and config.train.seq_len > found[1]:
-        key, limit = found
-        raise ConfigError(f"train.seq_len={config.train.seq_len} is past {model.name}'s position limit ({key}={limit} "
-                          f"in {str(folder / 'config.json')!r}); use train.seq_len <= {limit}")
+    if found is not None and seq_len > found[1]:
+        name, limit = found
+        said = f"{key} {seq_len}" if key.startswith("--") else f"{key}={seq_len}"
+        raise ConfigError(f"{said} is past {model.name}'s position limit ({name}={limit} in "
+                          f"{str(folder / 'config.json')!r}); use {key} <= {limit}")
 
 
 def position_limit(folder: Path) -> tuple[str, int] | None:

@@ -220,3 +220,15 @@ def test_generation_stops_at_the_end_of_turn_and_at_stop_strings(chatml_dir: Pat
     out = sample(logits_of, prompt, num_tokens=30, max_seq_len=64, stop=stop)
     assert len(out) - len(prompt) < len(answer)
     assert printed_text(tokenizer.decode, prompt, out, ends, ["or"], reply_only=True) == "To be, "
+
+
+def test_plait_plan_refuses_a_seq_len_past_the_position_limit_as_train_does(tmp_path: Path, capsys) -> None:
+    from plait.cli import main
+    from plait.models.hf_tiny import write_tiny_config
+
+    model_dir = write_tiny_config("llama", tmp_path / "llama")  # max_position_embeddings = 64
+    args = ["plan", "--model", str(model_dir), "--cluster", "local-cpu", "--devices", "2", "--global-batch", "4"]
+    assert main([*args, "--seq-len", "128"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--seq-len 128 is past" in lines[0] and "max_position_embeddings=64" in lines[0], lines
+    assert main([*args, "--seq-len", "64"]) == 0
