@@ -72,12 +72,16 @@ def main(args: argparse.Namespace) -> int:
     chat = chat_template_tokenizer(generator.tokenizer) if args.chat else None
     prompt = chat_prompt_ids(chat, args.prompt) if chat is not None else prompt_ids(generator.tokenizer, args.prompt)
     decode, ends = generator.tokenizer.decode, end_ids(generator)
-    stop = (lambda added: any(s in decode(added.numpy()) for s in args.stop)) if args.stop else None
+    stop = (lambda added: _holds_any(decode(added.numpy()), args.stop)) if args.stop else None
     out = sample(generator.logits_of, prompt, num_tokens=args.tokens, max_seq_len=generator.max_seq_len,
                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                  stop_ids=ends, stop=stop)
     print(printed_text(decode, prompt, out, ends, args.stop, reply_only=chat is not None))
     return 0
+
+
+def _holds_any(text: str, stops: list[str]) -> bool:
+    return any(s in text for s in stops)
 
 
 def printed_text(decode: Callable[[Any], str], prompt: Any, out: Any, ends: frozenset[int], stops: list[str],

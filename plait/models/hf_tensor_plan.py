@@ -109,7 +109,8 @@ def _group_styles(block: nn.Module, order: list[str], heads: Heads, hidden: int
     styles: dict[str, str] = {}
     for parent, paths in groups.items():
         if not parent:
-            return {}, f"its projections {', '.join(paths)} sit in the decoder layer itself, not in a module of their own"
+            return {}, (f"its projections {', '.join(paths)} sit in the decoder layer itself, not in a module of "
+                        f"their own")
         *into, out = [block.get_submodule(p) for p in paths]
         attention = hasattr(block.get_submodule(parent), "is_causal")
         widths = {out.in_features} | ({heads.kv * heads.head_dim} if attention else set())

@@ -278,11 +278,16 @@ def check_launch(config: Any, plan: Any = None) -> Found | None:
     return found
 
 
+def _saved_span(meta: dict[str, Any]) -> int | None:
+    """The steps the checkpoint's run spanned its schedule over (its train.steps, for a checkpoint that does not
+    record it)."""
+    return meta.get("schedule_steps") or meta.get("config", {}).get("train", {}).get("steps")
+
+
 def schedule_span(config: Any, meta: dict[str, Any]) -> int:
     """The steps a resumed run's learning-rate schedule spans: optimizer.schedule_steps when set, else the span the
-    checkpoint's run used (its train.steps, for a checkpoint that does not record it)."""
-    saved = meta.get("schedule_steps") or meta.get("config", {}).get("train", {}).get("steps")
-    return config.optimizer.schedule_steps or saved or config.train.steps
+    checkpoint's run used."""
+    return config.optimizer.schedule_steps or _saved_span(meta) or config.train.steps
 
 
 def schedule_note(config: Any, meta: dict[str, Any]) -> str | None:
@@ -291,16 +296,15 @@ def schedule_note(config: Any, meta: dict[str, Any]) -> str | None:
     from plait.train.config import lr_at
 
     opt, step, steps = config.optimizer, int(meta.get("step", 0)), config.train.steps
-    saved = meta.get("schedule_steps") or meta.get("config", {}).get("train", {}).get("steps")
-    span = schedule_span(config, meta)
+    saved, span = _saved_span(meta), schedule_span(config, meta)
     if saved is None or opt.schedule != "cosine" or (span == saved and steps == saved):
         return None
     kept, stretched = lr_at(step, opt, saved), lr_at(step, opt, span if span != saved else steps)
     if span == saved:
         return (f"train.steps={steps} resumes a run whose learning-rate schedule spans {saved} steps: it keeps that "
                 f"schedule (lr {kept:.3g} at step {step + 1}, its floor {opt.lr * opt.min_lr_ratio:.3g} past step "
-                f"{saved}); set optimizer.schedule_steps={steps} to re-stretch it over the new steps (lr {stretched:.3g} "
-                f"at step {step + 1})")
+                f"{saved}); set optimizer.schedule_steps={steps} to re-stretch it over the new steps (lr "
+                f"{stretched:.3g} at step {step + 1})")
     return (f"optimizer.schedule_steps={span} re-stretches the cosine schedule this run started over {saved} steps: "
             f"lr {stretched:.3g} at step {step + 1}, where the schedule it started with has {kept:.3g}")
 

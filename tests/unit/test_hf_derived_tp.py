@@ -40,7 +40,8 @@ def test_plain_projections_split_column_wise_in_and_row_wise_out(tmp_path: Path)
 
 
 @pytest.mark.parametrize("family,config,why", [
-    ("stablelm", dict(num_key_value_heads=2, qk_layernorm=True), "self_attn.q_layernorm.norms holds one module per head"),
+    ("stablelm", dict(num_key_value_heads=2, qk_layernorm=True),
+     "self_attn.q_layernorm.norms holds one module per head"),
     ("bloom", dict(n_layer=2, n_head=4), "self_attention's projections (query_key_value 64->192, dense 64->64) are not "
                                          "plain"),
     ("biogpt", dict(num_hidden_layers=2), "its projections fc1, fc2 sit in the decoder layer itself"),

@@ -47,8 +47,9 @@ def dataset_dict(tmp_path_factory) -> Path:
     import datasets
 
     folder = tmp_path_factory.mktemp("dict") / "ds"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TRAIN_DOCS}),
-                          "validation": datasets.Dataset.from_dict({"text": VALIDATION_DOCS})}).save_to_disk(str(folder))
+    splits = {"train": TRAIN_DOCS, "validation": VALIDATION_DOCS}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": docs}) for name, docs in splits.items()}
+                         ).save_to_disk(str(folder))
     return folder
 
 
