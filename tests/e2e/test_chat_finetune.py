@@ -114,8 +114,12 @@ def test_a_resume_keeps_its_schedule_its_export_folder_and_each_step_once(run: d
 def test_generate_chat_answers_without_special_tokens(run: dict) -> None:
     from plait.cli import main
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", str(run["export"]), "--chat", "--prompt", "Who wrote Hamlet?", "--tokens", "12"]) == 0
-    reply = out.getvalue()
-    assert "<|im_" not in reply and "Who wrote Hamlet?" not in reply, reply
+    def reply(weights: Path) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["generate", str(weights), "--chat", "--prompt", "Who wrote Hamlet?", "--tokens", "12"]) == 0
+        return out.getvalue()
+
+    from_export = reply(run["export"])
+    assert "<|im_" not in from_export and "Who wrote Hamlet?" not in from_export, from_export
+    assert reply(run["root"] / "ckpt") == from_export  # the checkpoint renders the prompt with the same template
