@@ -327,7 +327,10 @@ def derived_plan(adapter, fields: dict[str, Any]) -> dict[str, str]:
     shapes (ModelSpec fields)."""
     from plait.models.hf_tensor_plan import Heads, derived_tensor_plan
 
-    plan, why = derived_tensor_plan(adapter, Heads.of(fields))
+    try:
+        plan, why = derived_tensor_plan(adapter, Heads.of(fields))
+    except Exception as e:  # a layer plait cannot take apart: no tensor plan, and every other plan still runs
+        plan, why = {}, f"its layers could not be read ({type(e).__name__})"
     return plan if plan else {NO_TENSOR_PLAN: why}
 
 
