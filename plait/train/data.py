@@ -18,8 +18,9 @@ folder holding a Hugging Face ``tokenizer.json``, read with the `tokenizers` lib
 only (by default the model folder's, for a Hugging Face model). A text is tokenized as the model's own
 tokenizer would (its post-processor adds a BOS token where it says so), and documents are packed into one
 stream with the tokenizer's EOS token between them. The result is kept in a cache (``[data] cache_dir``,
-default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity,
-so a run tokenizes a file once and a changed file or tokenizer is tokenized again. Raw bytes need no
+default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity (every
+tokenizer file, the chat template included: plait.tokenizer_files), and for chat data the masking rule, so a run
+tokenizes a file once and a changed file, tokenizer or template is tokenized again. Raw bytes need no
 cache: the byte tokenizer reads a text file as it is.
 
 The loader cuts the token stream into non-overlapping windows of ``seq_len + 1`` tokens,
