@@ -102,10 +102,13 @@ def main(args: argparse.Namespace) -> int:
         from plait.commands.operators import plan_operators
 
         return plan_operators(args)
+    from plait.train.resolve import check_position_limit
+
     model = with_router_balance(load_model(args.model), args.router_imbalance, args.from_run)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
                        precision=args.precision or default_precision(cluster))
+    check_position_limit(model, train.seq_len, "--seq-len")  # as `plait train` refuses it
     if args.precision == "fp16":
         print("plait plan: warning: --precision fp16 prices fp16, but plait train refuses it (no loss scaler); "
               "bf16 trains, on CPU too", file=sys.stderr)

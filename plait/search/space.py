@@ -141,7 +141,7 @@ def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainS
         valid = tp_degrees(model, cluster, n, pins.allow_cross_node_tp)
         if pins.tp not in valid:
             why = _tp_reason(pins.tp, model, cluster, n, pins.allow_cross_node_tp)
-            raise ConfigError(f"tp={pins.tp} {why}; valid tp for {model.name} on {n} devices: {_listing(valid)}")
+            raise ConfigError(f"{why}; valid tp for {model.name} on {n} devices: {_listing(valid)}")
     if pins.pp is not None and pins.pp not in pp_degrees(model, n):
         raise ConfigError(f"pp={pins.pp} must divide {n} devices and be <= num_layers={model.num_layers}; "
                           f"valid pp: {_listing(pp_degrees(model, n))}")
@@ -206,12 +206,16 @@ def _check_context_and_expert_pins(pins: Pins, model: ModelSpec, train: TrainSpe
 
 
 def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cross_node: bool) -> str:
+    """Why tp is refused, as a sentence that starts with "tp=N"."""
     if n % tp:
-        return f"does not divide {n} devices"
+        return f"tp={tp} does not divide {n} devices"
     problems = legality.tensor_problems(model, tp)
-    if problems:  # "num_heads=12 is not divisible by tp=8" -> "does not divide num_heads=12"
-        return "does not divide " + problems[0].message.split(" is not divisible")[0]
-    return (f"does not fit inside a node of {cluster.devices_per_node} devices "
+    if problems and problems[0].rule.startswith("tp-divides-"):
+        # "num_heads=12 is not divisible by tp=8" -> "tp=8 does not divide num_heads=12"
+        return f"tp={tp} does not divide " + problems[0].message.split(" is not divisible")[0]
+    if problems:  # the class's plan: its rule says it whole ("tp=2: stablelm declares ...")
+        return problems[0].message
+    return (f"tp={tp} does not fit inside a node of {cluster.devices_per_node} devices "
             f"(pass allow_cross_node_tp / --allow-cross-node-tp to allow it)")
 
 

@@ -11,7 +11,8 @@
     [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
     [log]        dir = "runs/x", every = 10, tensorboard = false, wandb = "off"   # or "offline" / "online"
-    [eval]       every = 0, fraction = 0.05 (or path = "val.txt"), batches = 4, keep_best = false
+    [eval]       every = 0, fraction = 0.05 (or path = "val.txt", or split = "validation"), batches = 4,
+                 keep_best = false
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
 Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
@@ -119,8 +120,13 @@ class OptimizerConfig:
     """Final rate of the cosine schedule as a fraction of lr."""
     clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this; 0 turns clipping off."""
+    schedule_steps: int | None = None
+    """Steps the schedule spans (warm-up, then decay to its floor); None: train.steps of the run that started it, so
+    a resume with more (or fewer) train.steps keeps the schedule, and says so. Set it to re-stretch the schedule."""
 
     def __post_init__(self) -> None:
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ValueError(f"schedule_steps={self.schedule_steps} must be a positive integer (or unset)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.warmup < 0 or self.clip < 0 or self.weight_decay < 0:
@@ -129,6 +135,21 @@ class OptimizerConfig:
             raise ValueError(f"betas={list(self.betas)} must be two numbers in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+
+
+def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a schedule spanning `total_steps`: linear warm-up, then
+    cosine (held at its floor past `total_steps`) or constant."""
+    import math
+
+    if optimizer.warmup and step < optimizer.warmup:
+        return optimizer.lr * (step + 1) / optimizer.warmup
+    if optimizer.schedule == "constant":
+        return optimizer.lr
+    decay_steps = max(1, total_steps - optimizer.warmup)
+    progress = min(1.0, (step - optimizer.warmup) / decay_steps)
+    floor = optimizer.lr * optimizer.min_lr_ratio
+    return floor + 0.5 * (optimizer.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +254,9 @@ class EvalConfig:
     """Hold out this tail fraction of the [data] tokens (the run trains on the rest); or give `path`."""
     path: str | None = None
     """A second file of the same kind as [data] source (text, JSON lines or tokens), with the same tokenizer."""
+    split: str | None = None
+    """The split of a Hugging Face DatasetDict folder to validate on (e.g. "validation"): of `path`, else of
+    data.path. None: `path`'s data.split."""
     batches: int = 4
     """Batches of train.global_batch sequences per evaluation (the same ones every time: losses compare)."""
     keep_best: bool = False
@@ -244,10 +268,11 @@ class EvalConfig:
             raise ValueError(f"every={self.every} must be >= 0 and batches={self.batches} > 0")
         if not 0 <= self.fraction < 1:
             raise ValueError(f"fraction={self.fraction} must lie in [0, 1), e.g. 0.05")
-        if self.every and not self.fraction and not self.path:
-            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05) or path")
-        if self.fraction and self.path:
-            raise ValueError(f"fraction={self.fraction} and path={self.path!r} are both set; keep one")
+        if self.every and not self.fraction and not self.path and not self.split:
+            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05), path or split")
+        if self.fraction and (self.path or self.split):
+            other = f"path={self.path!r}" if self.path else f"split={self.split!r}"
+            raise ValueError(f"fraction={self.fraction} and {other} are both set; keep one")
 
 
 @dataclass(frozen=True, kw_only=True)

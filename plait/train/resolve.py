@@ -58,15 +58,17 @@ def check_pretrained(config: ModelConfig, spec: ModelSpec) -> None:
 
 def check_export(config: Config, model: ModelSpec) -> None:
     """checkpoint.export_hf writes a Hugging Face folder: for a Hugging Face model, into an empty folder unless
-    checkpoint.export_overwrite."""
+    checkpoint.export_overwrite, or a resume of the run that exported there (its checkpoints name the folder)."""
     from plait.outputs import filled_dir
+    from plait.train.checkpoint import exports_here
 
     if config.checkpoint.export_hf is None:
         return
     if not model.source.startswith("hf:"):
         raise ConfigError(f"checkpoint.export_hf writes a Hugging Face folder, but the model {model.name!r} is not a "
                           f"Hugging Face model; set model.file to a Hugging Face model folder or unset export_hf")
-    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite,
+    own = exports_here(config)
+    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite or own,
                "set checkpoint.export_overwrite=true")
 
 
@@ -84,11 +86,22 @@ def check_hf_run(config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"model folder {str(folder)!r} holds no tokenizer.json, so the text has no tokenizer of "
                           f"this model; put the model's tokenizer.json there, set data.tokenizer to a folder holding "
                           f"it, or set data.tokenizer = \"byte\" to train on bytes on purpose")
+    check_position_limit(model, config.train.seq_len)
+
+
+def check_position_limit(model: ModelSpec, seq_len: int, key: str = "train.seq_len") -> None:
+    """A Hugging Face model trains (and is planned) within the positions its config.json states; `key` names the
+    setting that gave `seq_len` (`plait plan` passes "--seq-len")."""
+    if not model.source.startswith("hf:"):
+        return
+    folder = Path(model.source.removeprefix("hf:"))
+    folder = folder.parent if folder.is_file() else folder
     found = position_limit(folder)
-    if found is not None and config.train.seq_len > found[1]:
-        key, limit = found
-        raise ConfigError(f"train.seq_len={config.train.seq_len} is past {model.name}'s position limit ({key}={limit} "
-                          f"in {str(folder / 'config.json')!r}); use train.seq_len <= {limit}")
+    if found is not None and seq_len > found[1]:
+        name, limit = found
+        said = f"{key} {seq_len}" if key.startswith("--") else f"{key}={seq_len}"
+        raise ConfigError(f"{said} is past {model.name}'s position limit ({name}={limit} in "
+                          f"{str(folder / 'config.json')!r}); use {key} <= {limit}")
 
 
 def position_limit(folder: Path) -> tuple[str, int] | None:
@@ -235,11 +248,20 @@ def check_data(config: Config, model: ModelSpec) -> int:
 
 
 def check_eval_data(config: Config, model: ModelSpec) -> None:
-    """The held-out tokens must fill at least one batch."""
-    from plait.train.data import BatchLoader, eval_tokens
+    """The held-out tokens must fill at least one batch; validating on the training documents is said."""
+    import sys
+
+    from plait.train.data import BatchLoader, eval_tokens, same_documents
 
     held_out = eval_tokens(config, model)
-    where = f"eval.path {config.eval.path!r}" if config.eval.path else f"eval.fraction={config.eval.fraction}"
+    ev = config.eval
+    where = (f"eval.path {ev.path!r}" if ev.path else f"eval.split {ev.split!r}" if ev.split else
+             f"eval.fraction={ev.fraction}")
+    same = same_documents(config)
+    if same:
+        print(f"plait: warning: validation reads the training documents ({same}): its loss says how well the run "
+              f"fits them, not how it does on unseen text; set eval.split (or eval.path) to held-out documents, or "
+              f"eval.fraction", file=sys.stderr, flush=True)
     try:
         BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:
