@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.legality import DataParallelMode
@@ -42,7 +42,7 @@ def unshardable(stage: nn.Module) -> set[nn.Parameter]:
 
     experts = getattr(stage, "expert_params", set())  # their own units (apply_fsdp)
     return {p for name, p in stage.named_parameters() if isinstance(p, DTensor) and clean_name(name) not in experts
-            and any(isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
+            and any(isinstance(pl, StridedShard) and pl.dim == 0 for pl in p.placements)}
 
 
 def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,

@@ -284,7 +284,7 @@ class ParallelModel:
 
     def runtime_summary(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
         """Which PyTorch building blocks this rank actually runs (for tests and reports)."""
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+        from plait.torch_internals import CheckpointWrapper
 
         def data_parallel(part: nn.Module) -> str:
             if isinstance(part, FSDPModule):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from plait.torch_internals import CheckpointImpl, c10d_functional, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.plan import RECOMPUTE_MODES
@@ -42,7 +42,7 @@ GEMMS = _ops(torch.ops.aten, "mm", "addmm")
 """The GEMMs of a block's linear layers (biased ones are addmm); every second one's output is saved."""
 ALWAYS_SAVED = _ops(torch.ops.aten, "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") | _ops(
-    torch.ops._c10d_functional, "reduce_scatter_tensor", "all_reduce")
+    c10d_functional(), "reduce_scatter_tensor", "all_reduce")
 """Fused attention kernels (their output and logsumexp: the scores are never materialized, so rerunning the
 kernel would cost its whole forward) and the collectives whose rerun would communicate again."""
 

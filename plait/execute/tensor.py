@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 
 from plait.models.adapter import get_module
 
@@ -127,7 +127,7 @@ class ProjectionParallel(ParallelStyle):
         self.output_layout = output_layout or Replicate()
 
     def _split(self, dim: int) -> Placement:
-        return Shard(dim) if self.packed == 1 else _StridedShard(dim, split_factor=self.packed)
+        return Shard(dim) if self.packed == 1 else StridedShard(dim, split_factor=self.packed)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         out_dim, in_dim = (1, 0) if self.transposed else (0, 1)

@@ -73,8 +73,7 @@ def _tracker_class(fsdp: bool):
     """MemTracker (or FSDPMemTracker) that allows a module to be called again in one step: a schedule calls
     its stage once per micro-batch, and MemTracker refuses a second top-level call of a module it tracks
     unless its statistics are reset (they are per call; the global peak is kept)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from plait.torch_internals import FSDPMemTracker, MemTracker
 
     base = FSDPMemTracker if fsdp else MemTracker
 
@@ -125,7 +124,9 @@ class _Buckets:
 def _pipeline_buffers(model) -> list:
     """The pipeline's receive buffers: activations in and gradients in -- the pool's (plait/execute/buffers.py), or
     torch's own per micro-batch."""
-    stages = getattr(model.schedule, "_stages", None) or ([model.schedule._stage] if model.schedule else [])
+    from plait.torch_internals import schedule_stages
+
+    stages = schedule_stages(model.schedule) if model.schedule else []
     pools = getattr(model.schedule, "buffer_pools", None)
     out = pools.tensors() if pools is not None else []
     for stage in stages:
