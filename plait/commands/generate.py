@@ -103,7 +103,7 @@ def checkpoint_generator(path: Path) -> Generator:
     step_dir, meta = checkpoint_step(path)
     plan = Plan.from_dict(meta["plan"])
     adapter = adapter_for(plan.model)
-    model = adapter.build("cpu")
+    model = adapter.build_adapted("cpu")
     load_model_state(model, step_dir)
     adapter.reset_buffers(model)  # non-persistent buffers (rotary tables) are not in the checkpoint
     model.eval()

@@ -22,7 +22,17 @@ DEFAULT_DEVICES = 2
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
-    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset."""
+    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset; with its LoRA
+    adapters counted on meta (plait.models.lora.with_lora) where [model] lora asks for them."""
+    spec = _resolve_base_model(config)
+    if config.lora is None:
+        return spec
+    from plait.models.lora import with_lora
+
+    return with_lora(spec, config.lora)
+
+
+def _resolve_base_model(config: ModelConfig) -> ModelSpec:
     if config.module:
         if config.path:
             import_path(config.path)
