@@ -104,6 +104,10 @@ def checkpoint_generator(path: Path) -> Generator:
     plan = Plan.from_dict(meta["plan"])
     adapter = adapter_for(plan.model)
     model = adapter.build_adapted("cpu")
+    if plan.model.lora is not None:  # the checkpoint holds the adapters; the base is where the run started from
+        from plait.execute.lora_export import load_base
+
+        load_base(model, plan.model, meta)
     load_model_state(model, step_dir)
     adapter.reset_buffers(model)  # non-persistent buffers (rotary tables) are not in the checkpoint
     model.eval()

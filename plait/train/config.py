@@ -199,6 +199,10 @@ class CheckpointConfig:
     tokenizer files) that `from_pretrained` loads; a Hugging Face model only. None: no export."""
     export_overwrite: bool = False
     """Let export_hf replace the weights in a folder that is not empty (refused otherwise, before training)."""
+    export_adapter: str | None = None
+    """With [model] lora: at the end of training, also write the adapters as peft's adapter folder here
+    (adapter_config.json, adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base;
+    export_hf then writes the adapters merged into the weights."""
 
     def __post_init__(self) -> None:
         if self.start_over and not self.resume:

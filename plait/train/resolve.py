@@ -71,6 +71,15 @@ def check_export(config: Config, model: ModelSpec) -> None:
     checkpoint.export_overwrite."""
     from plait.outputs import filled_dir
 
+    if config.checkpoint.export_adapter is not None:
+        if model.lora is None:
+            raise ConfigError("checkpoint.export_adapter writes LoRA adapters, but the model has none; set "
+                              "model.lora or unset export_adapter")
+        if not model.source.startswith("hf:"):
+            raise ConfigError(f"checkpoint.export_adapter writes a peft folder for a Hugging Face model, but the model "
+                              f"{model.name!r} is not one; set model.file to a Hugging Face model folder")
+        filled_dir(config.checkpoint.export_adapter, "checkpoint.export_adapter", config.checkpoint.export_overwrite,
+                   "set checkpoint.export_overwrite=true")
     if config.checkpoint.export_hf is None:
         return
     if not model.source.startswith("hf:"):
