@@ -73,7 +73,7 @@ def block_linears(model: nn.Module, blocks_path: str) -> dict[str, nn.Linear]:
     from plait.models.adapter import get_module
 
     blocks = get_module(model, blocks_path)
-    return {f"{blocks_path}.{index}.{path}": module for index, block in enumerate(blocks)
+    return {f"{blocks_path}.{key}.{path}": module for key, block in blocks.named_children()  # ModuleList or Dict
             for path, module in block.named_modules() if isinstance(module, nn.Linear) and path}
 
 
