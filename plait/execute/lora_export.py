@@ -126,17 +126,18 @@ def checkpoint_adapters(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def base_tensors(spec, meta: dict, source_dir: Path):
+def base_tensors(spec, meta: dict, source_dir: Path, names: list[tuple[str, tuple]] | None = None):
     """(name, full tensor) of the base model a LoRA run started from, one at a time: the model folder's
-    safetensors where the run loaded them ([model] weights = "pretrained"), else the seed's initial weights."""
+    safetensors where the run loaded them ([model] weights = "pretrained"), else the seed's initial weights.
+    `names`: (name, shape) of the base's parameters (default: the model's, built on meta)."""
     from safetensors import safe_open
 
     from plait.execute.hf_checkpoint import _stored_name
     from plait.models import adapter_for
 
     adapter = adapter_for(spec)
-    model = adapter.build("meta")
-    names = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    if names is None:
+        names = [(name, tuple(p.shape)) for name, p in adapter.build("meta").named_parameters()]
     config = meta.get("config", {})
     if config.get("model", {}).get("weights") == "pretrained":
         files = weight_files(source_dir)
@@ -152,9 +153,10 @@ def base_tensors(spec, meta: dict, source_dir: Path):
 
 def load_base(model: torch.nn.Module, spec, meta: dict) -> None:
     """Fill `model` (one process, LoRA adapters on it) with the base the checkpoint's run started from."""
-    params = dict(model.named_parameters())
+    params = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
+    names = [(name, tuple(p.shape)) for name, p in params.items()]
     with torch.no_grad():
-        for name, tensor in base_tensors(spec.replace(lora=None), meta, Path(spec.source.removeprefix("hf:"))):
+        for name, tensor in base_tensors(spec.replace(lora=None), meta, Path(spec.source.removeprefix("hf:")), names):
             params[name].copy_(tensor)
 
 

@@ -10,7 +10,7 @@ five of its seven projections (column- and row-wise ones).
   folder (export_adapter); run B resumes A's step-2 checkpoint under FSDP2: the same losses and adapters;
 * exports: the merged folder, loaded with `from_pretrained`, and the base with the adapter folder, loaded with
   `peft.PeftModel.from_pretrained`, give the trained model's logits; `plait export` of A's checkpoint (which holds
-  the adapters alone) writes the same two folders.
+  the adapters alone) writes the same two folders, and `plait generate` reads it over the base.
 
 One launch of 2 ranks; this file is also its worker:  python tests/dist/test_lora.py SCRIPT.json
 """
@@ -204,6 +204,16 @@ def test_plait_export_of_the_adapter_checkpoint_writes_both_folders(runs: Path, 
     ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     theirs = load_file(str(runs / "A" / "adapter" / "adapter_model.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_generate_reads_the_adapter_checkpoint_over_its_base(runs: Path) -> None:
+    import torch
+
+    from plait.commands.generate import checkpoint_generator
+
+    generator = checkpoint_generator(runs / "A" / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(generator.logits_of(tokens()), trained_logits(runs, "A"), rtol=1e-5, atol=1e-5)
 
 
 # ---- worker (each rank) -------------------------------------------------------------------------
