@@ -9,7 +9,7 @@ Tensor parallelism places each adapter with its projection, exactly and with no 
 * a row-wise projection (W split over its input features, the input split likewise): A split like W (Shard(1)),
   B replicated; A·x is then a partial sum, and so is B·(A·x), which joins W·x's partial sum in the projection's
   one all-reduce (or reduce-scatter under sequence parallelism);
-* a projection kept whole (replicated): A and B whole too.
+* a projection kept whole (replicated; a router run on local values): A and B whole too, run as it runs.
 
 Both follow from DTensor's rules on the DTensors the projection's own style makes, so the numbers are those of
 one process (`plait check`: tests/dist/test_lora.py).
@@ -35,6 +35,10 @@ class LoraParallel(ParallelStyle):
         self.base = base
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from plait.execute.hf_replicate import ReplicatedModule
+
+        if isinstance(self.base, ReplicatedModule):  # whole on every rank, its subtree (the adapters) with it
+            return self.base._apply(module, device_mesh)
         # the base style distributes every parameter its module holds (torch's Colwise/RowwiseParallel would take
         # lora_A.weight for the projection's own): it sees the projection alone, then the adapters come back
         children = {name: module._modules.pop(name) for name in (*ADAPTERS, "lora_dropout")}
