@@ -147,7 +147,7 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     if config.plan.file == "auto":
         plan = auto_plan(config, model, num_devices)
     else:
-        plan = Plan.from_json(config.plan.file)
+        plan = with_config_lora(Plan.from_json(config.plan.file), model)
         if config.train.precision and config.train.precision != plan.train.precision:
             # Precision changes memory, not legality: the config may run a plan file in another dtype.
             plan = plan.replace(train=dataclasses.replace(plan.train, precision=config.train.precision))
@@ -158,6 +158,17 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
             f"{num_devices} processes were asked for; use --nproc {plan.num_devices} or another plan"
         )
     return plan
+
+
+def with_config_lora(plan: Plan, model: ModelSpec) -> Plan:
+    """A plan file's model with the config's LoRA alpha and dropout, where the adapters are the same (rank, targets:
+    what the plan priced); `plait plan --lora-rank` writes peft's default alpha."""
+    planned, wanted = plan.model.lora, model.lora
+    if planned is None or wanted is None or planned == wanted:
+        return plan
+    if (planned.rank, planned.targets, planned.adapter_params) != (wanted.rank, wanted.targets, wanted.adapter_params):
+        return plan
+    return plan.replace(model=plan.model.replace(lora=wanted))
 
 
 def plan_for_world(config: Config, world_size: int) -> Plan:
@@ -207,6 +218,11 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     from plait import legality
 
     diff = _first_difference(plan.model, model, ignore=NOT_THE_MODULE)
+    if diff and diff[0] == "lora":
+        _, planned, wanted = diff
+        how = (f"--lora-rank {wanted.rank} --lora-targets {','.join(wanted.targets)}" if wanted else "without --lora-rank")
+        raise ConfigError(f"the plan is for {model.name} with {_lora_words(planned)} but the config trains it with "
+                          f"{_lora_words(wanted)}; make a plan for it with `plait plan --model ... {how} --json FILE`")
     if diff:
         key, planned, wanted = diff
         raise ConfigError(
@@ -226,6 +242,10 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"train.{refusal}")
     check_hf_run(config, model)
     check_export(config, model)
+
+
+def _lora_words(lora: Any) -> str:
+    return f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora is not None else "every weight trained (no LoRA)"
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:

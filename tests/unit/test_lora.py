@@ -101,6 +101,27 @@ def test_bad_lora_is_refused_in_one_line_before_any_rank_starts(llama_dir, tmp_p
     assert all(word in lines[0] for word in words), lines[0]
 
 
+def test_a_plan_file_must_have_the_configs_adapters(llama_dir: Path, tmp_path: Path) -> None:
+    from plait.errors import ConfigError
+    from plait.plan import Plan
+    from plait.spec import TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.train.config import load_config
+    from plait.train.resolve import resolve_plan
+
+    plan = Plan.of(model=lora_spec(llama_dir), cluster=CLUSTER_PRESETS["local-cpu"].with_devices(2),
+                   train=TrainSpec(global_batch=2, seq_len=8, precision="fp32"), dp=2, micro_batch=1)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    lora = f'{{rank = 4, alpha = 32, targets = {list(TARGETS)!r}, dropout = 0.1}}'.replace("'", '"')
+    config = write_config(llama_dir, tmp_path, lora)
+    ran = resolve_plan(load_config(config, [f'plan.file="{tmp_path / "plan.json"}"']))
+    assert (ran.model.lora.alpha, ran.model.lora.dropout) == (32.0, 0.1), "the config's scale and dropout run"
+    plain = tmp_path / "plain.toml"
+    plain.write_text(config.read_text().replace(f"lora = {lora}\n", ""))
+    with pytest.raises(ConfigError, match="with LoRA rank 4 on q_proj.*every weight trained.*without --lora-rank"):
+        resolve_plan(load_config(plain, [f'plan.file="{tmp_path / "plan.json"}"']))
+
+
 def test_plan_lora_arguments_are_checked(capsys) -> None:
     argv = ["plan", "--model", "tiny-llama", "--cluster", "local-cpu", "--devices", "2", "--global-batch", "4",
             "--seq-len", "64"]
