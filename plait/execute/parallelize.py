@@ -4,12 +4,14 @@ The order (torchtitan's), and why:
 
 1. **legality**: plait.legality.check, the rules the planner prunes with, asserted here too.
 2. **mesh**: one named DeviceMesh over the plan's axes (mesh.py).
-3. **model**: the plan's model adapter builds the whole model on `meta` (plait.models); the
-   **pipeline split** cuts this rank's virtual stages out of it (uneven, as the plan says), each a
-   Stage that keeps the single-process names (pipeline.py). Done first so everything below runs per
-   stage, on a module whose parameters are this stage's.
+3. **model**: the plan's model adapter builds the whole model on `meta` (plait.models), and **apply_lora**
+   gives it the plan's LoRA adapters on a frozen base (ModelAdapter.build_adapted, plait.models.lora: before
+   the split, so every step below takes the adapters as parameters of their blocks); the **pipeline split**
+   cuts this rank's virtual stages out of it (uneven, as the plan says), each a Stage that keeps the
+   single-process names (pipeline.py). Done first so everything below runs per stage, on a module whose
+   parameters are this stage's.
 4. **apply_tp** per stage: the adapter's tensor plan as ParallelStyles; SP, vocab-parallel embedding,
-   loss-parallel output (tensor.py). Before AC so that the recomputed region contains the TP
+   loss-parallel output (tensor.py); LoRA adapters placed with their projections (lora.py). Before AC so that the recomputed region contains the TP
    collectives, and before FSDP because fully_shard shards the TP-sharded DTensors further (2-D).
 5. **apply_ac** per stage with the plan's mode for this pipeline rank (recompute.py): wraps whole
    blocks, after TP (which addresses modules inside the block by name) and before FSDP (so each FSDP

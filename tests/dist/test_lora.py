@@ -155,8 +155,8 @@ def test_check_is_equal_under_every_plan(runs: Path, name: str) -> None:
     result = json.loads((runs / f"check-{name}.json").read_text())
     assert result["failures"] == [], result
     assert result["worst_update"][1] < 1e-9, "adapters updated as one process updates them"
-    assert result["base_moved"] == 0.0, "the frozen base does not move"
-    assert result["trainable"] == result["adapters"] > 0, "the optimizer steps the adapters alone"
+    assert result["base_moved"] == 0.0, "the frozen base is the file's, unmoved"
+    assert result["trainable"] == result["trained_adapters"] == result["adapters"] > 0, "gradients: the adapters'"
 
 
 def test_resume_under_another_plan_equals_the_uninterrupted_run(runs: Path) -> None:
@@ -211,35 +211,33 @@ def test_generate_reads_the_adapter_checkpoint_over_its_base(runs: Path) -> None
 
     from plait.commands.generate import checkpoint_generator
 
-    generator = checkpoint_generator(runs / "A" / "ckpt")
+    generator, expected = checkpoint_generator(runs / "A" / "ckpt"), trained_logits(runs, "A")
     with torch.no_grad():
-        torch.testing.assert_close(generator.logits_of(tokens()), trained_logits(runs, "A"), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(generator.logits_of(tokens()), expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- worker (each rank) -------------------------------------------------------------------------
 def run_check(item: dict) -> None:
-    import torch
+    """`plait check`'s two runs (plait.execute.equivalence), keeping the parallel run's own gradients and weights."""
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
-    from plait.execute.equivalence import CheckSettings, Tolerance, check_plan
+    from plait.execute.equivalence import CheckSettings, Tolerance, compare, run_parallel
     from plait.models.lora import is_adapter
     from plait.plan import Plan
 
     plan = Plan.from_json(item["plan"])
     settings = CheckSettings(steps=2, seed=1, lr=1e-2, weights=item["weights"])
-    result = check_plan(plan, settings)
+    run = run_parallel(plan, settings)
     if dist.get_rank() == 0:
-        from plait.execute.reference import single_process_reference
-
-        # EQUAL says the parallel weights are the reference's; the reference's base is the file's, unmoved
-        ref = single_process_reference(plan, None, settings.steps, settings.seed, settings.lr,
-                                       weights=settings.weights, dtype=torch.float64)
-        base_moved = max((ref.params[name] - ref.initial[name]).abs().max().item()
-                         for name in ref.params if not is_adapter(name))
-        adapters = [n for n in ref.initial if is_adapter(n)]
+        result = compare(plan, settings, run)
+        stored = load_file(str(Path(item["weights"]) / "model.safetensors"))
+        base_moved = max((run.params[name].double() - stored[name].double()).abs().max().item()
+                         for name in run.params if not is_adapter(name))
         Path(item["out"]).write_text(json.dumps({
             "failures": result.failures(Tolerance()), "worst_update": list(result.worst_update),
-            "base_moved": base_moved, "adapters": len(adapters), "trainable": len(result.grad_rel_diffs)}))
+            "base_moved": base_moved, "adapters": sum(is_adapter(n) for n in run.params),
+            "trainable": len(run.first_grads), "trained_adapters": sum(is_adapter(n) for n in run.first_grads)}))
 
 
 def worker(script: Path) -> None:
