@@ -11,8 +11,9 @@ The order (torchtitan's), and why:
    single-process names (pipeline.py). Done first so everything below runs per stage, on a module whose
    parameters are this stage's.
 4. **apply_tp** per stage: the adapter's tensor plan as ParallelStyles; SP, vocab-parallel embedding,
-   loss-parallel output (tensor.py); LoRA adapters placed with their projections (lora.py). Before AC so that the recomputed region contains the TP
-   collectives, and before FSDP because fully_shard shards the TP-sharded DTensors further (2-D).
+   loss-parallel output (tensor.py); LoRA adapters placed with their projections (lora.py). Before AC so
+   that the recomputed region contains the TP collectives, and before FSDP because fully_shard shards the
+   TP-sharded DTensors further (2-D).
 5. **apply_ac** per stage with the plan's mode for this pipeline rank (recompute.py): wraps whole
    blocks, after TP (which addresses modules inside the block by name) and before FSDP (so each FSDP
    unit is a checkpointed block).
