@@ -50,7 +50,7 @@ from plait.cost.compute import block_weights, layer_expert_weights, replicated_b
 from plait.cost.layout import Layout, Setting
 from plait.cost.live_set import live_buffers
 from plait.cost.schedule import V_SCHEDULES, rank_actions, steady_micro_batches
-from plait.cost.trainable import adapter_layer_params, trained, trained_layer_params
+from plait.cost.trainable import adapter_layer_params, kept_activations, trained, trained_layer_params
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
@@ -390,8 +390,9 @@ class LayoutMemory:
         whether the first block keeps the received input: the base's key)."""
         setting, layout = self.setting, self.layout
         model = setting.model
-        act = activation_bytes(model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes,
-                               layout.cp, layout.context_parallel, layout.ep)
+        act = kept_activations(model, mode, activation_bytes(  # a LoRA base keeps less: plait.cost.trainable
+            model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes, layout.cp,
+            layout.context_parallel, layout.ep))
         # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
         # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
         # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
@@ -422,8 +423,8 @@ class LayoutMemory:
         model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
         cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
         base, act_mode, gather, kept = self._mode_base(mode)
-        act_none = act_mode if mode == "none" else activation_bytes(model, b, s, tp, sp, "none", self.dtypes, cp, kind,
-                                                                    ep)
+        act_none = act_mode if mode == "none" else kept_activations(model, "none", activation_bytes(
+            model, b, s, tp, sp, "none", self.dtypes, cp, kind, ep))
         # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
         per_micro_batch = layout.grad_sync == "micro_batch" and layout.dp_mode.carrier == "fully_shard"
         scatter = FP32_BYTES * self.trained_layer if states.gathered_units or per_micro_batch else 0.0

@@ -11,9 +11,12 @@ What a frozen base changes (plait/execute/lora.py runs it):
 * the backward runs no weight-gradient GEMM for a frozen weight (autograd skips a gradient nobody needs): a layer's
   backward is its input-gradient GEMMs, as many FLOPs as its forward, plus the adapters' weight gradients; the
   output layer's likewise;
-* activations are priced as full fine-tuning's. That is exact where the adapters keep what the weights' gradients
-  would (a projection's input, kept by its adapter's A), and an upper bound where a frozen projection has no
-  adapter: autograd keeps no input for a frozen linear (a frozen `down_proj`'s ffn-wide input is not kept).
+* activations: autograd keeps no input for a frozen linear without an adapter (a frozen `down_proj`'s ffn-wide
+  input), nor the normalized input of a frozen norm weight; an adapter's A keeps its projection's input. What a
+  block keeps is full fine-tuning's scaled by the share measured on meta (Lora.activation_share,
+  plait.models.lora.activation_share) where the block keeps everything (no recompute, or the math path's
+  selective); full recompute keeps the block input, and the fused path's selective policy the same GEMM outputs,
+  either way.
 """
 
 from __future__ import annotations
@@ -55,3 +58,11 @@ def backward_gemm_factor(model: ModelSpec) -> float:
     """A layer's backward FLOPs of its weight GEMMs, in units of their forward: 2 (input and weight gradients), or 1
     under LoRA (input gradients only: its weights are frozen; the adapters' own are priced with their FLOPs)."""
     return 2.0 if model.lora is None else 1.0
+
+
+def kept_activations(model: ModelSpec, mode: str, nbytes: float) -> float:
+    """`nbytes` of a block's activations under recompute `mode` (plait.cost.activations), as a frozen base keeps
+    them (module docstring)."""
+    if model.lora is None or not (mode == "none" or (mode == "selective" and model.attention == "math")):
+        return nbytes
+    return nbytes * model.lora.activation_share

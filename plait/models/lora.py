@@ -124,13 +124,15 @@ def apply_lora(model: nn.Module, lora: Lora, blocks_path: str, model_name: str =
 
 
 def with_lora(spec, lora: Lora):
-    """`spec` with `lora` attached, its adapters counted on `meta` (Lora.adapter_params, whole_params); ConfigError
-    for a target that names no linear layer of the blocks."""
+    """`spec` with `lora` attached, its adapters counted and their blocks' activations measured on `meta`
+    (Lora.adapter_params, whole_params, activation_share); ConfigError for a target that names no linear layer of
+    the blocks."""
     from plait.models.adapter import adapter_for
 
     adapter = adapter_for(spec.replace(lora=None))
     model = adapter.build("meta")
     adapted = apply_lora(model, lora.settings(), adapter.blocks_path, spec.name)
+    share = activation_share(adapter, model)
     styles = _block_styles(adapter)
     total = whole = 0
     for path in adapted:
@@ -141,7 +143,51 @@ def with_lora(spec, lora: Lora):
         whole += a if style.startswith("colwise") else b if style.startswith("rowwise") else a + b
     layers = max(len(model.get_submodule(adapter.blocks_path)), 1)
     return spec.replace(lora=Lora(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout,
-                                  adapter_params=round(total / layers), whole_params=round(whole / layers)))
+                                  adapter_params=round(total / layers), whole_params=round(whole / layers),
+                                  activation_share=share))
+
+
+MEASURED_SEQ = 64
+"""Tokens of the sequence `activation_share` runs on meta (the share is a ratio per token: shapes only)."""
+
+
+def activation_share(adapter, adapted: nn.Module) -> float:
+    """Bytes autograd keeps for backward inside the blocks of `adapted` (the base frozen, adapters on it) over those
+    of the same model with every weight trained, over one forward of the whole model on meta (so the first block
+    sees the embedding's output as it does in training); 1 where the model cannot run on meta."""
+    from plait.models.adapter import get_module
+
+    def saved_in_blocks(model: nn.Module) -> float:
+        depth, saved = [0], {}
+        blocks = list(get_module(model, adapter.blocks_path).children())
+        hooks = [h for block in blocks for h in (
+            block.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1)),
+            block.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1)))]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            # a weight (or its transposed view, which mm keeps for the input's gradient) is no activation; held: a
+            # freed tensor's id would be reused
+            if depth[0] and not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
+                saved[id(tensor)] = (tensor, tensor.numel() * tensor.element_size())
+            return tensor
+
+        tokens = torch.zeros(1, MEASURED_SEQ, dtype=torch.long, device="meta")
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                adapter.forward(model, tokens)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return float(sum(nbytes for _, nbytes in saved.values()))
+
+    full = adapter.build("meta")
+    for param in full.parameters():
+        param.requires_grad_(True)
+    try:
+        frozen, trained = saved_in_blocks(adapted), saved_in_blocks(full)
+    except Exception:  # a class whose forward needs real values: priced as full fine-tuning
+        return 1.0
+    return min(frozen / trained, 1.5) if trained > 0 else 1.0
 
 
 def _block_styles(adapter) -> dict[str, str]:

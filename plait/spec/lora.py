@@ -34,6 +34,10 @@ class Lora:
     whole_params: int = 0
     """Measured: of `adapter_params`, those tensor parallelism keeps whole on every tensor rank (A of a
     column-wise projection, B of a row-wise one, both of a projection it does not split)."""
+    activation_share: float = 1.0
+    """Measured: what the blocks keep for backward with the base frozen, over what they keep with every weight
+    trained (autograd keeps no input for a frozen linear without an adapter, nor a frozen norm's normalized
+    input): the cost model scales a block's activations by it where nothing is recomputed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -47,6 +51,8 @@ class Lora:
         if not self.targets or not all(isinstance(t, str) and t.strip(".") for t in self.targets):
             raise ValueError(f"targets={list(self.targets)!r} must name the linear layers to adapt, e.g. "
                              f"[\"q_proj\", \"v_proj\"] or [\"{ALL_LINEAR}\"]")
+        if not 0 < self.activation_share <= 1.5:
+            raise ValueError(f"activation_share={self.activation_share!r} must lie in (0, 1.5]")
         if not 0 <= self.whole_params <= self.adapter_params:
             raise ValueError(f"whole_params={self.whole_params} must lie in [0, adapter_params="
                              f"{self.adapter_params}]")

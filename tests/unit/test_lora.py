@@ -79,6 +79,19 @@ def test_adapters_are_counted_and_split_as_tensor_parallelism_places_them(llama_
     assert spec.lora.whole_params == 4 * (q[0] + v[0] + o[1] + down[1])
 
 
+def test_a_frozen_base_keeps_fewer_activations(llama_dir: Path) -> None:
+    """Autograd keeps no input for a frozen projection without an adapter: with q and v alone the MLP's and the
+    output projection's inputs go; with every projection adapted nearly all is kept (each A keeps its input)."""
+    from plait.cost.trainable import kept_activations
+
+    qv = lora_spec(llama_dir, targets=("q_proj", "v_proj"))
+    every = lora_spec(llama_dir, targets=("all-linear",))
+    assert 0.6 < qv.lora.activation_share < 0.9 < every.lora.activation_share <= 1.1
+    assert kept_activations(qv, "none", 100.0) == pytest.approx(100.0 * qv.lora.activation_share)
+    assert kept_activations(qv, "full", 100.0) == 100.0, "full recompute keeps the block input either way"
+    assert kept_activations(qv.replace(lora=None), "none", 100.0) == 100.0
+
+
 def write_config(folder: Path, tmp_path: Path, lora: str) -> Path:
     config = tmp_path / "lora.toml"
     config.write_text(f'[model]\nfile = "{folder}"\nlora = {lora}\n[data]\ntokenizer = "byte"\n'
