@@ -154,7 +154,8 @@ MEASURED_SEQ = 64
 def activation_share(adapter, adapted: nn.Module) -> float:
     """Bytes autograd keeps for backward inside the blocks of `adapted` (the base frozen, adapters on it) over those
     of the same model with every weight trained, over one forward of the whole model on meta (so the first block
-    sees the embedding's output as it does in training); 1 where the model cannot run on meta."""
+    sees the embedding's output as it does in training); 1 where the model cannot run on meta. `adapted` is left as
+    it came."""
     from plait.models.adapter import get_module
 
     def saved_in_blocks(model: nn.Module) -> float:
@@ -165,10 +166,12 @@ def activation_share(adapter, adapted: nn.Module) -> float:
             block.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1)))]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            # a weight (or its transposed view, which mm keeps for the input's gradient) is no activation; held: a
-            # freed tensor's id would be reused
-            if depth[0] and not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
-                saved[id(tensor)] = (tensor, tensor.numel() * tensor.element_size())
+            # a weight (or its transposed view, which mm keeps for the input's gradient) is no activation; views of
+            # one tensor (a projection's input flattened by each linear that reads it) are one; held: a freed
+            # tensor's id would be reused
+            base = tensor if tensor._base is None else tensor._base
+            if depth[0] and not isinstance(base, nn.Parameter):
+                saved[id(base)] = (base, base.numel() * base.element_size())
             return tensor
 
         tokens = torch.zeros(1, MEASURED_SEQ, dtype=torch.long, device="meta")
@@ -180,13 +183,17 @@ def activation_share(adapter, adapted: nn.Module) -> float:
                 hook.remove()
         return float(sum(nbytes for _, nbytes in saved.values()))
 
-    full = adapter.build("meta")
-    for param in full.parameters():
-        param.requires_grad_(True)
+    trainable = {param: param.requires_grad for param in adapted.parameters()}
     try:
-        frozen, trained = saved_in_blocks(adapted), saved_in_blocks(full)
+        frozen = saved_in_blocks(adapted)
+        for param in trainable:  # the same model with every weight trained (its adapters' few r-wide tensors too)
+            param.requires_grad_(True)
+        trained = saved_in_blocks(adapted)
     except Exception:  # a class whose forward needs real values: priced as full fine-tuning
         return 1.0
+    finally:
+        for param, requires in trainable.items():
+            param.requires_grad_(requires)
     return min(frozen / trained, 1.5) if trained > 0 else 1.0
 
 
