@@ -21,6 +21,7 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -250,6 +251,7 @@ def worker(script: Path) -> None:
 
     init_distributed("gloo", 120)
     for item in json.loads(script.read_text()):
+        began = time.perf_counter()
         if item["kind"] == "check":
             run_check(item)
         else:
@@ -259,6 +261,8 @@ def worker(script: Path) -> None:
             config = config_from_dict(item["config"])
             loop._train(config, resolve_plan(config))
         dist.barrier()
+        if dist.get_rank() == 0:  # where the launch's time goes (pytest shows it when a test fails)
+            print(f"{item['kind']} {item.get('name', '')}: {time.perf_counter() - began:.1f} s", file=sys.stderr)
     dist.destroy_process_group()
 
 
