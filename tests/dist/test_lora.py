@@ -92,7 +92,7 @@ def train_config(root: Path, run: str) -> dict:
 def runs() -> Iterator[Path]:
     from plait.launch import run_local
 
-    root = Path(tempfile.mkdtemp(prefix="plait-lora-"))  # not under pytest's basetemp (pruned by other sessions)
+    root = Path(tempfile.mkdtemp(prefix="plait-lora-"))  # not under pytest's basetemp (other pytest runs prune it)
     try:
         build_base(root)
         items = [{"kind": "check", "name": name, "plan": str(write_plan(root, name, pins)),
