@@ -198,7 +198,11 @@ def checkpoint_generator(path: Path) -> Generator:
     step_dir, meta = checkpoint_step(path)
     plan = Plan.from_dict(meta["plan"])
     adapter = adapter_for(plan.model)
-    model = adapter.build("cpu")
+    model = adapter.build_adapted("cpu")
+    if plan.model.lora is not None:  # the checkpoint holds the adapters; the base is where the run started from
+        from plait.execute.lora_export import load_base
+
+        load_base(model, plan.model, meta)
     load_model_state(model, step_dir)
     adapter.reset_buffers(model)  # non-persistent buffers (rotary tables) are not in the checkpoint
     model.eval()

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from plait.torch_internals import StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
+from plait.execute.lora import trainable
 from plait.legality import DataParallelMode
 
 
@@ -120,8 +121,9 @@ def apply_ddp_if(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode) 
 
 def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, lr: float, weight_decay: float,
                     betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """AdamW over the parameters of this rank's stage modules; ZeRO-1 over DDP shards its states."""
-    params = [p for part in parts for p in part.parameters()]
+    """AdamW over the parameters of this rank's stage modules that train (a frozen base's adapters only: plait/execute/
+    lora.py); ZeRO-1 over DDP shards its states."""
+    params = trainable(p for part in parts for p in part.parameters())
     kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **_kernel(params))
     if zero == 1 and dp_mesh.size() > 1 and any(isinstance(p, DistributedDataParallel) for p in parts):
         # bucket views: each rank broadcasts its updated shard in one message, not one per parameter

@@ -172,7 +172,7 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
         try:
             mesh = build_mesh(plan.degrees, "cpu")
             with default_dtype(dtype):
-                stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
+                stage_ids, parts = split_model(adapter, adapter.build_adapted("meta"), plan, pp_rank)
             for part in parts:  # as shard_stage does before fully_shard (traced in between)
                 if plan.cp > 1:
                     apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError
 from plait.execute.state import local_shard, plain_named_parameters
+from plait.models.lora import is_adapter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -79,6 +80,8 @@ def load_hf_weights(parts: list[nn.Module], tied: dict[str, str], directory: str
     try:
         for part in parts:
             for name, param in plain_named_parameters(part, remove_duplicate=False):
+                if is_adapter(name):  # LoRA's adapters are not the checkpoint's: they start from the seed
+                    continue
                 key = _stored_name(name, files, tied)
 
                 def read(stored: str) -> torch.Tensor:

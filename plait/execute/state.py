@@ -42,11 +42,15 @@ def gather_full_state_dict(parts: list[nn.Module], pp_mesh: DeviceMesh, tied: di
     return {name: tensor for name, tensor in local.items() if not (name in tied and tied[name] in local)}
 
 
-def load_full_state_dict(parts: list[nn.Module], state: dict[str, torch.Tensor], tied: dict[str, str]) -> None:
+def load_full_state_dict(parts: list[nn.Module], state: dict[str, torch.Tensor], tied: dict[str, str],
+                         only: set[str] | None = None) -> None:
     """Load full tensors into this rank's (sharded) stages; every rank passes the same values, and each copies its
-    own shard (no communication). A tied alias takes its canonical parameter's value."""
+    own shard (no communication). A tied alias takes its canonical parameter's value. `only`: these names alone
+    (LoRA's adapters over a base loaded otherwise)."""
     for part in parts:
         for name, param in plain_named_parameters(part, remove_duplicate=False):
+            if only is not None and name not in only:
+                continue
             value = state.get(name, state.get(tied.get(name, name)))
             if value is None:
                 raise KeyError(f"state dict lacks {name!r}")

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 from plait.torch_internals import StridedShard
 
+from plait.execute.lora import with_adapters
 from plait.models.adapter import get_module
 
 
@@ -332,7 +333,7 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
                 continue
             # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
             inside = any(pattern.startswith(path + ".") for path in moe)
-            parallel = block_style(style, module, sequence_parallel and not inside)
+            parallel = with_adapters(block_style(style, module, sequence_parallel and not inside), module)
             if parallel is not None:
                 styles[pattern] = parallel
         parallelize_module(block, tp_mesh, styles)

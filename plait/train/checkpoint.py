@@ -427,13 +427,21 @@ def _broadcast_choice(root: Path) -> Found:
 
 
 # ---- state dicts keyed like the single-process model ----------------------------------------
-def _options():
+def _options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Sharded (not full) tensors: each rank writes and reads only its shards. Flattened optimizer
     # keys (state.<fqn>.exp_avg) name states by parameter, not by position, so pipeline stages and
     # ZeRO-1 shards -- each holding a different subset of parameters -- save and load independently.
-    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True, strict=strict)
+
+
+def _saved(model: Any, name: str) -> bool:
+    """Whether a checkpoint holds parameter `name`: every one, or a LoRA run's adapters alone (the frozen base is
+    the run's starting weights, [model] weights, which a resume loads again before the adapters)."""
+    from plait.models.lora import is_adapter
+
+    return model.plan.model.lora is None or is_adapter(name)
 
 
 def _container(model: Any):
@@ -470,7 +478,7 @@ def _plain_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, 
     container = _container(model)
     model_sd, optim_sd = get_state_dict(container, _local_optimizer(optimizer), options=_options())
     to_plain = {key: _strip_part(key) for key in model_sd}
-    plain = {"model": {to_plain[k]: v for k, v in model_sd.items()},
+    plain = {"model": {to_plain[k]: v for k, v in model_sd.items() if _saved(model, to_plain[k])},
              "optim": {_optim_key(k, to_plain): v for k, v in optim_sd.items()}}
     return plain, {v: k for k, v in to_plain.items()}
 
@@ -481,7 +489,7 @@ def _load_plain_state(model: Any, optimizer: Any, plain: dict[str, Any], to_layo
     model_sd = {to_layout[k]: v for k, v in plain["model"].items()}
     optim_sd = {_optim_key(k, to_layout): v for k, v in plain["optim"].items()}
     set_state_dict(_container(model), _local_optimizer(optimizer), model_state_dict=model_sd,
-                   optim_state_dict=optim_sd, options=_options())
+                   optim_state_dict=optim_sd, options=_options(strict=model.plan.model.lora is None))
 
 
 # ---- save ---------------------------------------------------------------------------------
@@ -686,11 +694,23 @@ def export_at_end(state: Any) -> Path | None:
     from plait.execute.hf_checkpoint import export_hf
 
     config = state.config
+    tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None
+    source = state.plan.model.source.removeprefix("hf:")
+    if config.checkpoint.export_adapter is not None:
+        from plait.execute.lora_export import export_adapter
+
+        folder = export_adapter(state.model, config.checkpoint.export_adapter, source, tokenizer)
+        if dist.get_rank() == 0:
+            print(f"plait: exported the LoRA adapters of step {state.step} to {folder} (peft's adapter folder)",
+                  file=sys.stderr, flush=True)
     if config.checkpoint.export_hf is None:
         return None
-    tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None
-    out = export_hf(state.model, config.checkpoint.export_hf, state.plan.model.source.removeprefix("hf:"), tokenizer)
+    from plait.execute.lora_export import export_merged  # LoRA: the adapters merged, a plain Hugging Face folder
+
+    write = export_hf if state.plan.model.lora is None else export_merged
+    out = write(state.model, config.checkpoint.export_hf, source, tokenizer)
     if dist.get_rank() == 0:
-        print(f"plait: exported the weights of step {state.step} to {out} (Hugging Face layout)", file=sys.stderr,
-              flush=True)
+        merged = ", LoRA adapters merged" if state.plan.model.lora is not None else ""
+        print(f"plait: exported the weights of step {state.step} to {out} (Hugging Face layout{merged})",
+              file=sys.stderr, flush=True)
     return out

@@ -2,7 +2,8 @@
 
     [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json),
                                                   # or module = "pkg.mod:factory" (one of the three);
-                                                  # weights = "pretrained": start from the HF checkpoint in `file`
+                                                  # weights = "pretrained": start from the HF checkpoint in `file`;
+                                                  # lora = {rank = 16, targets = ["q_proj", "v_proj"]}: adapters
     [data]       source = "shipped"               # or "text" / "jsonl" / "tokens" with path (and dtype);
                                                   # tokenizer = "byte" or a folder with tokenizer.json
     [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
@@ -33,6 +34,7 @@ from typing import Any, Literal
 from plait.errors import ConfigError
 from plait.spec import TrainSpec
 from plait.spec._dict import from_dict, to_dict
+from plait.spec.lora import Lora
 
 
 DEFAULT_PRESET = "tiny-gpt"
@@ -59,6 +61,9 @@ class ModelConfig:
     """The initial weights: "seed" (drawn from train.seed), or "pretrained": the Hugging Face checkpoint in the
     folder of `file` (model.safetensors, or shards listed by model.safetensors.index.json), each rank reading
     only its own slices (plait.execute.hf_checkpoint)."""
+    lora: Lora | None = None
+    """Train low-rank adapters on the frozen model instead of every weight: {rank, alpha, targets, dropout}
+    (plait.spec.lora; docs/lora.md), e.g. {rank = 16, alpha = 32, targets = ["q_proj", "v_proj"]}."""
 
     def __post_init__(self) -> None:
         named = [key for key in ("preset", "file", "module") if getattr(self, key)]
@@ -215,6 +220,10 @@ class CheckpointConfig:
     tokenizer files) that `from_pretrained` loads; a Hugging Face model only. None: no export."""
     export_overwrite: bool = False
     """Let export_hf replace the weights in a folder that is not empty (refused otherwise, before training)."""
+    export_adapter: str | None = None
+    """With [model] lora: at the end of training, also write the adapters as peft's adapter folder here
+    (adapter_config.json, adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base;
+    export_hf then writes the adapters merged into the weights."""
 
     def __post_init__(self) -> None:
         if self.start_over and not self.resume:

@@ -22,7 +22,17 @@ DEFAULT_DEVICES = 2
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
-    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset."""
+    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset; with its LoRA
+    adapters counted on meta (plait.models.lora.with_lora) where [model] lora asks for them."""
+    spec = _resolve_base_model(config)
+    if config.lora is None:
+        return spec
+    from plait.models.lora import with_lora
+
+    return with_lora(spec, config.lora)
+
+
+def _resolve_base_model(config: ModelConfig) -> ModelSpec:
     if config.module:
         if config.path:
             import_path(config.path)
@@ -62,6 +72,15 @@ def check_export(config: Config, model: ModelSpec) -> None:
     from plait.outputs import filled_dir
     from plait.train.checkpoint import exports_here
 
+    if config.checkpoint.export_adapter is not None:
+        if model.lora is None:
+            raise ConfigError("checkpoint.export_adapter writes LoRA adapters, but the model has none; set "
+                              "model.lora or unset export_adapter")
+        if not model.source.startswith("hf:"):
+            raise ConfigError(f"checkpoint.export_adapter writes a peft folder for a Hugging Face model, but the model "
+                              f"{model.name!r} is not one; set model.file to a Hugging Face model folder")
+        filled_dir(config.checkpoint.export_adapter, "checkpoint.export_adapter", config.checkpoint.export_overwrite,
+                   "set checkpoint.export_overwrite=true")
     if config.checkpoint.export_hf is None:
         return
     if not model.source.startswith("hf:"):
@@ -141,7 +160,7 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     if config.plan.file == "auto":
         plan = auto_plan(config, model, num_devices)
     else:
-        plan = Plan.from_json(config.plan.file)
+        plan = with_config_lora(Plan.from_json(config.plan.file), model)
         if config.train.precision and config.train.precision != plan.train.precision:
             # Precision changes memory, not legality: the config may run a plan file in another dtype.
             plan = plan.replace(train=dataclasses.replace(plan.train, precision=config.train.precision))
@@ -152,6 +171,17 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
             f"{num_devices} processes were asked for; use --nproc {plan.num_devices} or another plan"
         )
     return plan
+
+
+def with_config_lora(plan: Plan, model: ModelSpec) -> Plan:
+    """A plan file's model with the config's LoRA alpha and dropout, where the adapters are the same (rank, targets:
+    what the plan priced); `plait plan --lora-rank` writes peft's default alpha."""
+    planned, wanted = plan.model.lora, model.lora
+    if planned is None or wanted is None or planned == wanted:
+        return plan
+    if (planned.rank, planned.targets, planned.adapter_params) != (wanted.rank, wanted.targets, wanted.adapter_params):
+        return plan
+    return plan.replace(model=plan.model.replace(lora=wanted))
 
 
 def plan_for_world(config: Config, world_size: int) -> Plan:
@@ -201,6 +231,11 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     from plait import legality
 
     diff = _first_difference(plan.model, model, ignore=NOT_THE_MODULE)
+    if diff and diff[0] == "lora":
+        _, planned, wanted = diff
+        how = (f"--lora-rank {wanted.rank} --lora-targets {','.join(wanted.targets)}" if wanted else "without --lora-rank")
+        raise ConfigError(f"the plan is for {model.name} with {_lora_words(planned)} but the config trains it with "
+                          f"{_lora_words(wanted)}; make a plan for it with `plait plan --model ... {how} --json FILE`")
     if diff:
         key, planned, wanted = diff
         raise ConfigError(
@@ -220,6 +255,10 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"train.{refusal}")
     check_hf_run(config, model)
     check_export(config, model)
+
+
+def _lora_words(lora: Any) -> str:
+    return f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora is not None else "every weight trained (no LoRA)"
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:
