@@ -1,4 +1,5 @@
-"""Which rows of the global batch each rank trains on, and the synthetic batches `check` uses.
+"""Which rows of the global batch each rank trains on, and the synthetic batches `check` uses (random tokens; with
+`chat`, targets masked as chat training masks its prompts).
 
 Data-parallel rank r takes rows r·local:(r+1)·local of the global batch (local =
 micro_batch · num_micro_batches); ranks of one tensor group and of one pipeline take the
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from plait.models.adapter import IGNORE_INDEX
 from plait.plan import Plan
 
 
@@ -26,3 +28,22 @@ def batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor, torc
     stream = torch.randint(0, plan.model.vocab_size, (plan.train.global_batch, plan.train.seq_len + 1),
                            generator=generator)
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def chat_batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_for_step` with its targets masked as chat training masks them (plait.train.chat): each row alternates
+    untrained prompt spans and trained answer spans of random lengths, so rows, and the micro-batches and ranks
+    holding them, train very different numbers of tokens; the last row is all prompt (no trained target at all)."""
+    tokens, targets = batch_for_step(plan, seed, step)
+    generator = torch.Generator().manual_seed(seed * 7919 + step + 104729)
+    rows, length = targets.shape
+    trained = torch.zeros(rows, length, dtype=torch.bool)
+    for row in range(rows - 1 if rows > 1 else rows):
+        position, answer = 0, False
+        while position < length:
+            span = int(torch.randint(1, max(2, length // 2), (1,), generator=generator))
+            trained[row, position:position + span] = answer
+            position, answer = position + span, not answer
+        if not trained[row].any():  # every row but the last trains something
+            trained[row, -1] = True
+    return tokens, targets.masked_fill(~trained, IGNORE_INDEX)

@@ -45,6 +45,7 @@ from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, pi
 from plait.execute.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
+from plait.execute.step_loss import StepLoss
 from plait.execute.state import gather_full_state_dict, load_full_state_dict, plain_named_parameters
 from plait.execute.tensor import apply_tp
 from plait.execute.tied import ReplicatedGradients, TiedGradients
@@ -153,10 +154,13 @@ class ParallelModel:
         self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
                            ReplicatedGradients(model_parts, "experts_replicated", mesh["edp_cp"], data_mesh(mesh).size())]
         self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())
+        self.step_loss = StepLoss(adapter.loss_sum)  # the step's token mean, whatever the layout (step_loss.py)
         self.schedule = None
         if plan.pp > 1:
-            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, adapter.loss,
-                                           buffers=pipeline_buffers)
+            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, self.step_loss,
+                                           buffers=pipeline_buffers, scale_grads=False)
+            for part in model_parts:  # the balance loss weighs like the loss: each micro-batch's share of the step
+                set_aux_scale(part, 1.0 / plan.num_micro_batches)
 
     # ---- ranks ------------------------------------------------------------------
     @property
@@ -205,8 +209,9 @@ class ParallelModel:
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward over this dp rank's rows ([micro_batch · num_micro_batches, seq]);
-        returns the mean token cross-entropy over the global batch, the same on every rank.
-        Gradients are left in the parameters, complete (tied copies summed); the optimizer is not stepped."""
+        returns the step's loss, the mean cross-entropy over the trained tokens of the global batch (step_loss.py),
+        the same on every rank. Gradients are left in the parameters, complete (tied copies summed), those of that
+        mean; the optimizer is not stepped."""
         expected = (self.plan.micro_batch * self.plan.num_micro_batches, self.plan.train.seq_len)
         if tuple(tokens.shape) != expected or tuple(targets.shape) != expected:
             raise ValueError(f"tokens/targets must be {list(expected)} (this dp rank's rows), got "
@@ -214,12 +219,18 @@ class ParallelModel:
         if self.plan.cp > 1:  # this context rank's tokens of every sequence (plait/execute/context.py)
             tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
         tokens, targets = tokens.to(self.device), targets.to(self.device)
+        self._start_step(targets)
         with self._compute_context():
             local = self._pipeline_step(tokens, targets) if self.schedule else self._accumulate(tokens, targets)
         for replicated in self.replicated:
             replicated.sync()
         self.tied.sync()
         return self._global_mean(local)
+
+    def _start_step(self, targets: torch.Tensor) -> None:
+        """The step's trained tokens, counted over the data and context ranks (one all-reduce of a count)."""
+        shared = data_mesh(self.mesh)
+        self.step_loss.start(targets, shared.get_group() if shared.size() > 1 else None, shared.size())
 
     def _accumulate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation over micro-batches; the dp reduction runs only on the last one."""
@@ -232,7 +243,7 @@ class ParallelModel:
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
             last = index == count - 1
             with gradient_sync(self.model_parts, enabled=every or last, keep_gathered=keep, last=last):
-                loss = self.adapter.loss(model(tok), tgt) / count
+                loss = self.step_loss(model(tok), tgt)
                 loss.backward()
             total += _scalar(loss.detach()).double()
         return total
@@ -245,7 +256,7 @@ class ParallelModel:
             return torch.zeros((), device=self.device, dtype=torch.float64)
         losses: list[torch.Tensor] = []
         run(*args, target=targets, losses=losses, **_NO_OUTPUTS)
-        return torch.stack([_scalar(loss.detach()).double() for loss in losses]).mean()
+        return torch.stack([_scalar(loss.detach()).double() for loss in losses]).sum()  # each its share already
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -254,6 +265,7 @@ class ParallelModel:
         if self.plan.cp > 1:
             tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
         tokens, targets = tokens.to(self.device), targets.to(self.device)
+        self._start_step(targets)
         with self._compute_context():
             if self.schedule is not None:
                 local = self._pipeline_step(tokens, targets, forward_only=True)
@@ -261,19 +273,19 @@ class ParallelModel:
                 count = self.plan.num_micro_batches
                 local = torch.zeros((), device=self.device, dtype=torch.float64)
                 for tok, tgt in zip(tokens.chunk(count), targets.chunk(count)):
-                    local += _scalar(self.adapter.loss(self.model_parts[0](tok), tgt)).double() / count
+                    local += _scalar(self.step_loss(self.model_parts[0](tok), tgt)).double()
         return self._global_mean(local)
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        """Only the last pipeline rank holds the loss; tensor ranks hold equal copies; data and context ranks each
-        the mean over as many tokens."""
+        """The step's loss from this rank's shares (step_loss.py): only the last pipeline rank holds them; tensor
+        ranks hold equal copies; data and context ranks each their pieces'."""
         value = local.detach().double().reshape(1).clone()
         if self.plan.pp > 1:
             dist.all_reduce(value, group=self.mesh["pp"].get_group())
         shared = data_mesh(self.mesh)
         if shared.size() > 1:
             dist.all_reduce(value, group=shared.get_group())
-        return value.item() / shared.size()
+        return self.step_loss.value(value.item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most max_norm; returns the norm before (clip_grad_norm;

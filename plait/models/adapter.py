@@ -88,6 +88,11 @@ class StageContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _loss_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def get_module(root: nn.Module, path: str) -> nn.Module | None:
     module = root
     for part in path.split("."):
@@ -186,14 +191,19 @@ class ModelAdapter:
         return model(tokens)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one (micro-)batch; logits [b, s, V], targets [b, s]."""
-        # at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        """Mean next-token cross-entropy over the trained targets of a whole batch; logits [b, s, V], targets [b, s].
+        What one process computes for a step (plait.execute.reference); a parallel step assembles the same mean from
+        `loss_sum` over its pieces (plait.execute.step_loss)."""
         if not targets.is_meta and not bool((targets != IGNORE_INDEX).any()):  # meta: a dry run's trace, no data
             # every target masked (a chat window with no assistant token): the mean would be 0/0 = NaN and poison the
             # gradients; a zero with the graph attached trains nothing instead (plait.train.chat counts such windows)
-            return logits.sum() * 0.0
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            return self.loss_sum(logits, targets)
+        return F.cross_entropy(_loss_logits(logits).flatten(0, 1), targets.flatten(0, 1))
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the next-token cross-entropies of the trained targets (IGNORE_INDEX skipped): 0, with the graph
+        attached, where none is trained."""
+        return F.cross_entropy(_loss_logits(logits).flatten(0, 1), targets.flatten(0, 1), reduction="sum")
 
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:

@@ -115,10 +115,11 @@ def split_flags(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unanswered(rows: np.ndarray) -> int:
     """Windows (rows of seq_len + 1 tokens) of a flagged stream none of whose targets is trained: a window that falls
-    wholly inside prompts, whose loss is 0 rather than the NaN of a mean over no token."""
+    wholly inside prompts, which weighs nothing in the step's token mean (plait.execute.step_loss)."""
     return int((rows[:, 1:] >= NO_LOSS).all(axis=1).sum()) if rows.dtype == np.uint32 else 0
 
 
 def unanswered_note(count: int) -> str:
-    return (f"{count} window(s) trained on held no assistant token (prompts only): their loss counted 0, not NaN; a "
-            f"longer train.seq_len, or shorter prompts, puts answers in every window")
+    return (f"{count} window(s) trained on held no assistant token (prompts only): they weighed nothing (the loss is "
+            f"the mean over each step's trained tokens); a longer train.seq_len, or shorter prompts, puts answers in "
+            f"every window")

@@ -512,8 +512,8 @@ class BatchLoader:
         self.position = LoaderPosition()
         self._order: tuple[int, np.ndarray, int] | None = None  # (epoch, window order, shift)
         self.unanswered_windows = 0
-        """Windows of the global batches so far with no trained target (chat mode: no assistant token); their loss
-        counts 0 (plait.models.adapter)."""
+        """Windows of the global batches so far with no trained target (chat mode: no assistant token); they weigh
+        nothing in the step's loss (plait.execute.step_loss)."""
 
     # -- iteration --
     def __iter__(self) -> Iterator[tuple[Any, Any]]:

@@ -62,7 +62,7 @@ def _spec(model: str, layers: int) -> ModelSpec:
 
 
 def make_plan(case: dict) -> Plan:
-    kwargs = {k: v for k, v in case.items() if k not in ("name", "model", "clip", "world", "layers", "broken")}
+    kwargs = {k: v for k, v in case.items() if k not in ("name", "model", "clip", "world", "layers", "broken", "chat")}
     kwargs.setdefault("micro_batch", 1)
     kwargs.setdefault("num_micro_batches", 2)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
@@ -105,6 +105,12 @@ CASES: list[dict] = [
     _case("hf-llama-cp2-all-to-all", "hf:llama", 2, cp=2, context_parallel="all_to_all"),
     _case("pp2-zbv", "llama", 2, pp=2, schedule="zbv", interleave=2, num_micro_batches=4),
     _case("pp2-dualpipev", "gpt", 2, pp=2, schedule="dualpipev", interleave=2, num_micro_batches=4),
+    # chat-masked targets (rows training different numbers of tokens, one none), one global batch of 4 cut four
+    # ways: the step's loss is its token mean under each, the same as one process's (plait.execute.step_loss)
+    _case("chat-hf-llama-dp2", "hf:llama", 2, chat=True, dp=2),
+    _case("chat-hf-llama-tp2", "hf:llama", 2, chat=True, tp=2, micro_batch=2),
+    _case("chat-hf-llama-pp2", "hf:llama", 2, chat=True, pp=2, schedule="1f1b", num_micro_batches=4),
+    _case("chat-llama-cp2", "llama", 2, chat=True, cp=2, context_parallel="all_gather", num_micro_batches=4),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
     _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------
