@@ -14,9 +14,12 @@ What plait changes when it builds a model, and why:
 * attention runs through ``"plait_sdpa"``, transformers' own SDPA function registered under a name of
   plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
   math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
-  exchange keys and values; no mask function is registered under that name, so the class passes no mask and
-  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window), except
-  for a class whose layers read the mask themselves (HFAdapter.needs_causal_mask: a 4-D causal one);
+  exchange keys and values. transformers' SDPA mask function is registered under that name too, so the class
+  builds the masks it declares, layer by layer: none where attention is plain causal (SDPA's causal path), its
+  sliding window on the layers that slide (Mistral, Starcoder2, Qwen2's window layers, Gemma 2/3's local ones),
+  and the block-diagonal mask of packed documents that transformers reads from position ids restarting at 0.
+  Context parallelism's attention applies the window itself (plait/execute/context.py). A class whose layers
+  read the mask themselves gets a 4-D causal one (HFAdapter.needs_causal_mask);
 * parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
   (HFAdapter.untrained_parameters);
 * after `to_empty`, every buffer is copied from the class's own construction with parameters on meta (they
@@ -63,6 +66,7 @@ def _register_attention() -> None:
     """transformers' SDPA attention under plait's name; checkpointed where a module asks for it."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import checkpoint
 
@@ -77,8 +81,10 @@ def _register_attention() -> None:
         if core is None:
             fn, args = functools.partial(attend, **kwargs), (module, query, key, value, attention_mask)
         else:  # context parallelism: plait's core exchanges keys and values ([b, heads, s, d]; HF wants [b, s, h, d])
+            window = kwargs.get("sliding_window")  # what the class passes its layers that slide (None: full)
+
             def fn(q, k, v):
-                return core(q, k, v, scale=kwargs.get("scaling")).transpose(1, 2).contiguous(), None
+                return core(q, k, v, scale=kwargs.get("scaling"), window=window).transpose(1, 2).contiguous(), None
             args = (query, key, value)
         if getattr(module, "plait_recompute", False):
             return checkpoint(fn, *args, use_reentrant=False)
@@ -92,11 +98,13 @@ def _register_attention() -> None:
         if getattr(module, "plait_attention", None) is not None:  # never attend to local keys only in silence
             raise NotImplementedError(f"{type(module).__name__} runs its class's own eager attention, which context "
                                       f"parallelism cannot swap; use cp=1")
-        if attention_mask is None:
+        if attention_mask is None:  # plain causal: the mask function skipped it, as it does for SDPA
             q_len, k_len = query.shape[-2], key.shape[-2]
-            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-            attention_mask = torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device).masked_fill(
-                ~allowed, torch.finfo(query.dtype).min)[None, None]
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        if attention_mask.dtype == torch.bool:  # the class's eager code adds its mask to the scores
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+            attention_mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]
         own = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
         fn = functools.partial(own, **kwargs)
         if getattr(module, "plait_recompute", False):
@@ -105,6 +113,9 @@ def _register_attention() -> None:
 
     AttentionInterface.register(ATTENTION, plait_sdpa)
     AttentionInterface.register(EAGER, plait_eager)
+    # the masks the class declares (windows, packed documents), as boolean masks or None where plain causal
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(EAGER, sdpa_mask)
 
 
 WRITTEN_TP_PLANS: dict[str, dict[str, Any]] = {

@@ -139,8 +139,9 @@ class ModelSpec:
     """The attention core's path: "fused" (SDPA's flash / memory-efficient kernels, the default) or "math"
     (unfused, keeps the s x s probabilities); see the module docstring."""
     sliding_window: int | None = None
-    """Attention window of the model's own code (Mistral); plait runs full causal attention, so seq_len must
-    stay within it."""
+    """Attention window of the model's own code (Mistral, Starcoder2, Gemma's local layers): a query attends to the
+    keys fewer than this many positions behind it. A Hugging Face class runs its own window masks at any seq_len;
+    plait's own decoders have none, so there seq_len must stay within it (plait.legality)."""
     num_experts: int = 0
     """Experts of each mixture-of-experts MLP (0: a dense model)."""
     experts_per_token: int = 0

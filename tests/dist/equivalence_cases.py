@@ -111,6 +111,13 @@ CASES: list[dict] = [
     _case("chat-hf-llama-tp2", "hf:llama", 2, chat=True, tp=2, micro_batch=2),
     _case("chat-hf-llama-pp2", "hf:llama", 2, chat=True, pp=2, schedule="1f1b", num_micro_batches=4),
     _case("chat-llama-cp2", "llama", 2, chat=True, cp=2, context_parallel="all_gather", num_micro_batches=4),
+    # sliding windows (6 tokens) shorter than the sequence (16), as the class declares them, against the class's own
+    # masks on one process; context parallelism applies the window itself
+    _case("window-starcoder2-dp2", "hf:starcoder2-window", 2, dp=2),
+    _case("window-mistral-tp2-sp", "hf:mistral-window", 2, tp=2, sequence_parallel=True),
+    _case("window-gemma2-pp2", "hf:gemma2-window", 2, pp=2, schedule="1f1b", num_micro_batches=4),
+    _case("window-qwen2-cp2-all-to-all", "hf:qwen2-window", 2, cp=2, context_parallel="all_to_all"),
+    _case("window-starcoder2-cp2-all-gather", "hf:starcoder2-window", 2, cp=2, context_parallel="all_gather"),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
     _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------

@@ -1,0 +1,70 @@
+"""The attention a Hugging Face class declares, as plait runs it on one process: sliding windows (every layer, the last
+layers, every other layer under the class's eager attention) give the class's own logits at a sequence longer than
+the window (its "eager" implementation, masks and all), not full causal attention's; plans longer than the window
+are legal for such a class, refused for plait's own decoders, which have none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait import legality
+from plait.models import adapter_for
+from plait.models.hf_tiny import WINDOWED_CONFIGS, write_tiny_config
+from plait.plan import Plan
+from plait.spec import TrainSpec
+from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.load import load_model
+from plait.spec.models import MODEL_PRESETS
+
+SEQ = 16  # the windows are 6 tokens
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windowed")
+    return {family: write_tiny_config(family, root / family) for family in WINDOWED_CONFIGS}
+
+
+def _class_model(folder, state, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder), **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(WINDOWED_CONFIGS))
+def test_windowed_layers_compute_the_class_own_attention_past_the_window(windowed, family):
+    spec = load_model(str(windowed[family]))
+    assert spec.sliding_window == 6
+    adapter = adapter_for(spec)
+    model = adapter.build("cpu")
+    adapter.initialize(model, seed=0)
+    model.double().eval()
+    tokens = torch.randint(0, 60, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = adapter.forward(model, tokens)
+        own = _class_model(windowed[family], model.state_dict())(input_ids=tokens).logits
+        unwindowed = _class_model(windowed[family], model.state_dict(), sliding_window=4096)(input_ids=tokens).logits
+    assert (ours - own).abs().max() < 1e-6
+    assert (ours - unwindowed).abs().max() > 1e-3, "the window changes the logits: this test would see it missing"
+
+
+def _plan(model, seq_len: int, **degrees) -> Plan:
+    micro_batches = degrees.get("pp", 1)
+    return Plan.of(model=model, cluster=CLUSTER_PRESETS["local-cpu"], micro_batch=1, num_micro_batches=micro_batches,
+                   train=TrainSpec(global_batch=degrees.get("dp", 1) * micro_batches, seq_len=seq_len,
+                                   precision="fp32"), **degrees)
+
+
+def test_a_class_with_a_window_plans_any_sequence_and_plait_decoders_are_refused_past_theirs(windowed):
+    starcoder = load_model(str(windowed["starcoder2-window"]))
+    for degrees in ({"dp": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}):
+        legality.check(_plan(starcoder, 64, **degrees))  # the issue's starcoder2: window 6 here, sequence 64
+    own = MODEL_PRESETS["tiny-llama"].replace(sliding_window=8)
+    problems = legality.plan_problems(_plan(own, 16))
+    assert [p.rule for p in problems] == ["seq-len-within-window"]
+    assert "use seq_len <= 8" in problems[0].message
+    assert not legality.plan_problems(_plan(own, 8))
