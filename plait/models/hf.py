@@ -18,7 +18,8 @@ What plait changes when it builds a model, and why:
   builds the masks it declares, layer by layer: none where attention is plain causal (SDPA's causal path), its
   sliding window on the layers that slide (Mistral, Starcoder2, Qwen2's window layers, Gemma 2/3's local ones),
   and the block-diagonal mask of packed documents that transformers reads from position ids restarting at 0.
-  Context parallelism's attention applies the window itself (plait/execute/context.py). A class whose layers
+  A window far shorter than the sequence is computed band by band (plait.models.windows: about 2·s·W scores
+  instead of s²); context parallelism's attention applies the window itself (plait/execute/context.py). A class whose layers
   read the mask themselves gets a 4-D causal one (HFAdapter.needs_causal_mask);
 * parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
   (HFAdapter.untrained_parameters);
@@ -43,6 +44,7 @@ from plait.models.hf_experts import moe_tensor_styles
 from plait.models.hf_flow import whole_module
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
+from plait.models.windows import banded_attention, layer_window, runs_banded
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
@@ -71,10 +73,17 @@ def _register_attention() -> None:
     from torch.utils.checkpoint import checkpoint
 
     def attend(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        window = layer_window(module, kwargs)
+        if runs_banded(query, key, attention_mask, window, kwargs):  # a window far shorter than the sequence
+            def run():
+                return banded_attention(query, key, value, attention_mask, window, kwargs.get("scaling")), None
+        else:
+            def run():
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if getattr(module, "plait_math", False):  # ModelSpec.attention = "math": SDPA's unfused backend
             with sdpa_kernel(SDPBackend.MATH):
-                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+                return run()
+        return run()
 
     def plait_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
         core = getattr(module, "plait_attention", None)

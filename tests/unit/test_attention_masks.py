@@ -68,3 +68,28 @@ def test_a_class_with_a_window_plans_any_sequence_and_plait_decoders_are_refused
     assert [p.rule for p in problems] == ["seq-len-within-window"]
     assert "use seq_len <= 8" in problems[0].message
     assert not legality.plan_problems(_plan(own, 8))
+
+
+@pytest.mark.parametrize("seq,window,kv_heads", [(16, 5, 2), (23, 4, 4), (40, 6, 1)])
+def test_band_by_band_attention_equals_sdpa_over_the_whole_masked_square(seq, window, kv_heads):
+    """Forward and backward, a window with packed documents on top, grouped keys, a sequence not a whole number of
+    chunks (its padded queries must not turn a softmax row empty)."""
+    import torch.nn.functional as F
+
+    from plait.models.windows import banded_attention
+
+    generator = torch.Generator().manual_seed(seq)
+    q = torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+            for _ in range(2))
+    behind = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+    documents = (torch.rand(2, seq, generator=generator) < 0.15).cumsum(1)
+    mask = ((behind >= 0) & (behind < window))[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
+                                           attn_mask=mask).transpose(1, 2)
+    banded = banded_attention(q, k, v, mask, window)
+    torch.testing.assert_close(banded, dense, rtol=0, atol=1e-13)
+    weights = torch.randn(dense.shape, dtype=torch.float64, generator=generator)
+    for ours, theirs in zip(torch.autograd.grad((banded * weights).sum(), (q, k, v)),
+                            torch.autograd.grad((dense * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-13)
