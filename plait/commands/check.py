@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also clip gradients to this global norm each step")
     parser.add_argument("--chat", action="store_true",
                         help="mask the targets as chat training does (prompt spans untrained, one window with no "
-                             "answer): proves the loss is the step's token mean under the plan")
+                             "answer), rows packing several conversations kept apart where the model does: proves "
+                             "the loss is the step's token mean under the plan, and the documents' attention")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="dtype of both runs (default float64, which makes the verdict decisive)")
     parser.add_argument("--loss-tol", type=float, default=None, help="largest relative loss difference "

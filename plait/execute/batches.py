@@ -30,12 +30,16 @@ def batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor, torc
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
-def chat_batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chat_batch_for_step(plan: Plan, seed: int, step: int, documents: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`batch_for_step` with its targets masked as chat training masks them (plait.train.chat): each row alternates
     untrained prompt spans and trained answer spans of random lengths, so rows, and the micro-batches and ranks
-    holding them, train very different numbers of tokens; the last row is all prompt (no trained target at all)."""
+    holding them, train very different numbers of tokens; the last row is all prompt (no trained target at all).
+    With `documents`, rows hold packed conversations too: the third element gives each token's position in its
+    conversation (plait.train.documents), else it is None."""
     tokens, targets = batch_for_step(plan, seed, step)
     generator = torch.Generator().manual_seed(seed * 7919 + step + 104729)
+    positions = packed_positions(targets.shape, generator) if documents else None
     rows, length = targets.shape
     trained = torch.zeros(rows, length, dtype=torch.bool)
     for row in range(rows - 1 if rows > 1 else rows):
@@ -46,4 +50,18 @@ def chat_batch_for_step(plan: Plan, seed: int, step: int) -> tuple[torch.Tensor,
             position, answer = position + span, not answer
         if not trained[row].any():  # every row but the last trains something
             trained[row, -1] = True
-    return tokens, targets.masked_fill(~trained, IGNORE_INDEX)
+    return tokens, targets.masked_fill(~trained, IGNORE_INDEX), positions
+
+
+def packed_positions(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """Position ids [rows, seq] of rows packing one to three documents each (cut at random places): 0 where a
+    document begins, counting up within it."""
+    rows, length = shape
+    positions = torch.empty(rows, length, dtype=torch.long)
+    for row in range(rows):
+        cuts = sorted(set(torch.randint(1, length, (int(torch.randint(0, 3, (1,), generator=generator)),),
+                                        generator=generator).tolist()))
+        starts = [0, *cuts]
+        for start, end in zip(starts, [*cuts, length]):
+            positions[row, start:end] = torch.arange(end - start)
+    return positions

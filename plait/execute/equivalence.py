@@ -34,6 +34,7 @@ import torch.distributed as dist
 from plait.execute.batches import batch_for_step, chat_batch_for_step, dp_shard
 from plait.execute.parallelize import parallelize
 from plait.execute.reference import single_process_reference
+from plait.models import adapter_for
 from plait.plan import Plan
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -76,9 +77,12 @@ class CheckSettings:
     numbers of tokens, one none; the step's loss must still be its token mean under every plan."""
 
     def batches(self, plan: Plan):
-        """step -> (tokens, targets) of the whole global batch, the same on every rank and on the reference."""
-        make = chat_batch_for_step if self.chat else batch_for_step
-        return lambda step: make(plan, self.seed, step)
+        """step -> (tokens, targets, positions or None) of the whole global batch, the same on every rank and on the
+        reference; chat batches pack documents where the model keeps them apart (ModelAdapter.takes_positions)."""
+        if not self.chat:
+            return lambda step: (*batch_for_step(plan, self.seed, step), None)
+        documents = adapter_for(plan.model).takes_positions
+        return lambda step: chat_batch_for_step(plan, self.seed, step, documents)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +173,9 @@ def run_parallel(plan: Plan, settings: CheckSettings, initial_state: dict[str, t
     losses, norms, first_grads = [], [], {}
     batches = settings.batches(plan)
     for step in range(settings.steps):
-        tokens, targets = batches(step)
-        loss = model.train_step(dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank))
+        tokens, targets, positions = batches(step)
+        loss = model.train_step(dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank),
+                                None if positions is None else dp_shard(plan, positions, model.dp_rank))
         if step == 0:
             first_grads = model.full_gradients()
         if settings.max_norm is not None:

@@ -90,6 +90,13 @@ class PlacedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.group_rank = position  # what the schedules read as this stage's pipeline rank
         self.position_ranks = position_ranks
+        self.before_chunk: Callable[[int], None] | None = None
+        """Called with the micro-batch's index before each forward (its documents' positions, parallelize.py)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self.before_chunk is not None:
+            self.before_chunk(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def _resolve_peer_global_rank(self, stage_idx: int) -> int:
         return self.position_ranks[self.stage_index_to_group_rank[stage_idx]]

@@ -82,7 +82,8 @@ class TensorPlan:
 @dataclass
 class StageContext:
     """What the blocks of one stage need besides the hidden states: the global positions of this rank's tokens
-    (under context parallelism a slice of the sequence), and the adapter's per-step tables."""
+    (under context parallelism a slice of the sequence; [rows, s] position ids restarting at each document of the
+    micro-batch running, where the adapter takes_positions), and the adapter's per-step tables."""
 
     positions: torch.Tensor
     extra: dict[str, Any] = field(default_factory=dict)
@@ -186,8 +187,15 @@ class ModelAdapter:
     def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of the whole single-process model (its author's own forward)."""
+    takes_positions: bool = False
+    """Whether the model runs packed documents apart from per-token position ids (`forward`'s `positions`, a stage's
+    StageContext.positions [rows, s]): its attention stays within each document and positions restart there
+    (plait.train.documents). plait's own decoders and a user's module do not: they attend across documents."""
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the whole single-process model (its author's own forward); `positions`: see takes_positions."""
+        if positions is not None:
+            raise ValueError(f"{type(self).__name__} takes no document positions (takes_positions is False)")
         return model(tokens)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

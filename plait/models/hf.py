@@ -93,7 +93,8 @@ def _register_attention() -> None:
             window = kwargs.get("sliding_window")  # what the class passes its layers that slide (None: full)
 
             def fn(q, k, v):
-                return core(q, k, v, scale=kwargs.get("scaling"), window=window).transpose(1, 2).contiguous(), None
+                return core(q, k, v, scale=kwargs.get("scaling"), window=window,
+                            positions=kwargs.get("position_ids")).transpose(1, 2).contiguous(), None
             args = (query, key, value)
         if getattr(module, "plait_recompute", False):
             return checkpoint(fn, *args, use_reentrant=False)
@@ -291,7 +292,7 @@ class HFAdapter(ModelAdapter):
         """What the class passes each layer (rotary tables of the whole sequence, masks, position ids), by layer
         index: found by running its forward around stubs on a stand-in of the full sequence (under sequence
         parallelism `hidden` holds a slice)."""
-        full = hidden.new_zeros(hidden.shape[0], len(ctx.positions), hidden.shape[-1])
+        full = hidden.new_zeros(hidden.shape[0], ctx.positions.shape[-1], hidden.shape[-1])
         calls, _ = self._around(stage, ctx, hidden=full, stop_at=self.num_layers - 1)
         return {index: (args, kwargs) for index, (_, args, kwargs) in calls.items()}
 
@@ -307,11 +308,19 @@ class HFAdapter(ModelAdapter):
         _, out = self._around(stage, stage.ctx, hidden=hidden)
         return out.logits
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_positions(self) -> bool:
+        """Packed documents apart (plait.train.documents): transformers reads position ids restarting at 0 as packed
+        sequences and masks each apart; not a class handed its 4-D causal mask, which it takes as it is."""
+        return not self.needs_causal_mask
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None and not self.takes_positions:
+            raise ValueError(f"{self.family} reads a 4-D causal mask of its own: it takes no document positions")
         if self.needs_causal_mask:
             return model(input_ids=tokens, attention_mask=causal_mask(tokens.shape[0], tokens.shape[1],
                                                                        tokens.device)).logits
-        return model(input_ids=tokens).logits
+        return model(input_ids=tokens, position_ids=positions).logits
 
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:

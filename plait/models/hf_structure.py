@@ -116,7 +116,8 @@ def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_l
                                                             positions.shape[-1], positions.device)
     with swapped(root, replacements), no_masks_on_meta(root, positions.is_meta):
         try:
-            out = model_class.forward(root, **inputs, position_ids=positions[None], use_cache=False)
+            position_ids = positions if positions.dim() == 2 else positions[None]  # [rows, s]: packed documents
+            out = model_class.forward(root, **inputs, position_ids=position_ids, use_cache=False)
         except _Stop:
             out = None
     return calls, out

@@ -93,6 +93,11 @@ class DataConfig:
     chat: bool = False
     """Chat fine-tuning: each row (source "jsonl" or "hf") holds a list of {"role", "content"} messages under
     `text_key`, rendered with the tokenizer's chat template; the loss is on the assistant's tokens only."""
+    packing: Literal["documents", "stream", "padded"] | None = None
+    """How documents make training rows (plait.train.documents): "documents", packed into windows, each attending to
+    itself only, positions restarting where it begins; "stream", packed, attending across boundaries; "padded", one
+    document per row, cut at seq_len and padded. None: "documents" for a Hugging Face model, "stream" for plait's own
+    decoders and module:factory models (their attention spans documents)."""
     tokenizer: str | None = None
     """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""

@@ -111,6 +111,10 @@ CASES: list[dict] = [
     _case("chat-hf-llama-tp2", "hf:llama", 2, chat=True, tp=2, micro_batch=2),
     _case("chat-hf-llama-pp2", "hf:llama", 2, chat=True, pp=2, schedule="1f1b", num_micro_batches=4),
     _case("chat-llama-cp2", "llama", 2, chat=True, cp=2, context_parallel="all_gather", num_micro_batches=4),
+    # a Hugging Face model's chat batches pack conversations too, each attending to itself only; context parallelism
+    # numbers them along the sequence across its ranks
+    _case("chat-hf-llama-cp2-all-gather", "hf:llama", 2, chat=True, cp=2, context_parallel="all_gather"),
+    _case("chat-hf-qwen2-window-cp2-all-to-all", "hf:qwen2-window", 2, chat=True, cp=2, context_parallel="all_to_all"),
     # sliding windows (6 tokens) shorter than the sequence (16), as the class declares them, against the class's own
     # masks on one process; context parallelism applies the window itself
     _case("window-starcoder2-dp2", "hf:starcoder2-window", 2, dp=2),

@@ -93,3 +93,26 @@ def test_band_by_band_attention_equals_sdpa_over_the_whole_masked_square(seq, wi
     for ours, theirs in zip(torch.autograd.grad((banded * weights).sum(), (q, k, v)),
                             torch.autograd.grad((dense * weights).sum(), (q, k, v))):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2-window"])
+def test_packed_documents_each_give_their_own_logits(tmp_path, family):
+    """Three documents in one row, positions restarting at each: every document's logits are those of it alone (its
+    attention stays within it; learned positions (GPT-2) and rotary ones restart; a window inside each document)."""
+    adapter = adapter_for(load_model(str(write_tiny_config(family, tmp_path / family))))
+    assert adapter.takes_positions
+    model = adapter.build("cpu")
+    adapter.initialize(model, seed=0)
+    model.double().eval()
+    lengths = (7, 2, 11)  # the last longer than qwen2-window's 6
+    tokens = torch.randint(0, 60, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = adapter.forward(model, tokens, positions)
+        across = adapter.forward(model, tokens)
+        start = 0
+        for n in lengths:
+            alone = adapter.forward(model, tokens[:, start:start + n])
+            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=0, atol=1e-10)
+            start += n
+    assert (packed[:, lengths[0]:] - across[:, lengths[0]:]).abs().max() > 1e-3, "attending across differs"

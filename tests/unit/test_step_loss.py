@@ -32,17 +32,24 @@ def _loss_and_grad(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torc
 
 
 def test_chat_batches_train_different_numbers_of_tokens_per_row_and_none_in_the_last():
-    tokens, targets = chat_batch_for_step(_plan(), seed=1, step=0)
+    tokens, targets, positions = chat_batch_for_step(_plan(), seed=1, step=0)
     counts = (targets != IGNORE_INDEX).sum(dim=1).tolist()
     assert counts[-1] == 0 and all(c > 0 for c in counts[:-1])
     assert len(set(counts[:-1])) > 1, counts
+    assert positions is None, "documents only where asked"
+    packed = chat_batch_for_step(_plan(), seed=1, step=0, documents=True)[2]
+    starts = (packed == 0).sum(dim=1)
+    assert packed.shape == (4, 16) and bool((starts >= 1).all()) and int(starts.max()) > 1  # some rows pack several
+    for row in packed:  # counting up within each document
+        steps = row[1:] - row[:-1]
+        assert bool(((steps == 1) | (row[1:] == 0)).all())
     plain = chat_batch_for_step(_plan(), seed=1, step=0)[0]
     assert torch.equal(tokens, plain), "the same tokens; only the targets are masked"
 
 
 def test_the_shares_of_any_cut_add_up_to_the_whole_batch_token_mean():
     torch.manual_seed(0)
-    _, targets = chat_batch_for_step(_plan(global_batch=6), seed=3, step=1)
+    _, targets, _ = chat_batch_for_step(_plan(global_batch=6), seed=3, step=1)
     vocab = 256
     targets = targets.remainder(vocab).masked_fill(targets == IGNORE_INDEX, IGNORE_INDEX)
     hidden = torch.randn(6, 16, 8, dtype=torch.float64)
