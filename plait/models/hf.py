@@ -18,8 +18,9 @@ What plait changes when it builds a model, and why:
   builds the masks it declares, layer by layer: none where attention is plain causal (SDPA's causal path), its
   sliding window on the layers that slide (Mistral, Starcoder2, Qwen2's window layers, Gemma 2/3's local ones),
   and the block-diagonal mask of packed documents that transformers reads from position ids restarting at 0.
-  A window far shorter than the sequence is computed band by band (plait.models.windows: about 2·s·W scores
-  instead of s²); context parallelism's attention applies the window itself (plait/execute/context.py). A class whose layers
+  A window far shorter than the sequence is computed band by band, packed documents each on its own
+  (plait.models.windows: only the scores the mask keeps); context parallelism's attention applies the window and
+  the documents itself (plait/execute/context.py). A class whose layers
   read the mask themselves gets a 4-D causal one (HFAdapter.needs_causal_mask);
 * parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
   (HFAdapter.untrained_parameters);
@@ -44,7 +45,8 @@ from plait.models.hf_experts import moe_tensor_styles
 from plait.models.hf_flow import whole_module
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
-from plait.models.windows import banded_attention, layer_window, runs_banded
+from plait.models.windows import (attention_by_document, banded_attention, layer_window, runs_banded,
+                                  runs_by_document)
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
@@ -77,6 +79,9 @@ def _register_attention() -> None:
         if runs_banded(query, key, attention_mask, window, kwargs):  # a window far shorter than the sequence
             def run():
                 return banded_attention(query, key, value, attention_mask, window, kwargs.get("scaling")), None
+        elif runs_by_document(query, key, attention_mask, window, kwargs):  # packed documents, each on its own
+            def run():
+                return attention_by_document(query, key, value, kwargs["position_ids"], kwargs.get("scaling")), None
         else:
             def run():
                 return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -1,5 +1,11 @@
-"""A sliding-window layer's attention over a sequence longer than twice its window, band by band (plait.cost.attention's
-"banded" kernel): exactly the scores the class's mask keeps, about 2 s W of the s^2 a dense kernel computes.
+"""Attention kernels that compute only what a layer's mask keeps, instead of SDPA over the whole masked square.
+
+* A sliding-window layer over a sequence longer than about twice its window, band by band (plait.cost.attention's
+  "banded" kernel): exactly the scores the class's mask keeps, about 2 s W of the s^2 a dense kernel computes;
+* packed documents (plait.train.documents) document by document (`attention_by_document`): each document's own
+  causal square, the pieces grouped by length, never the scores across documents.
+
+Band by band:
 
 The queries are cut into chunks of W; the keys a query of chunk i can see (fewer than W positions behind it) all lie
 in chunks i - 1 and i, so chunk i attends to those 2 W keys through the band of the class's own boolean mask
@@ -74,3 +80,76 @@ def _band(mask: torch.Tensor, window: int, chunks: int, s: int) -> torch.Tensor:
         own = torch.arange(2 * window, device=mask.device)[None, :] == window + torch.arange(window, device=mask.device)[:, None]
         band = band | (beyond[:, :, None] & own[None])
     return band
+
+
+_SEGMENTS: list = [None, None]
+"""(weak reference to the last position ids, their segments): every layer of a forward is handed the same tensor,
+read back to the host once."""
+
+
+def document_segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, length) of each document piece of rows [b, s] of position ids restarting at 0 where a document
+    begins (plait.train.documents)."""
+    import weakref
+
+    if _SEGMENTS[0] is not None and _SEGMENTS[0]() is positions:
+        return _SEGMENTS[1]
+    segments = _segments(positions)
+    _SEGMENTS[:] = [weakref.ref(positions), segments]
+    return segments
+
+
+def _segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    b, s = positions.shape
+    starts = (positions == 0).clone()
+    starts[:, 0] = True
+    out = []
+    for row in range(b):
+        begins = torch.nonzero(starts[row]).flatten().tolist()
+        out += [(row, a, e - a) for a, e in zip(begins, begins[1:] + [s])]
+    return out
+
+
+def runs_by_document(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, window: int | None,
+                     kwargs: dict) -> bool:
+    """Whether this call attends document by document: packed documents (position ids that restart, with the
+    class's mask for them), no window shorter than the sequence (that runs band by band, documents included), and
+    nothing else on the scores."""
+    positions = kwargs.get("position_ids")
+    if mask is None or mask.dtype != torch.bool or not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return False
+    s = query.shape[2]
+    if key.shape[2] != s or positions.shape != (query.shape[0], s) or tuple(mask.shape[-2:]) != (s, s) \
+            or kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
+        return False
+    if window is not None and window < s:
+        return False
+    return bool((positions[:, 1:] == 0).any())
+
+
+def attention_by_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                          scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each packed document of [b, heads, s, d] queries (keys and values with as many or
+    fewer heads), documents given by `positions` [b, s]; returns [b, s, heads, d]. The documents' pieces are grouped
+    by length (powers of two), each group right-padded to its longest and run through SDPA's causal path: a
+    padded position comes after every real one, so no real query sees it, and the scores across documents are never
+    computed (about the sum of the documents' own causal squares)."""
+    b, heads, s, d = query.shape
+    if key.shape[1] != heads:
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    flat = [t.transpose(1, 2).reshape(b * s, heads, d) for t in (query, key, value)]  # [b·s, heads, d]
+    out = query.new_zeros(b * s, heads, d)
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for row, start, length in document_segments(positions):
+        groups.setdefault(1 << (length - 1).bit_length(), []).append((row, start, length))
+    for width, pieces in groups.items():
+        first = torch.tensor([row * s + start for row, start, _ in pieces], device=query.device)
+        lengths = torch.tensor([length for _, _, length in pieces], device=query.device)
+        offset = torch.arange(width, device=query.device)
+        index = first[:, None] + torch.minimum(offset[None, :], lengths[:, None] - 1)  # [pieces, width], clipped
+        q, k, v = (t[index].transpose(1, 2) for t in flat)  # [pieces, heads, width, d]
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+        real = offset[None, :] < lengths[:, None]
+        out = out.index_put((index[real],), attended[real])
+    return out.reshape(b, s, heads, d)

@@ -96,9 +96,15 @@ def test_band_by_band_attention_equals_sdpa_over_the_whole_masked_square(seq, wi
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2-window"])
-def test_packed_documents_each_give_their_own_logits(tmp_path, family):
+def test_packed_documents_each_give_their_own_logits(tmp_path, family, monkeypatch):
     """Three documents in one row, positions restarting at each: every document's logits are those of it alone (its
-    attention stays within it; learned positions (GPT-2) and rotary ones restart; a window inside each document)."""
+    attention stays within it; learned positions (GPT-2) and rotary ones restart; a window inside each document).
+    Llama's layers are handed the position ids, so they attend document by document (plait.models.windows)."""
+    import plait.models.hf as hf_module
+
+    by_document = []
+    real = hf_module.attention_by_document
+    monkeypatch.setattr(hf_module, "attention_by_document", lambda *a, **k: by_document.append(1) or real(*a, **k))
     adapter = adapter_for(load_model(str(write_tiny_config(family, tmp_path / family))))
     assert adapter.takes_positions
     model = adapter.build("cpu")
@@ -116,3 +122,31 @@ def test_packed_documents_each_give_their_own_logits(tmp_path, family):
             torch.testing.assert_close(packed[:, start:start + n], alone, rtol=0, atol=1e-10)
             start += n
     assert (packed[:, lengths[0]:] - across[:, lengths[0]:]).abs().max() > 1e-3, "attending across differs"
+    if family == "llama":
+        assert len(by_document) == adapter.num_layers
+
+
+@pytest.mark.parametrize("rows,seq,kv_heads", [(2, 16, 2), (3, 37, 4)])
+def test_document_by_document_attention_equals_sdpa_over_the_block_diagonal_mask(rows, seq, kv_heads):
+    import torch.nn.functional as F
+
+    from plait.models.windows import attention_by_document
+
+    generator = torch.Generator().manual_seed(rows * seq)
+    q = torch.randn(rows, 4, seq, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    k, v = (torch.randn(rows, kv_heads, seq, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+            for _ in range(2))
+    documents = (torch.rand(rows, seq, generator=generator) < 0.2).cumsum(1)
+    first = torch.cat([torch.ones(rows, 1, dtype=torch.bool), documents[:, 1:] != documents[:, :-1]], dim=1)
+    column = torch.arange(seq).expand(rows, seq)
+    positions = column - torch.cummax(torch.where(first, column, 0), dim=1).values
+    causal = torch.arange(seq)[:, None] >= torch.arange(seq)[None, :]
+    mask = causal[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
+                                           attn_mask=mask).transpose(1, 2)
+    ours = attention_by_document(q, k, v, positions)
+    torch.testing.assert_close(ours, dense, rtol=0, atol=1e-13)
+    weights = torch.randn(dense.shape, dtype=torch.float64, generator=generator)
+    for a, b in zip(torch.autograd.grad((ours * weights).sum(), (q, k, v)),
+                    torch.autograd.grad((dense * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
