@@ -160,10 +160,12 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.checkpoint import check_launch, plan_for_launch
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
+    from plait.train.documents import with_document_len
     from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
+    config = with_document_len(config, resolve_model(config.model))  # the data's documents, which the plan prices
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
     check_devices(plan)
     check_launch(config, plan)

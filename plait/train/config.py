@@ -150,6 +150,9 @@ class TrainConfig:
     """Compute dtype; None: the plan file's, or for "auto" fp32 on CPU clusters and bf16 on GPUs."""
     max_seconds: float = 0.0
     """Stop early once this much wall time has passed (0: no limit); the demo uses it."""
+    document_len: int | None = None
+    """Mean tokens of a packed document, for pricing attention over each document's own square (TrainSpec);
+    None: `plait train` measures its data's where data.packing is "documents"."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -160,7 +163,7 @@ class TrainConfig:
 
     def spec(self, default_precision: str = "fp32") -> TrainSpec:
         return TrainSpec(global_batch=self.global_batch, seq_len=self.seq_len,
-                         precision=self.precision or default_precision)
+                         precision=self.precision or default_precision, document_len=self.document_len)
 
 
 @dataclass(frozen=True, kw_only=True)

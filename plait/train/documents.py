@@ -59,6 +59,23 @@ def packing_for(config: "Config", model: "ModelSpec") -> str:
     return "documents"
 
 
+def with_document_len(config: "Config", model: "ModelSpec") -> "Config":
+    """`config` with train.document_len, the mean tokens of its training data's documents, where they are packed and
+    kept apart and it is unset: what the planner prices attention with (plait.cost.attention). Reads (and caches)
+    the data."""
+    import dataclasses
+
+    from plait.train.data import training_tokens
+
+    if config.train.document_len is not None or packing_for(config, model) != "documents":
+        return config
+    tokens = training_tokens(config, model)
+    count = len(document_starts(tokens))
+    if count <= 1:
+        return config
+    return config.replace(train=dataclasses.replace(config.train, document_len=max(1, len(tokens) // count)))
+
+
 def flag_start(ids: np.ndarray) -> np.ndarray:
     """`ids` (uint32) with their first token flagged as a document's start."""
     if len(ids):

@@ -47,3 +47,37 @@ def test_a_window_far_shorter_than_the_sequence_costs_less_time_and_math_memory(
                    for m in (math, math.replace(sliding_window=W)))
     probabilities = 1 * 8 * W * llama.num_heads * 8 * W * 2  # tokens x heads x s x bytes
     assert plain - slid == pytest.approx(probabilities * 0.75)
+
+
+def test_packed_documents_are_priced_over_their_own_squares():
+    from plait.spec import TrainSpec
+
+    llama, cluster, seq = MODEL_PRESETS["llama3-8b"], CLUSTER_PRESETS["h100-80g"], 8 * W
+    assert window_share(llama, seq, document_len=W) == pytest.approx((W + 1) / seq)
+    assert window_share(llama, seq, fused=False, document_len=W) == pytest.approx(W / seq)
+    assert window_share(llama, seq, document_len=seq) == 1.0  # one document per row
+    from plait.cost.compute import Slicing, sliced_layer_cost
+
+    plain, packed, whole = (sliced_layer_cost(llama, cluster, seq, 1, Slicing(), 2, d).fwd for d in (None, W, seq))
+    assert packed < plain == whole
+    with pytest.raises(ValueError, match="document_len=0"):
+        TrainSpec(global_batch=1, seq_len=8, document_len=0)
+
+
+def test_plait_train_prices_the_mean_document_of_its_data(tmp_path):
+    import json
+
+    from plait.models.hf_tiny import write_tiny_config
+    from plait.spec.load import load_model
+    from plait.train.config import config_from_dict
+    from plait.train.documents import with_document_len
+
+    model = load_model(str(write_tiny_config("llama", tmp_path / "llama", vocab_size=256)))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (9, 19, 29)))
+
+    def config(**data):
+        return config_from_dict({"data": {"source": "jsonl", "path": str(tmp_path / "d.jsonl"), "tokenizer": "byte",
+                                          **data}, "log": {"dir": str(tmp_path / "log")}})
+
+    assert with_document_len(config(), model).train.spec().document_len == (9 + 19 + 29 + 2) // 3  # EOS between
+    assert with_document_len(config(packing="stream"), model).train.document_len is None
