@@ -256,8 +256,9 @@ class ParallelModel:
             yield
         finally:
             self._chunk_positions = None
-            for stage, plain in zip(self._stages, self._plain_positions):
-                stage.ctx.positions = plain
+            if positions is not None:
+                for stage, plain in zip(self._stages, self._plain_positions):
+                    stage.ctx.positions = plain
 
     def _enter_chunk(self, part: int, chunk: int) -> None:
         """Stage `part` is about to run micro-batch `chunk`: its positions (the recomputed forwards of activation

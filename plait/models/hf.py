@@ -95,7 +95,7 @@ def _register_attention() -> None:
         if core is None:
             fn, args = functools.partial(attend, **kwargs), (module, query, key, value, attention_mask)
         else:  # context parallelism: plait's core exchanges keys and values ([b, heads, s, d]; HF wants [b, s, h, d])
-            window = kwargs.get("sliding_window")  # what the class passes its layers that slide (None: full)
+            window = layer_window(module, kwargs)  # the layer's sliding window (None: the whole sequence)
 
             def fn(q, k, v):
                 return core(q, k, v, scale=kwargs.get("scaling"), window=window,
@@ -106,8 +106,8 @@ def _register_attention() -> None:
         return fn(*args)
 
     def plait_eager(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), given
-        the causal mask plait passes no mask function for."""
+        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), under the
+        masks the class builds (boolean, or None where plain causal), as the additive mask that code expects."""
         import sys
 
         if getattr(module, "plait_attention", None) is not None:  # never attend to local keys only in silence
