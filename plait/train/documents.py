@@ -22,6 +22,7 @@ Three ways to cut training rows out of it (`PACKING`):
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -44,12 +45,10 @@ FLAG_BITS = np.uint32(3 << 30)
 def packing_for(config: "Config", model: "ModelSpec") -> str:
     """The run's packing: [data] packing, or its default for the model; "documents" is refused, in one line, for a
     model whose attention cannot keep documents apart."""
-    from plait.models import adapter_for
-
     asked = config.data.packing
     if asked in ("stream", "padded"):
         return asked
-    takes = adapter_for(model).takes_positions
+    takes = _keeps_documents_apart(model)
     if asked is None:
         return "documents" if takes else "stream"
     if not takes:
@@ -57,6 +56,14 @@ def packing_for(config: "Config", model: "ModelSpec") -> str:
                           f"cannot (plait's own decoders and module:factory models attend across them); use "
                           f"\"stream\" or \"padded\"")
     return "documents"
+
+
+@functools.lru_cache(maxsize=8)
+def _keeps_documents_apart(model: "ModelSpec") -> bool:
+    """The model adapter's takes_positions (asked once per model: a Hugging Face class is built on meta to tell)."""
+    from plait.models import adapter_for
+
+    return adapter_for(model).takes_positions
 
 
 def with_document_len(config: "Config", model: "ModelSpec") -> "Config":

@@ -40,14 +40,16 @@ class Evaluator:
         return self.every > 0 and (final or step % self.every == 0)
 
     def loss(self, model: Any) -> float:
-        """The mean loss over the held-out batches (collective)."""
+        """The token mean of the loss over the held-out batches' trained tokens, as a step's (collective)."""
         self.loader.position = LoaderPosition()
-        total = 0.0
+        total, tokens = 0.0, 0
         for _ in range(self.batches):
             rows = self.loader.next_rows()
-            total += model.eval_loss(rows.tokens, rows.targets, rows.positions)
+            loss = model.eval_loss(rows.tokens, rows.targets, rows.positions)
+            total += loss * model.step_loss.tokens  # each batch's mean over its trained tokens, counted by them
+            tokens += model.step_loss.tokens
         # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
-        agreed = torch.tensor([total / self.batches], dtype=torch.float64, device=model.device)
+        agreed = torch.tensor([total / max(tokens, 1)], dtype=torch.float64, device=model.device)
         dist.broadcast(agreed, src=0)
         return agreed.item()
 
