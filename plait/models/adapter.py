@@ -192,6 +192,10 @@ class ModelAdapter:
     StageContext.positions [rows, s]): its attention stays within each document and positions restart there
     (plait.train.documents). plait's own decoders and a user's module do not: they attend across documents."""
 
+    attention_sees_positions: bool = False
+    """Whether context parallelism's attention is handed each token's position in its document (it then keeps packed
+    documents apart across its ranks, plait/execute/context.py)."""
+
     def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the whole single-process model (its author's own forward); `positions`: see takes_positions."""
         if positions is not None:

@@ -286,6 +286,33 @@ class HFAdapter(ModelAdapter):
         return False
 
     @functools.cached_property
+    def attention_sees_positions(self) -> bool:
+        """Whether the class hands its attention function the position ids, which context parallelism's attention
+        needs to keep packed documents apart: its first layer run on meta around a stand-in that records them."""
+        from plait.models.hf_spec import block_caller, experts_batched
+
+        seen: list[bool] = []
+
+        class Recorder(nn.Module):
+            def forward(self, q, k, v, scale=None, window=None, positions=None):
+                seen.append(positions is not None)
+                return q
+
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        attention = self._attention_modules(block)
+        for module in attention:
+            module.plait_attention = Recorder()
+        try:
+            with experts_batched(self.meta_model):
+                block_caller(self)(0)(block, torch.zeros(1, 8, int(self.hf_config().hidden_size), device="meta"))
+        except Exception:  # a layer that does not run on meta: nothing is proven
+            return False
+        finally:
+            for module in attention:
+                del module.plait_attention
+        return bool(seen) and all(seen)
+
+    @functools.cached_property
     def num_layers(self) -> int:
         return len(get_module(self.meta_model, self.blocks_path))
 

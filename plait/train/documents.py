@@ -66,6 +66,18 @@ def _keeps_documents_apart(model: "ModelSpec") -> bool:
     return adapter_for(model).takes_positions
 
 
+def check_packing(config: "Config", plan) -> None:
+    """Refuse, before any rank starts, packed documents kept apart under context parallelism for a class that does
+    not hand its attention the position ids its ranks number the documents by."""
+    from plait.models import adapter_for
+
+    if plan.cp > 1 and packing_for(config, plan.model) == "documents" and \
+            not adapter_for(plan.model).attention_sees_positions:
+        raise ConfigError(f"cp={plan.cp}: {plan.model.name}'s attention is not handed its tokens' positions, which "
+                          f"context parallelism needs to keep packed documents apart; use data.packing = \"padded\" "
+                          f"or \"stream\", or a plan with cp=1")
+
+
 def with_document_len(config: "Config", model: "ModelSpec") -> "Config":
     """`config` with train.document_len, the mean tokens of its training data's documents, where they are packed and
     kept apart and it is unset: what the planner prices attention with (plait.cost.attention). Reads (and caches)

@@ -94,3 +94,33 @@ def test_documents_are_refused_for_a_model_that_attends_across_them(tmp_path):
     assert "\n" not in str(refused.value) and '"stream" or "padded"' in str(refused.value)
     with pytest.raises(ConfigError, match="packing"):
         config_from_dict({"data": {"packing": "sorted"}})
+
+
+def test_context_parallelism_keeps_documents_apart_only_where_the_attention_sees_positions(tmp_path, monkeypatch):
+    from plait.models import adapter_for
+    from plait.models.hf_tiny import write_tiny_config
+    from plait.plan import Plan
+    from plait.spec import TrainSpec
+    from plait.spec.clusters import CLUSTER_PRESETS
+    from plait.spec.load import load_model
+    from plait.train.config import config_from_dict
+    from plait.train.documents import check_packing
+
+    model = load_model(str(write_tiny_config("llama", tmp_path / "llama")))
+    plan = Plan.of(model=model, cluster=CLUSTER_PRESETS["local-cpu"], cp=2, micro_batch=1, num_micro_batches=1,
+                   train=TrainSpec(global_batch=1, seq_len=16, precision="fp32"))
+    config = config_from_dict({"data": {"source": "shipped"}, "log": {"dir": str(tmp_path / "log")}})
+    assert adapter_for(model).attention_sees_positions  # Llama's layers hand them on
+    check_packing(config, plan)
+    blind = model.replace(source="plait", name="blind")  # plait's own decoders: "stream" by default, refused asked
+    check_packing(config, plan.replace(model=blind))
+    with pytest.raises(ConfigError, match='data.packing = "documents"'):
+        check_packing(config_from_dict({"data": {"packing": "documents"}}), plan.replace(model=blind))
+    from plait.models.hf import HFAdapter
+
+    monkeypatch.setattr(HFAdapter, "attention_sees_positions", False)  # a class that keeps them from its attention
+    with pytest.raises(ConfigError, match="cp=2: .*not handed its tokens' positions") as refused:
+        check_packing(config, plan)
+    assert '"padded"' in str(refused.value) and "\n" not in str(refused.value)
+    check_packing(config, Plan.of(model=model, cluster=CLUSTER_PRESETS["local-cpu"], micro_batch=1,
+                                  num_micro_batches=1, train=plan.train))  # without cp it needs nothing
