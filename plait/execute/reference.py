@@ -49,6 +49,7 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
     if initial_state is not None:
         model.load_state_dict(initial_state, strict=False)
         adapter.reset_buffers(model)
+    adapter.own_attention(model)  # the class's own attention and masks: what plait's kernels must equal
     model.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     run = ReferenceRun(initial={n: p.detach().clone() for n, p in model.named_parameters()})

@@ -192,6 +192,10 @@ class ModelAdapter:
     StageContext.positions [rows, s]): its attention stays within each document and positions restart there
     (plait.train.documents). plait's own decoders and a user's module do not: they attend across documents."""
 
+    def own_attention(self, model: nn.Module) -> None:
+        """Make a whole single-process model attend as its author's code does on its own (plait.execute.reference,
+        the truth `plait check` compares with); plait's decoders and a user's module already do."""
+
     attention_sees_positions: bool = False
     """Whether context parallelism's attention is handed each token's position in its document (it then keeps packed
     documents apart across its ranks, plait/execute/context.py)."""

@@ -285,6 +285,11 @@ class HFAdapter(ModelAdapter):
                 continue
         return False
 
+    def own_attention(self, model: nn.Module) -> None:
+        """transformers' own attention implementation ("sdpa", or "eager" where the class's SDPA does not compute its
+        attention) and masks instead of plait's kernels: the reference `plait check` proves them against."""
+        model.set_attn_implementation("eager" if attention_for(model.config) == EAGER else "sdpa")
+
     @functools.cached_property
     def attention_sees_positions(self) -> bool:
         """Whether the class hands its attention function the position ids, which context parallelism's attention
