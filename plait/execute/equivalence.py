@@ -208,8 +208,9 @@ def _norm(t: torch.Tensor) -> float:
 def compare(plan: Plan, settings: CheckSettings, run: ParallelRun,
             initial_state: dict[str, torch.Tensor] | None = None) -> CheckResult:
     """Run the single-process reference and measure how far the parallel run is from it."""
-    ref = single_process_reference(plan, settings.batches(plan), settings.steps, settings.seed, settings.lr, max_norm=settings.max_norm,
-                                   weight_decay=settings.weight_decay, dtype=DTYPES[settings.dtype],
+    ref = single_process_reference(plan, settings.batches(plan), settings.steps, settings.seed, settings.lr,
+                                   max_norm=settings.max_norm, weight_decay=settings.weight_decay,
+                                   dtype=DTYPES[settings.dtype],
                                    initial_state=initial_state, weights=settings.weights)
     missing = ref.params.keys() - run.params.keys()
     if missing:

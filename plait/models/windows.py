@@ -77,7 +77,8 @@ def _band(mask: torch.Tensor, window: int, chunks: int, s: int) -> torch.Tensor:
     band = torch.gather(rows, -1, index)
     if pad:
         beyond = (torch.arange(chunks * window, device=mask.device) >= s).reshape(chunks, window)
-        own = torch.arange(2 * window, device=mask.device)[None, :] == window + torch.arange(window, device=mask.device)[:, None]
+        column = torch.arange(2 * window, device=mask.device)
+        own = column[None, :] == window + torch.arange(window, device=mask.device)[:, None]
         band = band | (beyond[:, :, None] & own[None])
     return band
 

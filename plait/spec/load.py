@@ -326,7 +326,8 @@ def window_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return {"sliding_window": None}
     kinds = config.get("layer_types")
-    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention") if isinstance(kinds, (list, tuple)) else ()
+    kinds = kinds if isinstance(kinds, (list, tuple)) else ()
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
     return {"sliding_window": int(window), "full_attention_layers": full}
 
 

@@ -84,8 +84,10 @@ def test_band_by_band_attention_equals_sdpa_over_the_whole_masked_square(seq, wi
             for _ in range(2))
     behind = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
     documents = (torch.rand(2, seq, generator=generator) < 0.15).cumsum(1)
-    mask = ((behind >= 0) & (behind < window))[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
-    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
+    same_document = documents[:, None, :, None] == documents[:, None, None, :]
+    mask = ((behind >= 0) & (behind < window))[None, None] & same_document
+    groups = 4 // kv_heads
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                            attn_mask=mask).transpose(1, 2)
     banded = banded_attention(q, k, v, mask, window)
     torch.testing.assert_close(banded, dense, rtol=0, atol=1e-13)
@@ -142,7 +144,8 @@ def test_document_by_document_attention_equals_sdpa_over_the_block_diagonal_mask
     positions = column - torch.cummax(torch.where(first, column, 0), dim=1).values
     causal = torch.arange(seq)[:, None] >= torch.arange(seq)[None, :]
     mask = causal[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
-    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
+    groups = 4 // kv_heads
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                            attn_mask=mask).transpose(1, 2)
     ours = attention_by_document(q, k, v, positions)
     torch.testing.assert_close(ours, dense, rtol=0, atol=1e-13)

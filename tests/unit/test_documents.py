@@ -59,7 +59,8 @@ def test_padded_rows_hold_one_document_each_cut_and_padded_untrained():
     assert loader.num_windows == 4 and loader.steps_per_epoch == 1
     rows = loader.next_rows()
     assert rows.positions is None
-    by_first = {int((row != 0).sum()): (row.tolist(), target.tolist()) for row, target in zip(rows.tokens, rows.targets)}
+    by_first = {int((row != 0).sum()): (row.tolist(), target.tolist())
+                for row, target in zip(rows.tokens, rows.targets)}
     tokens3, targets3 = by_first[4]  # "abc" + EOS, then padding
     assert tokens3[:4] == [2, 3, 4, 1] and targets3[:3] == [3, 4, 1] and set(targets3[3:]) == {IGNORE_INDEX}
     assert 8 in by_first and all(t != IGNORE_INDEX for t in by_first[8][1])  # the long one cut at seq_len + 1
