@@ -125,7 +125,7 @@ def runs_by_document(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor 
         return False
     if window is not None and window < s:
         return False
-    return bool((positions[:, 1:] == 0).any())
+    return len(document_segments(positions)) > positions.shape[0]  # read once a forward, not once a layer
 
 
 def attention_by_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
