@@ -86,9 +86,12 @@ def with_document_len(config: "Config", model: "ModelSpec") -> "Config":
 
     from plait.train.data import training_tokens
 
-    if config.train.document_len is not None or packing_for(config, model) != "documents":
+    try:
+        if config.train.document_len is not None or packing_for(config, model) != "documents":
+            return config
+        tokens = training_tokens(config, model)
+    except ConfigError:  # refused where it always was, after the plan (plait.train.resolve.check_data)
         return config
-    tokens = training_tokens(config, model)
     count = len(document_starts(tokens))
     if count <= 1:
         return config
