@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                         help="also clip gradients to this global norm each step")
+    parser.add_argument("--chat", action="store_true",
+                        help="mask the targets as chat training does (prompt spans untrained, one window with no "
+                             "answer), rows packing several conversations kept apart where the model does: proves "
+                             "the loss is the step's token mean under the plan, and the documents' attention")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="dtype of both runs (default float64, which makes the verdict decisive)")
     parser.add_argument("--loss-tol", type=float, default=None, help="largest relative loss difference "
@@ -73,6 +77,9 @@ def main(args: argparse.Namespace) -> int:
         output_file(args.json_out, "--json", "check.json")
     if args.dry_run:
         return _dry_run(args)
+    if args.chat and _load(args, size_limit=False).operators is not None:
+        raise ConfigError("--chat masks a decoder's token targets; a per-operator plan's model computes its own loss "
+                          "from its own batch: drop --chat")
     if in_torchrun():
         return _worker(args)
     return _launch(args)
@@ -149,7 +156,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _worker_argv(args: argparse.Namespace, result_file: Path) -> list[str]:
     argv = ["check", "--plan", str(Path(args.plan).resolve()) if Path(args.plan).exists() else args.plan,
             "--steps", str(args.steps), "--seed", str(args.seed), "--lr", repr(args.lr), "--dtype", args.dtype,
-            "--result-file", str(result_file)]
+            "--result-file", str(result_file)] + (["--chat"] if args.chat else [])
     for flag, value in (("--clip", args.clip), ("--loss-tol", args.loss_tol), ("--grad-tol", args.grad_tol),
                         ("--update-tol", args.update_tol)):
         if value is not None:
@@ -165,7 +172,8 @@ def _worker(args: argparse.Namespace) -> int:
     if plan.operators is not None:
         from plait.execute.autoshard import check_plan
     init_distributed(timeout_s=args.timeout)
-    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype)
+    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype,
+                             chat=args.chat)
     with ending_together():
         result = check_plan(plan, settings)
     if result is None:
@@ -185,7 +193,7 @@ def _report(plan, result: dict, args: argparse.Namespace) -> int:
     tol = _tolerance(args)
     console = output_console()
     table = Table(title=f"plait check: {result['plan']}  ({plan.num_devices} ranks vs 1 process, {args.dtype}, "
-                        f"seed {args.seed}, lr {args.lr:g})")
+                        f"seed {args.seed}, lr {args.lr:g}{', chat-masked targets' if args.chat else ''})")
     for column in ("step", "loss (parallel)", "loss (1 process)", "relative diff"):
         table.add_column(column, justify="right")
     for step, (ours, ref, rel) in enumerate(zip(result["losses"], result["reference_losses"],

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                       help="16-bit keeps fp32 master weights and Adam states (default: bf16 on GPUs, fp32 on CPU "
                            "clusters, which is what plait runs there)")
+    what.add_argument("--document-len", type=positive_int, metavar="D",
+                      help="rows pack documents of D tokens on average, each attending to itself only (`plait train` "
+                           "with data.packing = \"documents\" measures its data's): attention is priced over each "
+                           "document's own square (docs/attention-and-loss.md)")
     what.add_argument("--router-imbalance", type=load_ratio, metavar="R",
                       help="mixture-of-experts models: slots the busiest expert-parallel rank receives over the mean "
                            "(default: the model's router_imbalance, 1.25 unless set; `plait train` measures your "
@@ -112,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     model = with_lora_args(with_router_balance(load_model(args.model), args.router_imbalance, args.from_run), args)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
-                       precision=args.precision or default_precision(cluster))
+                       precision=args.precision or default_precision(cluster), document_len=args.document_len)
     check_position_limit(model, train.seq_len, "--seq-len")  # as `plait train` refuses it
     if args.precision == "fp16":
         print("plait plan: warning: --precision fp16 prices fp16, but plait train refuses it (no loss scaler); "

@@ -159,15 +159,18 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.checkpoint import check_launch, plan_for_launch
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
+    from plait.train.documents import check_packing, with_document_len
     from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
+    config = with_document_len(config, resolve_model(config.model))  # the data's documents, which the plan prices
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
     check_devices(plan)
     check_launch(config, plan)
     check_fault(plan.num_devices, config.train.steps)
     check_data(config, resolve_model(config.model))
+    check_packing(config, plan)
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "

@@ -99,6 +99,11 @@ class DataConfig:
     chat: bool = False
     """Chat fine-tuning: each row (source "jsonl" or "hf") holds a list of {"role", "content"} messages under
     `text_key`, rendered with the tokenizer's chat template; the loss is on the assistant's tokens only."""
+    packing: Literal["documents", "stream", "padded"] | None = None
+    """How documents make training rows (plait.train.documents): "documents", packed into windows, each attending to
+    itself only, positions restarting where it begins; "stream", packed, attending across boundaries; "padded", one
+    document per row, cut at seq_len and padded. None: "documents" for a Hugging Face model, "stream" for plait's own
+    decoders and module:factory models (their attention spans documents)."""
     tokenizer: str | None = None
     """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
@@ -171,6 +176,9 @@ class TrainConfig:
     """Compute dtype; None: the plan file's, or for "auto" fp32 on CPU clusters and bf16 on GPUs."""
     max_seconds: float = 0.0
     """Stop early once this much wall time has passed (0: no limit); the demo uses it."""
+    document_len: int | None = None
+    """Mean tokens of a packed document, for pricing attention over each document's own square (TrainSpec);
+    None: `plait train` measures its data's where data.packing is "documents"."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -181,7 +189,7 @@ class TrainConfig:
 
     def spec(self, default_precision: str = "fp32") -> TrainSpec:
         return TrainSpec(global_batch=self.global_batch, seq_len=self.seq_len,
-                         precision=self.precision or default_precision)
+                         precision=self.precision or default_precision, document_len=self.document_len)
 
 
 @dataclass(frozen=True, kw_only=True)

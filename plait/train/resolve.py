@@ -275,10 +275,13 @@ def check_data(config: Config, model: ModelSpec) -> int:
     """Load the data once to refuse a missing or too-short file, or ids beyond the vocabulary; returns its length."""
     from plait.train.data import BatchLoader, training_tokens
 
+    from plait.train.documents import packing_for
+
+    packing = packing_for(config, model)  # "documents" for a model that cannot keep them apart: refused here
     tokens = training_tokens(config, model)  # tokenized (and cached) here, once, before any rank starts
     where = f"data ({config.data.path or 'shipped text'})"
     try:
-        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len, packing=packing)
     except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
         raise ConfigError(f"{where}: {e}") from None
     if config.eval.every:
@@ -292,6 +295,8 @@ def check_eval_data(config: Config, model: ModelSpec) -> None:
 
     from plait.train.data import BatchLoader, eval_tokens, same_documents
 
+    from plait.train.documents import packing_for
+
     held_out = eval_tokens(config, model)
     ev = config.eval
     where = (f"eval.path {ev.path!r}" if ev.path else f"eval.split {ev.split!r}" if ev.split else
@@ -302,7 +307,8 @@ def check_eval_data(config: Config, model: ModelSpec) -> None:
               f"fits them, not how it does on unseen text; set eval.split (or eval.path) to held-out documents, or "
               f"eval.fraction", file=sys.stderr, flush=True)
     try:
-        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
+                    packing=packing_for(config, model))
     except ConfigError as e:
         raise ConfigError(f"{where}: the held-out {e}; hold out more (a larger eval.fraction, a longer eval.path)") from None
 
