@@ -59,6 +59,83 @@ class Prediction:
     """model_tflops_per_device over the device's peak."""
     bubble_fraction: float = 0.0
     """Idle fraction of the pipeline schedule."""
+    link_bytes_per_step: float = 0.0
+    """On a cluster of islands: bytes each island sends over the slow link per (inner) step, on average."""
+    link_busy_fraction: float = 0.0
+    """On a cluster of islands: the fraction of the run's time the slow link carries the plan's exchanges."""
+    goodput_tokens_per_s: float = 0.0
+    """With a failure rate (ClusterSpec.failures): tokens/s after checkpoint writes, lost work and restarts
+    or recoveries (plait/cost/failures.py); 0: not priced."""
+    checkpoint_interval_s: float = 0.0
+    """With a failure rate: the checkpoint interval that maximises goodput (Young/Daly); 0: not priced."""
+
+
+ISLAND_METHODS: tuple[str, ...] = ("sync", "diloco")
+PSEUDO_GRADIENT_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IslandPlan:
+    """How the islands of a cluster (ClusterSpec.islands) train together; each runs the Plan's degrees inside.
+
+    "sync": data parallelism across islands, every step's gradients all-reduced over the slow link (HSDP's
+    outer replication). "diloco": each island takes `inner_steps` (H) steps of its own, then the islands average
+    their pseudo-gradients (start weights minus end weights) and take one outer step (Douillard et al. 2023,
+    arXiv 2311.08105); with `fragments` > 1 the model's blocks are exchanged in turn, one fragment every
+    H / fragments steps, each exchange overlapped with `overlap` inner steps (streaming DiLoCo, arXiv 2501.18512)."""
+
+    count: int
+    """Islands (replica groups), each running the Plan's degrees on its own devices."""
+    method: Literal["sync", "diloco"] = "diloco"
+    inner_steps: int = 1
+    """H: inner steps between two exchanges of a fragment (1 under "sync")."""
+    fragments: int = 1
+    """Parts of the model exchanged in turn (streaming DiLoCo); 1: the whole model at once."""
+    precision: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Element type of the pseudo-gradients on the slow link."""
+    overlap: int = 0
+    """Inner steps a fragment's exchange runs behind the training before it is applied (streaming DiLoCo's tau);
+    0: the islands wait for it."""
+
+    def __post_init__(self) -> None:
+        for name in ("count", "inner_steps", "fragments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"islands.{name}={value!r} must be a positive integer"
+                                 + (" (H: inner steps between outer steps)" if name == "inner_steps" else ""))
+        if self.count < 2:
+            raise ValueError(f"islands.count={self.count} must be >= 2")
+        if self.method not in ISLAND_METHODS:
+            raise ValueError(f"islands.method={self.method!r} is not one of {', '.join(ISLAND_METHODS)}")
+        if self.precision not in PSEUDO_GRADIENT_PRECISIONS:
+            raise ValueError(f"islands.precision={self.precision!r} is not one of "
+                             f"{', '.join(PSEUDO_GRADIENT_PRECISIONS)}")
+        if self.method == "sync" and (self.inner_steps, self.fragments, self.overlap) != (1, 1, 0):
+            raise ValueError("islands.method='sync' exchanges gradients every step: inner_steps 1, fragments 1, "
+                             "overlap 0")
+        if self.inner_steps % self.fragments:
+            raise ValueError(f"islands.inner_steps={self.inner_steps} must be a multiple of fragments="
+                             f"{self.fragments} (one fragment is exchanged every H / fragments steps)")
+        if not 0 <= self.overlap < self.inner_steps // self.fragments:
+            raise ValueError(f"islands.overlap={self.overlap} must lie in [0, inner_steps / fragments = "
+                             f"{self.inner_steps // self.fragments}): a fragment's exchange must land before its next")
+
+    @property
+    def sync_every(self) -> int:
+        """Inner steps between two exchanges (of successive fragments)."""
+        return self.inner_steps // self.fragments
+
+    def describe(self) -> str:
+        """'islands2 diloco H=100 frag4 bf16 overlap1' or 'islands2 sync'."""
+        if self.method == "sync":
+            return f"islands{self.count} sync"
+        parts = [f"islands{self.count}", "diloco", f"H={self.inner_steps}"]
+        if self.fragments > 1:
+            parts.append(f"frag{self.fragments}")
+        parts.append(self.precision)
+        if self.overlap:
+            parts.append(f"overlap{self.overlap}")
+        return " ".join(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +179,9 @@ class Plan:
     operators: OperatorSharding | None = None
     """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
     tensor plan)."""
+    islands: IslandPlan | None = None
+    """On a cluster of islands: how they train together; the degrees above are then one island's, and
+    global_batch is every island's rows together (island_plan() is what each island runs)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.degrees, Degrees):
@@ -140,11 +220,12 @@ class Plan:
                 f"(pp={self.pp} x interleave={self.interleave}) summing to num_layers={self.model.num_layers}"
             )
         object.__setattr__(self, "layers_per_stage", tuple(layers))
-        batch = self.dp * self.micro_batch * self.num_micro_batches
+        batch = self.dp * self.micro_batch * self.num_micro_batches * self.num_islands
         if batch != self.train.global_batch:
+            islands = f" x islands={self.num_islands}" if self.islands else ""
             raise ValueError(
-                f"dp={self.dp} x micro_batch={self.micro_batch} x num_micro_batches={self.num_micro_batches} = {batch} "
-                f"must equal global_batch={self.train.global_batch}"
+                f"dp={self.dp} x micro_batch={self.micro_batch} x num_micro_batches={self.num_micro_batches}{islands}"
+                f" = {batch} must equal global_batch={self.train.global_batch}"
             )
 
     # ---- derived ---------------------------------------------------------------
@@ -169,8 +250,21 @@ class Plan:
         return self.degrees.ep
 
     @property
+    def num_islands(self) -> int:
+        return self.islands.count if self.islands else 1
+
+    @property
     def num_devices(self) -> int:
-        return self.degrees.world_size
+        """Every device of the plan: one island's degrees times the islands."""
+        return self.degrees.world_size * self.num_islands
+
+    def island_plan(self) -> "Plan":
+        """What one island runs: this plan on one island's devices and rows, as a plain plan (itself without
+        islands)."""
+        if self.islands is None:
+            return self
+        train = dataclasses.replace(self.train, global_batch=self.train.global_batch // self.num_islands)
+        return dataclasses.replace(self, islands=None, train=train, cluster=self.cluster.island_view())
 
     @property
     def dp_mode(self) -> DataParallelMode:
@@ -222,6 +316,8 @@ class Plan:
         parts.append("recompute=" + (modes[0] if len(modes) == 1 else ",".join(self.recompute)))
         if self.num_stages > 1:
             parts.append("layers=" + "|".join(map(str, self.layers_per_stage)))
+        if self.islands:
+            parts.append(self.islands.describe())
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> "Plan":
