@@ -51,6 +51,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 QUIET_ENV = {"RUST_LOG": "error", "RUST_BACKTRACE": "0"}
 """torchft's Rust side logs every quorum and commit at info level; plait reports what matters itself."""
 
+MIX_LOCAL = 0.5
+"""With an overlapped exchange, the weights after it: this much of the island's own progress during the exchange,
+the rest the outer step's result (streaming DiLoCo's mixing, arXiv 2501.18512; 0 would throw the overlapped inner
+steps away)."""
 BUCKET_MB = 1 << 20
 """One bucket for a whole fragment: one all-reduce per exchange, as the cost model prices it."""
 
@@ -234,7 +238,8 @@ class IslandExchange:
                                      for f in fragments]
             self.diloco = DiLoCo(self.manager, fragments, _plain_optimizer(optimizer), self.outer_optimizers,
                                  sync_every=self.islands.inner_steps, fragment_sync_delay=self.islands.overlap,
-                                 use_bucketization=True, bucket_cap_mb=BUCKET_MB, pin_memory=False)
+                                 use_bucketization=True, bucket_cap_mb=BUCKET_MB, pin_memory=False,
+                                 fragment_update_alpha=MIX_LOCAL if self.islands.overlap else 0.0)
             self.diloco.__enter__()
         wait_for_islands(self.islands.count, island)
 

@@ -201,7 +201,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"the plan was made for {key}={getattr(plan.train, key)} but the config has train.{key}="
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
-    legality.check(plan)
+    legality.check(plan.island_plan())  # across islands: what each island runs
     refusal = untrainable_precision(plan.train.precision)
     if refusal:
         raise ConfigError(f"train.{refusal}")
