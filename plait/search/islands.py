@@ -139,12 +139,13 @@ def _options(cluster: ClusterSpec, best: Plan, params: float, step_s: float, tok
             overlap = pins.overlap if pins.overlap is not None else _best_overlap(
                 cluster, params, step_s, tokens, inner_steps, fragments, precision)
             if overlap >= inner_steps // fragments:
-                raise ConfigError(f"overlap={overlap} must be below H / fragments = {inner_steps // fragments}")
+                continue  # the exchange would land after the fragment's next one: not this fragment count
             out.append(price_diloco(cluster, params, step_s, tokens, inner_steps=inner_steps, fragments=fragments,
                                     precision=precision, overlap=overlap))
-    if pins.inner_steps and not out:
-        raise ConfigError(f"H={pins.inner_steps} is not a multiple of any fragment count tried "
-                          f"({', '.join(map(str, fragment_choices))})")
+    if not out:
+        raise ConfigError(f"no fragment count of {', '.join(map(str, fragment_choices))} fits H={pins.inner_steps} "
+                          f"with overlap={pins.overlap}: H must be a multiple of the fragments and overlap below "
+                          "H / fragments")
     return out
 
 

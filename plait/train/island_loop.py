@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import ConfigError
+from plait.launch import restart_round
 from plait.plan import Plan
 
 OUTER_DIR = "outer"
@@ -69,7 +70,10 @@ def launch_islands(config_path: str | None, config: Any, overrides: list[str], p
     from plait.train.islands_launch import start_islands
     from plait.train.resolve import write_plan
 
+    from plait.train.fault import check_fault
+
     check_island_plan(plan)
+    check_fault(plan.num_devices, config.train.steps)
     plan_path = write_plan(plan, config.log.dir).resolve()
     print(f"plait train: {plan.describe()} on {plan.islands.count} islands of {plan.island_plan().num_devices} "
           f"local processes; logs in {config.log.dir}/island<i>", file=sys.stderr, flush=True)
@@ -135,7 +139,12 @@ class IslandRun:
                                        load_extra=self._load_progress, timeout_s=float(
                                            os.environ.get("PLAIT_ISLANDS_TIMEOUT_S", "120")))
         self.discarded = 0
+        self.started_at = time.time()
+        self.rejoining = restart_round() > 0  # restarted after a failure: a peer's state comes at the first quorum
+        self.log: Any = None
         self._position: dict = {}
+        self._lr = 0.0
+        self._save_pending = False
 
     # what a rejoining island takes from a peer beside the weights: where the run stands
     def _progress(self) -> dict:
@@ -144,24 +153,33 @@ class IslandRun:
     def _load_progress(self, progress: dict) -> None:
         self.state.step, self.state.tokens = int(progress["step"]), int(progress["tokens"])
         self.state.loader.load_state_dict(progress["loader"])
+        self.rejoining = False
+        self._event("rejoined")
         if dist.get_rank() == 0:
             print(f"plait: island {self.island} rejoined at step {self.state.step}: weights, optimizer and data "
-                  "position taken from a peer", file=sys.stderr, flush=True)
+                  f"position taken from a peer, {time.time() - self.started_at:.1f} s after its ranks started",
+                  file=sys.stderr, flush=True)
+
+    def _event(self, what: str) -> None:
+        if self.log is not None:
+            self.log.write_record({"event": what, "step": self.state.step, "time": time.time(),
+                                   "started": self.started_at, "island": self.island})
 
     def train(self) -> None:
-        from plait.train.loop import lr_at
         from plait.train.metrics import MetricsLog
+
+        from plait.train.fault import maybe_inject, planned_fault
 
         config, state = self.config, self.state
         self._resume()
-        log = MetricsLog(Path(config.log.dir) / "metrics.jsonl", enabled=dist.get_rank() == 0,
-                         resumed_at=state.step)
+        # a rejoining island keeps what its first ranks logged (its steps continue from a peer's)
+        log = self.log = MetricsLog(Path(config.log.dir) / "metrics.jsonl", enabled=dist.get_rank() == 0,
+                                    resumed_at=state.step or (sys.maxsize if self.rejoining else 0))
+        fault = planned_fault()  # PLAIT_FAULT's rank counts every island's ranks: island i's rank r is i·n + r
+        global_rank = self.island * dist.get_world_size() + dist.get_rank()
         tokens_per_step = config.train.global_batch * config.train.seq_len  # every island's rows together
         began = time.perf_counter()
         while state.step < config.train.steps:
-            lr = lr_at(state.step, config.optimizer, config.train.steps)
-            for group in state.optimizer.param_groups:
-                group["lr"] = lr
             started = time.perf_counter()
             loss, counted = self.exchange.step(self._next_batch_forward_backward)
             state.optimizer.zero_grad(set_to_none=True)
@@ -172,19 +190,33 @@ class IslandRun:
                 continue
             state.step += 1
             state.tokens += tokens_per_step
-            log.write_record({"step": state.step, "loss": round(float(loss), 6), "lr": lr,
+            if self.rejoining and self.exchange.alone:
+                if dist.get_rank() == 0:
+                    print(f"plait: island {self.island} restarted, but no other island is training (they finished "
+                          "or failed): nothing to rejoin", file=sys.stderr, flush=True)
+                break
+            if self.rejoining:  # trained blind until the quorum that heals it (DiLoCo's next exchange)
+                continue
+            log.write_record({"step": state.step, "loss": round(float(loss), 6), "lr": self._lr,
                               "step_time_s": round(step_s, 5), "tokens_per_s": round(tokens_per_step / step_s, 1),
                               "elapsed_s": round(time.perf_counter() - began, 3),
                               "link_bytes": self.exchange.counter.bytes_sent,
-                              "outer_step": self.exchange.manager.current_step(), "island": self.island})
+                              "outer_step": self.exchange.manager.current_step(), "island": self.island,
+                              "time": time.time()})
             self._maybe_save(final=state.step == config.train.steps)
+            maybe_inject(global_rank, state.step, fault)
         log.close()
         self._finish(time.perf_counter() - began)
 
     def _next_batch_forward_backward(self) -> float:
         """Read the step's rows (after the exchange's quorum, which may have moved the data position of an island
         that rejoined), then forward and backward."""
+        from plait.train.loop import lr_at
+
         model, clip = self.state.model, self.config.optimizer.clip
+        self._lr = lr_at(self.state.step, self.config.optimizer, self.config.train.steps)
+        for group in self.state.optimizer.param_groups:
+            group["lr"] = self._lr
         self._position = self.state.loader.state_dict()
         tokens, targets = self.state.loader.next_batch()
         loss = model.train_step(tokens.to(self.device), targets.to(self.device))
@@ -199,7 +231,10 @@ class IslandRun:
         checkpoint = self.config.checkpoint
         if checkpoint.dir is None:
             return
-        if final or (checkpoint.every > 0 and self.state.step % checkpoint.every == 0):
+        due = final or (checkpoint.every > 0 and self.state.step % checkpoint.every == 0) or self._save_pending
+        # an overlapped exchange in flight cannot be saved: the save waits for the step that applies it
+        self._save_pending = due and self.exchange.in_flight() and not final
+        if due and not self._save_pending:
             save_checkpoint(checkpoint.dir, self.state, keep=checkpoint.keep, extra=self._save_outer)
 
     def _save_outer(self, folder: Path) -> None:

@@ -267,6 +267,15 @@ class IslandExchange:
         self.counter.commits.append(self.manager.current_step())
         return loss, True
 
+    @property
+    def alone(self) -> bool:
+        """A quorum was formed and this island is its only member."""
+        return self.manager._quorum_id >= 0 and self.manager.num_participants() <= 1
+
+    def in_flight(self) -> bool:
+        """An overlapped exchange was started and not yet applied (a checkpoint now could not hold it)."""
+        return self.diloco is not None and any(f._allreduce_work for f in self.diloco._fragments)
+
     def close(self) -> None:
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)

@@ -41,3 +41,42 @@ def test_diloco_at_h1_equals_one_process(tmp_path):
     assert report["passed"] and max(report["loss_rel_diffs"]) < 1e-12
     islands = report["runtime"]["islands"]
     assert len(islands) == 2 and all(i["exchanges"] == 3 and i["bytes_sent"] > 0 for i in islands)
+
+
+def test_an_island_killed_mid_run_rejoins_while_the_other_trains_on(tmp_path):
+    """Island 1 (one rank) SIGKILLs itself after step 4; island 0 trains on without a restart; island 1's launcher
+    restarts it, it takes the weights, optimizer and data position from island 0 and continues: every step once."""
+    steps = 24
+    cluster = (ROOT / "examples" / "clusters" / "islands-local.yaml").read_text()
+    # 1 rank per island, and a link slow enough (4 MB/s: ~1 s a step) that island 0 is still training when
+    # island 1's ranks are back
+    (tmp_path / "cluster.yaml").write_text(cluster.replace("num_devices: 4", "num_devices: 2")
+                                           .replace("devices_per_node: 2", "devices_per_node: 1")
+                                           .replace("bandwidth: 50 MB/s", "bandwidth: 4 MB/s"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1", "COLUMNS": "200",
+           "PLAIT_FAULT": "kill:rank=1:step=4"}
+    run = [sys.executable, "-m", "plait"]
+    made = subprocess.run(run + ["plan", "--model", "tiny-gpt", "--cluster", str(tmp_path / "cluster.yaml"),
+                                 "--global-batch", "8", "--seq-len", "64", "--island-method", "sync",
+                                 "--json", str(tmp_path / "plan.json")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "run.toml").write_text("[data]\nsource = \"shipped\"\n")
+    trained = subprocess.run(run + ["train", str(tmp_path / "run.toml"), "--plan", str(tmp_path / "plan.json"),
+                                    "--steps", str(steps), "--log-dir", str(tmp_path / "log"),
+                                    "--set", "train.global_batch=8", "--set", "train.seq_len=64"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    assert "injecting 'kill' on rank 1 after step 4" in trained.stderr
+    assert "island 1 rejoined at step" in trained.stderr
+    survivor = [json.loads(line) for line in (tmp_path / "log" / "island0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in survivor] == list(range(1, steps + 1))  # no restart, no step lost or repeated
+    outer = [r["outer_step"] for r in survivor]
+    assert outer == list(range(outer[0], outer[0] + steps))  # every step committed once
+    lost = [json.loads(line) for line in (tmp_path / "log" / "island1" / "metrics.jsonl").read_text().splitlines()]
+    rejoined = next(i for i, r in enumerate(lost) if r.get("event") == "rejoined")
+    before, after = lost[:rejoined], lost[rejoined + 1:]
+    assert [r["step"] for r in before] == [1, 2, 3, 4]
+    back = lost[rejoined]["step"]
+    assert back >= 4 and [r["step"] for r in after] == list(range(back + 1, steps + 1))
+    assert lost[rejoined]["time"] > before[-1]["time"]  # the recovery time is measured from these
