@@ -16,6 +16,19 @@ are the global batch), the final loss gap (mean of the last --tail steps), bytes
 tokens/s measured (after --warmup steps) against predicted (the plan's prediction on the quick profile).
 
     python benchmarks/islands.py [--models tiny-gpt tiny-llama] [--steps 150] [--bandwidth 10e6] [--latency 5e-3]
+
+With --faults it measures instead what a failure costs (the figures plait/cost/failures.py prices with), on the
+first model, saved as faults.json:
+
+* recovery: the islands' run (DiLoCo as planned, checkpoints every --every steps) with island 1's ranks SIGKILLed
+  from outside once it logged step --kill-at; island 0 must train on without a restart, island 1's launcher restarts
+  it and it takes the weights from a peer: recovery = the time of its "rejoined" event - the kill;
+* restart: the same model as one job (a plain data-parallel plan over the 4 ranks, no islands), rank 1 SIGKILLed
+  (PLAIT_FAULT) right after the checkpoint of step --kill-at, --max-restarts 1: restart = when the first step after
+  the restart was logged - when the killed step was, less one step's time;
+* save: the seconds each checkpoint write stalled the islands' training (their "saved" events).
+
+    python benchmarks/islands.py --faults [--steps 100] [--kill-at 20] [--every 10]
 """
 
 from __future__ import annotations
@@ -49,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tail", type=int, default=10, help="final loss: the mean of the last this many steps")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "islands")
     parser.add_argument("--no-profile", action="store_true", help="plan on the uncalibrated local-cpu preset")
+    parser.add_argument("--faults", action="store_true", help="measure recovery, restart and save times instead")
+    parser.add_argument("--kill-at", type=int, default=20, help="--faults: the step after which ranks are killed")
+    parser.add_argument("--every", type=int, default=10, help="--faults: checkpoint every this many steps")
     return parser.parse_args(argv)
 
 
@@ -95,23 +111,30 @@ def plans_for(model_name: str, cluster, args: argparse.Namespace) -> dict:
     return {"sync": sync, "diloco": diloco}
 
 
-def train(plan, model_name: str, method: str, args: argparse.Namespace, folder: Path) -> dict:
-    """`plait train` of `plan`; the islands' metrics and link reports."""
-    run = folder / f"{model_name}-{method}"
+def train_argv(plan, model_name: str, run: Path, args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
     run.mkdir(parents=True, exist_ok=True)
     plan_path = run / "plan.json"
     plan_path.write_text(plan.to_json())
     sets = [f'model.preset="{model_name}"', f'plan.file="{plan_path}"', f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", f"train.seq_len={args.seq_len}", "optimizer.lr=3e-3",
-            "optimizer.warmup=10", f'log.dir="{run}"', "log.progress=false"]
+            "optimizer.warmup=10", f'log.dir="{run}"', "log.progress=false", *extra]
     config = run / "run.toml"
     config.write_text("[data]\nsource = \"shipped\"\n")
     argv = [sys.executable, "-m", "plait", "train", str(config)]
     for item in sets:
         argv += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1"}
+    return argv
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PLAIT_OMP_THREADS": "1"}
+
+
+def train(plan, model_name: str, method: str, args: argparse.Namespace, folder: Path) -> dict:
+    """`plait train` of `plan`; the islands' metrics and link reports."""
+    run = folder / f"{model_name}-{method}"
+    argv = train_argv(plan, model_name, run, args)
     began = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{model_name} {method} failed:\n{done.stderr[-3000:]}")
     islands = []
@@ -174,12 +197,119 @@ def table(rows: dict, args: argparse.Namespace):
     return out
 
 
+# ---- --faults ------------------------------------------------------------------------------------------------
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def island_ranks(island: int) -> list[int]:
+    """Process ids of the ranks of `island` (their command line names it; torchrun's RANK is in their env)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"islands.island={island}".encode() in cmdline and any(v.startswith(b"RANK=") for v in environ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(predicate, timeout_s: float = 900.0, every: float = 0.05) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out waiting")
+        time.sleep(every)
+    return time.time()
+
+
+def measure_recovery(plan, model: str, args: argparse.Namespace, folder: Path) -> dict:
+    import signal
+
+    run = folder / f"{model}-faults-islands"
+    argv = train_argv(plan, model, run, args, [f'checkpoint.dir="{run / "ckpt"}"', f"checkpoint.every={args.every}"])
+    process = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lost = run / "island1" / "metrics.jsonl"
+    wait_for(lambda: any(r.get("step", 0) >= args.kill_at and "loss" in r for r in records(lost)))
+    pids = island_ranks(1)
+    killed_at = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _, err = process.communicate(timeout=3600)
+    if process.returncode != 0:
+        raise SystemExit(f"the islands' run with a killed island failed:\n{err[-3000:]}")
+    survivor, back = records(run / "island0" / "metrics.jsonl"), records(lost)
+    rejoined = [r for r in back if r.get("event") == "rejoined"]
+    steps0 = [r["step"] for r in survivor if "loss" in r]
+    saves = [r["seconds"] for r in survivor + back if r.get("event") == "saved"]
+    return {"killed_ranks": pids, "recovery_s": rejoined[0]["time"] - killed_at if rejoined else None,
+            "rejoined_at_step": rejoined[0]["step"] if rejoined else None,
+            "survivor_steps_once": steps0 == list(range(1, args.steps + 1)),
+            "survivor_restarted": any(r.get("event") == "rejoined" for r in survivor),
+            "save_s": statistics.median(saves) if saves else None, "saves": saves}
+
+
+def measure_restart(plan, model: str, args: argparse.Namespace, folder: Path) -> dict:
+    from plait.plan import Plan
+
+    one_job = Plan.of(dp=RANKS, zero=plan.zero, model=plan.model, cluster=plan.cluster.island_view().with_devices(RANKS)
+                      .replace(islands=None), train=plan.train, micro_batch=args.global_batch // RANKS)
+    run = folder / f"{model}-faults-one-job"
+    argv = train_argv(one_job, model, run, args, [f'checkpoint.dir="{run / "ckpt"}"', f"checkpoint.every={args.every}"])
+    argv += ["--max-restarts", "1"]
+    env = {**ENV, "PLAIT_FAULT": f"kill:rank=1:step={args.kill_at}"}
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    killed = wait_for(lambda: any(r.get("step", 0) >= args.kill_at for r in records(metrics)))
+    back = wait_for(lambda: any(r.get("step", 0) == args.kill_at + 1 for r in records(metrics)))
+    _, err = process.communicate(timeout=3600)
+    if process.returncode != 0:
+        raise SystemExit(f"the one-job run with a killed rank failed:\n{err[-3000:]}")
+    step_s = statistics.median(r["step_time_s"] for r in records(metrics))
+    return {"restart_s": back - killed - step_s, "step_s": step_s, "plan": one_job.describe()}
+
+
+def faults(args: argparse.Namespace, cluster) -> int:
+    from rich.console import Console
+
+    model = args.models[0]
+    plan = plans_for(model, cluster, args)["diloco"]
+    folder = args.out / "runs"
+    recovery = measure_recovery(plan, model, args, folder)
+    restart = measure_restart(plan, model, args, folder)
+    result = {"model": model, "islands_plan": plan.describe(), **recovery, **restart,
+              "args": {k: str(v) for k, v in vars(args).items()}}
+    (args.out / "faults.json").write_text(json.dumps(result, indent=1))
+    console = Console(width=160, record=True)
+    console.print(f"{model}, 2 islands x 2 ranks ({plan.describe()}): island 1's ranks {recovery['killed_ranks']} "
+                  f"SIGKILLed after step {args.kill_at}; island 0 trained on without a restart: "
+                  f"{not recovery['survivor_restarted']}, every step once: {recovery['survivor_steps_once']}")
+    if recovery["recovery_s"] is None:
+        console.print("island 1 did not rejoin before island 0 finished: raise --steps")
+        return 1
+    console.print(f"recovery (killed -> rejoined with a peer's weights, at step {recovery['rejoined_at_step']}): "
+                  f"{recovery['recovery_s']:.1f} s")
+    console.print(f"restart of one job ({restart['plan']}, rank 1 killed after the checkpoint of step "
+                  f"{args.kill_at}): {restart['restart_s']:.1f} s beyond a step of {restart['step_s']:.2f} s")
+    console.print(f"checkpoint save: median {recovery['save_s']:.2f} s over {len(recovery['saves'])} saves")
+    (args.out / "faults.txt").write_text(console.export_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cluster = cluster_of(args)
+    if args.faults:
+        return faults(args, cluster)
     rows: dict[str, dict] = {}
     for model in args.models:
         rows[model] = {}

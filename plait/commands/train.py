@@ -131,6 +131,14 @@ def _island(config_path: str, config, overrides: list[str]) -> int:
     if not 0 <= config.islands.island < plan.islands.count:
         raise ConfigError(f"islands.island={config.islands.island} must lie in [0, {plan.islands.count}) for the "
                           f"plan's {plan.islands.count} islands")
+    if config.islands.lighthouse != "local":  # a multi-node run: every island points at the same lighthouse
+        import os
+
+        from plait.train.islands import LIGHTHOUSE_ENV, lighthouse_url
+        from plait.train.islands_launch import check_lighthouse
+
+        check_lighthouse(config.islands.lighthouse)  # one line, exit 2, before this island's ranks start
+        os.environ[LIGHTHOUSE_ENV] = lighthouse_url(config.islands.lighthouse)
     if in_torchrun():
         run_island(config, plan)
         return 0

@@ -266,12 +266,16 @@ class IslandsConfig:
     (multi-node runs: start `torchft_lighthouse` once and point every island at it)."""
     max_restarts: int = 3
     """How many times an island whose rank died is restarted to rejoin the others (which train on meanwhile)."""
+    timeout_s: float = 120.0
+    """How long an exchange, a quorum or a recovery may wait (for a slow peer, a lighthouse) before it is an error."""
     island: int = -1
     """Set by plait for an island's own launcher and ranks (0-based); -1: the run as a whole."""
 
     def __post_init__(self) -> None:
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_lr={self.outer_lr} must be > 0 and outer_momentum={self.outer_momentum} in [0, 1)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 (seconds)")
         if self.inner_steps < 0 or self.max_restarts < 0:
             raise ValueError(f"inner_steps={self.inner_steps} and max_restarts={self.max_restarts} must be >= 0 "
                              "(inner_steps 0: the plan's H)")

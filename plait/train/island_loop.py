@@ -72,8 +72,11 @@ def launch_islands(config_path: str | None, config: Any, overrides: list[str], p
 
     from plait.train.fault import check_fault
 
+    from plait.train.islands_launch import check_lighthouse
+
     check_island_plan(plan)
     check_fault(plan.num_devices, config.train.steps)
+    check_lighthouse(config.islands.lighthouse)
     plan_path = write_plan(plan, config.log.dir).resolve()
     print(f"plait train: {plan.describe()} on {plan.islands.count} islands of {plan.island_plan().num_devices} "
           f"local processes; logs in {config.log.dir}/island<i>", file=sys.stderr, flush=True)
@@ -136,8 +139,7 @@ class IslandRun:
         outer = OuterSettings(lr=config.islands.outer_lr, momentum=config.islands.outer_momentum,
                               nesterov=config.islands.nesterov)
         self.exchange = IslandExchange(plan, self.island, model, optimizer, outer, extra_state=self._progress,
-                                       load_extra=self._load_progress, timeout_s=float(
-                                           os.environ.get("PLAIT_ISLANDS_TIMEOUT_S", "120")))
+                                       load_extra=self._load_progress, timeout_s=config.islands.timeout_s)
         self.discarded = 0
         self.started_at = time.time()
         self.rejoining = restart_round() > 0  # restarted after a failure: a peer's state comes at the first quorum
@@ -181,7 +183,7 @@ class IslandRun:
         began = time.perf_counter()
         while state.step < config.train.steps:
             started = time.perf_counter()
-            loss, counted = self.exchange.step(self._next_batch_forward_backward)
+            loss, counted = self._exchange_step()
             state.optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - started
             if not counted:  # a failure across islands: nobody applied this step; take the same rows again
@@ -207,6 +209,23 @@ class IslandRun:
             maybe_inject(global_rank, state.step, fault)
         log.close()
         self._finish(time.perf_counter() - began)
+
+    def _exchange_step(self) -> tuple[float, bool]:
+        """One step with the exchange; a lighthouse that stopped answering becomes one clear error (the islands
+        cannot agree who takes part without it), within the manager's timeout rather than a hang."""
+        from plait.errors import PlaitError
+        from plait.train.islands import LIGHTHOUSE_ENV, lighthouse_reachable
+
+        try:
+            return self.exchange.step(self._next_batch_forward_backward)
+        except Exception as error:
+            address = os.environ.get(LIGHTHOUSE_ENV, "")
+            problem = lighthouse_reachable(address) if address else None
+            if problem is None:
+                raise
+            raise PlaitError(f"island {self.island}: the lighthouse at {address} stopped answering mid-run "
+                             f"({problem}); restart it and continue with --resume from the last checkpoint "
+                             f"({type(error).__name__} in the exchange)") from None
 
     def _next_batch_forward_backward(self) -> float:
         """Read the step's rows (after the exchange's quorum, which may have moved the data position of an island
@@ -235,7 +254,11 @@ class IslandRun:
         # an overlapped exchange in flight cannot be saved: the save waits for the step that applies it
         self._save_pending = due and self.exchange.in_flight() and not final
         if due and not self._save_pending:
+            began = time.perf_counter()
             save_checkpoint(checkpoint.dir, self.state, keep=checkpoint.keep, extra=self._save_outer)
+            if self.log is not None:  # what a save stalls training: the figure failures are priced with
+                self.log.write_record({"event": "saved", "step": self.state.step,
+                                       "seconds": round(time.perf_counter() - began, 4), "time": time.time()})
 
     def _save_outer(self, folder: Path) -> None:
         (folder / OUTER_DIR).mkdir(exist_ok=True)

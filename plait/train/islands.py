@@ -86,6 +86,11 @@ def quiet_torchft() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def lighthouse_url(address: str) -> str:
+    """torchft's form of a lighthouse address: http://host:port."""
+    return address if "://" in address else f"http://{address}"
+
+
 def lighthouse_reachable(address: str, timeout_s: float = 5.0) -> str | None:
     """None when something listens at `address` (http://host:port or host:port), else why not."""
     target = re.sub(r"^\w+://", "", address).rstrip("/")

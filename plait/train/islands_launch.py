@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Iterator
 
 from plait.errors import ConfigError
-from plait.train.islands import LIGHTHOUSE_ENV, QUIET_ENV, STORE_ENV, lighthouse_reachable
+from plait.train.islands import LIGHTHOUSE_ENV, QUIET_ENV, STORE_ENV, lighthouse_reachable, lighthouse_url
 
 @dataclass
 class LocalIslands:
@@ -93,7 +93,9 @@ def start_islands(lighthouse: str = "local") -> Iterator[LocalIslands]:
     check_lighthouse(lighthouse)
     os.environ.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})
     server = None
-    if lighthouse == "local":
+    if lighthouse != "local":
+        lighthouse = lighthouse_url(lighthouse)
+    else:
         from torchft.coordination import LighthouseServer
 
         # min_replicas 1: when an island fails the others form a quorum without it and train on
