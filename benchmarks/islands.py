@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "islands")
     parser.add_argument("--no-profile", action="store_true", help="plan on the uncalibrated local-cpu preset")
     parser.add_argument("--faults", action="store_true", help="measure recovery, restart and save times instead")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="where the runs train (default: a temporary folder; their metrics are copied to --out)")
     parser.add_argument("--kill-at", type=int, default=20, help="--faults: the step after which ranks are killed")
     parser.add_argument("--every", type=int, default=10, help="--faults: checkpoint every this many steps")
     return parser.parse_args(argv)
@@ -112,7 +114,10 @@ def plans_for(model_name: str, cluster, args: argparse.Namespace) -> dict:
 
 
 def train_argv(plan, model_name: str, run: Path, args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
-    run.mkdir(parents=True, exist_ok=True)
+    import shutil
+
+    shutil.rmtree(run, ignore_errors=True)  # a run of its own: no metrics or checkpoints of an earlier one
+    run.mkdir(parents=True)
     plan_path = run / "plan.json"
     plan_path.write_text(plan.to_json())
     sets = [f'model.preset="{model_name}"', f'plan.file="{plan_path}"', f"train.steps={args.steps}",
@@ -139,6 +144,10 @@ def train(plan, model_name: str, method: str, args: argparse.Namespace, folder: 
         raise SystemExit(f"{model_name} {method} failed:\n{done.stderr[-3000:]}")
     islands = []
     for i in range(plan.islands.count):
+        kept = args.out / "runs" / run.name / f"island{i}"
+        kept.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "link.json"):  # the evidence, without the run's checkpoints
+            (kept / name).write_text((run / f"island{i}" / name).read_text())
         lines = (run / f"island{i}" / "metrics.jsonl").read_text().splitlines()
         islands.append({"metrics": [json.loads(line) for line in lines],
                         "link": json.loads((run / f"island{i}" / "link.json").read_text())})
@@ -195,6 +204,14 @@ def table(rows: dict, args: argparse.Namespace):
                         f"{s['predicted_link_bytes_per_step'] / 1e6:.3f} MB",
                         f"{s['link_bytes_per_step'] / s['predicted_link_bytes_per_step']:.3f}")
     return out
+
+
+def runs_folder(args: argparse.Namespace) -> Path:
+    import tempfile
+
+    if args.runs is None:
+        args.runs = Path(tempfile.mkdtemp(prefix="plait-islands-bench-"))
+    return args.runs
 
 
 # ---- --faults ------------------------------------------------------------------------------------------------
@@ -280,7 +297,7 @@ def faults(args: argparse.Namespace, cluster) -> int:
 
     model = args.models[0]
     plan = plans_for(model, cluster, args)["diloco"]
-    folder = args.out / "runs"
+    folder = runs_folder(args)
     recovery = measure_recovery(plan, model, args, folder)
     restart = measure_restart(plan, model, args, folder)
     result = {"model": model, "islands_plan": plan.describe(), **recovery, **restart,
@@ -315,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[model] = {}
         for method, plan in plans_for(model, cluster, args).items():
             print(f"training {model}: {method} ({plan.describe()})", file=sys.stderr, flush=True)
-            rows[model][method] = summarize(plan, train(plan, model, method, args, args.out / "runs"), args)
+            rows[model][method] = summarize(plan, train(plan, model, method, args, runs_folder(args)), args)
     console = Console(width=200, record=True)
     console.print(table(rows, args))
     plot(rows, args.out / "islands.png")

@@ -115,7 +115,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table
 
-    reports = dry_run(plan)
+    reports = dry_run(plan.island_plan())  # across islands: what each island builds
     console = output_console()
     console.print(dry_run_table(plan, reports))
     console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks "

@@ -125,6 +125,11 @@ def main(args: argparse.Namespace) -> int:
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
     _print_result(result, args.top, model, cluster, num_devices)
+    if cluster.failures is not None:  # goodput of the run as one job, or as torchft replica groups
+        from plait.report.islands import print_replica_groups
+        from plait.search.islands import replica_group_choice
+
+        print_replica_groups(replica_group_choice(model, cluster, train, num_devices, **_search_pins(args)))
     _print_unpriced(model, train.seq_len)
     if args.json:
         _write_json(args.json, result, args.top)

@@ -55,3 +55,21 @@ def print_islands(choice: Any, cluster: Any) -> None:
     console.print(Text.assemble(("chosen: ", "bold"), f"{choice.chosen.describe()}: {choice.why}"))
     if choice.failures:
         console.print(failures_table(choice))
+
+
+def print_replica_groups(rows: list) -> None:
+    """The run as one job or as torchft replica groups, priced with failures; the best (first) starred."""
+    from plait.report.console import output_console
+
+    table = Table(title="with failures: one job, or replica groups that fail and recover alone "
+                        f"(mean time between failures of the run: {rows[0].failure.mtbf_s / 3600:.3g} h)")
+    for column in ("", "replica groups", "devices each", "tokens/s", "a failure costs", "checkpoint every", "lost",
+                   "goodput tokens/s"):
+        table.add_column(column, justify="left" if column in ("", "replica groups") else "right")
+    for i, row in enumerate(rows):
+        how = "restart" if row.count == 1 else "recovery"
+        table.add_row("*" if i == 0 else "", "1 (one job)" if row.count == 1 else str(row.count),
+                      str(row.group_devices), f"{row.tokens_per_s:,.0f}",
+                      f"{row.failure.per_failure_s:.3g} s ({how})", f"{row.failure.checkpoint_interval_s:.3g} s",
+                      f"{row.failure.lost_fraction:.2%}", f"{row.failure.goodput_tokens_per_s:,.0f}")
+    output_console().print(table)

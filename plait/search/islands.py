@@ -174,8 +174,15 @@ def _choose(sync: IslandCost, options: list[IslandCost], pins: IslandPins) -> tu
     pool = hidden or sorted(runnable or options, key=lambda o: -o.tokens_per_s)[:1]
     chosen = min(pool, key=lambda o: (o.inner_steps, order[o.precision], o.fragments))
     published = ", ".join(f"{name} H={h}" for name, h in PUBLISHED_H.items())
-    reason = ("the smallest H whose exchange hides under inner compute" if chosen.hidden
-              else "no H tried hides the exchange; the fastest option")
+    pinned = [f"{name}={value}" for name, value in (("H", pins.inner_steps), ("fragments", pins.fragments),
+                                                     ("precision", pins.precision), ("overlap", pins.overlap))
+              if value is not None]
+    if pinned:
+        reason = f"pinned {', '.join(pinned)}" + ("; its exchange hides under inner compute" if chosen.hidden else
+                                                  f"; {chosen.exposed_s:.3g} s of each exchange is waited for")
+    else:
+        reason = ("the smallest H whose exchange hides under inner compute" if chosen.hidden
+                  else "no H tried hides the exchange; the fastest option")
     gain = chosen.tokens_per_s / sync.tokens_per_s
     return chosen, (f"{reason}: {gain:.2f}x synchronous data parallelism's tokens/s. Quality at large H is your "
                     f"call: published runs validated {published}")
@@ -222,3 +229,44 @@ def _with_goodput(plan: Plan, failure: FailureCost) -> Plan:
     return dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, goodput_tokens_per_s=failure.goodput_tokens_per_s,
         checkpoint_interval_s=failure.checkpoint_interval_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaGroups:
+    """One job split into `count` torchft replica groups (synchronous data parallelism across them, over the
+    cluster's inter-node links), priced with failures."""
+
+    count: int
+    group_devices: int
+    tokens_per_s: float
+    failure: FailureCost
+
+
+def replica_group_choice(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, num_devices: int,
+                         **pins: Any) -> list[ReplicaGroups]:
+    """On a cluster with a failure rate and no islands: the run as 1, 2, 4, ... replica groups of whole nodes, each
+    priced by expected goodput (a failure restarts one job; it costs a group's recovery among groups); best first.
+    More groups lose less to each failure but pay the groups' all-reduce on the inter-node links, planned as
+    islands of those links (every adapter of a group together)."""
+    from plait.search.search import plan_with_stats
+    from plait.spec.cluster import Islands
+
+    whole = cluster.with_devices(num_devices)
+    one_job = plan_with_stats(model, whole, train, num_devices=num_devices, top=1, **pins).plans[0]
+    rows = [ReplicaGroups(count=1, group_devices=num_devices, tokens_per_s=one_job.predicted.tokens_per_s,
+                          failure=price_failures(whole, one_job.predicted.tokens_per_s))]
+    nodes = whole.num_nodes
+    for count in (2, 4, 8, 16):
+        if nodes % count or train.global_batch % count or nodes < count:
+            continue
+        devices = num_devices // count
+        link = whole.inter_node.scaled(bandwidth=devices)
+        grouped = dataclasses.replace(whole, islands=Islands(count=count, link=link))
+        try:
+            choice = plan_islands(model, grouped, train, top=1, island_pins=IslandPins(method="sync"), **pins)
+        except ConfigError:
+            continue
+        failure = choice.failures.get("sync, islands as replica groups")
+        rows.append(ReplicaGroups(count=count, group_devices=devices, tokens_per_s=choice.sync.tokens_per_s,
+                                  failure=failure))
+    return sorted(rows, key=lambda r: -r.failure.goodput_tokens_per_s)

@@ -164,10 +164,30 @@ def make_manager(plan: Plan, island: int, model_state: Callable[[], dict], load_
 
     backend = ProcessGroupNCCL if plan.cluster.backend == "nccl" and torch.cuda.is_available() else ProcessGroupGloo
     timeout = timedelta(seconds=timeout_s)
+    host, port = _round_store(timeout)
     return IslandManager(pg=backend(timeout=timeout), load_state_dict=load_state, state_dict=model_state,
                          min_replica_size=1, use_async_quorum=False, replica_id=f"island{island}",
                          rank=dist.get_rank(), world_size=ranks, init_sync=False, timeout=timeout,
-                         quorum_timeout=timeout, connect_timeout=timedelta(seconds=min(timeout_s, 30)))
+                         quorum_timeout=timeout, connect_timeout=timedelta(seconds=min(timeout_s, 30)),
+                         store_addr=host, store_port=port)
+
+
+_STORES: list = []  # this round's manager store, held for the life of the process
+
+
+def _round_store(timeout: timedelta) -> tuple[str, int]:
+    """A store of this round of the island's ranks alone, hosted by its rank 0, for torchft's Manager: the agent's
+    store (MASTER_ADDR) outlives a round, and after a restart the Manager's other ranks would read the dead round's
+    manager address there and wait for it (measured: 'failed to connect ... within timeout of 30s')."""
+    from plait.launch import _host_name
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        store = dist.TCPStore(_host_name(), 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        _STORES.append(store)
+        box = [(_host_name(), store.port)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def wait_for_islands(count: int, island: int) -> None:

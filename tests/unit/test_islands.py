@@ -153,3 +153,50 @@ def test_plan_cli_prints_the_choice_beside_sync(tmp_path, capsys):
     plan = Plan.from_json(out)
     assert plan.islands is not None and plan.num_devices == 4
     assert math.isfinite(plan.predicted.goodput_tokens_per_s) and plan.predicted.goodput_tokens_per_s > 0
+
+
+def test_replica_groups_of_a_failing_cluster_rank_by_goodput():
+    from plait.search.islands import replica_group_choice
+
+    cluster = dataclasses.replace(load_cluster("h100-80g"), num_devices=64,
+                                  failures=load_cluster(REGION).failures)
+    rows = replica_group_choice(load_model("llama3-8b"), cluster, load_train(global_batch=128, seq_len=4096), 64)
+    assert [r.failure.goodput_tokens_per_s for r in rows] == sorted((r.failure.goodput_tokens_per_s for r in rows),
+                                                                    reverse=True)
+    one_job = next(r for r in rows if r.count == 1)
+    groups = [r for r in rows if r.count > 1]
+    assert groups and all(r.failure.per_failure_s < one_job.failure.per_failure_s for r in groups)
+    assert {r.count * r.group_devices for r in rows} == {64}
+
+
+def test_fragments_are_runs_of_whole_blocks():
+    import torch
+
+    from plait.errors import PlaitError
+    from plait.train.islands import fragment_modules
+
+    names = ["tok_embeddings.weight", "layers.0.a", "layers.0.b", "layers.1.a", "layers.2.a", "layers.3.a",
+             "norm.weight", "output.weight"]
+    named = [(n, torch.nn.Parameter(torch.zeros(1))) for n in names]
+    first, second = fragment_modules(named, 2)
+    held = [{id(p) for p in f.parameters()} for f in (first, second)]
+    by_name = dict(named)
+    assert held[0] == {id(by_name[n]) for n in names[:4]} and held[1] == {id(by_name[n]) for n in names[4:]}
+    with pytest.raises(PlaitError, match="more than the 4 blocks"):
+        fragment_modules(named, 5)
+
+
+def test_what_the_island_runtime_cannot_run_is_refused_before_ranks_start():
+    from plait.train.island_loop import check_island_plan, with_config_h
+    from plait.train.config import load_config
+
+    choice = plan_islands(load_model("tiny-gpt"), load_cluster(LOCAL),
+                          load_train(global_batch=8, seq_len=128, precision="fp32"), top=1,
+                          island_pins=IslandPins(method="diloco", inner_steps=4, precision="int8"))
+    with pytest.raises(ConfigError, match="int8"):
+        check_island_plan(choice.plans[0])
+    config = load_config(None, ["islands.inner_steps=6"])
+    assert with_config_h(choice.plans[0], config).islands.inner_steps == 6
+    with pytest.raises(ConfigError, match="inner_steps=3"):
+        with_config_h(choice.plans[0].replace(islands=dataclasses.replace(choice.plans[0].islands, fragments=2)),
+                      load_config(None, ["islands.inner_steps=3"]))
