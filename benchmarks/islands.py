@@ -177,11 +177,12 @@ def plot(rows: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
     for ax, (model, methods) in zip(axes[0], rows.items()):
         for method, summary in methods.items():
-            ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], label=f"{method}: {summary['plan']}")
+            label = f"{method}: {summary['plan'].split(' islands2 ')[-1]}"
+            ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], label=label)
         ax.set_title(f"{model}: 2 islands x 2 ranks, equal tokens")
         ax.set_xlabel("inner step")
         ax.set_ylabel("loss (mean of the islands')")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

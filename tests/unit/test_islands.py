@@ -200,3 +200,18 @@ def test_what_the_island_runtime_cannot_run_is_refused_before_ranks_start():
     with pytest.raises(ConfigError, match="inner_steps=3"):
         with_config_h(choice.plans[0].replace(islands=dataclasses.replace(choice.plans[0].islands, fragments=2)),
                       load_config(None, ["islands.inner_steps=3"]))
+
+
+def test_an_unreachable_lighthouse_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, capsys):
+    choice = plan_islands(load_model("tiny-gpt"), load_cluster(LOCAL),
+                          load_train(global_batch=8, seq_len=64, precision="fp32"), top=1)
+    plan = tmp_path / "plan.json"
+    plan.write_text(choice.plans[0].to_json())
+    (tmp_path / "run.toml").write_text("[data]\nsource = \"shipped\"\n")
+    code = cli(["train", str(tmp_path / "run.toml"), "--plan", str(plan), "--log-dir", str(tmp_path / "log"),
+                "--set", "train.global_batch=8", "--set", "train.seq_len=64",
+                "--set", "islands.lighthouse=localhost:1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "islands.lighthouse='localhost:1': no lighthouse answers there" in err[0]
+    assert not (tmp_path / "log" / "island0").exists()  # nothing started
