@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.cost.failures import FailureCost, price_failures
-from plait.cost.islands import (PUBLISHED_H, IslandCost, price_diloco, price_sync, smallest_hiding_h)
+from plait.cost.islands import (
+    PUBLISHED_H,
+    IslandCost,
+    price_diloco,
+    price_sync,
+    smallest_hiding_h,
+)
 from plait.errors import ConfigError
 from plait.plan import PSEUDO_GRADIENT_PRECISIONS, IslandPlan, Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec

@@ -67,12 +67,9 @@ def check_island_plan(plan: Plan) -> None:
 def launch_islands(config_path: str | None, config: Any, overrides: list[str], plan: Plan, *,
                    timeout_s: float | None) -> int:
     """Start the lighthouse (or check the one named) and one launcher per island; wait for them."""
-    from plait.train.islands_launch import start_islands
-    from plait.train.resolve import write_plan
-
     from plait.train.fault import check_fault
-
-    from plait.train.islands_launch import check_lighthouse
+    from plait.train.islands_launch import check_lighthouse, start_islands
+    from plait.train.resolve import write_plan
 
     check_island_plan(plan)
     check_fault(plan.num_devices, config.train.steps)
@@ -124,7 +121,7 @@ class IslandRun:
 
         self.config, self.plan, self.island = config, plan, config.islands.island
         self.inner = plan.island_plan()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
             if self.inner.cluster.device_type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
         model = parallelize(self.inner, seed=config.train.seed, device=device)
         opt = config.optimizer
@@ -168,9 +165,8 @@ class IslandRun:
                                    "started": self.started_at, "island": self.island})
 
     def train(self) -> None:
-        from plait.train.metrics import MetricsLog
-
         from plait.train.fault import maybe_inject, planned_fault
+        from plait.train.metrics import MetricsLog
 
         config, state = self.config, self.state
         self._resume()

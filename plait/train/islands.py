@@ -31,10 +31,11 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,7 +148,7 @@ def make_manager(plan: Plan, island: int, model_state: Callable[[], dict], load_
     link_free = [0.0]
 
     class IslandManager(Manager):
-        def allreduce(self, tensor, should_quantize=False, reduce_op=None):  # noqa: ANN001 (torchft's signature)
+        def allreduce(self, tensor, should_quantize=False, reduce_op=None):
             from torch.distributed import ReduceOp
 
             wire = tensor.to(wire_dtype) if wire_dtype is not None and tensor.is_floating_point() else tensor

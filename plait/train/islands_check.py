@@ -113,7 +113,7 @@ def island_worker(args: argparse.Namespace, plan: Plan) -> int:
             mine = slice(args.island * rows, (args.island + 1) * rows)
             tokens, targets = (dp_shard(inner, t[mine], model.dp_rank) for t in (tokens, targets))
 
-            def train_step() -> float:
+            def train_step(tokens=tokens, targets=targets, step=step) -> float:
                 loss = model.train_step(tokens, targets)
                 if step == 0:
                     first.update(model.full_gradients())

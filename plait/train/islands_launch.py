@@ -16,12 +16,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterator
 
 from plait.errors import ConfigError
-from plait.train.islands import LIGHTHOUSE_ENV, QUIET_ENV, STORE_ENV, lighthouse_reachable, lighthouse_url
+from plait.train.islands import (
+    LIGHTHOUSE_ENV,
+    QUIET_ENV,
+    STORE_ENV,
+    lighthouse_reachable,
+    lighthouse_url,
+)
+
 
 @dataclass
 class LocalIslands:

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main as cli
-from plait.cost import comm
 from plait.cost.failures import MEASURED_RESTART_S, price_failures, young_interval
-from plait.cost.islands import exchange_time, price_diloco, price_sync, smallest_hiding_h
+from plait.cost.islands import (
+    exchange_time,
+    price_diloco,
+    price_sync,
+    smallest_hiding_h,
+)
 from plait.errors import ConfigError
 from plait.plan import IslandPlan, Plan
 from plait.search.islands import IslandPins, plan_islands
@@ -187,8 +191,8 @@ def test_fragments_are_runs_of_whole_blocks():
 
 
 def test_what_the_island_runtime_cannot_run_is_refused_before_ranks_start():
-    from plait.train.island_loop import check_island_plan, with_config_h
     from plait.train.config import load_config
+    from plait.train.island_loop import check_island_plan, with_config_h
 
     choice = plan_islands(load_model("tiny-gpt"), load_cluster(LOCAL),
                           load_train(global_batch=8, seq_len=128, precision="fp32"), top=1,
