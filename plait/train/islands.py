@@ -262,7 +262,7 @@ class IslandExchange:
             self.outer_optimizers = [torch.optim.SGD(f.parameters(), lr=outer.lr, momentum=outer.momentum,
                                                      nesterov=outer.nesterov and outer.momentum > 0)
                                      for f in fragments]
-            self.diloco = DiLoCo(self.manager, fragments, _plain_optimizer(optimizer), self.outer_optimizers,
+            self.diloco = DiLoCo(self.manager, fragments, optimizer, self.outer_optimizers,
                                  sync_every=self.islands.inner_steps, fragment_sync_delay=self.islands.overlap,
                                  use_bucketization=True, bucket_cap_mb=BUCKET_MB, pin_memory=False,
                                  fragment_update_alpha=MIX_LOCAL if self.islands.overlap else 0.0)
