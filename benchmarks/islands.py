@@ -177,7 +177,7 @@ def plot(rows: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
     for ax, (model, methods) in zip(axes[0], rows.items()):
         for method, summary in methods.items():
-            label = f"{method}: {summary['plan'].split(' islands2 ')[-1]}"
+            label = f"{method}: {summary['plan'].split(' islands2 ')[-1]}"  # the exchange (IslandPlan.exchange)
             ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], label=label)
         ax.set_title(f"{model}: 2 islands x 2 ranks, equal tokens")
         ax.set_xlabel("inner step")

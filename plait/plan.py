@@ -125,17 +125,21 @@ class IslandPlan:
         """Inner steps between two exchanges (of successive fragments)."""
         return self.inner_steps // self.fragments
 
-    def describe(self) -> str:
-        """'islands2 diloco H=100 frag4 bf16 overlap1' or 'islands2 sync'."""
+    def exchange(self) -> str:
+        """'diloco H=100 frag4 bf16 overlap1' or 'sync'."""
         if self.method == "sync":
-            return f"islands{self.count} sync"
-        parts = [f"islands{self.count}", "diloco", f"H={self.inner_steps}"]
+            return "sync"
+        parts = ["diloco", f"H={self.inner_steps}"]
         if self.fragments > 1:
             parts.append(f"frag{self.fragments}")
         parts.append(self.precision)
         if self.overlap:
             parts.append(f"overlap{self.overlap}")
         return " ".join(parts)
+
+    def describe(self) -> str:
+        """'islands2 diloco H=100 frag4 bf16 overlap1' or 'islands2 sync'."""
+        return f"islands{self.count} {self.exchange()}"
 
 
 @dataclass(frozen=True, kw_only=True)

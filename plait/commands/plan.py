@@ -158,7 +158,12 @@ def _plan_islands(model: Any, cluster: Any, train: Any, num_devices: int, args: 
     print_islands(choice, cluster)
     _print_unpriced(model, train.seq_len)
     if args.json:
-        _write_json(args.json, island_result, args.top)
+        import dataclasses
+
+        _write_json(args.json, island_result, args.top, {"islands": {
+            "chosen": choice.chosen.describe(), "why": choice.why,
+            "options": [{"exchange": o.describe(), **dataclasses.asdict(o)} for o in choice.options],
+            "failures": {name: dataclasses.asdict(cost) for name, cost in choice.failures.items()}}})
     if args.report:
         _write_report(args.report, island_result)
     return 0
@@ -320,10 +325,11 @@ def _largest(parts: dict[str, float], share: float = 0.01) -> list[tuple[str, fl
     return big + ([("other", rest)] if rest > 0 else [])
 
 
-def _write_json(path: Path, result: Any, top: int) -> None:
+def _write_json(path: Path, result: Any, top: int, extra: dict[str, Any] | None = None) -> None:
     document = {
         "plans": [plan.to_dict() for plan in list(result.plans)[:top]],
         "search": {"candidates_evaluated": int(result.candidates_evaluated), "seconds": float(result.seconds)},
+        **(extra or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")

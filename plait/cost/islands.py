@@ -62,15 +62,11 @@ class IslandCost:
         return self.exposed_s <= 1e-12
 
     def describe(self) -> str:
-        if self.method == "sync":
-            return "sync"
-        parts = [f"diloco H={self.inner_steps}"]
-        if self.fragments > 1:
-            parts.append(f"frag{self.fragments}")
-        parts.append(self.precision)
-        if self.overlap:
-            parts.append(f"overlap{self.overlap}")
-        return " ".join(parts)
+        """'sync' or 'diloco H=8 frag2 bf16 overlap1', as the plan names its exchange (IslandPlan.exchange)."""
+        from plait.plan import IslandPlan
+
+        return IslandPlan(count=2, method=self.method, inner_steps=self.inner_steps, fragments=self.fragments,
+                          precision=self.precision, overlap=self.overlap).exchange()
 
 
 def link_view(cluster: ClusterSpec, islands: Islands) -> ClusterSpec:

@@ -84,9 +84,37 @@ def launch_islands(config_path: str | None, config: Any, overrides: list[str], p
         for island in range(plan.islands.count):
             islands.start(island, base + ["--set", f"islands.island={island}"])
         code = islands.wait(timeout_s)
+    for line in island_summary(Path(config.log.dir), plan.islands.count):
+        print(f"plait train: {line}", file=sys.stderr)
     if code == 0:
         print(f"plait train: islands done; metrics in {config.log.dir}/island<i>/metrics.jsonl", file=sys.stderr)
     return code
+
+
+def island_summary(log_dir: Path, count: int) -> list[str]:
+    """Per island: its last step and loss, what it sent over the link, and each recovery (from the step it last
+    logged before it failed to its 'rejoined' event)."""
+    import json
+
+    lines = []
+    for island in range(count):
+        path = log_dir / f"island{island}" / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+        steps = [r for r in records if "loss" in r]
+        if not steps:
+            continue
+        line = (f"island {island}: step {steps[-1]['step']}, loss {steps[-1]['loss']:.4f}, "
+                f"{steps[-1]['link_bytes'] / 1e6:.3g} MB sent over the link by its rank 0")
+        for i, record in enumerate(records):
+            if record.get("event") == "rejoined":
+                before = [r for r in records[:i] if "loss" in r]
+                if before:
+                    line += (f"; failed after step {before[-1]['step']}, rejoined at step {record['step']} "
+                             f"{record['time'] - before[-1]['time']:.1f} s later")
+        lines.append(line)
+    return lines
 
 
 def island_launcher(config_path: str | None, config: Any, overrides: list[str], plan: Plan) -> int:

@@ -69,6 +69,7 @@ def test_an_island_killed_mid_run_rejoins_while_the_other_trains_on(tmp_path):
     assert trained.returncode == 0, trained.stderr[-4000:]
     assert "injecting 'kill' on rank 1 after step 4" in trained.stderr
     assert "island 1 rejoined at step" in trained.stderr
+    assert "island 1: step 24" in trained.stderr and "failed after step 4, rejoined at step" in trained.stderr
     survivor = [json.loads(line) for line in (tmp_path / "log" / "island0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in survivor] == list(range(1, steps + 1))  # no restart, no step lost or repeated
     outer = [r["outer_step"] for r in survivor]

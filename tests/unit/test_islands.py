@@ -156,6 +156,8 @@ def test_plan_cli_prints_the_choice_beside_sync(tmp_path, capsys):
     assert "failures priced" in printed
     plan = Plan.from_json(out)
     assert plan.islands is not None and plan.num_devices == 4
+    options = json.loads(out.read_text())["islands"]["options"]
+    assert {"sync", plan.islands.exchange()} <= {o["exchange"] for o in options}
     assert math.isfinite(plan.predicted.goodput_tokens_per_s) and plan.predicted.goodput_tokens_per_s > 0
 
 
