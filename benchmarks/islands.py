@@ -7,7 +7,8 @@ plait/train/islands.py). For each model (the demo's tiny-gpt, and tiny-llama), p
 inner plan, and DiLoCo's H: the smallest that hides its exchange, or --inner-steps), then `plait train` runs
 
 * sync: the same inner plan, gradients all-reduced across the islands every step (torchft, fault-tolerant HSDP);
-* diloco: the plan as chosen (torchft's DiLoCo, outer Nesterov SGD, lr 0.7, momentum 0.9),
+* diloco: the plan as chosen (torchft's DiLoCo, outer Nesterov SGD, lr 0.7, momentum 0.9: --outer-lr,
+  --outer-momentum),
 
 for the same steps over the same global batches (equal tokens). Printed and saved under --out: the loss curves
 side by side (islands.png; the loss of a step is the mean of the islands' losses over their rows, which together
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", type=float, default=10e6, help="the islands' link, bytes/s (default 10 MB/s)")
     parser.add_argument("--latency", type=float, default=5e-3, help="the islands' link, seconds per message")
     parser.add_argument("--inner-steps", type=int, default=0, help="DiLoCo's H (0: the planner's choice)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (islands.outer_lr)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="DiLoCo's outer Nesterov momentum (islands.outer_momentum)")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s")
     parser.add_argument("--tail", type=int, default=10, help="final loss: the mean of the last this many steps")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "islands")
@@ -122,7 +126,8 @@ def train_argv(plan, model_name: str, run: Path, args: argparse.Namespace, extra
     plan_path.write_text(plan.to_json())
     sets = [f'model.preset="{model_name}"', f'plan.file="{plan_path}"', f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", f"train.seq_len={args.seq_len}", "optimizer.lr=3e-3",
-            "optimizer.warmup=10", f'log.dir="{run}"', "log.progress=false", *extra]
+            "optimizer.warmup=10", f'log.dir="{run}"', "log.progress=false", f"islands.outer_lr={args.outer_lr}",
+            f"islands.outer_momentum={args.outer_momentum}", *extra]
     config = run / "run.toml"
     config.write_text("[data]\nsource = \"shipped\"\n")
     argv = [sys.executable, "-m", "plait", "train", str(config)]
