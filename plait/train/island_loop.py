@@ -74,6 +74,7 @@ def launch_islands(config_path: str | None, config: Any, overrides: list[str], p
     check_island_plan(plan)
     check_fault(plan.num_devices, config.train.steps)
     check_lighthouse(config.islands.lighthouse)
+    check_island_checkpoints(config, plan.islands.count)
     plan_path = write_plan(plan, config.log.dir).resolve()
     print(f"plait train: {plan.describe()} on {plan.islands.count} islands of {plan.island_plan().num_devices} "
           f"local processes; logs in {config.log.dir}/island<i>", file=sys.stderr, flush=True)
@@ -115,6 +116,29 @@ def island_summary(log_dir: Path, count: int) -> list[str]:
                              f"{record['time'] - before[-1]['time']:.1f} s later")
         lines.append(line)
     return lines
+
+
+def check_island_checkpoints(config: Any, count: int) -> None:
+    """Before any rank starts: a fresh run must not mix its checkpoints with an earlier one's, and --resume needs a
+    complete checkpoint of every island at the same step (the islands continue together)."""
+    from plait.train.checkpoint import check_fresh_dir, latest_complete
+
+    if config.checkpoint.dir is None:
+        return
+    roots = [Path(island_config(config, island).checkpoint.dir) for island in range(count)]
+    if not config.checkpoint.resume:
+        for root in roots:
+            check_fresh_dir(root)
+        return
+    found = [latest_complete(root) for root in roots]
+    missing = [root for root, f in zip(roots, found) if f.path is None]
+    if missing and not config.checkpoint.start_over:
+        raise ConfigError(found[roots.index(missing[0])].nothing_usable(missing[0]))
+    steps = {f.step for f in found if f.path is not None}
+    if len(steps) > 1 or (missing and steps):
+        raise ConfigError(f"the islands' newest complete checkpoints are at different steps "
+                          f"({', '.join(f'island {i}: {f.step}' for i, f in enumerate(found))}); keep the same step "
+                          f"in every {config.checkpoint.dir}/island<i> (remove the newer ones) and resume")
 
 
 def island_launcher(config_path: str | None, config: Any, overrides: list[str], plan: Plan) -> int:

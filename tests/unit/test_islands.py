@@ -208,7 +208,11 @@ def test_what_the_island_runtime_cannot_run_is_refused_before_ranks_start():
                       load_config(None, ["islands.inner_steps=3"]))
 
 
-def test_an_unreachable_lighthouse_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, capsys):
+@pytest.mark.parametrize("extra, says", [
+    (["--set", "islands.lighthouse=localhost:1"], "islands.lighthouse='localhost:1': no lighthouse answers there"),
+    (["--resume", "--set", "checkpoint.dir=\"{tmp}/ckpt\""], "cannot resume"),
+])
+def test_island_runs_refuse_bad_input_in_one_line_before_any_rank_starts(tmp_path, capsys, extra, says):
     choice = plan_islands(load_model("tiny-gpt"), load_cluster(LOCAL),
                           load_train(global_batch=8, seq_len=64, precision="fp32"), top=1)
     plan = tmp_path / "plan.json"
@@ -216,8 +220,8 @@ def test_an_unreachable_lighthouse_is_one_line_and_exit_2_before_any_rank_starts
     (tmp_path / "run.toml").write_text("[data]\nsource = \"shipped\"\n")
     code = cli(["train", str(tmp_path / "run.toml"), "--plan", str(plan), "--log-dir", str(tmp_path / "log"),
                 "--set", "train.global_batch=8", "--set", "train.seq_len=64",
-                "--set", "islands.lighthouse=localhost:1"])
+                *[item.format(tmp=tmp_path) for item in extra]])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "islands.lighthouse='localhost:1': no lighthouse answers there" in err[0]
+    assert says in err[0]
     assert not (tmp_path / "log" / "island0").exists()  # nothing started
