@@ -265,7 +265,9 @@ class IslandRun:
         from plait.train.islands import LIGHTHOUSE_ENV, lighthouse_reachable
 
         try:
-            return self.exchange.step(self._next_batch_forward_backward)
+            clip = self.config.optimizer.clip
+            return self.exchange.step(self._next_batch_forward_backward,
+                                      clip=(lambda: self.state.model.clip_grad_norm_(clip)) if clip > 0 else None)
         except Exception as error:
             address = os.environ.get(LIGHTHOUSE_ENV, "")
             problem = lighthouse_reachable(address) if address else None
@@ -280,16 +282,13 @@ class IslandRun:
         that rejoined), then forward and backward."""
         from plait.train.loop import lr_at
 
-        model, clip = self.state.model, self.config.optimizer.clip
+        model = self.state.model
         self._lr = lr_at(self.state.step, self.config.optimizer, self.config.train.steps)
         for group in self.state.optimizer.param_groups:
             group["lr"] = self._lr
         self._position = self.state.loader.state_dict()
         tokens, targets = self.state.loader.next_batch()
-        loss = model.train_step(tokens.to(self.device), targets.to(self.device))
-        if clip > 0:
-            model.clip_grad_norm_(clip)
-        return loss
+        return model.train_step(tokens.to(self.device), targets.to(self.device))
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _maybe_save(self, final: bool) -> None:

@@ -270,12 +270,16 @@ class IslandExchange:
         wait_for_islands(self.islands.count, island)
 
     # ---- one inner step -------------------------------------------------------------------------
-    def step(self, train_step: Callable[[], float]) -> tuple[float, bool]:
+    def step(self, train_step: Callable[[], float], clip: Callable[[], Any] | None = None) -> tuple[float, bool]:
         """Run `train_step` (forward and backward) and the optimizer step with the exchange; returns the loss and
-        whether the step counted (False: a failure across islands made every island skip it)."""
+        whether the step counted (False: a failure across islands made every island skip it). `clip` clips the
+        gradients the optimizer steps on: under sync the islands' average (as one cluster would), under DiLoCo each
+        island's own (its inner step)."""
         if self.diloco is not None:
             before = self.manager.current_step()
             loss = train_step()
+            if clip is not None:
+                clip()
             self.optimizer.step()  # DiLoCo's hooks exchange a fragment when one is due
             if self.manager.current_step() != before:
                 self.counter.commits.append(self.manager.current_step())
@@ -289,6 +293,8 @@ class IslandExchange:
             grad.copy_(reduced)
         if not self.manager.should_commit():
             return loss, False
+        if clip is not None:
+            clip()
         self.optimizer.step()
         self.counter.commits.append(self.manager.current_step())
         return loss, True

@@ -35,9 +35,9 @@ def refuse_unequal(plan: Plan, args: argparse.Namespace) -> None:
     if islands.precision != "fp32":
         raise ConfigError(f"the plan sends {islands.precision} pseudo-gradients, which round them: check it with "
                           "islands.precision = \"fp32\"")
-    if args.clip is not None:
-        raise ConfigError("--clip: each island clips its own gradient, which is not clipping their average; check "
-                          "island plans without it")
+    if args.clip is not None and islands.method == "diloco":
+        raise ConfigError("--clip: under DiLoCo each island clips its own gradient, which is not clipping their "
+                          "average; check DiLoCo plans without it (sync plans clip the average)")
 
 
 def launch_check(args: argparse.Namespace, plan: Plan) -> Any:
@@ -60,8 +60,9 @@ def launch_check(args: argparse.Namespace, plan: Plan) -> Any:
     count = len(results)
     losses = [sum(r["losses"][k] for r in results) / count for k in range(args.steps)]
     grads = {name: sum(r["first_grads"][name] for r in results) / count for name in results[0]["first_grads"]}
-    run = ParallelRun(losses, [], grads, results[0]["params"], {"islands": [r["link"] for r in results]})
-    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, dtype=args.dtype,
+    run = ParallelRun(losses, results[0]["norms"], grads, results[0]["params"],
+                      {"islands": [r["link"] for r in results]})
+    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, dtype=args.dtype, max_norm=args.clip,
                              optimizer=inner_optimizer(plan))
     return compare(plan, settings, run)
 
@@ -106,6 +107,7 @@ def island_worker(args: argparse.Namespace, plan: Plan) -> int:
         exchange = IslandExchange(plan, args.island, model, optimizer,
                                   OuterSettings(lr=1.0, momentum=0.0, nesterov=False), timeout_s=args.timeout)
         losses: list[float] = []
+        norms: list[float] = []
         first: dict[str, torch.Tensor] = {}
         rows = inner.train.global_batch
         for step in range(args.steps):
@@ -119,7 +121,8 @@ def island_worker(args: argparse.Namespace, plan: Plan) -> int:
                     first.update(model.full_gradients())
                 return loss
 
-            loss, counted = exchange.step(train_step)
+            clip = (lambda: norms.append(float(model.clip_grad_norm_(args.clip)))) if args.clip else None
+            loss, counted = exchange.step(train_step, clip=clip)
             if not counted:
                 raise PlaitError(f"island {args.island}: step {step + 1} was not committed across islands")
             optimizer.zero_grad()
@@ -128,7 +131,7 @@ def island_worker(args: argparse.Namespace, plan: Plan) -> int:
         link = {"bytes_sent": exchange.counter.bytes_sent, "exchanges": exchange.counter.exchanges}
         exchange.close()
     if _rank() == 0:
-        torch.save({"losses": losses, "first_grads": {k: v.detach().cpu() for k, v in first.items()},
+        torch.save({"losses": losses, "norms": norms, "first_grads": {k: v.detach().cpu() for k, v in first.items()},
                     "params": {k: v.detach().cpu() for k, v in params.items()}, "link": link}, args.result_file)
     return 0
 
