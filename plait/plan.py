@@ -224,6 +224,12 @@ class Plan:
                 f"(pp={self.pp} x interleave={self.interleave}) summing to num_layers={self.model.num_layers}"
             )
         object.__setattr__(self, "layers_per_stage", tuple(layers))
+        if self.islands is not None and (self.cluster.islands is None or
+                                         self.cluster.islands.count != self.islands.count):
+            have = self.cluster.islands.count if self.cluster.islands else "no"
+            raise ValueError(f"islands.count={self.islands.count}, but cluster {self.cluster.name!r} has {have} islands;"
+                             f" a plan across islands needs the cluster's islands and the link between them "
+                             f"(examples/clusters/islands-local.yaml)")
         batch = self.dp * self.micro_batch * self.num_micro_batches * self.num_islands
         if batch != self.train.global_batch:
             islands = f" x islands={self.num_islands}" if self.islands else ""

@@ -225,3 +225,12 @@ def test_island_runs_refuse_bad_input_in_one_line_before_any_rank_starts(tmp_pat
     assert code == 2 and len(err) == 1, err
     assert says in err[0]
     assert not (tmp_path / "log" / "island0").exists()  # nothing started
+
+
+def test_a_plan_across_islands_needs_a_cluster_with_them():
+    choice = plan_islands(load_model("tiny-gpt"), load_cluster(LOCAL),
+                          load_train(global_batch=8, seq_len=64, precision="fp32"), top=1)
+    data = choice.plans[0].to_dict()
+    data["cluster"] = "local-cpu"
+    with pytest.raises(ConfigError, match="has no islands"):
+        Plan.from_dict(data)
