@@ -112,6 +112,16 @@ def price_diloco(cluster: ClusterSpec, params: float, inner_step_s: float, token
                       link_busy_fraction=min(1.0, exchange / (every * step)))
 
 
+def outer_state_bytes(plan, fragments: int = 1, overlap: int = 0) -> float:
+    """Device memory DiLoCo adds to a rank of `plan` (one island's plan): the outer optimizer's momentum over the
+    rank's parameters (fp32), and for the fragment being exchanged its pseudo-gradient and, with overlap, the copy
+    of the island's own progress it mixes back (torchft.local_sgd). The weights of the last outer step are kept in
+    host memory, not on the device."""
+    param_shards = plan.tp * plan.pp * (plan.dp if plan.data_parallel == "fully_shard" else 1)
+    local = FP32_BYTES * plan.model.num_params / param_shards
+    return local * (1 + (2 if overlap else 1) / fragments)
+
+
 def smallest_hiding_h(cluster: ClusterSpec, params: float, inner_step_s: float, tokens_per_step: float, *,
                       fragments: int, precision: str) -> IslandCost:
     """The smallest H (a multiple of `fragments`) whose exchange hides under inner compute: each fragment's

@@ -22,6 +22,7 @@ from plait.cost.failures import FailureCost, price_failures
 from plait.cost.islands import (
     PUBLISHED_H,
     IslandCost,
+    outer_state_bytes,
     price_diloco,
     price_sync,
     smallest_hiding_h,
@@ -101,7 +102,14 @@ def plan_islands(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, to
     options = _options(cluster, best, params, step_s, tokens, pins_i)
     chosen, why = _choose(sync, options, pins_i)
     everything = sorted({o.describe(): o for o in [sync, *options]}.values(), key=lambda o: -o.tokens_per_s)
-    plans = [_with_islands(plan, cluster, train, chosen) for plan in inner.plans]
+    plans = _fitting(inner.plans, cluster, train, chosen)
+    if not plans and chosen.method == "diloco":  # the best plans leave no room for the outer state: look further
+        everything = plan_with_stats(model, cluster.island_view(), island_train, top=None, **pins)
+        plans = _fitting(everything.plans, cluster, train, chosen)[:top]
+    if not plans:
+        raise ConfigError(f"no plan of {model.name} leaves room for DiLoCo's outer state on {cluster.name} "
+                          f"({chosen.describe()}); pin --island-method sync, more --fragments, or plan more devices "
+                          "per island")
     failures = failure_table(cluster, sync, chosen, step_s)
     if chosen.method == "diloco" and chosen.describe() in failures:
         plans[0] = _with_goodput(plans[0], failures[chosen.describe()])
@@ -194,6 +202,12 @@ def _choose(sync: IslandCost, options: list[IslandCost], pins: IslandPins) -> tu
                     f"call: published runs validated {published}")
 
 
+def _fitting(inner: list[Plan], cluster: ClusterSpec, train: TrainSpec, cost: IslandCost) -> list[Plan]:
+    """The island plans of `inner` that still fit the devices' memory with the exchange's state."""
+    plans = [_with_islands(plan, cluster, train, cost) for plan in inner]
+    return [p for p in plans if p.predicted is None or p.predicted.peak_memory_bytes <= cluster.memory_bytes]
+
+
 def _with_islands(plan: Plan, cluster: ClusterSpec, train: TrainSpec, cost: IslandCost) -> Plan:
     """The island plan: one island's degrees, the whole cluster and batch, and the exchange chosen, with the
     prediction of the whole run."""
@@ -206,10 +220,15 @@ def _with_islands(plan: Plan, cluster: ClusterSpec, train: TrainSpec, cost: Isla
         link_s = max(0.0, cost.step_time_s - inner_s)
         if link_s:
             parts["island_link"] = link_s
+        memory_parts, peak = dict(predicted.memory_parts), predicted.peak_memory_bytes
+        if cost.method == "diloco":
+            memory_parts["outer_state"] = outer_state_bytes(plan, cost.fragments, cost.overlap)
+            peak += memory_parts["outer_state"]
         predicted = dataclasses.replace(predicted, step_time_s=inner_s + link_s, step_time_parts=parts,
                                         tokens_per_s=train.global_batch * train.seq_len / (inner_s + link_s),
                                         link_bytes_per_step=cost.link_bytes_per_step,
-                                        link_busy_fraction=cost.link_busy_fraction)
+                                        link_busy_fraction=cost.link_busy_fraction,
+                                        memory_parts=memory_parts, peak_memory_bytes=peak)
     return dataclasses.replace(plan, islands=islands, cluster=cluster, train=train, predicted=predicted)
 
 

@@ -234,3 +234,16 @@ def test_a_plan_across_islands_needs_a_cluster_with_them():
     data["cluster"] = "local-cpu"
     with pytest.raises(ConfigError, match="has no islands"):
         Plan.from_dict(data)
+
+
+def test_diloco_plans_count_the_outer_state_in_memory():
+    from plait.cost.islands import outer_state_bytes
+
+    choice = plan_islands(load_model("llama3-8b"), load_cluster(WAN),
+                          load_train(global_batch=256, seq_len=4096, precision="bf16"), top=3)
+    for plan in choice.plans:
+        inner = plan.island_plan()
+        assert plan.predicted.memory_parts["outer_state"] == pytest.approx(
+            outer_state_bytes(inner, plan.islands.fragments, plan.islands.overlap))
+        assert plan.predicted.peak_memory_bytes <= plan.cluster.memory_bytes
+        assert plan.predicted.peak_memory_bytes == pytest.approx(sum(plan.predicted.memory_parts.values()), rel=1e-6)
