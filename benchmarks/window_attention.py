@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from plait.cost.attention import computed_square, window_kernel
+from plait.cost.attention import computed_square
+from plait.spec.attention import window_kernel
 from plait.models.windows import attention_by_document, banded_attention
 
 

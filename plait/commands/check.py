@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     parser.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="also write the result as JSON")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # parent <- rank 0
+    parser.add_argument("--island", type=int, default=None, help=argparse.SUPPRESS)  # an island plan's island
 
 
 def main(args: argparse.Namespace) -> int:
@@ -100,7 +101,7 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
     plan = Plan.from_json(args.plan)
     if plan.operators is None:  # a per-operator plan's placements were checked by its solver, not these rules
-        legality.check(plan)
+        legality.check(plan.island_plan())  # across islands: what each island runs
     else:
         plan.operators.check_stages(plan.pp)
     if size_limit and plan.model.num_params > MAX_CHECK_PARAMS:
@@ -121,7 +122,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table
 
-    reports = dry_run(plan)
+    reports = dry_run(plan.island_plan())  # across islands: what each island builds
     console = output_console()
     console.print(dry_run_table(plan, reports))
     console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks "
@@ -141,6 +142,13 @@ def _launch(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != plan.num_devices:
         raise ConfigError(f"--nproc {args.nproc} does not match the plan's {plan.degrees.describe()} = "
                           f"{plan.num_devices} devices; drop --nproc or plan for {args.nproc}")
+    if plan.islands is not None:  # torchft across islands, one launch each (plait/train/islands_check.py)
+        from plait.train.islands_check import island_launcher, launch_check
+
+        if args.island is not None:
+            return island_launcher(args, plan)
+        result = launch_check(args, plan)
+        return _report(plan, {**result.to_dict(), "failures": result.failures(_tolerance(args))}, args)
     with tempfile.TemporaryDirectory(prefix="plait-check-") as tmp:
         result_file = Path(tmp) / "result.json"
         code = run_local(plan.num_devices, _worker_argv(args, result_file), timeout_s=args.timeout)
@@ -169,6 +177,10 @@ def _worker(args: argparse.Namespace) -> int:
     from plait.launch import ending_together, init_distributed
 
     plan = _load(args)
+    if plan.islands is not None:
+        from plait.train.islands_check import island_worker
+
+        return island_worker(args, plan)
     if plan.operators is not None:
         from plait.execute.autoshard import check_plan
     init_distributed(timeout_s=args.timeout)
@@ -206,6 +218,10 @@ def _report(plan, result: dict, args: argparse.Namespace) -> int:
                   highlight=False)
     console.print(f"worst parameter after step {args.steps}: {update:.1e} AdamW steps ({update_name}); "
                   f"tolerance {tol.update:g}", highlight=False)
+    if result.get("runtime", {}).get("islands"):
+        from plait.train.islands_check import describe_link
+
+        console.print(describe_link(result, args), highlight=False)
     failures = result["failures"]
     verdict = "[green]EQUAL[/green]" if not failures else "[red]DIFFERENT[/red]: " + "; ".join(failures)
     console.print(verdict)

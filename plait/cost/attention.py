@@ -29,16 +29,8 @@ from __future__ import annotations
 
 import math
 
+from plait.spec.attention import window_kernel
 from plait.spec.model import ModelSpec
-
-WINDOW_KERNELS = ("causal", "dense", "banded")
-
-
-def window_kernel(seq_len: int, window: int | None) -> str:
-    """Which kernel a layer with sliding window `window` (None: none) runs over `seq_len` tokens (WINDOW_KERNELS)."""
-    if window is None or seq_len <= window:
-        return "causal"
-    return "banded" if math.ceil(seq_len / window) * 2 * window * window < seq_len * seq_len else "dense"
 
 
 def computed_square(seq_len: int, window: int | None, fused: bool = True, document_len: int | None = None) -> float:

@@ -78,7 +78,7 @@ class ContextParallelAttention(nn.Module):
 
     def _document_ids(self, positions: torch.Tensor | None) -> torch.Tensor:
         """[b, s] the number of each token's document along the whole sequence (sequence order)."""
-        from torch.distributed._functional_collectives import all_gather_tensor
+        from plait.torch_internals import all_gather_tensor
 
         if positions is None:
             raise RuntimeError("this model's attention is not handed its tokens' positions, so context parallelism "

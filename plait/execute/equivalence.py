@@ -70,6 +70,8 @@ class CheckSettings:
     """The dtype of both runs ("float64" makes the verdict decisive; "float32" is what training runs)."""
     verify_load: bool = False
     """Also load a changed full state dict and read it back (tests load_full_state_dict under the plan)."""
+    optimizer: str = "adamw"
+    """The reference's optimizer: "adamw", or "sgd" (plain SGD: what DiLoCo at H = 1 equals, plait/train/islands_check.py)."""
     weights: str | None = None
     """A Hugging Face checkpoint directory both sides start from (the parallel side reads its shards; the
     reference loads it with from_pretrained); None: the seed's initial weights."""
@@ -211,8 +213,8 @@ def compare(plan: Plan, settings: CheckSettings, run: ParallelRun,
     """Run the single-process reference and measure how far the parallel run is from it."""
     ref = single_process_reference(plan, settings.batches(plan), settings.steps, settings.seed, settings.lr,
                                    max_norm=settings.max_norm, weight_decay=settings.weight_decay,
-                                   dtype=DTYPES[settings.dtype],
-                                   initial_state=initial_state, weights=settings.weights)
+                                   dtype=DTYPES[settings.dtype], initial_state=initial_state,
+                                   weights=settings.weights, optimizer=settings.optimizer)
     missing = ref.params.keys() - run.params.keys()
     if missing:
         raise RuntimeError(f"the parallel model lacks parameters {sorted(missing)[:3]}")

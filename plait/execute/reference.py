@@ -33,8 +33,8 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
                              betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                              dtype: torch.dtype = torch.float32,
                              initial_state: dict[str, torch.Tensor] | None = None,
-                             weights: str | None = None) -> ReferenceRun:
-    """Train `plan.model` for `steps` AdamW steps on one process over the plan's global batches. `batches`
+                             weights: str | None = None, optimizer: str = "adamw") -> ReferenceRun:
+    """Train `plan.model` for `steps` AdamW (or `optimizer` "sgd") steps on one process over the plan's global batches. `batches`
     defaults to the random batches of `batch_for_step(plan, seed, step)`; with `max_norm`, gradients are
     clipped (their norms before clipping are recorded)."""
     batches = batches or (lambda step: batch_for_step(plan, seed, step))
@@ -60,7 +60,11 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
         adapter.reset_buffers(model)
     adapter.own_attention(model)  # the class's own attention and masks: what plait's kernels must equal
     model.to(dtype)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "sgd":  # linear in the gradient: what DiLoCo at H = 1 equals (plait/train/islands_check.py)
+        optimizer = torch.optim.SGD(trained, lr=lr, weight_decay=weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     run = ReferenceRun(initial={n: p.detach().clone() for n, p in model.named_parameters()})
     for step in range(steps):
         tokens, targets, *rest = batches(step)

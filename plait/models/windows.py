@@ -1,6 +1,6 @@
 """Attention kernels that compute only what a layer's mask keeps, instead of SDPA over the whole masked square.
 
-* A sliding-window layer over a sequence longer than about twice its window, band by band (plait.cost.attention's
+* A sliding-window layer over a sequence longer than about twice its window, band by band (plait.spec.attention's
   "banded" kernel): exactly the scores the class's mask keeps, about 2 s W of the s^2 a dense kernel computes;
 * packed documents (plait.train.documents) document by document (`attention_by_document`): each document's own
   causal square, the pieces grouped by length, never the scores across documents.
@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from plait.cost.attention import window_kernel
+from plait.spec.attention import window_kernel
 
 
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:

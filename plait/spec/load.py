@@ -444,6 +444,12 @@ def _normalize_cluster_units(data: dict[str, Any], where: str, prefix: str = "cl
                 if key in link and isinstance(link[key], str):
                     link[key] = parse(link[key], f"{where}: {prefix}.{level}.{key}")
             out[level] = link
+    islands = out.get("islands")
+    if isinstance(islands, Mapping) and isinstance(islands.get("link"), Mapping):  # the slow link: 100 Gb/s, 30ms
+        islands = dict(islands)
+        islands["link"] = {k: _LINK_UNITS[k](v, f"{where}: {prefix}.islands.link.{k}")
+                           if k in _LINK_UNITS and isinstance(v, str) else v for k, v in islands["link"].items()}
+        out["islands"] = islands
     groups = out.get("groups")
     if isinstance(groups, list) and groups and all(isinstance(g, Mapping) for g in groups):
         out["groups"] = [_normalize_cluster_units(g, where, f"{prefix}.groups[{i}]") for i, g in enumerate(groups)]

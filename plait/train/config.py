@@ -293,6 +293,37 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IslandsConfig:
+    """Training across islands (a plan with `islands`, docs/islands.md): the outer optimizer, the lighthouse."""
+
+    outer_lr: float = 0.7
+    """The outer SGD's learning rate on the averaged pseudo-gradient (DiLoCo's 0.7, arXiv 2311.08105)."""
+    outer_momentum: float = 0.9
+    """Its Nesterov momentum (DiLoCo's 0.9); 0: plain SGD (with outer_lr 1 and H = 1: synchronous training)."""
+    nesterov: bool = True
+    inner_steps: int = 0
+    """H, the inner steps between outer steps; 0: the plan's (what `plait plan` chose)."""
+    lighthouse: str = "local"
+    """torchft's lighthouse: "local" (plait starts one for a local run) or host:port of one already running
+    (multi-node runs: start `torchft_lighthouse` once and point every island at it)."""
+    max_restarts: int = 3
+    """How many times an island whose rank died is restarted to rejoin the others (which train on meanwhile)."""
+    timeout_s: float = 120.0
+    """How long an exchange, a quorum or a recovery may wait (for a slow peer, a lighthouse) before it is an error."""
+    island: int = -1
+    """Set by plait for an island's own launcher and ranks (0-based); -1: the run as a whole."""
+
+    def __post_init__(self) -> None:
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr={self.outer_lr} must be > 0 and outer_momentum={self.outer_momentum} in [0, 1)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 (seconds)")
+        if self.inner_steps < 0 or self.max_restarts < 0:
+            raise ValueError(f"inner_steps={self.inner_steps} and max_restarts={self.max_restarts} must be >= 0 "
+                             "(inner_steps 0: the plan's H)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -302,6 +333,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    islands: IslandsConfig = field(default_factory=IslandsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

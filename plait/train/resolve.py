@@ -204,8 +204,15 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
     """The planner's best plan for this model on [plan] cluster with the given device count."""
     from plait.search import plan as search
 
-    devices = num_devices or config.plan.devices or DEFAULT_DEVICES
     cluster = load_cluster(config.plan.cluster)
+    if cluster.islands is not None:  # planned whole: one island's plan, and how the islands talk
+        from plait.search.islands import IslandPins, plan_islands
+
+        precision = "fp32" if cluster.device_type == "cpu" else "bf16"
+        pins = IslandPins(inner_steps=config.islands.inner_steps or None)
+        return plan_islands(model, cluster, config.train.spec(precision), top=1, island_pins=pins,
+                            **dict(config.plan.pins)).plans[0]
+    devices = num_devices or config.plan.devices or DEFAULT_DEVICES
     cluster = cluster.with_devices(devices)
     pins: dict[str, Any] = dict(config.plan.pins)
     _check_pins(pins)
@@ -249,7 +256,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"the plan was made for {key}={getattr(plan.train, key)} but the config has train.{key}="
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
-    legality.check(plan)
+    legality.check(plan.island_plan())  # across islands: what each island runs
     refusal = untrainable_precision(plan.train.precision)
     if refusal:
         raise ConfigError(f"train.{refusal}")

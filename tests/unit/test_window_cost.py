@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from plait.cost.activations import Dtypes, activation_bytes
-from plait.cost.attention import computed_square, layer_windows, window_kernel, window_share
+from plait.cost.attention import computed_square, layer_windows, window_share
+from plait.spec.attention import window_kernel
 from plait.cost.compute import layer_cost
 from plait.spec.clusters import CLUSTER_PRESETS
 from plait.spec.models import MODEL_PRESETS
