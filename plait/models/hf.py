@@ -30,10 +30,11 @@ What plait changes when it builds a model, and why:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ from plait.models.windows import (attention_by_document, banded_attention, layer
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
+UNMASKED = {ATTENTION: "plait_sdpa_unmasked", EAGER: "plait_eager_unmasked"}
+"""The same attentions without the class's masks (plain causal): what a forward on `meta` runs, where the class's
+mask building reads values (transformers' packed-document detection) that meta tensors do not have."""
 
 
 def model_dir(source: str) -> Path:
@@ -128,9 +132,25 @@ def _register_attention() -> None:
 
     AttentionInterface.register(ATTENTION, plait_sdpa)
     AttentionInterface.register(EAGER, plait_eager)
+    AttentionInterface.register(UNMASKED[ATTENTION], plait_sdpa)  # no mask function: the class builds none
+    AttentionInterface.register(UNMASKED[EAGER], plait_eager)
     # the masks the class declares (windows, packed documents), as boolean masks or None where plain causal
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     AttentionMaskInterface.register(EAGER, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _unmasked(model: nn.Module) -> Iterator[None]:
+    """`model` runs plait's attention without the class's masks (UNMASKED) while in the block."""
+    used = model.config._attn_implementation
+    if used not in UNMASKED:
+        yield
+        return
+    model.set_attn_implementation(UNMASKED[used])
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(used)
 
 
 WRITTEN_TP_PLANS: dict[str, dict[str, Any]] = {
@@ -357,6 +377,9 @@ class HFAdapter(ModelAdapter):
         if self.needs_causal_mask:
             return model(input_ids=tokens, attention_mask=causal_mask(tokens.shape[0], tokens.shape[1],
                                                                        tokens.device)).logits
+        if tokens.device.type == "meta" and positions is None:
+            with _unmasked(model):
+                return model(input_ids=tokens).logits
         return model(input_ids=tokens, position_ids=positions).logits
 
     # ---- parallelism as data -------------------------------------------------------------
