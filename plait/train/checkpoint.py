@@ -441,7 +441,8 @@ def _saved(model: Any, name: str) -> bool:
     the run's starting weights, [model] weights, which a resume loads again before the adapters)."""
     from plait.models.lora import is_adapter
 
-    return model.plan.model.lora is None or is_adapter(name)
+    plan = getattr(model, "plan", None)  # a per-operator run's parts carry no decoder plan, and no adapters
+    return plan is None or plan.model.lora is None or is_adapter(name)
 
 
 def _container(model: Any):
