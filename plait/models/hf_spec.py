@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from plait.errors import ConfigError
 from plait.models.adapter import get_module, is_norm_module
@@ -92,6 +93,9 @@ def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Ca
                                             stop_at=len(blocks) - 1, causal_mask=masked)
                 arguments[seq] = calls
             _, args, kwargs = arguments[seq][index]
+            if x.dtype != torch.float32:  # a 16-bit run's rotary tables and masks are in its dtype too
+                args, kwargs = tree_map(lambda t: t.to(x.dtype) if isinstance(t, torch.Tensor)
+                                        and t.dtype == torch.float32 else t, (args, kwargs))
             return block(x, *args, **kwargs)
         return run
     return call
