@@ -168,8 +168,13 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
                       ) -> list[Violation]:
     out = []
     if model.positions == "learned" and seq_len > model.max_seq_len:
-        out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s max_seq_len="
-                             f"{model.max_seq_len} (a learned position table); use seq_len <= {model.max_seq_len}"))
+        from plait.spec.load import position_field
+
+        field = position_field(model)
+        named = f"{field} in its config.json" if field else "max_seq_len"
+        out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s position table of "
+                             f"{model.max_seq_len} ({named}: a learned table, no longer sequence runs through it); "
+                             f"use seq_len <= {model.max_seq_len}"))
     if model.sliding_window and seq_len > model.sliding_window:
         out.append(Violation("seq-len-within-window", f"seq_len={seq_len} exceeds {model.name}'s sliding_window="
                              f"{model.sliding_window}; plait runs full causal attention, which equals the model's "

@@ -462,9 +462,14 @@ def reference_twin(model: ModelSpec) -> ModelSpec | None:
 
 
 def with_class_activations(parts: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
-    """`parts` with the activations beyond the `reference` layer's (more, never less) as CLASS_ACTIVATIONS."""
-    extra = max(0.0, parts["activations"] - reference["activations"])
-    return {**parts, "activations": parts["activations"] - extra, CLASS_ACTIVATIONS: extra}
+    """`parts` with what they hold beyond the `reference` layer's peak (more, never less: the two may peak at
+    different moments, and the block a backward recomputes holds the class's own too) as CLASS_ACTIVATIONS, taken
+    from the activations, then the temporaries."""
+    extra = max(0.0, sum(parts.values()) - sum(reference.values()))
+    extra = min(extra, parts["activations"] + parts["temporaries"])
+    from_activations = min(extra, parts["activations"])
+    return {**parts, "activations": parts["activations"] - from_activations,
+            "temporaries": parts["temporaries"] - (extra - from_activations), CLASS_ACTIVATIONS: extra}
 
 
 def _parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
