@@ -226,9 +226,9 @@ def measured_bytes_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, 
     def mean(field: str) -> float:
         return sum(getattr(b, field) for b in blocks) / len(blocks)
 
-    def share(kind: str) -> float:  # this rank's part of the layer's bytes
+    def share(kind: str) -> float:  # this rank's part of the layer's bytes (measured whole: one rank, balanced)
         return (_closed_per_token(layer, seq_len, tp, sp, kind, dtypes, cp, cp_kind, ep)
-                / _closed_per_token(layer, seq_len, 1, False, kind, dtypes, 1, cp_kind, ep))
+                / _closed_per_token(layer, seq_len, 1, False, kind, dtypes, 1, cp_kind, 1))
 
     if mode == "selective" and mean("selective_elements_per_token") > 0 and (model.attention == "fused" or cp > 1):
         whole = (model.hidden_size * dtypes.residual + mean("selective_elements_per_token") * dtypes.compute
