@@ -30,8 +30,6 @@ Without a GPU, a saved run can be priced again by this tree's cost model (after 
 another preset), and the GPU host times fitted on it:
 
     python benchmarks/gpu_check.py --reprice benchmarks/results/gpu/h100-2026-11-26-a [--cluster h200-141g] [--fit-host]
-    python benchmarks/gpu_check.py --reprice benchmarks/results/gpu/h200-2026-11-26 --cluster h200-141g --fit-host \
-        --held-out --price-other benchmarks/results/gpu/h100-2026-11-26-a   # in-sample vs held-out figures
 
 benchmarks/results/gpu/ keeps the grids the GPU presets' constants were fitted and checked on (plait/spec/clusters.py).
 
@@ -532,48 +530,7 @@ def run_reprice(args: argparse.Namespace) -> int:
             f"{k} {v:.3g}" if k != "memory_balance" else f"{k} {v}" for k, v in figures.items()))
         for line in summary_lines(grid_summary(reprice(rows, fitted)))[:1]:
             console.print(f"with them: {line}")
-        shipped = {"memory_balance": cluster.efficiency.memory_balance,
-                   **{f"{k}_ms": getattr(cluster.host, f"{k}_s") * 1e3 for k in HOST_FIELDS}}
-        console.print("shipped in plait/spec/clusters.py: " + ", ".join(f"{k} {v:.3g}" for k, v in shipped.items()))
-    if args.held_out:
-        console.print(held_out_table(rows, cluster, [Path(d) for d in args.price_other]))
     return 0
-
-
-HOST_FIELDS = ("layer_overhead", "recompute_layer_overhead", "selective_layer_overhead", "step_overhead")
-"""The GPU host-time fields fit_host fits (plait.spec.clusters.GPU_HOST)."""
-
-
-def _median_abs_error(rows: list[dict], cluster) -> float:  # noqa: ANN001
-    return statistics.median(abs(r["step_time_error"]) for r in reprice(rows, cluster))
-
-
-def held_out_table(rows: list[dict], cluster, others: list[Path]) -> Table:  # noqa: ANN001
-    """In-sample against held-out step-time errors of the host fit: leave-one-shape-out (fit on every other
-    micro-batch x sequence shape, price the one left out), and fit on this GPU's rows, price another GPU's saved
-    run (its own preset's optimizer bandwidth kept: a memory figure, not a host one)."""
-    table = Table(title="host-time fit: median |step-time error|, in-sample vs held out")
-    for column in ("priced rows", "fitted on", "median |error|"):
-        table.add_column(column, justify="right")
-    fitted, _ = fit_host(rows, cluster)
-    table.add_row(f"all {len(rows)}", "the same rows (in-sample)", f"{_median_abs_error(rows, fitted):.1%}")
-    shapes = sorted({(r["micro_batch"], r["seq_len"]) for r in rows})
-    errors = []
-    for shape in shapes:
-        train = [r for r in rows if (r["micro_batch"], r["seq_len"]) != shape]
-        test = [r for r in rows if (r["micro_batch"], r["seq_len"]) == shape]
-        held, _ = fit_host(train, cluster)
-        errors += [abs(r["step_time_error"]) for r in reprice(test, held)]
-    table.add_row(f"all {len(rows)}", f"the other shapes ({len(shapes)} left out one at a time)",
-                  f"{statistics.median(errors):.1%}")
-    for folder in others:
-        header, other_rows = saved_grid(folder)
-        target = CLUSTER_PRESETS[header["preset"]]
-        moved = target.replace(host=fitted.host)
-        table.add_row(f"{len(other_rows)} of {folder.name} ({header['preset']})",
-                      f"this run's rows (its preset's own host times: {_median_abs_error(other_rows, target):.1%})",
-                      f"{_median_abs_error(other_rows, moved):.1%}")
-    return table
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -688,14 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --reprice: the preset to price against (default: the one the run was compared with)")
     parser.add_argument("--fit-host", action="store_true",
                         help="with --reprice: fit the GPU host times and optimizer bandwidth on the saved rows")
-    parser.add_argument("--held-out", action="store_true",
-                        help="with --reprice: the host fit's held-out errors (leave-one-shape-out, and on the runs "
-                             "of --price-other)")
-    parser.add_argument("--price-other", metavar="DIR", nargs="*", default=[],
-                        help="with --held-out: saved runs of other GPUs priced with the host times fitted here")
     args = parser.parse_args(argv)
-    if (args.cluster or args.fit_host or args.held_out) and not args.reprice:
-        parser.error("--cluster, --fit-host and --held-out go with --reprice DIR")
+    if (args.cluster or args.fit_host) and not args.reprice:
+        parser.error("--cluster and --fit-host go with --reprice DIR")
     if args.reprice:
         try:
             return run_reprice(args)
