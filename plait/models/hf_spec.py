@@ -237,7 +237,24 @@ def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
     params = sum(p.numel() for module in experts for p in module.parameters())
     top_k = int(_first(config, "num_experts_per_tok", "top_k", default=1))
     flops = sum(2.0 * top_k * sum(p.numel() for p in m.parameters()) / m.num_experts for m in experts)
-    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
+    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token),
+                               **_eager_loop_bytes(cost, top_k * len(experts), int(config.hidden_size)))
+
+
+EAGER_SLOT_BYTES = 16
+"""Bytes per routed slot the eager loop keeps besides the batched form's tensors: the slot's token index (int64) and
+its routing weight, each gathered per expert (scaled-down Mixtral on CPU, tests/unit/test_class_activations.py)."""
+
+
+def _eager_loop_bytes(cost: BlockCost, slots: int, hidden: int) -> dict[str, float]:
+    """The measured bytes per token corrected from the batched form measured on meta to the eager loop over routed
+    experts the run takes (plait.models.hf: `_experts_implementation = "eager"`): per slot it also keeps its weighted
+    output (h, in the compute dtype; under autocast the batched form kept as much in its own casts) and
+    EAGER_SLOT_BYTES."""
+    fields = {"activation_bytes_per_token": 4, "half_activation_bytes_per_token": 2,
+              "autocast_activation_bytes_per_token": 0}
+    return {name: getattr(cost, name) + slots * (hidden * width + EAGER_SLOT_BYTES)
+            for name, width in fields.items() if getattr(cost, name)}
 
 
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:

@@ -148,3 +148,39 @@ def test_cpu_sdpa_takes_the_kernel_the_measurement_takes():
     k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(2))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "16bit"])
+def test_experts_measured_batched_keep_what_the_eager_loop_saves(precision, tmp_path):
+    """transformers' experts are measured in their batched form on meta (the eager loop needs real routing) and
+    corrected to the eager loop the run takes (plait.models.hf_spec._eager_loop_bytes); on a scaled-down Mixtral run
+    for real on CPU, the eager loop's saved tensors (each storage once, weights and the model's tables left out) are
+    the bytes priced, to the byte."""
+    from plait.models.hf import HFAdapter
+    from plait.models.hf_structure import around_layers
+
+    directory = tiny_config("mixtral-8x7b", tmp_path)
+    model = load_model(str(directory))
+    adapter = HFAdapter(ModelSpec(name="tiny", source=f"hf:{directory}", num_layers=1, hidden_size=1, num_heads=1,
+                                  vocab_size=1))
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "16bit" else torch.float32
+    built = adapter.build("cpu").to(dtype)
+    block = get_module(built, adapter.blocks_path)[0]
+    seq, hidden = 64, model.hidden_size
+    calls, _ = around_layers(adapter.model_class, built, blocks_path=adapter.blocks_path, num_layers=1,
+                             pre=adapter.pre, positions=torch.arange(seq), hidden=torch.zeros(1, seq, hidden, dtype=dtype),
+                             stop_at=0, causal_mask=False)
+    _, args, kwargs = calls[0]
+    outside = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *tree_leaves((args, kwargs))]
+               if isinstance(t, torch.Tensor)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in outside:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(torch.randn(1, seq, hidden, dtype=dtype, requires_grad=True), *args, **kwargs)
+    assert sum(kept.values()) == activation_bytes(model, 1, seq, 1, False, "none", PRECISIONS[precision])
