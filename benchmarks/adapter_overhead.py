@@ -12,12 +12,13 @@ step) and the ratio HF / plait per plan.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _ranks import add_worker_flag, run_on_ranks
 
 WARMUP_STEPS = 2
 PLANS = {"dp2 (DDP)": dict(dp=2), "dp2 FSDP": dict(dp=2, zero=3), "tp2 SP": dict(tp=2, sequence_parallel=True),
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of: " + ", ".join(PLANS))
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -138,14 +139,10 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 def main() -> int:
     args = parse_args()
     if args.worker:
-        worker(args)
-        return 0
-    from plait.launch import run_local
-
+        return run_on_ranks(args, worker, __file__)
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         directory = write_config(args, Path(tmp) / "llama")
-        argv = [os.path.abspath(__file__), "--worker", "--model-dir", str(directory), *sys.argv[1:]]
-        return run_local(args.nproc, argv, module=None)
+        return run_on_ranks(args, worker, __file__, extra=("--model-dir", str(directory)))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=100, help="hypothesis examples per property (default 100)")
     parser.add_argument("--interrupts", type=int, default=16, help="real interrupted runs (default 16; 0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the interruptions' moments")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for the README)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for benchmarks/README.md)")
     args = parser.parse_args()
     started = time.perf_counter()
     results, suite_ok = generated_cases(args.examples)

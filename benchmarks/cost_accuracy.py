@@ -1,4 +1,4 @@
-"""Cost model vs published runs (reference/published.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
+"""Cost model vs published runs (docs/published-runs.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
 ZeRO memory, Megatron-LM's H100 weak scaling, torchtitan's FSDP2 runs on A100 and on H100 96GB (throughput and
 memory), and Megatron-Core's Mixtral 8x7B run on 64 H100s priced at three router imbalances (a check, no fit).
 The torchtitan and Mixtral runs are priced twice: from the preset and from the model's config.json as published
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.cost import predict
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
 from plait.cost.memory import model_state_bytes
 from plait.cost.model import CLASS_ACTIVATIONS, predict_layout
 from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
@@ -172,7 +172,7 @@ def fit_h100_sxm(base: ClusterSpec, rounds: int = 2) -> Efficiency:
 
 def _closed_form_h100_tflops(row, plan, cluster: ClusterSpec) -> float:
     c = cluster.with_devices(row.devices)
-    step = predict_layout(Setting(plan.model, c, plan.train), Layout.of(plan), plan.layers_per_stage, plan.recompute,
+    step = predict_layout(Setting(plan.model, c, plan.train), plan.layout, plan.layers_per_stage, plan.recompute,
                           exact=False).step_time_s
     return megatron_h100_flops(row) / (row.devices * step) / 1e12
 

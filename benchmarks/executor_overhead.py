@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _ranks import add_worker_flag, run_on_ranks
 
 WARMUP_STEPS = 2
 
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=2, help="accumulation steps per rank")
     parser.add_argument("--json", help="also write the medians to this file")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -194,13 +195,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 
 
 def main() -> int:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return 0
-    from plait.launch import run_local
-
-    return run_local(args.nproc, [os.path.abspath(__file__), "--worker", *sys.argv[1:]], module=None)
+    return run_on_ranks(parse_args(), worker, __file__)
 
 
 if __name__ == "__main__":

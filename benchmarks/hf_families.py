@@ -214,8 +214,9 @@ def admit(directory: Path, plan: str) -> dict[str, Any] | None:
         return {"status": "REFUSED", "detail": str(error).splitlines()[0]}
     except Exception as error:  # planning itself failed: a crash, before any rank
         return {"status": "CRASH", "detail": f"planning: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-    if plan == "tp2" and built.model.source.startswith("hf:") and not built.model.tp_plan:
-        return {"status": "N/A", "detail": "no tensor-parallel plan"}
+    no_plan = (built.model.tp_plan or {}).get(legality.NO_TENSOR_PLAN, "")
+    if plan == "tp2" and built.model.source.startswith("hf:") and (not built.model.tp_plan or no_plan):
+        return {"status": "N/A", "detail": f"no tensor-parallel plan{': ' + no_plan if no_plan else ''}"}
     if plan == "ep2" and not built.model.num_experts:
         return {"status": "N/A", "detail": "no experts"}
     if problems:

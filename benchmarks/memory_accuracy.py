@@ -1,6 +1,6 @@
 """Predicted against measured peak memory per rank, by part, over a grid of plans.
 
-    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick] [--match mem-moe] [--grid pipeline]
+    python benchmarks/memory_accuracy.py [--nproc 2 4] [--json FILE] [--quick] [--match mem-moe] [--grid pipeline|lora]
 
 Every plan of the grid (data parallelism on DDP and ZeRO-1, fully_shard ZeRO-2 and ZeRO-3, tensor parallelism
 with and without sequence parallelism, pipelines under GPipe, 1F1B and interleaved 1F1B, each recompute mode,
@@ -23,6 +23,8 @@ rank's predicted and measured buffers against m, and the m = 64 figure against m
 (ZB-V, DualPipeV) are left out: their split backward runs torch.autograd.grad, which MemTracker's module hooks refuse
 in torch 2.13 ("A leaf node was passed to _will_engine_execute_node ..."); tests/dist/test_pipeline_buffers.py
 checks their pool against the live set instead.
+
+`--grid lora`: LoRA adapters on the Llama's frozen base under DDP, ZeRO-3, tp2 with SP and pp2 (docs/lora.md).
 
 `--grid llama2-13b`: torchtitan's Llama 2 13B row (FSDP, local batch 2, seq 4096, no recompute) scaled down to run
 here: two blocks at 1/20 of the width (h 256, ffn 688: 13B's ratio 2.7; head_dim 128, so 2 heads), the full 32,000
@@ -161,7 +163,24 @@ def llama2_13b_grid(nproc: int, quick: bool = False) -> list[Plan]:
                     zero=3, micro_batch=2, num_micro_batches=1, cluster=CLUSTER_PRESETS["local-cpu"].with_devices(nproc))]
 
 
-GRIDS = {"main": grid, "pipeline": pipeline_grid, "llama2-13b": llama2_13b_grid}
+def lora_grid(nproc: int, quick: bool = False) -> list[Plan]:
+    """LoRA (rank 8) on the Llama's every projection ("all-linear") and on q and v only, each layout of 2 ranks: the
+    frozen base's states and the adapters' (plait.cost.trainable), activations priced as full fine-tuning's."""
+    from plait.models.lora import with_lora
+    from plait.spec.lora import Lora
+
+    layouts = [dict(dp=2), dict(dp=2, zero=3), dict(tp=2, sequence_parallel=True),
+               dict(pp=2, schedule="1f1b", num_micro_batches=4)][: 2 if quick else 4]
+    plans = []
+    for targets in (("all-linear",), ("wq", "wv")):
+        for layout in layouts:
+            plan = make_plan(nproc, **layout)
+            spec = with_lora(plan.model, Lora(rank=8, targets=targets))
+            plans.append(plan.replace(model=spec.replace(name=f"{spec.name}-lora-{'+'.join(targets)}")))
+    return plans
+
+
+GRIDS = {"main": grid, "pipeline": pipeline_grid, "llama2-13b": llama2_13b_grid, "lora": lora_grid}
 BLOCK_DTYPES = {"fp32": (torch.float32, Dtypes(compute=4, residual=4)),
                 "bf16": (torch.bfloat16, Dtypes(compute=2, residual=2))}  # fully_shard's mixed precision on a GPU
 
@@ -242,11 +261,11 @@ def measure(plans: list[Plan], nproc: int) -> list[list[dict]]:
 
 def rows_of(plan: Plan, peaks: list[dict]) -> list[dict]:
     """One row per pipeline rank: predicted (reserve left out) and measured (largest over its peers) bytes."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.memory import rank_memory
 
     prediction = predict(plan)
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     rows = []
     for pp_rank in range(plan.pp):
         mine = [p for p in peaks if p["pp_rank"] == pp_rank]

@@ -28,6 +28,8 @@ import statistics
 import sys
 import time
 
+from _ranks import add_worker_flag, run_on_ranks
+
 CLUSTER = "examples/clusters/mixed-local.yaml"
 WARMUP_STEPS = 2
 
@@ -41,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -150,18 +152,14 @@ def report(args: argparse.Namespace, priced: dict[str, tuple], times: dict[str, 
 
 def main() -> int:
     args = parse_args()
-    if args.worker:
-        worker(args)
-        return 0
-    from plait.launch import run_local
-
-    if args.nproc < 2 or args.nproc % 2:
+    if not args.worker and (args.nproc < 2 or args.nproc % 2):
         print(f"--nproc {args.nproc}: give an even number >= 2 (half fast, half slow)", file=sys.stderr)
         return 2
-    # the blind plan has no device groups: the throttle then comes from PLAIT_THROTTLE, on the slow group's ranks
-    slow = ",".join(str(r) for r in range(args.nproc // 2, args.nproc))
-    os.environ["PLAIT_THROTTLE"] = f"rank={slow}:factor={args.factor:g}"
-    return run_local(args.nproc, [os.path.abspath(__file__), "--worker", *sys.argv[1:]], module=None)
+    if not args.worker:
+        # the blind plan has no device groups: the throttle then comes from PLAIT_THROTTLE, on the slow group's ranks
+        slow = ",".join(str(r) for r in range(args.nproc // 2, args.nproc))
+        os.environ["PLAIT_THROTTLE"] = f"rank={slow}:factor={args.factor:g}"
+    return run_on_ranks(args, worker, __file__)
 
 
 if __name__ == "__main__":

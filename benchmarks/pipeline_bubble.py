@@ -37,11 +37,12 @@ up to other load on the machine better than absolute times do.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 import warnings
+
+from _ranks import add_worker_flag, run_on_ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     parser.add_argument("--buffers", nargs="+", default=["pool"], choices=["pool", "torch"],
                         help="how the pipeline holds its receive buffers; both: timed alternately in one launch")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -164,7 +165,8 @@ def report(args: argparse.Namespace, rows) -> None:
     p = args.nproc
     table = Table(title=f"pipeline bubble: p={p}, {args.layers_per_stage} layers of h={args.hidden} per stage, "
                         f"micro-batch {args.micro_batch}x{args.seq_len}, median of {args.steps} steps")
-    from plait.cost.schedule import V_SCHEDULES, simulate
+    from plait.cost.schedule import simulate
+    from plait.plan import V_SCHEDULES
 
     for column in ("schedule", "m", "buffers", "step T", "busy per rank", "measured bubble", "closed form", "sim",
                    "measured - closed form"):
@@ -207,13 +209,7 @@ def buffers_table(rows):
 
 
 def main() -> int:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return 0
-    from plait.launch import run_local
-
-    return run_local(args.nproc, [os.path.abspath(__file__), "--worker", *sys.argv[1:]], module=None)
+    return run_on_ranks(parse_args(), worker, __file__)
 
 
 if __name__ == "__main__":

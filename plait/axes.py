@@ -40,10 +40,32 @@ AXIS_MEANING: dict[str, str] = {
 }
 
 
-class Degrees(Mapping[str, int]):
+class OnAxes:
+    """`x.pp`, `x.dp`, `x.cp`, `x.tp`, `x.ep`: the degree of each axis, read through `x.axis(name)` (by default
+    `x.degrees[name]`). The one place these accessors are written: Degrees, the Layout, the Plan and the
+    search's Pins all take them from here."""
+
+    __slots__ = ()
+
+    def axis(self, name: str) -> Any:
+        return self.degrees[name]  # type: ignore[attr-defined]
+
+
+def _axis_reader(axis: str) -> property:
+    return property(lambda self: self.axis(axis), doc=AXIS_MEANING[axis])
+
+
+for _axis in ALL_AXES:
+    setattr(OnAxes, _axis, _axis_reader(_axis))
+
+
+class Degrees(OnAxes, Mapping[str, int]):
     """Degree of every parallel axis (1 where not given); immutable, hashable, ordered as `ALL_AXES`."""
 
     __slots__ = ("_values",)
+
+    def axis(self, name: str) -> int:
+        return self._values[name]
 
     def __init__(self, values: Mapping[str, int] | None = None, /, **degrees: int) -> None:
         merged = dict(values or {})
@@ -93,27 +115,6 @@ class Degrees(Mapping[str, int]):
     def __repr__(self) -> str:
         shown = ", ".join(f"{a}={v}" for a, v in self._values.items() if v != 1) or "1"
         return f"Degrees({shown})"
-
-    # ---- named access ------------------------------------------------------------------------
-    @property
-    def pp(self) -> int:
-        return self._values["pp"]
-
-    @property
-    def dp(self) -> int:
-        return self._values["dp"]
-
-    @property
-    def cp(self) -> int:
-        return self._values["cp"]
-
-    @property
-    def tp(self) -> int:
-        return self._values["tp"]
-
-    @property
-    def ep(self) -> int:
-        return self._values["ep"]
 
     # ---- derived -----------------------------------------------------------------------------
     @property

@@ -31,11 +31,23 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as installed
+    """The package's version: the pyproject.toml of the source tree plait runs from (a checkout on PYTHONPATH may
+    be another version than the one installed), else the installed distribution's metadata."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    from pathlib import Path
 
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+    except (OSError, ValueError):  # an installed package: no pyproject.toml beside it
+        project = {}
+    if project.get("name") == "plait" and project.get("version"):
+        return project["version"]
     try:
         return installed("plait")
-    except PackageNotFoundError:  # run from a source tree that was never installed
+    except PackageNotFoundError:
         return "unknown (not installed)"
 
 

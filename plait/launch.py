@@ -112,7 +112,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     _RESTART_ROUND = _agreed_round(round_, "cuda" if backend == "nccl" else "cpu")
     # DTensor warns, once per rank and call site, that 2-D reductions take two collectives
     # (FSDP x TP gradient norms, state-dict gathers): expected here, and it drowns the output.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    from plait.torch_internals import REDISTRIBUTE_LOGGER
+
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     return dist.get_rank(), dist.get_world_size()
 
 

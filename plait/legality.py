@@ -119,6 +119,9 @@ what it holds, runs whole on every rank instead: the same sum, no split).
 A Hugging Face class whose plan (ModelSpec.tp_plan) holds any other style is refused under tp > 1."""
 UNPLACED = "unplaced"
 """ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
+NO_TENSOR_PLAN = "(none)"
+"""ModelSpec.tp_plan's one entry for a Hugging Face class that declares no tensor-parallel plan and whose layers
+plait cannot split itself (plait.models.hf_tensor_plan); its value says why."""
 PLAIT_STYLE = "plait:"
 """Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
 HF_EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
@@ -146,9 +149,12 @@ def _class_tensor_problems(model: "ModelSpec", tp: int) -> list[Violation]:
     """A Hugging Face class (source "hf:") runs tensor parallelism as its own plan declares it (ModelSpec.tp_plan)."""
     if tp == 1 or not model.source.startswith("hf:"):
         return []
-    if not model.tp_plan:
+    if not model.tp_plan or NO_TENSOR_PLAN in model.tp_plan:
+        why = (model.tp_plan or {}).get(NO_TENSOR_PLAN)
+        derived = f", and plait cannot split its layers itself: {why}" if why else ""
         return [Violation("tp-needs-class-plan", f"tp={tp}: {model.name} declares no tensor-parallel plan "
-                          f"(base_model_tp_plan); use tp=1")]
+                          f"(base_model_tp_plan){derived}; use tp=1 (data parallelism, FSDP and pipelines need no "
+                          f"plan)")]
     unplaced = [pattern for pattern, style in model.tp_plan.items() if style == UNPLACED]
     if unplaced:
         return [Violation("tp-places-parameters", f"tp={tp}: {model.name}'s module {unplaced[0]} holds parameters its "
@@ -168,13 +174,8 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
                       ) -> list[Violation]:
     out = []
     if model.positions == "learned" and seq_len > model.max_seq_len:
-        from plait.spec.load import position_field
-
-        field = position_field(model)
-        named = f"{field} in its config.json" if field else "max_seq_len"
-        out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s position table of "
-                             f"{model.max_seq_len} ({named}: a learned table, no longer sequence runs through it); "
-                             f"use seq_len <= {model.max_seq_len}"))
+        out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s max_seq_len="
+                             f"{model.max_seq_len} (a learned position table); use seq_len <= {model.max_seq_len}"))
     if model.sliding_window and seq_len > model.sliding_window:
         out.append(Violation("seq-len-within-window", f"seq_len={seq_len} exceeds {model.name}'s sliding_window="
                              f"{model.sliding_window}; plait runs full causal attention, which equals the model's "

@@ -20,15 +20,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from plait.axes import ALL_AXES, Degrees
+from plait.axes import ALL_AXES, Degrees, OnAxes
 from plait.errors import ConfigError
-from plait.legality import DataParallelMode, data_parallel_mode
+from plait.legality import DataParallelMode, data_parallel_mode, expert_shards
 from plait.operators.solution import OperatorSharding
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec._dict import from_dict, to_dict
+
+if TYPE_CHECKING:
+    from plait.cost.compute import Slicing
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
@@ -61,25 +65,48 @@ class Prediction:
     """Idle fraction of the pipeline schedule."""
 
 
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank that holds virtual stage `stage`: a loop (stage % pp), or a V for ZB-V and DualPipeV
+    (rank r holds stages r and 2·pp - 1 - r)."""
+    if schedule in V_SCHEDULES and pp > 1:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+@lru_cache(maxsize=1024)
+def rank_stages(schedule: str, pp: int, interleave: int) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, its virtual stages in chunk order (`stage_rank`'s inverse; cached: the search asks
+    thousands of times)."""
+    if schedule in V_SCHEDULES and pp > 1:
+        return tuple((rank, 2 * pp - 1 - rank) for rank in range(pp))
+    return tuple(tuple(rank + chunk * pp for chunk in range(interleave)) for rank in range(pp))
+
+
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Layout(OnAxes):
+    """How a plan lays the work out: the parallel degrees and every choice the cost depends on except the stage
+    split and the recompute modes. The search prices thousands of these before it builds a single Plan; a Plan
+    holds one. Its canonical form is made here, once, so equal choices compare equal: sequence parallelism only
+    with tp > 1, the 1F1B schedule without a pipeline, the key/value exchange only with cp > 1, when gradients are
+    reduced only where there is a choice, and how data parallelism is carried by plait.legality's rule unless
+    chosen."""
+
     degrees: Degrees
     """Degree of every parallel axis (plait.axes.AXES: pp, dp, cp, tp; ep inside dp); a dict is accepted."""
     sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence over the tensor group (needs tp > 1 to matter)."""
+    """Shard norms/dropout activations along the sequence over the tensor group (only with tp > 1)."""
     zero: int = 0
     """0: plain data parallel (DDP); 1: optimizer states sharded; 2: + gradients; 3: + parameters (FSDP)."""
     data_parallel: Literal["none", "ddp", "fully_shard"] | None = None
     """How the executor carries data parallelism; None: plait.legality.data_parallel_mode's rule (DDP for
-    ZeRO 0/1 of plain replicas, fully_shard otherwise), filled in when the plan is made."""
-    recompute: tuple[Recompute, ...] = ()
-    """Activation recomputation per pipeline rank (pp entries); () means "none" everywhere."""
+    ZeRO 0/1 of plain replicas, fully_shard otherwise), filled in here."""
     micro_batch: int = 1
     """Sequences per micro-batch."""
     num_micro_batches: int = 1
     """Micro-batches per step per data-parallel replica (pipeline micro-batches, or gradient accumulation)."""
     context_parallel: Literal["all_gather", "all_to_all"] = "all_gather"
-    """How context-parallel ranks see each other's keys and values (plait/execute/context.py); ignored when cp = 1."""
+    """How context-parallel ranks see each other's keys and values (plait/execute/context.py); one value when
+    cp = 1."""
     grad_sync: Literal["step", "micro_batch"] = "step"
     """When data-parallel gradients are reduced under accumulation (num_micro_batches > 1, no pipeline): "step", once
     after the last micro-batch (DDP's no_sync; fully_shard accumulates the whole model's gradients unsharded in fp32
@@ -87,21 +114,12 @@ class Plan:
     a step). Under a pipeline torch's schedule reduces once ("step"). A plan without it: "step", as plait ran
     before the field."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule; ignored when pp == 1."""
+    """Pipeline schedule; "1f1b" when pp == 1."""
     interleave: int = 1
     """Model chunks per pipeline rank (v); > 1 only with the interleaved schedule."""
-    layers_per_stage: tuple[int, ...] = ()
-    """Transformer layers of each virtual stage in model order (pp·interleave entries); () means even."""
     stage_groups: tuple[str, ...] = ()
     """On a mixed cluster (ClusterSpec.groups): the device group of each pipeline rank (pp entries); its
     data-, context- and tensor-parallel ranks all live in that group. () on a uniform cluster."""
-    model: ModelSpec
-    train: TrainSpec
-    cluster: ClusterSpec
-    predicted: Prediction | None = None
-    operators: OperatorSharding | None = None
-    """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
-    tensor plan)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.degrees, Degrees):
@@ -112,95 +130,171 @@ class Plan:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
-        mode = data_parallel_mode(self.degrees, self.zero)
-        if self.data_parallel is None or mode.carrier == "none":
-            object.__setattr__(self, "data_parallel", mode.carrier)
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.interleave > 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
             raise ValueError(f"interleave={self.interleave} needs schedule='interleaved', not {self.schedule!r}")
-        recompute = self.recompute or ("none",) * self.pp
-        if isinstance(recompute, str):
-            recompute = (recompute,) * self.pp
-        if len(recompute) == 1 and self.pp > 1:
-            recompute = tuple(recompute) * self.pp
-        if len(recompute) != self.pp or any(r not in RECOMPUTE_MODES for r in recompute):
-            raise ValueError(
-                f"recompute={list(recompute)} must hold {self.pp} entries (one per pipeline rank) "
-                f"from {', '.join(RECOMPUTE_MODES)}"
-            )
-        object.__setattr__(self, "recompute", tuple(recompute))
-        stages = self.num_stages
-        layers = self.layers_per_stage or even_split(self.model.num_layers, stages)
-        if len(layers) != stages or sum(layers) != self.model.num_layers or min(layers) < 0:
-            raise ValueError(
-                f"layers_per_stage={list(layers)} must hold {stages} non-negative entries "
-                f"(pp={self.pp} x interleave={self.interleave}) summing to num_layers={self.model.num_layers}"
-            )
-        object.__setattr__(self, "layers_per_stage", tuple(layers))
-        batch = self.dp * self.micro_batch * self.num_micro_batches
-        if batch != self.train.global_batch:
-            raise ValueError(
-                f"dp={self.dp} x micro_batch={self.micro_batch} x num_micro_batches={self.num_micro_batches} = {batch} "
-                f"must equal global_batch={self.train.global_batch}"
-            )
+        d = self.degrees
+        canonical = {
+            "sequence_parallel": bool(self.sequence_parallel) and d.tp > 1,
+            "schedule": self.schedule if d.pp > 1 or self.interleave > 1 else "1f1b",
+            "context_parallel": self.context_parallel if d.cp > 1 else "all_gather",
+            "grad_sync": self.grad_sync if self.num_micro_batches > 1 and d.dp * d.cp > 1 else "step",
+        }
+        if self.data_parallel is None or d.dp * d.cp == 1:
+            canonical["data_parallel"] = data_parallel_mode(d, self.zero).carrier
+        for name, value in canonical.items():
+            object.__setattr__(self, name, value)
 
-    # ---- derived ---------------------------------------------------------------
-    @property
-    def dp(self) -> int:
-        return self.degrees.dp
+    @classmethod
+    def make(cls, **fields: Any) -> "Layout":
+        """Layout(...) with the degrees given as keywords (dp=2, tp=8, ...)."""
+        axes = {a: fields.pop(a) for a in ALL_AXES if a in fields}
+        return cls(degrees=Degrees(fields.pop("degrees", None), **axes), **fields)
 
     @property
-    def tp(self) -> int:
-        return self.degrees.tp
-
-    @property
-    def pp(self) -> int:
-        return self.degrees.pp
-
-    @property
-    def cp(self) -> int:
-        return self.degrees.cp
-
-    @property
-    def ep(self) -> int:
-        return self.degrees.ep
+    def sp(self) -> bool:
+        """Short for sequence_parallel (in cost formulas)."""
+        return self.sequence_parallel
 
     @property
     def num_devices(self) -> int:
         return self.degrees.world_size
 
     @property
-    def dp_mode(self) -> DataParallelMode:
-        """How the executor carries data parallelism (plait.legality.data_parallel_mode), as this plan says."""
-        mode = data_parallel_mode(self.degrees, self.zero)
-        if self.data_parallel == mode.carrier:
-            return mode
-        return DataParallelMode(self.data_parallel, False, self.zero)  # fully_shard chosen for ZeRO 0/1
-
-    @property
     def num_stages(self) -> int:
         """Virtual pipeline stages: pp · interleave."""
-        return self.pp * self.interleave
+        return self.degrees.pp * self.interleave
 
+    @property
+    def shard_degree(self) -> int:
+        """Ranks the dense weights' gradients are reduced (and, on fully_shard, sharded) over: dp, and cp, whose
+        ranks hold other tokens of the same sequences (the executor's "dp_cp" mesh)."""
+        return self.degrees.dp * self.degrees.cp
+
+    @cached_property
+    def dp_mode(self) -> DataParallelMode:
+        """How the executor carries data parallelism (plait.legality.data_parallel_mode), as this layout says."""
+        mode = data_parallel_mode(self.degrees, self.zero)
+        return mode if self.data_parallel == mode.carrier else DataParallelMode(self.data_parallel, False, self.zero)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks each expert's weights are sharded over (plait.legality.expert_shards)."""
+        return expert_shards(self.degrees, self.dp_mode)
+
+    @cached_property
+    def slicing(self) -> "Slicing":
+        """How one device's share of a layer is cut (tensor, context and expert parallelism)."""
+        from plait.cost.layout import slicing_of
+
+        return slicing_of(self.degrees, self.sequence_parallel, self.context_parallel)
+
+    @property
+    def rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """`stages_of` every pipeline rank."""
+        return rank_stages(self.schedule, self.degrees.pp, self.interleave)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Virtual stages held by pipeline rank `rank`, in chunk order (a loop, or a V for ZB-V / DualPipeV)."""
+        return list(self.rank_stages[rank])
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that holds virtual stage `stage`."""
+        return stage_rank(self.schedule, self.degrees.pp, stage)
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank of the last virtual stage (pp - 1, or 0 on a V)."""
+        return self.rank_of_stage(self.num_stages - 1)
+
+
+LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Layout))
+
+
+@dataclass(frozen=True, init=False)
+class Plan(OnAxes):
+    """One way to train one model: its Layout, the stage split and recompute modes, the specs it was made for,
+    and what the cost model predicted. `plan.zero`, `plan.dp`, `plan.stages_of(r)`, ... read its layout."""
+
+    layout: Layout
+    recompute: tuple[Recompute, ...] = ()
+    """Activation recomputation per pipeline rank (pp entries); () means "none" everywhere."""
+    layers_per_stage: tuple[int, ...] = ()
+    """Transformer layers of each virtual stage in model order (pp·interleave entries); () means even."""
+    model: ModelSpec
+    train: TrainSpec
+    cluster: ClusterSpec
+    predicted: Prediction | None = None
+    operators: OperatorSharding | None = None
+    """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
+    tensor plan)."""
+
+    def __init__(self, *, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: Layout | None = None,
+                 recompute: Any = (), layers_per_stage: tuple[int, ...] = (), predicted: Prediction | None = None,
+                 operators: OperatorSharding | None = None, **choices: Any) -> None:
+        """Plan(layout=..., ...) or, as plan files spell it, the layout's fields themselves (degrees=..., zero=...)."""
+        if layout is None:
+            layout = Layout(**choices)
+        elif choices:
+            layout = dataclasses.replace(layout, **choices)
+        fields = dict(layout=layout, model=model, train=train, cluster=cluster, predicted=predicted,
+                      operators=operators, recompute=self._recompute(recompute, layout.pp))
+        fields["layers_per_stage"] = self._layers(layers_per_stage, layout, model.num_layers)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        batch = layout.dp * layout.micro_batch * layout.num_micro_batches
+        if batch != train.global_batch:
+            raise ValueError(
+                f"dp={layout.dp} x micro_batch={layout.micro_batch} x num_micro_batches={layout.num_micro_batches} = "
+                f"{batch} must equal global_batch={train.global_batch}"
+            )
+
+    @staticmethod
+    def _recompute(recompute: Any, pp: int) -> tuple[str, ...]:
+        recompute = recompute or ("none",) * pp
+        if isinstance(recompute, str):
+            recompute = (recompute,) * pp
+        if len(recompute) == 1 and pp > 1:
+            recompute = tuple(recompute) * pp
+        if len(recompute) != pp or any(r not in RECOMPUTE_MODES for r in recompute):
+            raise ValueError(f"recompute={list(recompute)} must hold {pp} entries (one per pipeline rank) "
+                             f"from {', '.join(RECOMPUTE_MODES)}")
+        return tuple(recompute)
+
+    @staticmethod
+    def _layers(layers: tuple[int, ...], layout: Layout, num_layers: int) -> tuple[int, ...]:
+        stages = layout.num_stages
+        layers = tuple(layers or even_split(num_layers, stages))
+        if len(layers) != stages or sum(layers) != num_layers or min(layers) < 0:
+            raise ValueError(
+                f"layers_per_stage={list(layers)} must hold {stages} non-negative entries "
+                f"(pp={layout.pp} x interleave={layout.interleave}) summing to num_layers={num_layers}"
+            )
+        return layers
+
+    def __getattr__(self, name: str) -> Any:
+        """The layout's fields, properties and methods (plan.zero, plan.dp_mode, plan.stages_of(r)): written once,
+        on the Layout."""
+        layout = self.__dict__.get("layout")
+        if layout is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(layout, name)
+
+    def axis(self, name: str) -> int:
+        return self.layout.degrees[name]
+
+    # ---- derived ---------------------------------------------------------------
     def stage_layers(self, stage: int) -> range:
         """Indices of the transformer layers of virtual stage `stage`."""
         start = sum(self.layers_per_stage[:stage])
         return range(start, start + self.layers_per_stage[stage])
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
-        """Virtual stages held by pipeline rank `pp_rank`, in chunk order (a loop, or a V for ZB-V / DualPipeV)."""
-        if self.schedule in V_SCHEDULES and self.pp > 1:
-            return [pp_rank, 2 * self.pp - 1 - pp_rank]
-        return [pp_rank + chunk * self.pp for chunk in range(self.interleave)]
-
-    def rank_of_stage(self, stage: int) -> int:
-        """The pipeline rank that holds virtual stage `stage`."""
-        if self.schedule in V_SCHEDULES and self.pp > 1:
-            return stage if stage < self.pp else 2 * self.pp - 1 - stage
-        return stage % self.pp
+        """Virtual stages held by pipeline rank `pp_rank` (Layout.stages_of)."""
+        return self.layout.stages_of(pp_rank)
 
     def describe(self) -> str:
         """One line a person can read: 'dp2 tp2 pp2 sp zero1 1f1b mb1x4 recompute=none,full layers=3|3' (with
@@ -225,11 +319,15 @@ class Plan:
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> "Plan":
-        """A copy with `changes`; axis names (dp=4, cp=2, ...) change the degrees."""
+        """A copy with `changes`: the plan's own fields, the layout's (zero=1, schedule="gpipe") or axis names
+        (dp=4, cp=2, ...), which change the degrees."""
         axes = {a: changes.pop(a) for a in ALL_AXES if a in changes}
         if axes:
-            changes["degrees"] = Degrees(changes.get("degrees", self.degrees), **axes)
-        return dataclasses.replace(self, **changes)
+            changes["degrees"] = Degrees(changes.get("degrees", self.layout.degrees), **axes)
+        choices = {name: changes.pop(name) for name in LAYOUT_FIELDS if name in changes}
+        layout = dataclasses.replace(changes.pop("layout", self.layout), **choices)
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+        return Plan(layout=layout, **{**kept, **changes})
 
     @classmethod
     def of(cls, **fields: Any) -> "Plan":
@@ -239,7 +337,10 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+        """The plan file's form: the layout's fields at the top level, beside the plan's own."""
+        out = to_dict(self.layout)
+        out.update((k, v) for k, v in to_dict(self).items() if k != "layout")
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
@@ -252,7 +353,7 @@ class Plan:
         named_cluster = isinstance(data, dict) and isinstance(data.get("cluster"), str)
         if isinstance(data, dict) and (named_cluster or isinstance(data.get("model"), str)):
             data = _named_specs(data)
-        plan = from_dict(cls, data, "plan")
+        plan = from_dict(_PlanFile, _as_plan_file(data), "plan").plan()
         if named_cluster:  # a preset's device count is its own; this plan runs on its degrees' world
             plan = plan.replace(cluster=plan.cluster.with_devices(plan.num_devices))
         return plan
@@ -285,6 +386,31 @@ class Plan:
             return cls.from_dict(data)
         except ConfigError as e:  # name the file: the user may have several
             raise ConfigError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PlanFile(Layout):
+    """A plan file as written: the layout's fields and the plan's own side by side (what `Plan.from_dict` reads,
+    so that every key is checked, and named, at the top level where the file has it)."""
+
+    recompute: tuple[Recompute, ...] = ()
+    layers_per_stage: tuple[int, ...] = ()
+    model: ModelSpec
+    train: TrainSpec
+    cluster: ClusterSpec
+    predicted: Prediction | None = None
+    operators: OperatorSharding | None = None
+
+    def plan(self) -> Plan:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        layout = Layout(**{name: fields.pop(name) for name in LAYOUT_FIELDS})
+        return Plan(layout=layout, **fields)
+
+
+def _as_plan_file(data: Any) -> Any:
+    return data if not isinstance(data, Plan) else {**{n: getattr(data.layout, n) for n in LAYOUT_FIELDS},
+                                                    **{f.name: getattr(data, f.name)
+                                                       for f in dataclasses.fields(data) if f.name != "layout"}}
 
 
 def _named_specs(data: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,9 @@ weights') and the tokenizer files: those of the tokenizer the run used ([data] t
 folder's. The checkpoint's meta.json names the model folder; --model and --tokenizer override them.
 
 A run can also export at its end: [checkpoint] export_hf = "DIR" in the training config.
+
+A LoRA run's checkpoint holds its adapters: the export merges them into the base the run started from (a plain
+Hugging Face folder), or with --adapter writes peft's adapter folder (plait.execute.lora_export).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "run's data.tokenizer folder, else the model folder's")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file, e.g. 5GB, 500MiB (default 5GB)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's checkpoint: write peft's adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors) instead of the weights with the adapters merged")
     parser.add_argument("--force", action="store_true",
                         help="write into a folder that is not empty, replacing the weights there")
 
@@ -45,11 +51,18 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-shard-size {args.max_shard_size!r} must be positive")
     step_dir, meta = checkpoint_step(Path(args.checkpoint))
     model_dir, tokenizer_dir = _folders(meta, args)
-    tied = _tied(meta, model_dir)
+    from plait.execute.lora_export import export_checkpoint_lora, is_lora_checkpoint
 
-    from plait.execute.hf_checkpoint import export_checkpoint
+    if is_lora_checkpoint(meta):  # the adapters merged into the run's base, or peft's adapter folder
+        export_checkpoint_lora(step_dir, out, model_dir, tokenizer_dir, meta, adapter_only=args.adapter,
+                               max_shard_bytes=max_bytes)
+    elif args.adapter:
+        raise ConfigError(f"--adapter writes a LoRA run's adapters, but {str(step_dir)!r} is a checkpoint of a run "
+                          f"without [model] lora; leave --adapter out to export its weights")
+    else:
+        from plait.execute.hf_checkpoint import export_checkpoint
 
-    export_checkpoint(step_dir, out, model_dir, tokenizer_dir, tied, max_shard_bytes=max_bytes)
+        export_checkpoint(step_dir, out, model_dir, tokenizer_dir, _tied(meta, model_dir), max_shard_bytes=max_bytes)
     files = sorted(p.name for p in out.iterdir())
     print(f"plait export: step {meta.get('step')} of {step_dir.parent} -> {out} ({', '.join(files)})")
     return 0

@@ -3,16 +3,23 @@
     plait generate runs/x/ckpt --prompt "To be"                 # greedy, from the newest complete checkpoint
     plait generate runs/x/ckpt/step_000200 --prompt "ROMEO:" --temperature 0.8 --top-p 0.9 --tokens 200
     plait generate runs/ft/hf --prompt "To be, or not"          # a Hugging Face folder (plait export, export_hf)
+    plait generate runs/chat/hf --chat --prompt "Who wrote Hamlet?" --stop "\n\n"   # the reply to one message
 
 A checkpoint may come from any plan and any model plait trains (its own decoders, Hugging Face classes): its
 sharded files are read into one process on CPU, with the tokenizer the run used. A Hugging Face folder is loaded
 with transformers (`from_pretrained`, local files only) and its own tokenizer.json (bytes when it has none).
+
+Generation stops at EOS, at the end-of-turn token of the tokenizer's chat template (ChatML's <|im_end|>, Llama 3's
+<|eot_id|>, ...), at the model folder's generation_config.json eos_token_id, and at any --stop string (the text is
+cut before it); special tokens are not printed. With --chat the prompt is one user message rendered by the chat
+template, and only the reply is printed.
 Note that a checkpoint's DCP metadata is unpickled by torch: read checkpoints you trust (share exports).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -34,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample from the most likely tokens holding this much probability (default 1: all)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="and at most K of them (default 0: any)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.add_argument("--chat", action="store_true",
+                        help="render --prompt as a user message with the tokenizer's chat template; print the reply")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop once the generated text holds TEXT, and print it without (repeatable)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +54,8 @@ class Generator:
     logits_of: Callable[[Any], Any]
     tokenizer: Any
     max_seq_len: int
+    model_dir: Path | None = None
+    """The Hugging Face model folder (its generation_config.json), None for plait's own models."""
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,13 +64,95 @@ def main(args: argparse.Namespace) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError(f"--temperature {args.temperature} must be >= 0, --top-p {args.top_p} in (0, 1] and "
                           f"--top-k {args.top_k} >= 0")
+    if any(not text for text in args.stop):
+        raise ConfigError("--stop '' would stop at once; give the text to stop at, e.g. --stop '\\n\\n'")
+    if args.chat and not args.prompt:
+        raise ConfigError("--chat answers a message: give it with --prompt \"...\"")
     generator = load_generator(Path(args.weights))
-    prompt = prompt_ids(generator.tokenizer, args.prompt)
+    chat = chat_template_tokenizer(generator.tokenizer) if args.chat else None
+    prompt = chat_prompt_ids(chat, args.prompt) if chat is not None else prompt_ids(generator.tokenizer, args.prompt)
+    decode, ends = generator.tokenizer.decode, end_ids(generator)
+    stop = (lambda added: _holds_any(decode(added.numpy()), args.stop)) if args.stop else None
     out = sample(generator.logits_of, prompt, num_tokens=args.tokens, max_seq_len=generator.max_seq_len,
                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                 stop_id=generator.tokenizer.eos_id)
-    print(generator.tokenizer.decode(out.numpy()))
+                 stop_ids=ends, stop=stop)
+    print(printed_text(decode, prompt, out, ends, args.stop, reply_only=chat is not None))
     return 0
+
+
+def _holds_any(text: str, stops: list[str]) -> bool:
+    return any(s in text for s in stops)
+
+
+def printed_text(decode: Callable[[Any], str], prompt: Any, out: Any, ends: frozenset[int], stops: list[str],
+                 reply_only: bool) -> str:
+    """The prompt and what was added (only what was added: `reply_only`), without the token of `ends` that ended
+    it nor anything from a stop string on."""
+    if len(out) > len(prompt) and int(out[-1]) in ends:
+        out = out[:-1]
+    text = decode(out[len(prompt):].numpy()) if reply_only else decode(out.numpy())
+    start = 0 if reply_only else _prompt_length(decode(prompt.numpy()), text)
+    cuts = [at for s in stops if (at := text.find(s, start)) >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def _prompt_length(prompt_text: str, text: str) -> int:
+    """Where the added text starts in the whole text (a stop string inside the prompt does not count)."""
+    return len(prompt_text) if text.startswith(prompt_text) else 0
+
+
+def end_ids(generator: Generator) -> frozenset[int]:
+    """The tokens that end a generation: EOS, the chat template's end of turn, generation_config.json's
+    eos_token_id (one id or a list)."""
+    import json
+
+    tokenizer = generator.tokenizer
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    config = generator.model_dir / "generation_config.json" if generator.model_dir else None
+    if config is not None and config.is_file():
+        try:
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        ids |= {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+    chat = chat_template_tokenizer(tokenizer, required=False)
+    if chat is not None:  # a model fine-tuned on chats ends its answer with the template's end of turn
+        from plait.train.chat import end_of_turn_id
+
+        end = end_of_turn_id(chat)
+        ids |= {end} if end is not None else set()
+    return frozenset(ids)
+
+
+def chat_template_tokenizer(tokenizer: Any, required: bool = True) -> Any:
+    """transformers' tokenizer of a Hugging Face tokenizer folder with a chat template; None when it has none and it
+    is not `required` (--chat requires one)."""
+    from plait.tokenizer_files import has_chat_template
+
+    folder = getattr(tokenizer, "folder", None)
+    if folder is None or not has_chat_template(folder):
+        if required:
+            raise ConfigError(f"--chat renders the prompt with a chat template, and the tokenizer "
+                              f"{getattr(tokenizer, 'name', 'byte')!r} has none; drop --chat, or generate from a "
+                              f"model whose tokenizer has one (chat_template.jinja)")
+        return None
+    return _chat_tokenizer(str(folder))
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_tokenizer(folder: str) -> Any:
+    from plait.train.chat import chat_tokenizer
+
+    return chat_tokenizer(Path(folder), needed_by="--chat", otherwise="drop --chat")
+
+
+def chat_prompt_ids(chat: Any, text: str) -> Any:
+    import numpy as np
+    import torch
+
+    from plait.train.chat import prompt_ids as rendered
+
+    return torch.from_numpy(np.asarray(rendered(chat, text), dtype=np.int64))
 
 
 def prompt_ids(tokenizer: Any, text: str) -> Any:
@@ -90,7 +185,7 @@ def hf_folder_generator(folder: Path) -> Generator:
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
     limit = position_limit(folder)
     return Generator(logits_of=lambda tokens: model(tokens).logits, tokenizer=load_tokenizer(None, folder),
-                     max_seq_len=limit[1] if limit else 2048)
+                     max_seq_len=limit[1] if limit else 2048, model_dir=folder)
 
 
 def checkpoint_generator(path: Path) -> Generator:
@@ -103,7 +198,11 @@ def checkpoint_generator(path: Path) -> Generator:
     step_dir, meta = checkpoint_step(path)
     plan = Plan.from_dict(meta["plan"])
     adapter = adapter_for(plan.model)
-    model = adapter.build("cpu")
+    model = adapter.build_adapted("cpu")
+    if plan.model.lora is not None:  # the checkpoint holds the adapters; the base is where the run started from
+        from plait.execute.lora_export import load_base
+
+        load_base(model, plan.model, meta)
     load_model_state(model, step_dir)
     adapter.reset_buffers(model)  # non-persistent buffers (rotary tables) are not in the checkpoint
     model.eval()
@@ -112,7 +211,7 @@ def checkpoint_generator(path: Path) -> Generator:
     tokenizer = load_tokenizer(data.get("tokenizer"), model_dir)
     print(f"plait generate: step {meta.get('step')} of {step_dir.parent} ({plan.model.name})", file=sys.stderr)
     return Generator(logits_of=lambda tokens: adapter.forward(model, tokens), tokenizer=tokenizer,
-                     max_seq_len=plan.model.max_seq_len)
+                     max_seq_len=plan.model.max_seq_len, model_dir=Path(model_dir) if model_dir else None)
 
 
 def load_model_state(model: Any, step_dir: Path) -> None:

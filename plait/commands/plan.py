@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--from-run", metavar="LOG_DIR",
                       help="mixture-of-experts models: price expert parallelism with the router balance a `plait "
                            "train` run measured (LOG_DIR/measured.json) instead of --router-imbalance")
+    what.add_argument("--lora-rank", type=positive_int, metavar="R",
+                      help="price LoRA fine-tuning: rank-R adapters on a frozen base (docs/lora.md)")
+    what.add_argument("--lora-targets", metavar="NAMES",
+                      help="with --lora-rank: the linear layers adapted, comma-separated module names of the blocks "
+                           "(q_proj,v_proj; the presets' are wq,wk,wv,wo,w1,w2,w3), or all-linear (the default)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to show and write (default: 5)")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the ranked plans as JSON")
@@ -102,10 +107,13 @@ def main(args: argparse.Namespace) -> int:
         from plait.commands.operators import plan_operators
 
         return plan_operators(args)
-    model = with_router_balance(load_model(args.model), args.router_imbalance, args.from_run)
+    from plait.train.resolve import check_position_limit
+
+    model = with_lora_args(with_router_balance(load_model(args.model), args.router_imbalance, args.from_run), args)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
                        precision=args.precision or default_precision(cluster))
+    check_position_limit(model, train.seq_len, "--seq-len")  # as `plait train` refuses it
     if args.precision == "fp16":
         print("plait plan: warning: --precision fp16 prices fp16, but plait train refuses it (no loss scaler); "
               "bf16 trains, on CPU too", file=sys.stderr)
@@ -119,6 +127,23 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         _write_report(args.report, result)
     return 0
+
+
+def with_lora_args(model: Any, args: argparse.Namespace) -> Any:
+    """`model` with the LoRA adapters --lora-rank and --lora-targets ask for (counted on meta), or as it is."""
+    if args.lora_rank is None:
+        if args.lora_targets:
+            raise ConfigError(f"--lora-targets {args.lora_targets!r} needs --lora-rank (the adapters' rank, e.g. 16)")
+        return model
+    from plait.models.lora import with_lora
+    from plait.spec.lora import ALL_LINEAR, Lora
+
+    targets = tuple(t.strip() for t in (args.lora_targets or ALL_LINEAR).split(",") if t.strip())
+    try:
+        lora = Lora(rank=args.lora_rank, targets=targets)
+    except ValueError as e:
+        raise ConfigError(f"--lora-targets: {e}") from None
+    return with_lora(model, lora)
 
 
 def with_router_balance(model: Any, given: float | None, log_dir: str | None) -> Any:

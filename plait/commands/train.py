@@ -70,11 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """--set items and the handy flags, as section.key=value strings (flags last, so they win)."""
+    from plait.train.config import toml_value
+
     items = list(args.overrides)
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:
-            items.append(f"{key}={_toml_value(value)}")
+            items.append(f"{key}={toml_value(value)}")
     if getattr(args, "resume", False) or getattr(args, "start_over", False):
         items.append("checkpoint.resume=true")
     if getattr(args, "start_over", False):
@@ -86,10 +88,6 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     if getattr(args, "no_profile", False):
         items.append("plan.profile=false")
     return items
-
-
-def _toml_value(value: object) -> str:
-    return repr(value) if isinstance(value, (int, float)) else f'"{value}"'
 
 
 def main(args: argparse.Namespace) -> int:
@@ -123,13 +121,14 @@ def _on_quick_profile(config, overrides: list[str], nproc: int | None):
     import sys
 
     from plait.train.calibration import with_quick_profile
+    from plait.train.config import toml_value
     from plait.train.resolve import DEFAULT_DEVICES
 
     devices = nproc or config.plan.devices or DEFAULT_DEVICES
     profiled = with_quick_profile(config, devices, lambda line: print(line, file=sys.stderr, flush=True))
     if profiled is config:
         return config, overrides
-    return profiled, [*overrides, f"plan.cluster={_toml_value(profiled.plan.cluster)}"]
+    return profiled, [*overrides, f"plan.cluster={toml_value(profiled.plan.cluster)}"]
 
 
 def start_fresh(config, *, resuming: bool, under_torchrun: bool) -> None:

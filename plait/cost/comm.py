@@ -9,7 +9,7 @@ A ring over a group that spans nodes runs at the slower of the intra-node link a
 the members' network adapters in one node working side by side (NCCL builds one ring
 per adapter): with k members per node, bus bandwidth = min(intra, k * inter). With all
 8 GPUs of a DGX A100 in the group that is min(230, 8 * 24) = 192 GB/s, the nccl-tests
-figure between nodes (reference/published.md, section 5).
+figure between nodes (docs/published-runs.md, section 5).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plait.cost.comm import Group, all_gather, all_reduce, all_to_all, reduce_scatter
+from plait.cost.trainable import adapter_flops_per_token, backward_gemm_factor
 from plait.spec.cluster import ClusterSpec
 from plait.spec.model import ModelSpec
 
@@ -264,10 +265,13 @@ def head_flops(model: ModelSpec, tokens: int) -> float:
 
 
 def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (forward + backward, no recompute), as MFU counts them."""
+    """Model FLOPs of one training step (forward + backward, no recompute), as MFU counts them; a frozen base's
+    backward has no weight gradients (plait.cost.trainable), so a LoRA step counts about 2/3 of a full one."""
     tokens = global_batch * seq_len
     dense, attn = layer_flops(model, tokens, seq_len)
-    return 3.0 * (model.num_layers * (dense + attn) + head_flops(model, tokens))
+    weights = 1.0 + backward_gemm_factor(model)  # 3 when every weight trains
+    adapters = 3.0 * tokens * adapter_flops_per_token(model)
+    return model.num_layers * (weights * dense + 3.0 * attn + adapters) + weights * head_flops(model, tokens)
 
 
 ATTENTION_PASSES = {"math": (1.0, 2.0), "fused": (0.5, 1.25)}
@@ -322,9 +326,12 @@ def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micr
     # DTensor's dispatch under tensor parallelism): per micro-batch, not per token
     hosts = cluster.host
     host = hosts.layer_overhead_s + (hosts.tp_layer_overhead_s if tp > 1 else 0.0)
-    fwd_kernels = (dense + attn_fwd) / tp / rate * rest
+    adapters = tokens * adapter_flops_per_token(model)  # LoRA's (plait.cost.trainable), with the weights they adapt
+    fwd_kernels = (dense + adapters + attn_fwd) / tp / rate * rest
     fwd = pass_time(cluster, fwd_kernels, host)
-    bwd = pass_time(cluster, (2.0 * dense + attn_bwd) / tp / rate * rest, 2.0 * host)
+    # a frozen base runs no weight-gradient GEMMs; the adapters run both theirs
+    bwd = pass_time(cluster, (backward_gemm_factor(model) * dense + 2.0 * adapters + attn_bwd) / tp / rate * rest,
+                    2.0 * host)
     tp_pass = tp_collectives_per_pass(model, cluster, tokens, tp, sp, dtype_bytes)
     cp_fwd, cp_bwd = context_exchange(model, cluster, tokens, cut, dtype_bytes)
     ep_pass = expert_dispatch(model, cluster, tokens, cut, dtype_bytes)
@@ -460,7 +467,7 @@ def ends_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch:
         embed_tp = all_reduce(nbytes, group, cluster)
         head_tp = all_reduce(nbytes, group, cluster)
     loss_fwd, loss_bwd = loss_parallel_time(model, cluster, tokens, tp)
-    return EndsCost(embed_fwd=embed, embed_bwd=embed, head_fwd=head, head_bwd=2.0 * head,
+    return EndsCost(embed_fwd=embed, embed_bwd=embed, head_fwd=head, head_bwd=backward_gemm_factor(model) * head,
                     embed_tp=embed_tp, head_tp=head_tp, loss_fwd=loss_fwd, loss_bwd=loss_bwd)
 
 

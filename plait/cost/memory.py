@@ -47,9 +47,12 @@ from plait.cost.activations import (FP32_BYTES, INDEX_BYTES, Dtypes, activation_
                                     layer_backward_bytes, loss_backward_bytes, probabilities_bytes,
                                     stage_input_is_kept)
 from plait.cost.compute import block_weights, layer_expert_weights, replicated_block_weights, replicated_kv_weights
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.live_set import live_buffers
-from plait.cost.schedule import V_SCHEDULES, rank_actions, steady_micro_batches
+from plait.cost.schedule import rank_actions, steady_micro_batches
+from plait.cost.trainable import adapter_layer_params, kept_activations, trained, trained_layer_params
+from plait.plan import V_SCHEDULES
 from plait.spec.model import ModelSpec
 from plait.spec.train import TrainSpec
 
@@ -67,12 +70,13 @@ PART_NAMES = ("params", "grads", "optimizer", "activations", "temporaries", "buf
 @lru_cache(maxsize=4096)
 def layer_params(model: ModelSpec, tp: int, ep: int = 1) -> float:
     """Parameters of one layer on one device: weights split by tp, the two norms replicated, the experts split over
-    ep too; key and value projections whole on every tensor rank where tp exceeds their heads."""
+    ep too; key and value projections whole on every tensor rank where tp exceeds their heads; LoRA's adapters."""
     norms = 2 * model.norm_params
     experts = layer_expert_weights(model)
     # held whole, not the 1/tp counted above
     replicated = (replicated_kv_weights(model, tp) + replicated_block_weights(model)) * (1 - 1 / tp)
-    return (model.params_per_layer - norms - experts) / tp + norms + experts / tp / ep + replicated
+    return ((model.params_per_layer - norms - experts) / tp + norms + experts / tp / ep + replicated
+            + adapter_layer_params(model, tp))
 
 
 def expert_params(model: ModelSpec, tp: int, ep: int) -> float:
@@ -296,6 +300,11 @@ class LayoutMemory:
         self.head_params = self.last * np.where(self.first > 0, last_stage_params(model, tp, True),
                                                 last_stage_params(model, tp, False))
         self.ends = self.first * first_stage_params(model, tp) + self.head_params
+        # what of them trains (gradients; plait.cost.trainable): all, or a LoRA run's adapters alone
+        self.trained_layer = trained_layer_params(model, tp, self.n_layer)
+        self.trained_expert = trained(model, self.n_expert)
+        self.trained_head = trained(model, self.head_params) + np.zeros(pp)
+        self.trained_ends = trained(model, self.ends) + np.zeros(pp)
         self.zeros = np.zeros(pp)
         base, self.per_layer = (({k: v + self.zeros for k, v in d.items()}) for d in _held(
             setting, layout, self.states, self.expert_states, self.ends, self.n_layer, self.n_expert))
@@ -319,8 +328,8 @@ class LayoutMemory:
     def layer_grads(self, which: str) -> float:
         """A layer's gradient bytes, dense and experts: `which` "accumulated" (between micro-batches) or "step" (at
         the optimizer step)."""
-        return (getattr(self.states, f"{which}_grads") * self.n_layer
-                + getattr(self.expert_states, f"{which}_grads") * self.n_expert)
+        return (getattr(self.states, f"{which}_grads") * self.trained_layer
+                + getattr(self.expert_states, f"{which}_grads") * self.trained_expert)
 
     def _moment_parts(self, name: str) -> tuple:
         """What moment `name` ("loss", "recompute", "step" or "last": `moments`) holds whatever the recompute mode
@@ -337,7 +346,7 @@ class LayoutMemory:
             if name == "loss":
                 args = (self.flight, "accumulated", steady, 0.0, 0.0)
             elif name == "recompute":
-                args = (self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.head_params),
+                args = (self.flight, "accumulated", steady, np.where(steady, 0.0, states.step_grads * self.trained_head),
                         -released)
             elif name == "step":
                 args = (zeros, "step", 1.0, 0.0, 0.0)
@@ -345,7 +354,7 @@ class LayoutMemory:
                 args = (1.0 + zeros, "accumulated", 1.0, 0.0, -released)
             micro_batches, which, held, grads_fixed, acts_fixed = args
             self._shared[name] = (micro_batches * (self.ids + self.head) + acts_fixed,
-                                  held * getattr(states, f"{which}_grads") * self.ends + grads_fixed,
+                                  held * getattr(states, f"{which}_grads") * self.trained_ends + grads_fixed,
                                   micro_batches, held * self.layer_grads(which) + zeros)
         return self._shared[name]
 
@@ -383,8 +392,9 @@ class LayoutMemory:
         whether the first block keeps the received input: the base's key)."""
         setting, layout = self.setting, self.layout
         model = setting.model
-        act = activation_bytes(model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes,
-                               layout.cp, layout.context_parallel, layout.ep)
+        act = kept_activations(model, mode, activation_bytes(  # a LoRA base keeps less: plait.cost.trainable
+            model, layout.micro_batch, setting.seq_len, layout.tp, layout.sp, mode, self.dtypes, layout.cp,
+            layout.context_parallel, layout.ep))
         # ZeRO-3: the next block's all-gather in flight; a reduce-scatter's input. Of the dense unit only: measured
         # with experts as units of their own (ep2 x edp2, benchmarks/memory_accuracy.py), a block's backward held
         # 0.38 MiB of temporaries, less than its dense unit's two buffers alone
@@ -415,11 +425,11 @@ class LayoutMemory:
         model, tp, sp, b, s = setting.model, layout.tp, layout.sp, layout.micro_batch, setting.seq_len
         cp, kind, ep, m = layout.cp, layout.context_parallel, layout.ep, layout.num_micro_batches
         base, act_mode, gather, kept = self._mode_base(mode)
-        act_none = act_mode if mode == "none" else activation_bytes(model, b, s, tp, sp, "none", self.dtypes, cp, kind,
-                                                                    ep)
+        act_none = act_mode if mode == "none" else kept_activations(model, "none", activation_bytes(
+            model, b, s, tp, sp, "none", self.dtypes, cp, kind, ep))
         # every micro-batch's reduce-scatter (Layout.grad_sync) has a unit's unsharded gradients as its input too
         per_micro_batch = layout.grad_sync == "micro_batch" and layout.dp_mode.carrier == "fully_shard"
-        scatter = FP32_BYTES * self.n_layer if states.gathered_units or per_micro_batch else 0.0
+        scatter = FP32_BYTES * self.trained_layer if states.gathered_units or per_micro_batch else 0.0
         # a block's backward: the youngest micro-batch's head is done, the block rematerializes what its mode dropped
         # (and on the math path swaps its probabilities for their two gradients)
         backward = (gather + scatter + act_none - act_mode
@@ -438,7 +448,7 @@ class LayoutMemory:
         if m == 1:  # the backward of the first block: every gradient but its own and the embedding's; one block's acts
             step_grads = self.layer_grads("step") + zeros
             lines.append(({**base, "activations": self.ids + act_mode, "temporaries": backward + zeros,
-                           "grads": states.step_grads * self.head_params - step_grads},
+                           "grads": states.step_grads * self.trained_head - step_grads},
                           {**self.per_layer, "grads": step_grads, "activations": zeros}))
             present.append(np.ones(len(zeros), dtype=bool))
         totals = [self._loss_lines[mode][1]] + [self._moment_totals_of(name, x, kept) for name, x in zip(names[1:], lines[1:])]
@@ -509,8 +519,12 @@ def _held(setting: Setting, layout: Layout, states: StateBytes, experts: StateBy
         return {"params": s.params, "optimizer": s.optimizer, "buffers": s.buckets}
 
     dense, expert = held(states), held(experts)
-    base = {k: v * ends for k, v in dense.items()}
-    per_layer = {k: v * n_layer + expert[k] * n_expert for k, v in dense.items()}
+    model = setting.model
+    # a LoRA run's frozen base holds its parameters alone: moments and buckets are the adapters' (plait.cost.trainable)
+    counts = {"params": (ends, n_layer, n_expert)}
+    trains = (trained(model, ends), trained_layer_params(model, layout.tp, n_layer), trained(model, n_expert))
+    base = {k: v * counts.get(k, trains)[0] for k, v in dense.items()}
+    per_layer = {k: v * counts.get(k, trains)[1] + expert[k] * counts.get(k, trains)[2] for k, v in dense.items()}
     if states.gathered_units:  # ZeRO-3: the root unit and one block (with its experts' unit) gathered
         base["params"] += setting.dtype_bytes * (ends + n_layer + (n_expert if experts.gathered_units else 0.0))
     base["reserve"] = RESERVE_FRACTION * setting.cluster.memory_bytes

@@ -34,10 +34,13 @@ from plait.cost import comm
 from plait.cost.activations import FP32_BYTES
 from plait.cost.compute import (EndsCost, LayerCost, block_loads, ends_cost, model_flops_per_step, optimizer_time,
                                 param_tensors, sliced_layer_cost)
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.memory import (LayoutMemory, expert_params, first_stage_params, last_stage_params, layer_params,
                                optimizer_shards)
-from plait.cost.schedule import V_SCHEDULES, makespan
+from plait.cost.schedule import makespan
+from plait.cost.trainable import adapter_layer_params, trained
+from plait.plan import V_SCHEDULES
 from plait.plan import Plan, Prediction
 from plait.spec.model import ModelSpec
 
@@ -125,6 +128,13 @@ def rank_params(setting: Setting, layout: Layout, rank: int, layers: float) -> f
     return total
 
 
+def rank_trained_params(setting: Setting, layout: Layout, rank: int, layers: float) -> float:
+    """Of `rank_params`, those with gradients and optimizer states (all, or a LoRA run's adapters:
+    plait.cost.trainable)."""
+    return trained(setting.model, rank_params(setting, layout, rank, layers),
+                   layers * adapter_layer_params(setting.model, layout.tp))
+
+
 BUCKET_BYTES = 25 * 2**20
 """DDP's gradient bucket (PyTorch's default bucket_cap_mb = 25): the last one's all-reduce is exposed."""
 
@@ -145,13 +155,14 @@ H100s (the same work per GPU, more of it hidden communication at 128): the model
 
 
 def dp_exposed(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
-               units: int = 1, experts: float = 0.0) -> float:
+               units: int = 1, experts: float = 0.0, grads: float | None = None) -> float:
     """Data-parallel communication of one rank that compute does not hide (see module docstring).
     `units`: the FSDP units (layers + the root) the rank's parameters are sharded in; `experts`: the rank's expert
-    parameters (of `params`), sharded in units of their own over their copies (one per layer)."""
+    parameters (of `params`), sharded in units of their own over their copies (one per layer); `grads`: of the dense
+    parameters, those with gradients to reduce (default all; a LoRA run's adapters)."""
     if layout.shard_degree == 1:
         return 0.0
-    total, exposed = _dp_comm(setting, layout, params - experts, fwd_mb, bwd_mb, units, experts)
+    total, exposed = _dp_comm(setting, layout, params - experts, fwd_mb, bwd_mb, units, experts, grads)
     if setting.cluster.device_type == "cpu":
         # CPU ranks have no spare engine to overlap with: gloo runs collectives on the cores the
         # ranks compute on (one thread per core), so every second of communication adds to the step.
@@ -186,7 +197,7 @@ def on_fully_shard(layout: Layout) -> bool:
 
 
 def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd_mb: float,
-             units: int = 1, experts: float = 0.0) -> tuple[float, float]:
+             units: int = 1, experts: float = 0.0, grads: float | None = None) -> tuple[float, float]:
     """(all data-parallel communication of the step, the part not under compute), as plait's executor runs it.
 
     DDP all-reduces the gradients once per step, after the last micro-batch's backward, bucket by bucket;
@@ -200,19 +211,23 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
 
     Gradients travel in fp32 on every carrier: DDP's are the fp32 parameters' (16-bit runs autocast), and
     fully_shard reduces in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan does); fully_shard
-    gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters."""
+    gathers parameters in the compute dtype, ZeRO-1 broadcasts DDP's fp32 parameters. `grads`: the parameters whose
+    gradients are reduced, where not all of `params` (a frozen LoRA base gathers, but reduces its adapters' alone;
+    frozen experts reduce nothing)."""
     cluster, m = setting.cluster, layout.num_micro_batches
     syncs = m if layout.grad_sync == "micro_batch" else 1  # reductions a step: after every micro-batch, or the last
+    grads = params if grads is None else grads
     if layout.dp_mode.carrier == "ddp":
-        group, grad_bytes = comm.axis_group(layout.degrees, "dp_cp"), params * FP32_BYTES
+        group, grad_bytes = comm.axis_group(layout.degrees, "dp_cp"), grads * FP32_BYTES
         full = comm.all_reduce(grad_bytes, group, cluster)
         last = comm.all_reduce(min(grad_bytes, BUCKET_BYTES), group, cluster)
         sync = comm.all_gather(grad_bytes, group, cluster) if layout.zero == 1 else 0.0
         return syncs * full + sync, syncs * max(full - bwd_mb, last) + sync
-    volumes = _fsdp_volumes(setting, layout, params, "dp_cp", layout.shard_degree, units)
+    volumes = _fsdp_volumes(setting, layout, params, "dp_cp", layout.shard_degree, units, grads)
     if experts and layout.expert_shards > 1:
         volumes = [a + b for a, b in zip(volumes, _fsdp_volumes(setting, layout, experts, "edp_cp",
-                                                                  layout.expert_shards, max(units - 1, 1)))]
+                                                                  layout.expert_shards, max(units - 1, 1),
+                                                                  trained(setting.model, experts)))]
     gather, scatter, unit_gather, unit_scatter = volumes
     scatter_exposed = syncs * max(scatter - bwd_mb, unit_scatter)
     scatter *= syncs
@@ -222,12 +237,13 @@ def _dp_comm(setting: Setting, layout: Layout, params: float, fwd_mb: float, bwd
     return gather + scatter, unit_gather + max(gather - fwd_mb, 0.0) + scatter_exposed
 
 
-def _fsdp_volumes(setting: Setting, layout: Layout, params: float, axis: str, shards: int, units: int
-                  ) -> tuple[float, float, float, float]:
+def _fsdp_volumes(setting: Setting, layout: Layout, params: float, axis: str, shards: int, units: int,
+                  grads: float | None = None) -> tuple[float, float, float, float]:
     """fully_shard's seconds for `params` in `units` units over the `shards` ranks of mesh axis `axis`: all its
-    all-gathers and reduce-scatters of a step (once each), and one unit's of each."""
+    all-gathers and reduce-scatters of a step (once each), and one unit's of each; `grads` of them reduce their
+    gradients (default all)."""
     cluster, group = setting.cluster, comm.axis_group(layout.degrees, axis)
-    grad_bytes, param_bytes = params * FP32_BYTES, params * setting.dtype_bytes
+    grad_bytes, param_bytes = (params if grads is None else grads) * FP32_BYTES, params * setting.dtype_bytes
     calls = (units - 1) * (shards - 1)
     gather = comm.all_gather(param_bytes, group, cluster) + calls * comm.bus(group, cluster, "all_gather")[0]
     scatter = comm.reduce_scatter(grad_bytes, group, cluster) + calls * comm.bus(group, cluster, "reduce_scatter")[0]
@@ -333,9 +349,12 @@ def rank_tail(setting: Setting, layout: Layout, rank: int, layers: int, first: b
     the makespan, on the rank that ends last). The exposed part only falls as `fwd` and `bwd` grow."""
     params = rank_params(setting, layout, rank, param_load)
     experts = param_load * expert_params(setting.model, layout.tp, layout.ep)
-    return (dp_exposed(setting, layout, params, fwd, bwd, units=layers + 1, experts=experts),
-            optimizer_time(setting.cluster, (params - experts) / optimizer_shards(layout)
-                           + experts / layout.expert_shards)
+    # what trains (all, or a LoRA run's adapters: plait.cost.trainable) is reduced and stepped; experts are frozen
+    steps, stepped_experts = rank_trained_params(setting, layout, rank, param_load), trained(setting.model, experts)
+    return (dp_exposed(setting, layout, params, fwd, bwd, units=layers + 1, experts=experts,
+                       grads=steps - stepped_experts),
+            optimizer_time(setting.cluster, (steps - stepped_experts) / optimizer_shards(layout)
+                           + stepped_experts / layout.expert_shards)
             + dtensor_step_overhead(setting, layout, layers, first, last)
             + setting.cluster.host.step_overhead_s)
 
@@ -357,20 +376,21 @@ def tail_lower_bound(setting: Setting, layout: Layout) -> float:
     total = (layers * layer_params(model, layout.tp, layout.ep) + first_stage_params(model, layout.tp)
              + last_stage_params(model, layout.tp, shares_embedding_rank=pp == 1))
     mean = total / pp
+    stepped = trained(model, mean, layers * adapter_layer_params(model, layout.tp) / pp)  # plait.cost.trainable
     host = setting.cluster.host.step_overhead_s
     experts = expert_params(model, layout.tp, layout.ep)
     if experts:
         shards = max(optimizer_shards(layout), layout.expert_shards)
-        return optimizer_time(setting.cluster, mean / shards) + host
-    opt = optimizer_time(setting.cluster, mean / optimizer_shards(layout)) + host
+        return optimizer_time(setting.cluster, stepped / shards) + host
+    opt = optimizer_time(setting.cluster, stepped / optimizer_shards(layout)) + host
     if layout.shard_degree == 1:
         return opt
     fewest, most = (layers + 1,) * 2 if pp == 1 else (v + 1, layers - (pp - 1) * v + 1)
     inf = float("inf")
-    all_comm = _dp_comm(setting, layout, mean, inf, inf, fewest)[0]
+    all_comm = _dp_comm(setting, layout, mean, inf, inf, fewest, grads=stepped)[0]
     if setting.cluster.device_type == "cpu":  # no overlap there: dp_exposed counts all of it
         return all_comm + opt
-    exposed = _dp_comm(setting, layout, mean, inf, inf, most)[1]
+    exposed = _dp_comm(setting, layout, mean, inf, inf, most, grads=stepped)[1]
     return (1 - OVERLAP_SLOWDOWN) * exposed + OVERLAP_SLOWDOWN * all_comm + opt
 
 
@@ -512,7 +532,7 @@ def rank_capacities(setting: Setting, layout: Layout) -> list[float]:
 def predict(plan: Plan) -> Prediction:
     """Everything the Plan carries -> its predicted step time and memory, by part."""
     setting = Setting(plan.model, plan.cluster, plan.train)
-    return predict_layout(setting, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+    return predict_layout(setting, plan.layout, plan.layers_per_stage, plan.recompute)
 
 
 def predict_layout(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...],

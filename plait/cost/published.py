@@ -1,4 +1,4 @@
-"""Published measurements (reference/published.md) and the cost model's prediction of each.
+"""Published measurements (docs/published-runs.md) and the cost model's prediction of each.
 
 Used by tests/unit/test_cost_accuracy.py (tolerances) and benchmarks/cost_accuracy.py
 (tables and the fit of the Efficiency constants in plait/spec/clusters.py).
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cost.compute import Slicing, sliced_layer_cost
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
 from plait.cost.model import predict, predict_layout
 from plait.plan import Plan
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -91,7 +91,7 @@ def predicted_tflops(row: MegatronRow, cluster: ClusterSpec, exact: bool = True)
     if exact:
         step = predict(plan).step_time_s
     else:
-        step = predict_layout(Setting(plan.model, plan.cluster, plan.train), Layout.of(plan), plan.layers_per_stage,
+        step = predict_layout(Setting(plan.model, plan.cluster, plan.train), plan.layout, plan.layers_per_stage,
                               plan.recompute, exact=False).step_time_s
     return paper_flops(row) / (row.devices * step) / 1e12
 

@@ -1,4 +1,4 @@
-"""Published H100 and FSDP2 runs (reference/published.md, section 6) and the cost model's prediction of each.
+"""Published H100 and FSDP2 runs (docs/published-runs.md, section 6) and the cost model's prediction of each.
 
 Used by tests/unit/test_cost_accuracy.py (tolerances) and benchmarks/cost_accuracy.py (tables, and the fit of
 the H100 presets' Efficiency constants in plait/spec/clusters.py). Every run used fused attention

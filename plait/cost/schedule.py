@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+from plait.plan import stage_rank
+
 Action = tuple[str, int, int]
 """("F" | "B" | "I" | "W", virtual stage, micro-batch)."""
 
 WEIGHT_GRAD_SHARE = 0.5
 """Share of a stage's backward that is the weights' gradient (W) rather than the input's (I): a linear layer's two
 backward GEMMs cost the same (2·tokens·params FLOPs each); the zero-bubble paper plans with T_F = T_B = T_W."""
-V_SCHEDULES = ("zbv", "dualpipev")
 
 
 STEADY_WITHIN = 2
@@ -46,13 +47,6 @@ def steady_micro_batches(schedule: str, pp: int, num_micro_batches: int) -> int:
     if schedule == "gpipe":
         return num_micro_batches
     return min(num_micro_batches, STEADY_WITHIN * pp)
-
-
-def stage_rank(schedule: str, pp: int, stage: int) -> int:
-    """The pipeline rank of virtual stage `stage` (plait.plan.Plan.rank_of_stage, in the planner's room)."""
-    if schedule in V_SCHEDULES and pp > 1:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 Slot = tuple[Action, ...]

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from plait.torch_internals import tree_flatten, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
@@ -369,7 +369,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
 def fake_tensor_parallel_mesh(tp: int) -> Iterator[DeviceMesh]:
     """A ("dp", "tp") mesh of 1 x tp on rank 0 of a fake process group, which moves no data: where the executor's
     collectives on the tensor-parallel axis are counted without ranks. Starts and destroys its own process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from plait.torch_internals import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:

@@ -17,19 +17,21 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
 
+from plait.torch_internals import BatchNormBase
+
 
 def synchronise_batch_norms(model: nn.Module, names: tuple[str, ...], dp_group) -> None:
     """The BatchNorms `names` (plan.operators.synchronised_norms) compute their training statistics over
     `dp_group`'s whole batch."""
     for name in names:
         module = model.get_submodule(name)
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if not isinstance(module, BatchNormBase):
             raise ValueError(f"{name} is a {type(module).__name__}, not a BatchNorm: the plan was made for another "
                              "model")
         module.forward = _synchronised_forward(module, dp_group)
 
 
-def _synchronised_forward(norm: nn.modules.batchnorm._BatchNorm, group):
+def _synchronised_forward(norm: BatchNormBase, group):
     original = norm.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +61,7 @@ def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _update_running(norm: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
+def _update_running(norm: BatchNormBase, mean: torch.Tensor, var: torch.Tensor) -> None:
     norm.num_batches_tracked.add_(1)
     momentum = norm.momentum if norm.momentum is not None else 1.0 / float(_plain(norm.num_batches_tracked))
     _assign(norm.running_mean, (1 - momentum) * norm.running_mean + momentum * _like(mean, norm.running_mean))

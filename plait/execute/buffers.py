@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.stage import _RecvInfo
+from plait.torch_internals import RecvInfo
 
 from plait.cost.live_set import LiveBuffers
 
@@ -171,10 +171,10 @@ class PoolMixin:
             if info.buffer is not None:
                 self.pools.inputs.keep(info.buffer)
         for chunk in range(num_microbatches):
-            self.args_recv_info[chunk] = tuple(_RecvInfo(info.input_name, info.source, None, info.tensor_meta,
+            self.args_recv_info[chunk] = tuple(RecvInfo(info.input_name, info.source, None, info.tensor_meta,
                                                          is_root_arg=info.is_root_arg) for info in first)
 
-    def _create_grad_recv_info(self, act_send_info: dict) -> tuple[_RecvInfo, ...]:
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple[RecvInfo, ...]:
         infos = super()._create_grad_recv_info(act_send_info)  # called once per micro-batch: keep the first buffers
         if "grads" not in self.templates:
             self.templates["grads"] = tuple(_template(info.buffer) for info in infos)
@@ -186,7 +186,7 @@ class PoolMixin:
         return infos
 
     # ---- receives: take from the pool, give back once consumed ---------------------------------------------------
-    def _lend(self, kind: str, pool: BufferPool, infos: tuple[_RecvInfo, ...], chunk: int) -> None:
+    def _lend(self, kind: str, pool: BufferPool, infos: tuple[RecvInfo, ...], chunk: int) -> None:
         lent = []
         for info, template in zip(infos, self.templates.get(kind, ())):
             if template is not None and info.buffer is None and not info.is_root_arg:
@@ -196,7 +196,7 @@ class PoolMixin:
             self.lent[(kind, chunk)] = lent
             pool.count_taken()
 
-    def _return(self, kind: str, pool: BufferPool, infos: tuple[_RecvInfo, ...], chunk: int) -> None:
+    def _return(self, kind: str, pool: BufferPool, infos: tuple[RecvInfo, ...], chunk: int) -> None:
         lent = self.lent.pop((kind, chunk), None)
         if lent is None:  # handed over by a stage of this rank (the turn of a V): let it go now, not next step
             for info in infos:

@@ -28,12 +28,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-try:
-    from torch.distributed._functional_collectives import all_gather_single_autograd
-except ImportError:  # torch < 2.13 names it all_gather_tensor_autograd (same arguments: tensor, gather dim, group)
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
+from plait.torch_internals import all_gather_single_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 KINDS = ("all_gather", "all_to_all")

@@ -28,9 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
+from plait.execute.lora import trainable
 from plait.legality import DataParallelMode
 
 
@@ -42,7 +43,7 @@ def unshardable(stage: nn.Module) -> set[nn.Parameter]:
 
     experts = getattr(stage, "expert_params", set())  # their own units (apply_fsdp)
     return {p for name, p in stage.named_parameters() if isinstance(p, DTensor) and clean_name(name) not in experts
-            and any(isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
+            and any(isinstance(pl, StridedShard) and pl.dim == 0 for pl in p.placements)}
 
 
 def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
@@ -120,8 +121,9 @@ def apply_ddp_if(stage: nn.Module, dp_mesh: DeviceMesh, mode: DataParallelMode) 
 
 def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, lr: float, weight_decay: float,
                     betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """AdamW over the parameters of this rank's stage modules; ZeRO-1 over DDP shards its states."""
-    params = [p for part in parts for p in part.parameters()]
+    """AdamW over the parameters of this rank's stage modules that train (a frozen base's adapters only: plait/execute/
+    lora.py); ZeRO-1 over DDP shards its states."""
+    params = trainable(p for part in parts for p in part.parameters())
     kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **_kernel(params))
     if zero == 1 and dp_mesh.size() > 1 and any(isinstance(p, DistributedDataParallel) for p in parts):
         # bucket views: each rank broadcasts its updated shard in one message, not one per parameter

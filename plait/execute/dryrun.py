@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from plait.torch_internals import HigherOrderOperator, TorchDispatchMode
 
 from plait import legality
 from plait.cost.operators import COLLECTIVES
@@ -60,7 +60,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower the call into local ops and collectives first
@@ -147,7 +147,7 @@ def _counted(plan: Plan, report: StageReport) -> dict[str, int]:
 def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
     """Construct the plan's stages as rank (pp, 0, 0, 0) of each pipeline rank sees them; raises IllegalPlan
     (a ConfigError) for a plan that breaks a rule, and whatever the executor raises for one it cannot build."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from plait.torch_internals import FakeStore
 
     from plait.execute.context import apply_cp
     from plait.execute.expert import apply_experts
@@ -172,7 +172,7 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
         try:
             mesh = build_mesh(plan.degrees, "cpu")
             with default_dtype(dtype):
-                stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
+                stage_ids, parts = split_model(adapter, adapter.build_adapted("meta"), plan, pp_rank)
             for part in parts:  # as shard_stage does before fully_shard (traced in between)
                 if plan.cp > 1:
                     apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)

@@ -25,6 +25,7 @@ their norms in fp32 whatever the input's dtype (Gemma); a plan that drops a grad
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -220,7 +221,11 @@ def compare(plan: Plan, settings: CheckSettings, run: ParallelRun,
 def check_plan(plan: Plan, settings: CheckSettings, initial_state: dict[str, torch.Tensor] | None = None
                ) -> CheckResult | None:
     """Collective: the parallel run on every rank, the reference and comparison on rank 0 only (which returns
-    the result; other ranks return None)."""
+    the result; other ranks return None). LoRA's adapter dropout is off on both sides, as every dropout plait runs:
+    random masks differ between layouts."""
+    lora = plan.model.lora
+    if lora is not None and lora.dropout:
+        plan = plan.replace(model=plan.model.replace(lora=dataclasses.replace(lora, dropout=0.0)))
     run = run_parallel(plan, settings, initial_state)
     if dist.get_rank() != 0:
         return None

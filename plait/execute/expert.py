@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from plait.torch_internals import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 

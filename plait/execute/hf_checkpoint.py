@@ -40,13 +40,14 @@ from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError
 from plait.execute.state import local_shard, plain_named_parameters
+from plait.models.lora import is_adapter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Hugging Face's customary largest shard file (save_pretrained's max_shard_size of transformers 4: "5GB")."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json")
+MODEL_FILES = ("generation_config.json",)
+"""Files of the model folder an export copies besides config.json (the tokenizer's: plait.tokenizer_files)."""
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:
@@ -79,6 +80,8 @@ def load_hf_weights(parts: list[nn.Module], tied: dict[str, str], directory: str
     try:
         for part in parts:
             for name, param in plain_named_parameters(part, remove_duplicate=False):
+                if is_adapter(name):  # LoRA's adapters are not the checkpoint's: they start from the seed
+                    continue
                 key = _stored_name(name, files, tied)
 
                 def read(stored: str) -> torch.Tensor:
@@ -208,12 +211,19 @@ def _write_config(source: Path, out: Path, dtype: torch.dtype) -> None:
 
 
 def _copy_tokenizer(source: Path, out: Path, tokenizer_dir: Path | None) -> None:
-    for folder in (source, tokenizer_dir):  # the tokenizer trained with wins over the model folder's
-        if folder is None or folder.resolve() == out.resolve():
-            continue
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, out / name)
+    """The model folder's generation config, and every file of the tokenizer trained with (the chat template
+    included): `tokenizer_dir`'s when the run named one, else the model folder's, never a mix of the two."""
+    from plait.tokenizer_files import tokenizer_files
+
+    for name in MODEL_FILES:
+        if (source / name).is_file() and source.resolve() != out.resolve():
+            shutil.copyfile(source / name, out / name)
+    folder = tokenizer_dir if tokenizer_dir is not None and tokenizer_files(tokenizer_dir) else source
+    if folder.resolve() == out.resolve():
+        return
+    for name in tokenizer_files(folder):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(folder / name, out / name)
 
 
 def export_hf(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir: str | Path | None = None, *,

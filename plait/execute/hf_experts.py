@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 
 from plait.execute.expert import ExpertParallelDispatch, _copy_to_tensor_ranks, _reduce_from_tensor_ranks
 from plait.execute.tensor import GatherSequence
@@ -108,7 +108,7 @@ def _placement(experts: nn.Module, name: str) -> Placement:
     if dim is None:
         return Replicate()
     parts = packed_parts(experts, name)
-    return Shard(dim) if parts == 1 else _StridedShard(dim, split_factor=parts)
+    return Shard(dim) if parts == 1 else StridedShard(dim, split_factor=parts)
 
 
 def apply_class_experts(stage: nn.Module, meshes, names: set[str], modules: list[nn.Module]) -> None:

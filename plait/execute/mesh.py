@@ -105,12 +105,9 @@ def forget_meshes() -> None:
     group's collectives ("could not resolve the process group registered under the name 17"), so those
     caches go too."""
     _MESHES.clear()
-    from torch.distributed.tensor import DTensor, _redistribute
+    from plait.torch_internals import clear_sharding_caches
 
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's own copy
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
+    clear_sharding_caches()
     from plait.execute.tied import forget_groups
 
     forget_groups()

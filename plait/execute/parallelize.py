@@ -4,13 +4,16 @@ The order (torchtitan's), and why:
 
 1. **legality**: plait.legality.check, the rules the planner prunes with, asserted here too.
 2. **mesh**: one named DeviceMesh over the plan's axes (mesh.py).
-3. **model**: the plan's model adapter builds the whole model on `meta` (plait.models); the
-   **pipeline split** cuts this rank's virtual stages out of it (uneven, as the plan says), each a
-   Stage that keeps the single-process names (pipeline.py). Done first so everything below runs per
-   stage, on a module whose parameters are this stage's.
+3. **model**: the plan's model adapter builds the whole model on `meta` (plait.models), and **apply_lora**
+   gives it the plan's LoRA adapters on a frozen base (ModelAdapter.build_adapted, plait.models.lora: before
+   the split, so every step below takes the adapters as parameters of their blocks); the **pipeline split**
+   cuts this rank's virtual stages out of it (uneven, as the plan says), each a Stage that keeps the
+   single-process names (pipeline.py). Done first so everything below runs per stage, on a module whose
+   parameters are this stage's.
 4. **apply_tp** per stage: the adapter's tensor plan as ParallelStyles; SP, vocab-parallel embedding,
-   loss-parallel output (tensor.py). Before AC so that the recomputed region contains the TP
-   collectives, and before FSDP because fully_shard shards the TP-sharded DTensors further (2-D).
+   loss-parallel output (tensor.py); LoRA adapters placed with their projections (lora.py). Before AC so
+   that the recomputed region contains the TP collectives, and before FSDP because fully_shard shards the
+   TP-sharded DTensors further (2-D).
 5. **apply_ac** per stage with the plan's mode for this pipeline rank (recompute.py): wraps whole
    blocks, after TP (which addresses modules inside the block by name) and before FSDP (so each FSDP
    unit is a checkpointed block).
@@ -41,6 +44,7 @@ from plait.errors import ConfigError
 from plait.execute.data import apply_ddp_if, apply_fully_shard, build_optimizer, gradient_sync
 from plait.execute.context import apply_cp, cp_positions
 from plait.execute.expert import apply_experts
+from plait.execute.lora import adapter_names
 from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, pipeline_position, rank_order
 from plait.execute.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
@@ -284,7 +288,7 @@ class ParallelModel:
 
     def runtime_summary(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
         """Which PyTorch building blocks this rank actually runs (for tests and reports)."""
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+        from plait.torch_internals import CheckpointWrapper
 
         def data_parallel(part: nn.Module) -> str:
             if isinstance(part, FSDPModule):
@@ -340,7 +344,7 @@ class ParallelModel:
 def single_process_model(plan: Plan, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> nn.Module:
     """The whole model of `plan` on CPU holding `state` (full tensors, aliases left out)."""
     adapter = adapter_for(plan.model)
-    model = adapter.build("cpu")
+    model = adapter.build_adapted("cpu")
     if dtype is not None:
         model.to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -405,7 +409,7 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     mesh = build_mesh(plan.degrees, device_type_of(device), rank_order(plan))
     pp_rank = pipeline_position(mesh)
     with default_dtype(dtype):
-        stage_ids, parts = split_model(adapter, adapter.build("meta"), plan, pp_rank)
+        stage_ids, parts = split_model(adapter, adapter.build_adapted("meta"), plan, pp_rank)
     parts = [shard_stage(part, plan, mesh, pp_rank, sharded_mixed) for part in parts]
     for part in parts:
         _materialize(part, adapter, plan, seed, device, initial_state, weights)
@@ -416,12 +420,16 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
 
 def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None) -> nn.Module:
     """Steps 4-6 of the order above, on one meta Stage (also what `plait check --dry-run` builds)."""
+    frozen = {name for name, param in part.named_parameters() if not param.requires_grad}
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)
     if plan.tp > 1:
         apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if plan.model.num_experts:
         apply_experts(part, mesh, sequence_parallel=plan.sequence_parallel)
+    # what was frozen stays frozen (a LoRA base): torch's SequenceParallel re-registers the norms' weights trainable
+    for name, param in part.named_parameters():
+        param.requires_grad_(name not in frozen)
     apply_ac(part, plan.recompute[pp_rank])
     policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
     return apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, policy, expert_mesh=mesh["edp_cp"])
@@ -438,13 +446,17 @@ def _materialize(part: nn.Module, adapter: ModelAdapter, plan: Plan, seed: int, 
     if weights is not None:
         from plait.execute.hf_checkpoint import load_hf_weights
 
-        load_hf_weights([part], adapter.tied, weights)
-        return
+        load_hf_weights([part], adapter.tied, weights)  # the base; LoRA adapters start from the seed
+        names = adapter_names(names)
+        if not names:
+            return
+        initial_state = None
     if initial_state is None:
         canonical = sorted({adapter.canonical(n) for n in names})
         initial_state = initial_state_dict(plan.model, seed, canonical)
     dtype = next(part.parameters()).dtype
-    load_full_state_dict([part], {k: v.to(dtype) for k, v in initial_state.items()}, adapter.tied)
+    load_full_state_dict([part], {k: v.to(dtype) for k, v in initial_state.items()}, adapter.tied,
+                         only=set(names) if weights is not None else None)
 
 
 def _default_device() -> torch.device:

@@ -26,9 +26,8 @@ and it does not compose with DTensor/FSDP hooks.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from plait.torch_internals import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from plait.models.saved_bytes import SELECTIVE_ALWAYS_SAVED, SELECTIVE_GEMMS
@@ -62,10 +61,11 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy())
 
 
-def checkpointed(module: nn.Module, context_fn=None) -> nn.Module:
-    # preserve_rng_state=False: plait runs without dropout, and saving RNG state costs time
+def checkpointed(module: nn.Module, context_fn=None, random: bool = False) -> nn.Module:
+    # preserve_rng_state=False: plait runs without dropout, and saving RNG state costs time; `random`: LoRA's adapter
+    # dropout, whose recompute must draw the forward's masks
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kwargs)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=random, **kwargs)
 
 
 def apply_ac(stage: nn.Module, mode: str) -> None:
@@ -79,11 +79,13 @@ def apply_ac(stage: nn.Module, mode: str) -> None:
         return
     blocks = stage.stage_blocks()
     fused = stage.adapter.spec.attention == "fused"
+    lora = stage.adapter.spec.lora
+    random = lora is not None and lora.dropout > 0
     for name, block in list(blocks.items()):
         if mode == "full":
-            blocks[name] = checkpointed(block)
+            blocks[name] = checkpointed(block, random=random)
         elif fused:
-            blocks[name] = checkpointed(block, _selective_contexts)
+            blocks[name] = checkpointed(block, _selective_contexts, random=random)
             stage.selective_units += 1
         else:
             stage.selective_units += stage.adapter.selective(block, checkpointed)

@@ -43,13 +43,22 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
 
         model = AutoModelForCausalLM.from_pretrained(weights, config=adapter.hf_config(), dtype=torch.float32)
         initial_state = None
+        if plan.model.lora is not None:  # peft's way: adapters on the loaded base, started from the seed
+            from plait.models.lora import apply_lora
+
+            apply_lora(model, plan.model.lora, adapter.blocks_path)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if not param.requires_grad:
+                        continue
+                    param.copy_(adapter.initial_tensor(name, tuple(param.shape), seed))
     else:
         model = build_model(plan.model, device="cpu", seed=None if initial_state is not None else seed)
     if initial_state is not None:
         model.load_state_dict(initial_state, strict=False)
         adapter.reset_buffers(model)
     model.to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     run = ReferenceRun(initial={n: p.detach().clone() for n, p in model.named_parameters()})
     for step in range(steps):
         tokens, targets = batches(step)

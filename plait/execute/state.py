@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -42,11 +42,15 @@ def gather_full_state_dict(parts: list[nn.Module], pp_mesh: DeviceMesh, tied: di
     return {name: tensor for name, tensor in local.items() if not (name in tied and tied[name] in local)}
 
 
-def load_full_state_dict(parts: list[nn.Module], state: dict[str, torch.Tensor], tied: dict[str, str]) -> None:
+def load_full_state_dict(parts: list[nn.Module], state: dict[str, torch.Tensor], tied: dict[str, str],
+                         only: set[str] | None = None) -> None:
     """Load full tensors into this rank's (sharded) stages; every rank passes the same values, and each copies its
-    own shard (no communication). A tied alias takes its canonical parameter's value."""
+    own shard (no communication). A tied alias takes its canonical parameter's value. `only`: these names alone
+    (LoRA's adapters over a base loaded otherwise)."""
     for part in parts:
         for name, param in plain_named_parameters(part, remove_duplicate=False):
+            if only is not None and name not in only:
+                continue
             value = state.get(name, state.get(tied.get(name, name)))
             if value is None:
                 raise KeyError(f"state dict lacks {name!r}")
@@ -62,7 +66,7 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tenso
 
     Written out because distribute_tensor refuses the layouts plait makes where a dimension does not split
     evenly: fully_shard over a tensor-parallel shard of a vocabulary tp does not divide (placements
-    (_StridedShard(0, sf=tp), Shard(0))). Mesh dims apply right to left: a _StridedShard whose split factor
+    (StridedShard(0, sf=tp), Shard(0))). Mesh dims apply right to left: a _StridedShard whose split factor
     is the count of shards to its right on the same dim (fully_shard's over tensor parallelism) then just
     chunks what they left; one with none to its right is a packed projection (q|k|v), each part chunked."""
     coordinate = mesh.get_coordinate()
@@ -75,9 +79,9 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tenso
         right = 1
         for later in range(dim + 1, mesh.ndim):
             other = placements[later]
-            if isinstance(other, (Shard, _StridedShard)) and other.dim == tensor_dim:
+            if isinstance(other, (Shard, StridedShard)) and other.dim == tensor_dim:
                 right *= mesh.size(later)
-        if isinstance(placement, _StridedShard) and placement.split_factor != right:
+        if isinstance(placement, StridedShard) and placement.split_factor != right:
             parts = local.chunk(placement.split_factor, dim=tensor_dim)
             local = torch.cat([_chunk(p, n, index, tensor_dim) for p in parts], dim=tensor_dim)
         else:

@@ -36,8 +36,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
+from plait.torch_internals import StridedShard
 
+from plait.execute.lora import with_adapters
 from plait.models.adapter import get_module
 
 
@@ -127,7 +128,7 @@ class ProjectionParallel(ParallelStyle):
         self.output_layout = output_layout or Replicate()
 
     def _split(self, dim: int) -> Placement:
-        return Shard(dim) if self.packed == 1 else _StridedShard(dim, split_factor=self.packed)
+        return Shard(dim) if self.packed == 1 else StridedShard(dim, split_factor=self.packed)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         out_dim, in_dim = (1, 0) if self.transposed else (0, 1)
@@ -332,7 +333,7 @@ def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
                 continue
             # inside a MoE block activations are whole: its row-wise projections all-reduce, as its experts do
             inside = any(pattern.startswith(path + ".") for path in moe)
-            parallel = block_style(style, module, sequence_parallel and not inside)
+            parallel = with_adapters(block_style(style, module, sequence_parallel and not inside), module)
             if parallel is not None:
                 styles[pattern] = parallel
         parallelize_module(block, tp_mesh, styles)

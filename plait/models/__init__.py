@@ -15,7 +15,7 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", seed: i
     """The whole model of `spec` on `device` ("meta": shapes only). With `seed`, weights are initialized
     deterministically (the values every parallel layout starts from)."""
     adapter = adapter_for(spec)
-    model = adapter.build(device)
+    model = adapter.build_adapted(device)
     if seed is not None:
         adapter.initialize(model, seed)
     return model
@@ -24,7 +24,7 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", seed: i
 def initial_state_dict(spec: ModelSpec, seed: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Full initial tensors for `names` (default: every parameter), without building the model's weights."""
     adapter = adapter_for(spec)
-    meta = adapter.build("meta")
+    meta = adapter.build_adapted("meta")
     shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
     wanted = shapes.keys() if names is None else names
     return {name: adapter.initial_tensor(name, shapes[name], seed) for name in wanted}

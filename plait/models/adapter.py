@@ -155,6 +155,16 @@ class ModelAdapter:
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         raise NotImplementedError
 
+    def build_adapted(self, device: str | torch.device = "meta") -> nn.Module:
+        """`build(device)` with the spec's LoRA adapters on its frozen base (plait.models.lora; none without
+        ModelSpec.lora): the module every plan runs and every single-process reference computes."""
+        model = self.build(device)
+        if self.spec.lora is not None:
+            from plait.models.lora import apply_lora
+
+            apply_lora(model, self.spec.lora, self.blocks_path, self.spec.name)
+        return model
+
     def reset_buffers(self, module: nn.Module) -> None:
         """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""
 
@@ -228,6 +238,10 @@ class ModelAdapter:
         subset of the model (a stage, a shard) is built alone and equals the single-process model's."""
         name = self.tied.get(name, name)
         leaf = name.rsplit(".", 1)[-1]
+        from plait.models.lora import initial_adapter, is_adapter
+
+        if is_adapter(name):
+            return initial_adapter(name, shape, torch.Generator().manual_seed(_name_seed(seed, name)))
         if self.is_norm(name):
             return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
         if leaf == "bias":

@@ -392,10 +392,22 @@ class HFAdapter(ModelAdapter):
                     continue
                 if hasattr(attention, "num_key_value_groups"):
                     attention.num_key_value_groups = self.spec.num_heads // tp
+        if self.derives_tensor_plan:  # the forward reads head counts its rank's projections no longer hold
+            from plait.models.hf_tensor_plan import Heads, divide_head_counts
+
+            divide_head_counts(block, Heads.of(self.spec), tp)
         for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
             owner_path, _, attribute = path.rpartition(".")
             owner = get_module(block, owner_path)
             setattr(owner, attribute, getattr(owner, attribute) // tp)
+
+    @functools.cached_property
+    def derives_tensor_plan(self) -> bool:
+        """Whether tensor parallelism runs the plan plait derived from the class's layers (it declares none)."""
+        from plait.models.hf_tensor_plan import DERIVED_STYLES
+
+        return not tensor_plan_of(self.hf_config()) and any(
+            style in DERIVED_STYLES for style in (self.spec.tp_plan or {}).values())
 
     @property
     def replicated_modules(self) -> tuple[str, ...]:

@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from plait.errors import ConfigError
+from plait.legality import NO_TENSOR_PLAN, PLAIT_STYLE
 from plait.models.adapter import get_module, is_norm_module
+from plait.torch_internals import tree_map
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -341,6 +342,19 @@ def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
     return plan
 
 
+def derived_plan(adapter, fields: dict[str, Any]) -> dict[str, str]:
+    """The tensor plan plait derives for a class that declares none (plait.models.hf_tensor_plan), or the one entry
+    NO_TENSOR_PLAN saying why there is none, which legality names when tp > 1 is asked for. `fields`: the model's
+    shapes (ModelSpec fields)."""
+    from plait.models.hf_tensor_plan import Heads, derived_tensor_plan
+
+    try:
+        plan, why = derived_tensor_plan(adapter, Heads.of(fields))
+    except Exception as e:  # a layer plait cannot take apart: no tensor plan, and every other plan still runs
+        plan, why = {}, f"its layers could not be read ({type(e).__name__})"
+    return plan if plan else {NO_TENSOR_PLAN: why}
+
+
 def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, Any] | None = None) -> ModelSpec:
     """The ModelSpec of the Hugging Face model in `directory` (config.json), its blocks measured on meta.
 
@@ -360,10 +374,13 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
         return sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
                    if n not in aliases and any(n.startswith(path + ".") for path in paths))
 
-    tp_plan = tensor_plan_of(config)
+    tp_plan = tensor_plan_of(config) or derived_plan(probe, fields)
     layers = get_module(model, structure.blocks_path)
-    if tp_plan:
-        tp_plan.update(unplaced_modules(layers, tp_plan, block_caller(probe), int(config.hidden_size)))
+    if tp_plan and NO_TENSOR_PLAN not in tp_plan:
+        from plait.models.hf_tensor_plan import DERIVED_STYLES
+
+        flow_styles = {k: v.removeprefix(PLAIT_STYLE) if v in DERIVED_STYLES else v for k, v in tp_plan.items()}
+        tp_plan.update(unplaced_modules(layers, flow_styles, block_caller(probe), int(config.hidden_size)))
     blocks = measure_blocks(probe, replicated_paths(tp_plan))
     try:
         return ModelSpec(**{**fields, "name": name, "source": source, "blocks": blocks,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from plait.torch_internals import TorchDispatchMode, tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.errors import ConfigError
@@ -50,7 +50,7 @@ class _Unpriced(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if func.overloadpacket not in self.priced and name.removesuffix("_") not in NO_WORK and name not in NO_WORK:
-            self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            self.elements += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 

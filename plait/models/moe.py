@@ -156,7 +156,7 @@ class MoE(nn.Module):
         slot_sums, prob_sums = routed.sum(1), probs.sum(1)  # [b, E], over this rank's tokens of each sequence
         tokens = torch.tensor(float(probs.shape[1]), dtype=probs.dtype, device=probs.device)
         if self.sequence_group is not None:  # the sequence's other tokens are on the other context ranks
-            from torch.distributed._functional_collectives import all_reduce
+            from plait.torch_internals import all_reduce
 
             slot_sums = all_reduce(slot_sums, "sum", self.sequence_group)  # counts: no gradient
             prob_sums = _AllReduce.apply(prob_sums, self.sequence_group)

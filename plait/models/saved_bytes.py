@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+
+from plait.torch_internals import TorchDispatchMode, c10d_functional, op, storage_id, tree_leaves, tree_map
 
 
 def _ops(namespace, *names: str) -> frozenset:
@@ -51,7 +51,7 @@ FUSED_ATTENTION = _ops(torch.ops.aten, "_scaled_dot_product_flash_attention",
                        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                        "_scaled_dot_product_cudnn_attention")
 """SDPA's fused kernels: their output and logsumexp are what they keep (the scores are never materialized)."""
-SELECTIVE_ALWAYS_SAVED = FUSED_ATTENTION | _ops(torch.ops._c10d_functional, "reduce_scatter_tensor", "all_reduce")
+SELECTIVE_ALWAYS_SAVED = FUSED_ATTENTION | _ops(c10d_functional(), "reduce_scatter_tensor", "all_reduce")
 """Ops whose outputs selective recompute always saves: fused attention (rerunning it would cost its whole forward)
 and the collectives whose rerun would communicate again."""
 
@@ -83,7 +83,7 @@ class SavedBytes:
 
 def _key(t: torch.Tensor) -> int:
     """One storage, however viewed (on meta too)."""
-    return t.untyped_storage()._cdata
+    return storage_id(t)
 
 
 class _Provenance(TorchDispatchMode):
@@ -159,12 +159,11 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     if attn_mask is not None and attn_mask.requires_grad:  # a learned bias: the kernel that differentiates it
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
-        out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, *_ = op("efficient_attention")(
             query, key, value, attn_mask.expand(*query.shape[:-1], key.shape[-2]), True, dropout_p, is_causal,
             scale=scale)
         return out
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    out, _ = op("cpu_flash_attention")(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out
 
 
@@ -206,8 +205,8 @@ def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockC
     none["fp32"] = a1 / s1
     for precision in PRECISIONS[1:]:
         try:
-            none[precision] = _in_precision(block, precision, lambda: _kept_bytes(block, hidden, s1, call, precision,
-                                                                                  fused)[0] / s1)
+            none[precision] = _in_precision(block, precision, lambda p=precision: _kept_bytes(
+                block, hidden, s1, call, p, fused)[0] / s1)
         except RuntimeError:  # a class that mixes dtypes its own way (a buffer kept in fp32): priced from fp32
             none[precision] = 0.0
     return SavedBytes(none=none, per_token_position=per_position, selective_elements=sel / s1,

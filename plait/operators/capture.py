@@ -23,12 +23,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from plait.torch_internals import OpOverload, TorchDispatchMode, fused_sdp_choice, op, tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 # Calls that do not compute anything worth a placement choice of their own.
-_SKIP = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten._to_copy.default}
+_SKIP = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, op("to_copy")}
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Value:
 @dataclass
 class OpCall:
     index: int
-    op: torch._ops.OpOverload
+    op: OpOverload
     args: tuple
     kwargs: dict
     inputs: list[TensorRef]
@@ -211,7 +210,7 @@ class _Functions(TorchFunctionMode):
             self.recorder.function = outer
 
 
-CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION = op("cpu_flash_attention")
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 
 
@@ -232,8 +231,8 @@ def _cpu_flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     """The fused CPU kernel's output where CPU's backend choice picks it for these arguments; else None."""
     stand_in = lambda t: None if t is None else torch.empty_strided(  # noqa: E731 - never touched, so never paged in
         t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    choice = torch._fused_sdp_choice(stand_in(query), stand_in(key), stand_in(value), stand_in(attn_mask), dropout_p,
-                                     is_causal, scale=scale, enable_gqa=enable_gqa)
+    choice = fused_sdp_choice(stand_in(query), stand_in(key), stand_in(value), stand_in(attn_mask), dropout_p,
+                              is_causal, scale=scale, enable_gqa=enable_gqa)
     if choice != _FLASH:
         return None
     return CPU_ATTENTION(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

@@ -142,10 +142,10 @@ def _reuse_blocks(stage: planner.Built, whole: planner.Built, choice: tuple[int,
 
 def _in_flight(settings: PipelineSettings, dp: int, tp: int, micro_batch: int) -> np.ndarray:
     from plait.axes import Degrees
-    from plait.cost.layout import Layout
+    from plait.plan import Layout
     from plait.cost.memory import in_flight_all
 
-    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), sp=False, zero=planner.zero_stage(dp),
+    layout = Layout(degrees=Degrees(pp=settings.pp, dp=dp, tp=tp), zero=planner.zero_stage(dp),
                     micro_batch=micro_batch, num_micro_batches=settings.num_micro_batches,
                     schedule=settings.schedule, interleave=1)
     return in_flight_all(layout)

@@ -335,7 +335,7 @@ def _shapes(refs) -> tuple:
 
 def _scalars(call) -> str:
     """The call's arguments other than tensors (dims, sizes, flags), and how they nest."""
-    from torch.utils._pytree import tree_flatten
+    from plait.torch_internals import tree_flatten
 
     flat, spec = tree_flatten((call.args, call.kwargs))
     return repr([None if isinstance(a, TensorRef) else a for a in flat]) + str(spec)
@@ -518,7 +518,9 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
     so over dp > 1 every BatchNorm sums its statistics over the dp ranks (plait.execute.batchnorm)."""
     if dp <= 1:
         return ()
-    return tuple(name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    from plait.torch_internals import BatchNormBase
+
+    return tuple(name for name, m in model.named_modules() if isinstance(m, BatchNormBase))
 
 
 def zero_stage(dp: int) -> int:

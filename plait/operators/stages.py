@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from plait.torch_internals import DisableTorchFunction, tree_flatten, tree_map
 
 from plait.errors import ConfigError
 from plait.models.adapter import get_module, set_module
@@ -218,7 +218,7 @@ class _ZerosLike(nn.Module):
             return torch.zeros((like.shape[0], *t.shape[1:]), device=like.device,
                                dtype=hidden.dtype if t.is_floating_point() else t.dtype)
 
-        with torch._C.DisableTorchFunction():  # not a call of the module's: planned reads and capture skip it
+        with DisableTorchFunction():  # not a call of the module's: planned reads and capture skip it
             return tree_map(zeros, self.output)
 
 

@@ -1,7 +1,7 @@
 """Each captured call's candidate placements, from DTensor's own sharding-propagation rules.
 
-Every use of DTensor's private API lives here (torch 2.13: `DTensor._op_dispatcher.sharding_propagator`,
-`DTensorSpec`, `TensorMeta`, `OpSchema`); tests/unit/test_operators.py checks them against the installed torch.
+The private names of DTensor it needs (the sharding propagator, `DTensorSpec`, `TensorMeta`, `OpSchema`) come from
+plait/torch_internals.py, which holds every private torch name plait uses.
 
 How: on a fake process group of the mesh axis's size (no processes), each call is asked of DTensor's eager
 propagator once per combination of its tensor arguments' placements (replicated, sharded on a dimension the
@@ -29,12 +29,11 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from plait.operators.capture import OpCall, TensorRef
+from plait.torch_internals import (DTensorSpec, OpSchema, RuntimeSchemaInfo, TensorMeta, sharding_propagator,
+                                   tree_flatten, tree_map)
 
 MAX_COMBINATIONS = 400
 """Placement combinations asked per call; beyond, only single-argument sharding is asked (ops of many inputs)."""
@@ -90,7 +89,7 @@ class StrategyOracle:
     def __init__(self, axis_size: int, mesh) -> None:
         self.axis_size = axis_size
         self.mesh = mesh
-        self.propagator = DTensor._op_dispatcher.sharding_propagator
+        self.propagator = sharding_propagator()
 
     def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
         """(strategies, has_rule); without a rule: [everything replicated], False. Answers are kept for the process
@@ -218,7 +217,7 @@ def strategy_oracle(axis_size: int) -> Iterator[StrategyOracle]:
     is destroyed on leaving, so planning leaves no process group behind (plait check --dry-run and the executor
     start their own). Refuses to run inside an existing process group."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from plait.torch_internals import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("per-operator planning starts its own fake process group; plan before "
@@ -245,7 +244,7 @@ def register_plait_rules() -> None:
         return
     from torch.distributed.tensor.experimental import register_sharding
 
-    funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    funcs = sharding_propagator().op_strategy_funcs
     if forward.default not in funcs:
         register_sharding(forward.default)(_attention_rule(outputs=2))
     if backward.default not in funcs:

@@ -69,12 +69,18 @@ def _parts(snapshot: dict) -> tuple[float, dict[str, float]]:
     return total, parts
 
 
+class _NoHook:
+    """The hook handle of a parameter that has no hook (what the tracker removes when it exits)."""
+
+    def remove(self) -> None:
+        pass
+
+
 def _tracker_class(fsdp: bool):
     """MemTracker (or FSDPMemTracker) that allows a module to be called again in one step: a schedule calls
     its stage once per micro-batch, and MemTracker refuses a second top-level call of a module it tracks
     unless its statistics are reset (they are per call; the global peak is kept)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from plait.torch_internals import FSDPMemTracker, MemTracker
 
     base = FSDPMemTracker if fsdp else MemTracker
 
@@ -88,6 +94,13 @@ def _tracker_class(fsdp: bool):
         def _pre_fw_hook(self, module, inputs):  # MemTracker
             self._forget_if_called_again(module)
             return super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):  # MemTracker
+            # a frozen parameter (a LoRA base) takes no gradient hook, and torch's tracker would install one
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):  # FSDPMemTracker
             wrapped = super()._fsdp_state_pre_forward(fsdp_mod, orig)
@@ -125,7 +138,9 @@ class _Buckets:
 def _pipeline_buffers(model) -> list:
     """The pipeline's receive buffers: activations in and gradients in -- the pool's (plait/execute/buffers.py), or
     torch's own per micro-batch."""
-    stages = getattr(model.schedule, "_stages", None) or ([model.schedule._stage] if model.schedule else [])
+    from plait.torch_internals import schedule_stages
+
+    stages = schedule_stages(model.schedule) if model.schedule else []
     pools = getattr(model.schedule, "buffer_pools", None)
     out = pools.tensors() if pools is not None else []
     for stage in stages:

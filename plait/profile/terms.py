@@ -204,11 +204,11 @@ def scale_term(cluster: ClusterSpec, term: str, factor: float) -> ClusterSpec:
 
 def predicted_time(plan: "Plan", cluster: ClusterSpec, part: str = "step") -> float:
     """The cost model's step of `plan` on `cluster`, or one part of it grouped as `plait train` measures it."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.model import step_time
     from plait.train.measure import Parts
 
-    step = step_time(Setting(plan.model, cluster, plan.train), Layout.of(plan), plan.layers_per_stage, plan.recompute)
+    step = step_time(Setting(plan.model, cluster, plan.train), plan.layout, plan.layers_per_stage, plan.recompute)
     if part == "step":
         return step.total
     return getattr(Parts.of_prediction(step.total, step.parts), part)

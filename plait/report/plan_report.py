@@ -49,11 +49,11 @@ def timeline_events(plan: Plan, max_events_per_rank: int = MAX_EVENTS_PER_RANK) 
     tensor-parallel collectives, fully_shard's hooks, the schedule's host time) run through its own schedule
     simulation, cores shared where CPU ranks share them (plait.cost.schedule.simulate_shared): with every
     micro-batch shown, the drawn makespan is the predicted step time's pipeline part."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.model import p2p_time, pipeline_stage_times
     from plait.cost.schedule import simulate_shared
 
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     st, _ = pipeline_stage_times(setting, layout, plan.layers_per_stage, plan.recompute)
     shown = _micro_batches_shown(plan, max_events_per_rank)
     over = plan.cluster.oversubscription if plan.pp > 1 else 1.0
@@ -98,10 +98,10 @@ def short_describe(plan: Plan) -> str:
 # ---- memory ---------------------------------------------------------------------------------
 def memory_by_rank(plan: Plan) -> list[dict[str, float]]:
     """Bytes per part on every pipeline rank of `plan` (the peak rank's parts equal predicted.memory_parts)."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.model import memory_parts_per_rank
 
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     return memory_parts_per_rank(setting, layout, plan.layers_per_stage, plan.recompute)
 
 

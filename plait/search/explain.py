@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+
 from plait.cost.model import peak_memory, pipeline_stage_times, predict_layout, rank_capacities
 from plait.plan import Plan
 
@@ -90,7 +91,7 @@ class StageRow:
 
 def stage_rows(plan: Plan) -> list[StageRow]:
     """Per virtual stage: its rank, device group, layers, time per micro-batch and its rank's memory."""
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     st, _ = pipeline_stage_times(setting, layout, plan.layers_per_stage, plan.recompute)
     memory, _ = peak_memory(setting, layout, plan.layers_per_stage, plan.recompute)
     capacity = rank_capacities(setting, layout)
@@ -122,7 +123,7 @@ def balance_note(plan: Plan) -> str:
     even = even_split(sum(plan.layers_per_stage), plan.num_stages)
     if even is None or even == plan.layers_per_stage or plan.predicted is None:
         return head
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     other = predict_layout(setting, layout, even, plan.recompute)
     capacity = rank_capacities(setting, layout)
     even_cell = "|".join(map(str, even))

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from plait.cost.layout import Layout
+from plait.plan import Layout
 from plait.cost.memory import memory_table_parts
 from plait.plan import RECOMPUTE_MODES
 from plait.search.learned import load_weights, mlp_forward

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cost.layout import Layout
+from plait.plan import Layout
 from plait.errors import ConfigError
 from plait.plan import SCHEDULES
 from plait.search.pricing import Pricer

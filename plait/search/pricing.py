@@ -15,11 +15,13 @@ from functools import lru_cache
 import numpy as np
 
 from plait.cost.compute import EndsCost, LayerCost, Slicing, block_loads, block_weights, ends_cost, sliced_layer_cost
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.memory import LayoutMemory, memory_table_parts, states_overflow
 from plait.cost.model import (StageTimes, closed_form_makespan, predict_layout, rank_capacities, rank_costs, rank_tail,
                               step_time, tail_lower_bound)
-from plait.cost.schedule import V_SCHEDULES, stage_rank
+from plait.cost.schedule import stage_rank
+from plait.plan import V_SCHEDULES
 from plait.plan import RECOMPUTE_MODES, Plan
 from plait.search.partition import min_max_split, min_max_split_weighted
 from plait.search.space import Pins, grad_syncs
@@ -424,13 +426,9 @@ class Pricer:
 
     def to_plan(self, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]) -> Plan:
         s = self.setting
-        plan = Plan(degrees=layout.degrees, sequence_parallel=layout.sp, zero=layout.zero,
-                    recompute=recompute, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
-                    schedule=layout.schedule, interleave=layout.interleave, layers_per_stage=layers,
-                    stage_groups=layout.stage_groups, context_parallel=layout.context_parallel,
-                    grad_sync=layout.grad_sync, model=s.model,
-                    train=s.train, cluster=s.cluster)
-        pred = predict_layout(s, Layout.of(plan), plan.layers_per_stage, plan.recompute)
+        plan = Plan(layout=layout, recompute=recompute, layers_per_stage=layers, model=s.model, train=s.train,
+                    cluster=s.cluster)
+        pred = predict_layout(s, plan.layout, plan.layers_per_stage, plan.recompute)
         return plan.replace(predicted=pred)
 
     def finish(self, top: int | None) -> list[Plan]:
@@ -439,7 +437,7 @@ class Pricer:
             ranked = ranked[: EXACT_SHORTLIST * top]
         plans = [self.to_plan(c.layout, c.layers, c.recompute) for c in ranked]
         plans = [p for p in plans if all(used <= cap * (1 + 1e-9) for used, cap in
-                                         zip(p.predicted.memory_per_stage, rank_capacities(self.setting, Layout.of(p))))]
+                                         zip(p.predicted.memory_per_stage, rank_capacities(self.setting, p.layout)))]
         # Ties in time (e.g. micro-batch sizes the model prices alike) go to the plan with less memory.
         plans.sort(key=lambda p: (round(p.predicted.step_time_s, 9), p.predicted.peak_memory_bytes))
         return plans[:top] if top is not None else plans

@@ -24,7 +24,7 @@ from typing import Any
 
 from plait import legality
 from plait.axes import ALL_AXES, Degrees
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
 from plait.cost.model import rank_capacities
 from plait.errors import ConfigError, NoFeasiblePlan
 from plait.plan import Plan
@@ -161,7 +161,7 @@ def _infeasible_message(setting: Setting, pins: Pins, worst: Plan | None, n: int
 def _mixed_infeasible_message(setting: Setting, worst: Plan) -> str:
     """Nothing fits a mixed cluster: the closest candidate's fullest rank against its own group's memory."""
     model, cluster = setting.model, setting.cluster
-    capacities = rank_capacities(setting, Layout.of(worst))
+    capacities = rank_capacities(setting, worst.layout)
     used = worst.predicted.memory_per_stage
     r = max(range(len(used)), key=lambda k: used[k] - capacities[k])
     group = worst.stage_groups[r] if worst.stage_groups else cluster.groups[0].name

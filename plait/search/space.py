@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 from plait import legality
-from plait.axes import ALL_AXES, Degrees
+from plait.axes import ALL_AXES, Degrees, OnAxes
 from plait.errors import ConfigError
 from plait.plan import RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
@@ -26,7 +26,7 @@ each extra chunk adds p2p messages (a pin may ask for more)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pins:
+class Pins(OnAxes):
     degrees: Mapping[str, int] = field(default_factory=dict)
     """The pinned axes only (plait.axes), e.g. {"tp": 8}."""
     zero: int | None = None
@@ -55,19 +55,8 @@ class Pins:
         return cls(degrees=degrees, **{k: v for k, v in pins.items() if v is not None or k == "allow_cross_node_tp"})
 
     def axis(self, name: str) -> int | None:
+        """The pinned degree of `name`, None where not pinned (pins.dp, pins.tp, ... read it: plait.axes.OnAxes)."""
         return self.degrees.get(name)
-
-    @property
-    def dp(self) -> int | None:
-        return self.degrees.get("dp")
-
-    @property
-    def tp(self) -> int | None:
-        return self.degrees.get("tp")
-
-    @property
-    def pp(self) -> int | None:
-        return self.degrees.get("pp")
 
     def to_kwargs(self) -> dict[str, Any]:
         """The keywords `from_kwargs` reads back (for a search on another device count)."""
@@ -152,7 +141,7 @@ def check_pins(pins: Pins, model: ModelSpec, cluster: ClusterSpec, train: TrainS
         valid = tp_degrees(model, cluster, n, pins.allow_cross_node_tp)
         if pins.tp not in valid:
             why = _tp_reason(pins.tp, model, cluster, n, pins.allow_cross_node_tp)
-            raise ConfigError(f"tp={pins.tp} {why}; valid tp for {model.name} on {n} devices: {_listing(valid)}")
+            raise ConfigError(f"{why}; valid tp for {model.name} on {n} devices: {_listing(valid)}")
     if pins.pp is not None and pins.pp not in pp_degrees(model, n):
         raise ConfigError(f"pp={pins.pp} must divide {n} devices and be <= num_layers={model.num_layers}; "
                           f"valid pp: {_listing(pp_degrees(model, n))}")
@@ -217,12 +206,16 @@ def _check_context_and_expert_pins(pins: Pins, model: ModelSpec, train: TrainSpe
 
 
 def _tp_reason(tp: int, model: ModelSpec, cluster: ClusterSpec, n: int, allow_cross_node: bool) -> str:
+    """Why tp is refused, as a sentence that starts with "tp=N"."""
     if n % tp:
-        return f"does not divide {n} devices"
+        return f"tp={tp} does not divide {n} devices"
     problems = legality.tensor_problems(model, tp)
-    if problems:  # "num_heads=12 is not divisible by tp=8" -> "does not divide num_heads=12"
-        return "does not divide " + problems[0].message.split(" is not divisible")[0]
-    return (f"does not fit inside a node of {cluster.devices_per_node} devices "
+    if problems and problems[0].rule.startswith("tp-divides-"):
+        # "num_heads=12 is not divisible by tp=8" -> "tp=8 does not divide num_heads=12"
+        return f"tp={tp} does not divide " + problems[0].message.split(" is not divisible")[0]
+    if problems:  # the class's plan: its rule says it whole ("tp=2: stablelm declares ...")
+        return problems[0].message
+    return (f"tp={tp} does not fit inside a node of {cluster.devices_per_node} devices "
             f"(pass allow_cross_node_tp / --allow-cross-node-tp to allow it)")
 
 
@@ -266,7 +259,7 @@ def schedule_choices(pins: Pins, pp: int, num_micro_batches: int, num_layers: in
     no effect (the pin, or 1f1b, is kept). The zero-bubble V schedules (ZB-V, DualPipeV: two stages per rank)
     are priced by the schedule simulator like the others; under them plait keeps fully_shard's parameters
     gathered through the schedule (plait.legality.data_parallel_mode: resharding between a micro-batch's
-    forward and its split backward gives wrong gradients, ../shared/reference/torch-on-cpu.md)."""
+    forward and its split backward gives wrong gradients, docs/torch-on-cpu.md)."""
     m = num_micro_batches
     if pp == 1:
         if not legality.interleave_problems(pp, pins.interleave or 1):  # a pinned interleave needs a pipeline
@@ -359,10 +352,11 @@ class Space:
     @staticmethod
     def layout(d: Degrees, choice: tuple) -> "Any":
         """The Layout of degrees `d` and one of `base_choices(d)`."""
-        from plait.cost.layout import Layout
+        from plait.plan import Layout
 
         sp, zero, b, m, schedule, v, kind = choice
-        return Layout(d, sp, zero, b, m, schedule, v, context_parallel=kind)
+        return Layout(degrees=d, sequence_parallel=sp, zero=zero, micro_batch=b, num_micro_batches=m, schedule=schedule,
+                      interleave=v, context_parallel=kind)
 
     def base_choices(self, d: Degrees) -> Iterator[tuple[bool, int, int, int, str, int, str]]:
         """`base_layouts` as (sequence parallel, ZeRO, micro-batch, micro-batches, schedule, interleave, key/value

@@ -124,6 +124,16 @@ class Network:
             self.params[k] -= lr * m_hat / (np.sqrt(v_hat) + eps)
 
 
+def info_nce(logits: np.ndarray, positive: int) -> tuple[float, np.ndarray]:
+    """InfoNCE (van den Oord et al. 2018): -log softmax(logits)[positive], and its gradient in the logits."""
+    soft = np.exp(logits - logits.max())
+    soft /= soft.sum()
+    loss = -math.log(soft[positive] + 1e-12)
+    d_logits = soft.copy()
+    d_logits[positive] -= 1.0
+    return loss, d_logits
+
+
 def contrastive_step(net: Network, problem: LayoutProblem, mean, std, rng: np.random.Generator,
                      samples: int, temperature: float) -> float:
     """Sample `samples` layouts from the policy softmax(scores); InfoNCE with the best sampled one as positive."""
@@ -139,12 +149,7 @@ def contrastive_step(net: Network, problem: LayoutProblem, mean, std, rng: np.ra
     if not np.isfinite(rewards).any() or len(set(rewards.tolist())) == 1:
         return 0.0
     positive = int(np.argmax(rewards))
-    chosen = logits[picked]
-    soft = np.exp(chosen - chosen.max())
-    soft /= soft.sum()
-    loss = -math.log(soft[positive] + 1e-12)
-    d_chosen = soft.copy()
-    d_chosen[positive] -= 1.0
+    loss, d_chosen = info_nce(logits[picked], positive)
     d_scores = np.zeros_like(scores)
     d_scores[picked] = d_chosen / temperature
     net.adam(net.gradients(cache, d_scores), lr=3e-3)
@@ -328,11 +333,7 @@ def sequence_step(net: Network, problem: GroupProblem, mean, std, rng: np.random
         spans.append(walk_spans)
     logp = np.array(logp)
     positive = int(np.argmax(np.where(np.isfinite(rewards), rewards, -np.inf)))
-    weight = np.exp(logp - logp.max())
-    weight /= weight.sum()
-    loss = -math.log(weight[positive] + 1e-12)
-    d_logp = weight.copy()
-    d_logp[positive] -= 1.0
+    loss, d_logp = info_nce(logp, positive)
     d_scores = np.zeros_like(scores)
     for i, walk_spans in enumerate(spans):
         for begin, size, chosen, soft in walk_spans:

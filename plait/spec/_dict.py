@@ -1,15 +1,19 @@
 """Build frozen spec dataclasses from plain dicts (JSON/YAML/TOML), with errors that name the key.
 
-Every spec and the Plan round-trip through `to_dict` / `from_dict`, so a hand-written
-file and a file written by plait are read by the same code.
+Every spec, the Plan and the run config round-trip through `to_dict` / `from_dict`, so a hand-written file and
+a file written by plait are read by the same code. The conversion is cattrs' (generated per class, every error
+of a value collected with its path); this module adds what plait's files need on top: strict scalars (a
+string is not a number, 1.5 is not an integer, "yes" is not true), the readers some value types carry
+(`from_plain`, `upgrade_dict`), and the first error as one line that names the key by its path and says what
+would work.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from plait.errors import ConfigError
@@ -33,96 +37,146 @@ def to_dict(obj: Any) -> Any:
 def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     """Plain dict -> dataclass `cls`, converting nested dataclasses and tuples.
 
-    Unknown keys, missing required keys and values of the wrong type raise ConfigError
-    naming the key (with its path `where`) and what would work.
+    Unknown keys, missing required keys and values of the wrong type raise ConfigError naming the key (with
+    its path from `where`) and what would work.
     """
-    where = where or cls.__name__
-    if isinstance(data, cls):
-        return data
-    if hasattr(cls, "upgrade_dict"):  # keys an older plait wrote elsewhere (ClusterSpec's host-time fields)
-        data = cls.upgrade_dict(data)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__} {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(fields))}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _convert(hints[name], value, f"{where}.{name}")
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        return _converter().structure(data, cls)
+    except Exception as error:  # noqa: BLE001 - every failure of a conversion becomes one line
+        raise ConfigError(_first_error(error, where or cls.__name__)) from None
 
 
-def _convert(tp: Any, value: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        args = get_args(tp)
-        item = args[0] if args else Any
-        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        _, vt = get_args(tp) or (Any, Any)
-        return {k: _convert(vt, v, f"{where}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
-    if isinstance(tp, type) and hasattr(tp, "from_plain"):  # a value type with its own reader (Degrees)
-        try:
-            return tp.from_plain(value)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: {e}") from None
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:
-                return float(value)  # YAML reads 1e9 without a dot as a string
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
+# ---- the converter ----------------------------------------------------------------------------------------
+class _Unfit(ValueError):
+    """A value of the wrong kind: its message says what would work."""
+
+
+@cache
+def _converter():
+    import cattrs
+    from cattrs.cols import homogenous_tuple_structure_factory, mapping_structure_factory
+    from cattrs.gen import make_dict_structure_fn
+
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    for tp, hook in _SCALARS.items():
+        converter.register_structure_hook(tp, hook)
+    converter.register_structure_hook_func(lambda tp: tp is Any, lambda value, _: value)
+    converter.register_structure_hook_func(lambda tp: get_origin(tp) is Literal, _literal)
+    converter.register_structure_hook_func(lambda tp: isinstance(tp, type) and hasattr(tp, "from_plain"),
+                                           _from_plain)
+
+    def sequence(tp):
+        items = homogenous_tuple_structure_factory(tuple[(get_args(tp) or (Any,))[0], ...], converter)
+        return _checked(items, (list, tuple), "a list")
+
+    def mapping(tp):
+        return _checked(mapping_structure_factory(tp, converter), dict, "a mapping")
+
+    def dataclass(cls):
+        fields = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=True)
+
+        def structure(value, _):
+            if isinstance(value, cls):
+                return value
+            if hasattr(cls, "upgrade_dict"):  # keys an older plait wrote elsewhere (ClusterSpec's host times)
+                value = cls.upgrade_dict(value)
+            if not isinstance(value, dict):
+                raise _Unfit(f"expected a mapping of fields, got {type(value).__name__} {value!r}")
+            return fields(value, cls)
+
+        return structure
+
+    converter.register_structure_hook_factory(lambda tp: get_origin(tp) in (tuple, list), sequence)
+    converter.register_structure_hook_factory(lambda tp: get_origin(tp) is dict, mapping)
+    converter.register_structure_hook_factory(dataclasses.is_dataclass, dataclass)
+    return converter
+
+
+def _checked(hook, kinds, expected: str):
+    def structure(value, tp):
+        if not isinstance(value, kinds):
+            raise _Unfit(f"expected {expected}, got {value!r}")
+        return hook(value, tp)
+
+    return structure
+
+
+def _int(value: Any, _) -> int:
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise _Unfit(f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, _) -> float:
+    if isinstance(value, bool):
+        raise _Unfit(f"expected a number, got {value!r}")
+    try:
+        return float(value)  # YAML reads 1e9 without a dot as a string
+    except (TypeError, ValueError):
+        raise _Unfit(f"expected a number, got {value!r}") from None
+
+
+def _bool(value: Any, _) -> bool:
+    if not isinstance(value, bool):
+        raise _Unfit(f"expected true or false, got {value!r}")
     return value
+
+
+def _str(value: Any, _) -> str:
+    if not isinstance(value, str):
+        raise _Unfit(f"expected a string, got {value!r}")
+    return value
+
+
+_SCALARS = {int: _int, float: _float, bool: _bool, str: _str}
+
+
+def _literal(value: Any, tp: Any) -> Any:
+    if value not in get_args(tp):
+        raise _Unfit(f"{value!r} is not one of {', '.join(map(repr, get_args(tp)))}")
+    return value
+
+
+def _from_plain(value: Any, tp: Any) -> Any:
+    """A value type with its own reader (Degrees)."""
+    return tp.from_plain(value)
+
+
+# ---- the first error, as one line -------------------------------------------------------------------------
+def _first_error(error: BaseException, where: str) -> str:
+    """The one line a user reads: unknown keys first (a misspelt key explains the rest), then the first failing
+    value in field order, named by its path."""
+    leaves = list(_leaves(error, where))
+    unknown = [(path, leaf) for path, leaf in leaves if _is_unknown_keys(leaf)]
+    path, leaf = (unknown or leaves)[0]
+    if _is_unknown_keys(leaf):
+        known = sorted(f.name for f in dataclasses.fields(leaf.cl) if f.init)
+        return f"{path}: unknown key {sorted(leaf.extra_fields)[0]!r}; known keys: {', '.join(known)}"
+    if isinstance(leaf, ConfigError):  # a spec's own check says it whole
+        return str(leaf)
+    parent, _, name = path.rpartition(".")
+    if isinstance(leaf, KeyError) and parent:
+        return f"{parent}: missing required key {name!r}"
+    return f"{path}: {leaf}"
+
+
+def _leaves(error: BaseException, path: str) -> typing.Iterator[tuple[str, BaseException]]:
+    from cattrs.errors import AttributeValidationNote, IterableValidationNote
+
+    if not isinstance(error, BaseExceptionGroup) or _is_unknown_keys(error):
+        yield path, error
+        return
+    for inner in error.exceptions:
+        here = path
+        for note in getattr(inner, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                here = f"{path}.{note.name}"
+            elif isinstance(note, IterableValidationNote):
+                here = f"{path}[{note.index!r}]" if isinstance(note.index, int) else f"{path}.{note.index}"
+        yield from _leaves(inner, here)
+
+
+def _is_unknown_keys(error: BaseException) -> bool:
+    from cattrs.errors import ForbiddenExtraKeysError
+
+    return isinstance(error, ForbiddenExtraKeysError)

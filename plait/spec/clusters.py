@@ -1,6 +1,6 @@
 """Cluster presets from public specifications, and the cost model's fitted constants.
 
-Links (reference/published.md, section 5; not fitted): nccl-tests bus bandwidth on 8x A100
+Links (docs/published-runs.md, section 5; not fitted): nccl-tests bus bandwidth on 8x A100
 NVLink ~230 GB/s, 8x H100 NVLink ~370 GB/s. Between DGX A100 nodes nccl-tests reach ~192 GB/s
 per node with 8 HDR 200 Gb/s adapters, i.e. 24 GB/s per GPU; for H100 nodes (8x NDR 400 Gb/s)
 the same 96% of the line rate gives 48 GB/s per GPU. Latencies: a few microseconds per ring
@@ -26,7 +26,7 @@ error relative to the tolerance (10% and 15%): ``matmul`` 0.82, ``matmul_half_di
 every grid search; the result: worst 6.1% on Megatron rows, 9.5% on the 22B layer rows.
 
 H100 SXM (``h100-80g``, 700 W): fitted by the same grid search on the five rows of Megatron-LM's H100
-weak-scaling table (reference/published.md, section 6.1; priced as plait.cost.published_2024 describes):
+weak-scaling table (docs/published-runs.md, section 6.1; priced as plait.cost.published_2024 describes):
 ``matmul`` 0.76, ``matmul_half_dim`` 1600, ``overhead`` 0.0; worst error 8.7% (tolerance 10%). The larger
 half-width than the A100's is the known need of H100 GEMMs for larger shapes to saturate; no overhead is
 left once Transformer Engine's fused kernels run the non-GEMM work (within the valley above).

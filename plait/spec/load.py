@@ -130,22 +130,6 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str = "hf-model", w
         raise ConfigError(f"{where}: {e}") from None
 
 
-POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length", "seq_length")
-"""Keys a Hugging Face config.json names its position table's length by (GPT-2's first)."""
-
-
-def position_field(model: ModelSpec) -> str | None:
-    """The key of a Hugging Face model's config.json holding its position table's length (ModelSpec.max_seq_len), so
-    that a refusal names what the user wrote; None for other models or an unreadable config."""
-    if not model.source.startswith("hf:"):
-        return None
-    try:
-        config = json.loads((Path(model.source.removeprefix("hf:")) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return next((key for key in POSITION_KEYS if config.get(key) == model.max_seq_len), None)
-
-
 def read_mapping(path: str | Path) -> dict[str, Any]:
     """Parse a YAML or JSON file into a dict; syntax errors name the file, line and column."""
     path = Path(path)

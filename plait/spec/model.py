@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from plait.spec._dict import from_dict, to_dict
+from plait.spec.lora import Lora
 
 Mlp = Literal["gelu", "swiglu", "geglu"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -193,6 +194,9 @@ class ModelSpec:
     """Expert-parallel plan of a Hugging Face class (its base_model_ep_plan's entries inside a block: "layers.*.mlp.
     experts": "ep_dispatch_experts", ...; a style plait cannot run is written as the reason), checked by
     plait.legality under ep > 1."""
+    lora: Lora | None = None
+    """Low-rank adapters on a frozen base (plait.spec.lora): only the adapters train, which the cost model prices
+    (plait.cost.trainable) and the executor runs (plait.models.lora). None: every parameter trains."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):

@@ -153,7 +153,7 @@ def run_auto(config: Any) -> list[float]:
         losses = []
         while state.step < config.train.steps:
             start = time.perf_counter()
-            lr = lr_at(state.step, opt, config.train.steps)
+            lr = lr_at(state.step, opt, state.schedule_span())
             for group in optimizer.param_groups:
                 group["lr"] = lr
             model.fused_tables.lr = lr

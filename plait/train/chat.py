@@ -24,6 +24,9 @@ import numpy as np
 from plait.errors import ConfigError
 from plait.models.adapter import IGNORE_INDEX
 
+MASK_RULE = "assistant-turns-1"
+"""Names the rule that picks a conversation's trained tokens (conversation_ids); part of the token cache's key, so
+a change of the rule tokenizes again. Change it with the rule."""
 NO_LOSS = np.uint32(1 << 31)
 """Flag on a token that is input only (never a trained target)."""
 ID_BITS = np.uint32((1 << 31) - 1)
@@ -55,15 +58,36 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
     return np.asarray(rendered, dtype=np.int64)
 
 
-def chat_tokenizer(folder: Path) -> Any:
-    """transformers' tokenizer of `folder`, which must hold a chat template."""
+def chat_tokenizer(folder: Path, needed_by: str = "data.chat = true", otherwise: str = "data.chat = false") -> Any:
+    """transformers' tokenizer of `folder`, which must hold a chat template (`needed_by` says who asks for it)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"data.chat = true needs a chat template, and the tokenizer in {str(folder)!r} has none "
-                          f"(chat_template in tokenizer_config.json); use a chat model's tokenizer, or data.chat = false")
+        raise ConfigError(f"{needed_by} needs a chat template, and the tokenizer in {str(folder)!r} has none "
+                          f"(chat_template.jinja, or chat_template in tokenizer_config.json); use a chat model's "
+                          f"tokenizer, or {otherwise}")
     return tokenizer
+
+
+def prompt_ids(tokenizer: Any, text: str) -> np.ndarray:
+    """The ids of a one-message conversation from the user, rendered by the template up to the assistant's turn."""
+    return _render(tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The special token the template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
+    Gemma's <end_of_turn>, or EOS itself): the first special token of a rendered answer, found by rendering a
+    conversation as conversation_ids does. None where the template renders none or cannot render the probe."""
+    probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    try:
+        before = _render(tokenizer, probe[:1], generation_prompt=True)
+        through = _render(tokenizer, probe)
+    except Exception:  # a template with rules of its own (a system turn first, say): no end of turn is known
+        return None
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items()
+                                                if getattr(t, "special", False)}
+    return next((int(i) for i in through[len(before):] if int(i) in special), None)
 
 
 def pack_conversations(conversations: Iterator[Any], tokenizer: Any, eos_id: int | None, where: str) -> tuple[np.ndarray, int]:

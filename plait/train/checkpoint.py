@@ -7,8 +7,9 @@ A checkpoint is a directory ``<dir>/step_000100/`` holding
   (``layers.3.attn.wq.weight``), so any plan -- another dp/tp/pp layout, another world
   size -- can load it (DCP reads each rank's slice of each saved tensor);
 * ``meta.json``: step, tokens, data-loader position, world size, and the plan (with its model
-  spec) and config that produced it. The learning rate is a pure function of the step and the
-  [optimizer] config (plait.train.loop.lr_at), so the step *is* the scheduler state;
+  spec) and config that produced it, and the steps the learning-rate schedule spans. The learning rate is a pure
+  function of the step, that span and the [optimizer] config (plait.train.config.lr_at), so the step *is* the
+  scheduler state: a resume with another train.steps keeps the span (schedule_span), and says so;
 * ``rng/rank_00000.pt``: torch / python / numpy random states of each rank, as plain tensors, lists and
   numbers (read back with ``weights_only=True``: nothing in it is unpickled);
 * ``MANIFEST.json``: size and SHA-256 of every file above, written last.
@@ -198,6 +199,22 @@ def check_fresh_dir(root: str | Path) -> None:
         )
 
 
+def exports_here(config: Any) -> bool:
+    """Whether a resuming run's checkpoints were saved by a run exporting to this config's export_hf folder: the
+    folder then holds that run's own export, which this run may replace (without checkpoint.export_overwrite)."""
+    ckpt = config.checkpoint
+    if not (ckpt.resume and ckpt.dir and ckpt.export_hf):
+        return False
+    wanted = Path(ckpt.export_hf).expanduser().resolve()
+    for _, path in reversed(complete_dirs(Path(ckpt.dir))):
+        try:
+            saved = read_meta(path).get("config", {}).get("checkpoint", {}).get("export_hf")
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint says nothing; an older one may
+        return saved is not None and Path(saved).expanduser().resolve() == wanted
+    return False
+
+
 def clear_checkpoints(root: str | Path) -> list[Path]:
     """`plait train --fresh`: remove what earlier runs saved under `root` -- checkpoints (step_N), unfinished saves
     (.tmp), set-aside unreadable ones and the best checkpoint (best/) -- and nothing else; returns what went."""
@@ -255,7 +272,41 @@ def check_launch(config: Any, plan: Any = None) -> Found | None:
                               f"train.{key}={wanted}; resume with train.{key}={saved} or use another checkpoint.dir")
     for rng_file in sorted((found.path / RNG_DIR).glob("*.pt")):  # refuse a planted pickle before ranks start
         read_rng_file(rng_file)
+    note = schedule_note(config, meta)
+    if note:
+        warn(note)
     return found
+
+
+def _saved_span(meta: dict[str, Any]) -> int | None:
+    """The steps the checkpoint's run spanned its schedule over (its train.steps, for a checkpoint that does not
+    record it)."""
+    return meta.get("schedule_steps") or meta.get("config", {}).get("train", {}).get("steps")
+
+
+def schedule_span(config: Any, meta: dict[str, Any]) -> int:
+    """The steps a resumed run's learning-rate schedule spans: optimizer.schedule_steps when set, else the span the
+    checkpoint's run used."""
+    return config.optimizer.schedule_steps or _saved_span(meta) or config.train.steps
+
+
+def schedule_note(config: Any, meta: dict[str, Any]) -> str | None:
+    """One line when a resume's steps and the schedule it started with differ: the schedule is kept (the default) or
+    re-stretched (optimizer.schedule_steps), with the learning rate of the next step under each."""
+    from plait.train.config import lr_at
+
+    opt, step, steps = config.optimizer, int(meta.get("step", 0)), config.train.steps
+    saved, span = _saved_span(meta), schedule_span(config, meta)
+    if saved is None or opt.schedule != "cosine" or (span == saved and steps == saved):
+        return None
+    kept, stretched = lr_at(step, opt, saved), lr_at(step, opt, span if span != saved else steps)
+    if span == saved:
+        return (f"train.steps={steps} resumes a run whose learning-rate schedule spans {saved} steps: it keeps that "
+                f"schedule (lr {kept:.3g} at step {step + 1}, its floor {opt.lr * opt.min_lr_ratio:.3g} past step "
+                f"{saved}); set optimizer.schedule_steps={steps} to re-stretch it over the new steps (lr "
+                f"{stretched:.3g} at step {step + 1})")
+    return (f"optimizer.schedule_steps={span} re-stretches the cosine schedule this run started over {saved} steps: "
+            f"lr {stretched:.3g} at step {step + 1}, where the schedule it started with has {kept:.3g}")
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -355,6 +406,9 @@ class Checkpointer:
         self.last_saved = state.step
         if dist.get_rank() == 0:
             print(f"plait: resumed from {found.path} (step {state.step})", file=sys.stderr, flush=True)
+            note = schedule_note(self.config, read_meta(found.path))
+            if note and not is_local_worker():  # a local launcher has said so before ranks started
+                warn(note)
 
     def after_step(self, state: Any, final: bool) -> None:
         due = final or (self.every > 0 and state.step % self.every == 0)
@@ -373,13 +427,21 @@ def _broadcast_choice(root: Path) -> Found:
 
 
 # ---- state dicts keyed like the single-process model ----------------------------------------
-def _options():
+def _options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Sharded (not full) tensors: each rank writes and reads only its shards. Flattened optimizer
     # keys (state.<fqn>.exp_avg) name states by parameter, not by position, so pipeline stages and
     # ZeRO-1 shards -- each holding a different subset of parameters -- save and load independently.
-    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+    return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True, strict=strict)
+
+
+def _saved(model: Any, name: str) -> bool:
+    """Whether a checkpoint holds parameter `name`: every one, or a LoRA run's adapters alone (the frozen base is
+    the run's starting weights, [model] weights, which a resume loads again before the adapters)."""
+    from plait.models.lora import is_adapter
+
+    return model.plan.model.lora is None or is_adapter(name)
 
 
 def _container(model: Any):
@@ -416,7 +478,7 @@ def _plain_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, 
     container = _container(model)
     model_sd, optim_sd = get_state_dict(container, _local_optimizer(optimizer), options=_options())
     to_plain = {key: _strip_part(key) for key in model_sd}
-    plain = {"model": {to_plain[k]: v for k, v in model_sd.items()},
+    plain = {"model": {to_plain[k]: v for k, v in model_sd.items() if _saved(model, to_plain[k])},
              "optim": {_optim_key(k, to_plain): v for k, v in optim_sd.items()}}
     return plain, {v: k for k, v in to_plain.items()}
 
@@ -427,7 +489,7 @@ def _load_plain_state(model: Any, optimizer: Any, plain: dict[str, Any], to_layo
     model_sd = {to_layout[k]: v for k, v in plain["model"].items()}
     optim_sd = {_optim_key(k, to_layout): v for k, v in plain["optim"].items()}
     set_state_dict(_container(model), _local_optimizer(optimizer), model_state_dict=model_sd,
-                   optim_state_dict=optim_sd, options=_options())
+                   optim_state_dict=optim_sd, options=_options(strict=model.plan.model.lora is None))
 
 
 # ---- save ---------------------------------------------------------------------------------
@@ -470,7 +532,7 @@ def _meta(state: Any) -> dict[str, Any]:
 
     return {"format": FORMAT_VERSION, "step": state.step, "tokens": state.tokens,
             "world_size": dist.get_world_size(), "loader": state.loader.state_dict(),
-            "best_val_loss": state.best_val_loss,
+            "best_val_loss": state.best_val_loss, "schedule_steps": state.schedule_span(),
             "plan": json.loads(state.plan.to_json()), "config": state.config.to_dict()}
 
 
@@ -541,6 +603,7 @@ def load_checkpoint(directory: str | Path, state: Any) -> None:
     _load_plain_state(state.model, state.optimizer, plain, to_layout)
     state.loader.load_state_dict(meta["loader"])
     state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+    state.schedule_steps = schedule_span(state.config, meta)
     state.best_val_loss = lowest(meta.get("best_val_loss"), best_kept_loss(directory.parent))
     same_layout = meta["world_size"] == dist.get_world_size() and _layout(meta["plan"]) == _layout(
         json.loads(state.plan.to_json()))
@@ -631,11 +694,23 @@ def export_at_end(state: Any) -> Path | None:
     from plait.execute.hf_checkpoint import export_hf
 
     config = state.config
+    tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None
+    source = state.plan.model.source.removeprefix("hf:")
+    if config.checkpoint.export_adapter is not None:
+        from plait.execute.lora_export import export_adapter
+
+        folder = export_adapter(state.model, config.checkpoint.export_adapter, source, tokenizer)
+        if dist.get_rank() == 0:
+            print(f"plait: exported the LoRA adapters of step {state.step} to {folder} (peft's adapter folder)",
+                  file=sys.stderr, flush=True)
     if config.checkpoint.export_hf is None:
         return None
-    tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None
-    out = export_hf(state.model, config.checkpoint.export_hf, state.plan.model.source.removeprefix("hf:"), tokenizer)
+    from plait.execute.lora_export import export_merged  # LoRA: the adapters merged, a plain Hugging Face folder
+
+    write = export_hf if state.plan.model.lora is None else export_merged
+    out = write(state.model, config.checkpoint.export_hf, source, tokenizer)
     if dist.get_rank() == 0:
-        print(f"plait: exported the weights of step {state.step} to {out} (Hugging Face layout)", file=sys.stderr,
-              flush=True)
+        merged = ", LoRA adapters merged" if state.plan.model.lora is not None else ""
+        print(f"plait: exported the weights of step {state.step} to {out} (Hugging Face layout{merged})",
+              file=sys.stderr, flush=True)
     return out

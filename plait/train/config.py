@@ -2,7 +2,8 @@
 
     [model]      preset = "tiny-gpt"              # or file = "model.json" (plait model file / HF config.json),
                                                   # or module = "pkg.mod:factory" (one of the three);
-                                                  # weights = "pretrained": start from the HF checkpoint in `file`
+                                                  # weights = "pretrained": start from the HF checkpoint in `file`;
+                                                  # lora = {rank = 16, targets = ["q_proj", "v_proj"]}: adapters
     [data]       source = "shipped"               # or "text" / "jsonl" / "tokens" with path (and dtype);
                                                   # tokenizer = "byte" or a folder with tokenizer.json
     [optimizer]  lr = 3e-3, warmup = 20, schedule = "cosine", clip = 1.0
@@ -11,7 +12,8 @@
     [checkpoint] dir = "runs/x/ckpt", every = 50, keep = 3, resume = false, start_over = false,
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
     [log]        dir = "runs/x", every = 10, tensorboard = false, wandb = "off"   # or "offline" / "online"
-    [eval]       every = 0, fraction = 0.05 (or path = "val.txt"), batches = 4, keep_best = false
+    [eval]       every = 0, fraction = 0.05 (or path = "val.txt", or split = "validation"), batches = 4,
+                 keep_best = false
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
 Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
@@ -32,6 +34,7 @@ from typing import Any, Literal
 from plait.errors import ConfigError
 from plait.spec import TrainSpec
 from plait.spec._dict import from_dict, to_dict
+from plait.spec.lora import Lora
 
 
 DEFAULT_PRESET = "tiny-gpt"
@@ -58,6 +61,9 @@ class ModelConfig:
     """The initial weights: "seed" (drawn from train.seed), or "pretrained": the Hugging Face checkpoint in the
     folder of `file` (model.safetensors, or shards listed by model.safetensors.index.json), each rank reading
     only its own slices (plait.execute.hf_checkpoint)."""
+    lora: Lora | None = None
+    """Train low-rank adapters on the frozen model instead of every weight: {rank, alpha, targets, dropout}
+    (plait.spec.lora; docs/lora.md), e.g. {rank = 16, alpha = 32, targets = ["q_proj", "v_proj"]}."""
 
     def __post_init__(self) -> None:
         named = [key for key in ("preset", "file", "module") if getattr(self, key)]
@@ -119,8 +125,13 @@ class OptimizerConfig:
     """Final rate of the cosine schedule as a fraction of lr."""
     clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this; 0 turns clipping off."""
+    schedule_steps: int | None = None
+    """Steps the schedule spans (warm-up, then decay to its floor); None: train.steps of the run that started it, so
+    a resume with more (or fewer) train.steps keeps the schedule, and says so. Set it to re-stretch the schedule."""
 
     def __post_init__(self) -> None:
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ValueError(f"schedule_steps={self.schedule_steps} must be a positive integer (or unset)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.warmup < 0 or self.clip < 0 or self.weight_decay < 0:
@@ -129,6 +140,21 @@ class OptimizerConfig:
             raise ValueError(f"betas={list(self.betas)} must be two numbers in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+
+
+def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a schedule spanning `total_steps`: linear warm-up, then
+    cosine (held at its floor past `total_steps`) or constant."""
+    import math
+
+    if optimizer.warmup and step < optimizer.warmup:
+        return optimizer.lr * (step + 1) / optimizer.warmup
+    if optimizer.schedule == "constant":
+        return optimizer.lr
+    decay_steps = max(1, total_steps - optimizer.warmup)
+    progress = min(1.0, (step - optimizer.warmup) / decay_steps)
+    floor = optimizer.lr * optimizer.min_lr_ratio
+    return floor + 0.5 * (optimizer.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +220,10 @@ class CheckpointConfig:
     tokenizer files) that `from_pretrained` loads; a Hugging Face model only. None: no export."""
     export_overwrite: bool = False
     """Let export_hf replace the weights in a folder that is not empty (refused otherwise, before training)."""
+    export_adapter: str | None = None
+    """With [model] lora: at the end of training, also write the adapters as peft's adapter folder here
+    (adapter_config.json, adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base;
+    export_hf then writes the adapters merged into the weights."""
 
     def __post_init__(self) -> None:
         if self.start_over and not self.resume:
@@ -233,6 +263,9 @@ class EvalConfig:
     """Hold out this tail fraction of the [data] tokens (the run trains on the rest); or give `path`."""
     path: str | None = None
     """A second file of the same kind as [data] source (text, JSON lines or tokens), with the same tokenizer."""
+    split: str | None = None
+    """The split of a Hugging Face DatasetDict folder to validate on (e.g. "validation"): of `path`, else of
+    data.path. None: `path`'s data.split."""
     batches: int = 4
     """Batches of train.global_batch sequences per evaluation (the same ones every time: losses compare)."""
     keep_best: bool = False
@@ -244,10 +277,11 @@ class EvalConfig:
             raise ValueError(f"every={self.every} must be >= 0 and batches={self.batches} > 0")
         if not 0 <= self.fraction < 1:
             raise ValueError(f"fraction={self.fraction} must lie in [0, 1), e.g. 0.05")
-        if self.every and not self.fraction and not self.path:
-            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05) or path")
-        if self.fraction and self.path:
-            raise ValueError(f"fraction={self.fraction} and path={self.path!r} are both set; keep one")
+        if self.every and not self.fraction and not self.path and not self.split:
+            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05), path or split")
+        if self.fraction and (self.path or self.split):
+            other = f"path={self.path!r}" if self.path else f"split={self.split!r}"
+            raise ValueError(f"fraction={self.fraction} and {other} are both set; keep one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,25 +405,23 @@ def dump_toml(config: Config) -> str:
 
 
 def toml_text(sections: dict[str, dict[str, Any]]) -> str:
-    """Tables of key -> value as a TOML config file (None values are left out: they are defaults)."""
-    lines: list[str] = []
-    for section, table in sections.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in table.items() if value is not None]
-        lines.append("")
-    return "\n".join(lines)
+    """Tables of key -> value as a TOML config file, written by tomli-w (None values are left out: they are
+    defaults; TOML has no null)."""
+    import tomli_w
+
+    return tomli_w.dumps(_without_none(sections))
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+def toml_value(value: Any) -> str:
+    """One value as TOML text, as an override `section.key=value` takes it."""
+    import tomli_w
+
+    return tomli_w.dumps({"v": _without_none(value)}).partition("=")[2].strip()
+
+
+def _without_none(value: Any) -> Any:
     if isinstance(value, dict):
-        # keys quoted: a tp_plan's module names hold dots and stars
-        return "{" + ", ".join(f"{_toml(str(k))} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
-    raise ConfigError(f"cannot write {value!r} as TOML")
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_none(v) for v in value]
+    return value

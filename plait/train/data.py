@@ -18,8 +18,9 @@ folder holding a Hugging Face ``tokenizer.json``, read with the `tokenizers` lib
 only (by default the model folder's, for a Hugging Face model). A text is tokenized as the model's own
 tokenizer would (its post-processor adds a BOS token where it says so), and documents are packed into one
 stream with the tokenizer's EOS token between them. The result is kept in a cache (``[data] cache_dir``,
-default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity,
-so a run tokenizes a file once and a changed file or tokenizer is tokenized again. Raw bytes need no
+default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity (every
+tokenizer file, the chat template included: plait.tokenizer_files), and for chat data the masking rule, so a run
+tokenizes a file once and a changed file, tokenizer or template is tokenized again. Raw bytes need no
 cache: the byte tokenizer reads a text file as it is.
 
 The loader cuts the token stream into non-overlapping windows of ``seq_len + 1`` tokens,
@@ -97,7 +98,6 @@ class HFTokenizer:
     tokenizer_config.json's `eos_token`, else from config.json's `eos_token_id`."""
 
     FILE = "tokenizer.json"
-    _IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer as RustTokenizer
@@ -112,12 +112,18 @@ class HFTokenizer:
                               f"tokenizer.json, or data.tokenizer = \"byte\"") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id()
+        self.identity = "hf-" + self._digest()
+
+    def _digest(self) -> str:
+        """Every tokenizer file (the chat template included: it decides a conversation's tokens and masks), and
+        the EOS id, which config.json may give."""
+        from plait.tokenizer_files import tokenizer_files
+
         digest = hashlib.sha256()
-        for name in self._IDENTITY_FILES:
-            if (self.folder / name).is_file():
-                digest.update(name.encode() + b"\0" + (self.folder / name).read_bytes())
+        for name in tokenizer_files(self.folder):
+            digest.update(name.as_posix().encode() + b"\0" + (self.folder / name).read_bytes())
         digest.update(f"eos={self.eos_id}".encode())
-        self.identity = "hf-" + digest.hexdigest()
+        return digest.hexdigest()
 
     def _eos_id(self) -> int | None:
         token = _json_field(self.folder / "tokenizer_config.json", "eos_token")
@@ -134,7 +140,8 @@ class HFTokenizer:
         return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(documents)]
 
     def decode(self, ids: Any) -> str:
-        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+        """Text without special tokens (BOS, EOS, a template's turn markers): what a reader wants printed."""
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
 
 
 def _json_field(path: Path, key: str) -> Any:
@@ -189,10 +196,35 @@ def training_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
 
 
 def eval_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
-    """The held-out tokens [eval] names: its own file (read as [data] says), or the tail of the [data] stream."""
-    if config.eval.path is not None:
-        return source_tokens(config, model, config.eval.path)
+    """The held-out tokens [eval] names: its own file or split (read as [data] says), or the tail of the [data]
+    stream."""
+    ev = config.eval
+    if ev.split is not None and config.data.source != "hf":
+        raise ConfigError(f"eval.split={ev.split!r} picks a split of a Hugging Face dataset folder (data.source = "
+                          f"\"hf\"), but data.source is {config.data.source!r}; give eval.path or eval.fraction")
+    if ev.path is not None or ev.split is not None:
+        path = ev.path if ev.path is not None else config.data.path
+        return source_tokens(config, model, path, split=ev.split or config.data.split,
+                             keys=("eval.path" if ev.path is not None else "data.path",
+                                   "eval.split" if ev.split is not None else "data.split"))
     return split_held_out(source_tokens(config, model, config.data.path), config.eval.fraction)[1]
+
+
+def same_documents(config: "Config") -> str | None:
+    """What the validation reads when it is the training documents themselves ([eval] path or split naming the
+    [data] file and split), else None: its loss then says how well the run fits them, not how it generalises."""
+    ev, data = config.eval, config.data
+    if ev.path is None and ev.split is None:
+        return None  # nothing, or the held-out tail (eval.fraction), which training does not see
+    eval_path = ev.path if ev.path is not None else data.path
+    if eval_path is None or data.path is None or data.source == "shipped":
+        return None
+    if Path(eval_path).expanduser().resolve() != Path(data.path).expanduser().resolve():
+        return None
+    if data.source == "hf" and (ev.split or data.split) != data.split:
+        return None
+    split = f", split {data.split!r}" if data.source == "hf" else ""
+    return f"{data.path}{split}"
 
 
 def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -201,13 +233,16 @@ def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.
     return tokens[:cut], tokens[cut:]
 
 
-def source_tokens(config: "Config", model: "ModelSpec", path: str | None) -> np.ndarray:
-    """The whole token stream of the file `path`, read as [data] source and tokenizer say."""
+def source_tokens(config: "Config", model: "ModelSpec", path: str | None, split: str | None = None,
+                  keys: tuple[str, str] = ("data.path", "data.split")) -> np.ndarray:
+    """The whole token stream of the file `path` (of its `split`, for an "hf" dataset folder; default data.split),
+    read as [data] source and tokenizer say. `keys`: the config keys that named the path and the split, which
+    errors name."""
     data = config.data
     where = f"data ({path or 'shipped text'})"
     hint = "check data.dtype"
     if data.source == "tokens":
-        tokens = load_tokens("tokens", path, data.dtype)
+        tokens = load_tokens("tokens", path, data.dtype, key=keys[0])
     else:
         model_dir = Path(model.source.removeprefix("hf:")) if model.source.startswith("hf:") else None
         tokenizer = load_tokenizer(data.tokenizer, model_dir)
@@ -215,7 +250,8 @@ def source_tokens(config: "Config", model: "ModelSpec", path: str | None) -> np.
         if not isinstance(tokenizer, ByteTokenizer):  # bytes: a model of 128 ids may train on ASCII text
             check_tokenizer(tokenizer, model.vocab_size)
         shipped = data.source == "shipped" and path is None  # [eval] path of a shipped-text run: a text file
-        file = shipped_text_path() if shipped else _existing(_path_of(data.source, path), data.source)
+        file = shipped_text_path() if shipped else _existing(_path_of(data.source, path, keys[0]), data.source,
+                                                              keys[0])
         if data.chat and (isinstance(tokenizer, ByteTokenizer) or data.source not in ("jsonl", "hf")):
             raise ConfigError(f"data.chat = true renders conversations with a tokenizer's chat template: it needs "
                               f"data.source \"jsonl\" or \"hf\" (now {data.source!r}) and a Hugging Face tokenizer "
@@ -224,8 +260,8 @@ def source_tokens(config: "Config", model: "ModelSpec", path: str | None) -> np.
             tokens = _read_text(file)  # the bytes are the tokens: nothing to cache
         else:
             cache = Path(data.cache_dir) if data.cache_dir else Path(config.log.dir) / "tokens"
-            tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key, split=data.split,
-                                   chat=data.chat)
+            tokens = cached_tokens(file, data.source, tokenizer, cache, text_key=data.text_key,
+                                   split=split or data.split, chat=data.chat, split_key=keys[1])
     check_vocab(tokens, model.vocab_size, where, hint)
     return tokens
 
@@ -247,11 +283,13 @@ def rank_tokens(config: "Config", model: "ModelSpec") -> np.ndarray:
     return tokens if dist.get_rank() == 0 else training_tokens(config, model)
 
 
-def load_tokens(source: Source, path: str | None = None, dtype: TokenDtype = "auto") -> np.ndarray:
-    """The whole token stream of a byte-level source, as a 1-D integer array (a memmap for token files)."""
+def load_tokens(source: Source, path: str | None = None, dtype: TokenDtype = "auto", key: str = "data.path"
+                ) -> np.ndarray:
+    """The whole token stream of a byte-level source, as a 1-D integer array (a memmap for token files); `key`
+    names the config key of `path` in errors."""
     if source == "shipped":
         return _read_text(shipped_text_path())
-    file = _existing(_path_of(source, path))
+    file = _existing(_path_of(source, path, key), key=key)
     if source == "text":
         return _read_text(file)
     if source == "tokens":
@@ -259,19 +297,20 @@ def load_tokens(source: Source, path: str | None = None, dtype: TokenDtype = "au
     raise ConfigError(f"data.source={source!r} is not one of 'shipped', 'text', 'tokens' (bytes)")
 
 
-def _path_of(source: str, path: str | None) -> str:
+def _path_of(source: str, path: str | None, key: str = "data.path") -> str:
     if path is None:
         kind = {"text": "text", "jsonl": "JSON-lines", "tokens": "token"}.get(source, "data")
-        raise ConfigError(f"data.source={source!r} needs data.path (a {kind} file)")
+        raise ConfigError(f"data.source={source!r} needs {key} (a {kind} file)")
     return path
 
 
-def _existing(path: str, source: str = "text") -> Path:
+def _existing(path: str, source: str = "text", key: str = "data.path") -> Path:
     file = Path(path).expanduser()
     if source == "hf" and file.is_dir():
         return file
     if not file.is_file():
-        raise ConfigError(f"data file {str(file)!r} does not exist; set data.path to an existing file")
+        what = "an existing file or dataset folder" if source == "hf" else "an existing file"
+        raise ConfigError(f"{key} {str(file)!r} does not exist; set {key} to {what}")
     return file
 
 
@@ -327,12 +366,13 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: 
 
 
 # ---- documents, packing and the cache ---------------------------------------------------
-def read_documents(file: Path, source: str, text_key: str = "text", split: str = "train") -> Iterator[str]:
+def read_documents(file: Path, source: str, text_key: str = "text", split: str = "train",
+                   split_key: str = "data.split") -> Iterator[str]:
     """The documents of a text file (the whole file) or a JSON-lines file (one per line; blank lines skipped)."""
     if source == "hf":
         from plait.train.hf_data import dataset_documents
 
-        yield from dataset_documents(file, text_key, split)
+        yield from dataset_documents(file, text_key, split, split_key)
         return
     if source != "jsonl":
         from plait.inputs import read_text
@@ -412,13 +452,17 @@ def cache_key(content: str, tokenizer: Tokenizer, source: str, text_key: str, sp
               chat: bool = False) -> str:
     """What decides the tokens: the file's content, the tokenizer, how documents are read, the packing format."""
     documents = {"jsonl": f"jsonl:{text_key}", "hf": f"hf:{text_key}:{split}"}.get(source, "text")
-    documents = "chat:" + documents if chat else documents
+    if chat:
+        from plait.train.chat import MASK_RULE
+
+        documents = f"chat[{MASK_RULE}]:{documents}"
     fields = {"format": CACHE_FORMAT, "content": content, "tokenizer": tokenizer.identity, "documents": documents}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str | Path, *,
-                  text_key: str = "text", split: str = "train", chat: bool = False) -> np.ndarray:
+                  text_key: str = "text", split: str = "train", chat: bool = False,
+                  split_key: str = "data.split") -> np.ndarray:
     """The packed tokens of `file`, read from `cache_dir` when this content was tokenized by this tokenizer before,
     else tokenized and stored there (written to a temporary name, then renamed: ranks that race see either no entry
     or a whole one). A damaged entry is tokenized again."""
@@ -433,9 +477,9 @@ def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str 
         except (OSError, ValueError, EOFError):
             pass  # damaged (a copy cut short): tokenize again below
     if chat:
-        tokens, count = _pack_chat(file, source, tokenizer, text_key, split)
+        tokens, count = _pack_chat(file, source, tokenizer, text_key, split, split_key)
     else:
-        tokens, count = pack_documents(read_documents(file, source, text_key, split), tokenizer,
+        tokens, count = pack_documents(read_documents(file, source, text_key, split, split_key), tokenizer,
                                        where=f"data file {str(file)!r}")
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -450,11 +494,13 @@ def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str 
     return np.load(entry, mmap_mode="r")
 
 
-def _pack_chat(file: Path, source: str, tokenizer: Tokenizer, key: str, split: str) -> tuple[np.ndarray, int]:
+def _pack_chat(file: Path, source: str, tokenizer: Tokenizer, key: str, split: str, split_key: str
+               ) -> tuple[np.ndarray, int]:
     from plait.train.chat import chat_tokenizer, json_conversations, pack_conversations
     from plait.train.hf_data import dataset_values
 
-    conversations = json_conversations(file, key) if source == "jsonl" else dataset_values(file, key, split)
+    conversations = json_conversations(file, key) if source == "jsonl" else dataset_values(file, key, split,
+                                                                                              split_key)
     return pack_conversations(conversations, chat_tokenizer(tokenizer.folder), tokenizer.eos_id,
                               where=f"data file {str(file)!r}")
 

@@ -20,19 +20,21 @@ BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": 
 _BATCH_ROWS = 1024
 
 
-def dataset_documents(path: Path, text_key: str, split: str = "train") -> Iterator[str]:
+def dataset_documents(path: Path, text_key: str, split: str = "train", split_key: str = "data.split"
+                      ) -> Iterator[str]:
     """The text of each row of the dataset at `path`, in order."""
-    for number, text in enumerate(dataset_values(path, text_key, split), start=1):
+    for number, text in enumerate(dataset_values(path, text_key, split, split_key), start=1):
         if not isinstance(text, str):
             raise ConfigError(f"dataset {str(path)!r}: column {text_key!r} holds a {type(text).__name__} (row "
                               f"{number}), not text; set data.text_key to a column of strings")
         yield text
 
 
-def dataset_values(path: Path, key: str, split: str = "train") -> Iterator[Any]:
-    """The `key` column's value of each row of the dataset at `path`, in order (a conversation's messages, say)."""
+def dataset_values(path: Path, key: str, split: str = "train", split_key: str = "data.split") -> Iterator[Any]:
+    """The `key` column's value of each row of the dataset at `path`, in order (a conversation's messages, say);
+    `split_key` is the config key that chose `split` (errors name it)."""
     first = True
-    for batch in _rows(path, split):
+    for batch in _rows(path, split, split_key):
         if first:
             _check_column(batch, key, path)
             first = False
@@ -53,7 +55,7 @@ def _datasets() -> Any:
     return datasets
 
 
-def _rows(path: Path, split: str) -> Iterator[dict[str, list]]:
+def _rows(path: Path, split: str, split_key: str = "data.split") -> Iterator[dict[str, list]]:
     """Batches of rows ({column: [values]}) of a save_to_disk folder or of local data files."""
     datasets = _datasets()
     if path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json")):
@@ -61,10 +63,16 @@ def _rows(path: Path, split: str) -> Iterator[dict[str, list]]:
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise ConfigError(f"dataset {str(path)!r} has no split {split!r} (it has {', '.join(loaded)}); "
-                                  f"set data.split")
+                                  f"set {split_key} to one of them")
             loaded = loaded[split]
+        elif split_key != "data.split":  # a split asked for on purpose (eval.split) must exist
+            raise ConfigError(f"dataset {str(path)!r} holds one table, not splits; unset {split_key}, or give a "
+                              f"DatasetDict folder")
         yield from loaded.iter(batch_size=_BATCH_ROWS)
         return
+    if split_key != "data.split":
+        raise ConfigError(f"{str(path)!r} holds data files, not splits; unset {split_key}, or give a DatasetDict "
+                          f"folder (save_to_disk)")
     builder, files = _data_files(path)
     streamed = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
     yield from streamed.iter(batch_size=_BATCH_ROWS)

@@ -36,6 +36,12 @@ class TrainState:
     best_val_loss: float | None = None
     """The lowest validation loss so far (None: no evaluation yet); saved with every checkpoint, so a resumed run
     keeps a better best checkpoint rather than overwriting it (plait.train.evaluate)."""
+    schedule_steps: int | None = None
+    """Steps the learning-rate schedule spans as the checkpoint resumed from says (plait.train.checkpoint.
+    schedule_span); None: a new run's, optimizer.schedule_steps or train.steps."""
+
+    def schedule_span(self) -> int:
+        return self.schedule_steps or self.config.optimizer.schedule_steps or self.config.train.steps
 
 
 class CheckpointHooks(Protocol):

@@ -22,7 +22,7 @@ from plait.launch import note_progress
 from plait.plan import Plan
 from plait.train.chat import unanswered_note
 from plait.train.checkpoint import export_at_end, pretrained_dir
-from plait.train.config import Config, OptimizerConfig
+from plait.train.config import Config, lr_at  # noqa: F401  (lr_at: plait.train.auto imports it from here)
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.adapt import Adaptation, switch_plan
@@ -49,18 +49,6 @@ class RunResult:
     metrics_path: Path
     plot_path: Path | None
     model_path: Path | None
-
-
-def lr_at(step: int, optimizer: OptimizerConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine or constant."""
-    if optimizer.warmup and step < optimizer.warmup:
-        return optimizer.lr * (step + 1) / optimizer.warmup
-    if optimizer.schedule == "constant":
-        return optimizer.lr
-    decay_steps = max(1, total_steps - optimizer.warmup)
-    progress = min(1.0, (step - optimizer.warmup) / decay_steps)
-    floor = optimizer.lr * optimizer.min_lr_ratio
-    return floor + 0.5 * (optimizer.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
 def run(config: Config) -> RunResult:
@@ -173,7 +161,7 @@ def _steps(state: TrainState, hooks: Any, metrics: RunSinks, measured: RunMeasur
 def _one_step(state: TrainState, throughput: Throughput, device: torch.device, measured: RunMeasurements,
               elapsed_s: float) -> StepMetrics:
     config = state.config
-    lr = lr_at(state.step, config.optimizer, config.train.steps)
+    lr = lr_at(state.step, config.optimizer, state.schedule_span())
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     tokens, targets = state.loader.next_batch()

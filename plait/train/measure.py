@@ -352,10 +352,10 @@ def predicted_segment(plan: Any) -> Segment:
 def rank_compute(plan: Any, parts: dict[str, float]) -> list[float]:
     """Per pipeline rank, the compute the cost model expects of it per step: its stages' work over the
     micro-batches, scaled as the model scales the bottleneck's (cores lent by idle stages, plait.cost.model)."""
-    from plait.cost.layout import Layout, Setting
+    from plait.cost.layout import Setting
     from plait.cost.model import pipeline_stage_times
 
-    layout = Layout.of(plan)
+    layout = plan.layout
     st, _ = pipeline_stage_times(Setting(plan.model, plan.cluster, plan.train), layout, plan.layers_per_stage,
                                  plan.recompute)
     per_stage = [sum(kinds) for kinds in zip(st.compute, st.recompute, st.tp_comm, st.cp_comm, st.ep_comm)]

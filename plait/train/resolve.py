@@ -22,7 +22,17 @@ DEFAULT_DEVICES = 2
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
-    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset."""
+    """The ModelSpec a [model] section names: your module if given, else a model file, else a preset; with its LoRA
+    adapters counted on meta (plait.models.lora.with_lora) where [model] lora asks for them."""
+    spec = _resolve_base_model(config)
+    if config.lora is None:
+        return spec
+    from plait.models.lora import with_lora
+
+    return with_lora(spec, config.lora)
+
+
+def _resolve_base_model(config: ModelConfig) -> ModelSpec:
     if config.module:
         if config.path:
             import_path(config.path)
@@ -58,15 +68,26 @@ def check_pretrained(config: ModelConfig, spec: ModelSpec) -> None:
 
 def check_export(config: Config, model: ModelSpec) -> None:
     """checkpoint.export_hf writes a Hugging Face folder: for a Hugging Face model, into an empty folder unless
-    checkpoint.export_overwrite."""
+    checkpoint.export_overwrite, or a resume of the run that exported there (its checkpoints name the folder)."""
     from plait.outputs import filled_dir
+    from plait.train.checkpoint import exports_here
 
+    if config.checkpoint.export_adapter is not None:
+        if model.lora is None:
+            raise ConfigError("checkpoint.export_adapter writes LoRA adapters, but the model has none; set "
+                              "model.lora or unset export_adapter")
+        if not model.source.startswith("hf:"):
+            raise ConfigError(f"checkpoint.export_adapter writes a peft folder for a Hugging Face model, but the model "
+                              f"{model.name!r} is not one; set model.file to a Hugging Face model folder")
+        filled_dir(config.checkpoint.export_adapter, "checkpoint.export_adapter", config.checkpoint.export_overwrite,
+                   "set checkpoint.export_overwrite=true")
     if config.checkpoint.export_hf is None:
         return
     if not model.source.startswith("hf:"):
         raise ConfigError(f"checkpoint.export_hf writes a Hugging Face folder, but the model {model.name!r} is not a "
                           f"Hugging Face model; set model.file to a Hugging Face model folder or unset export_hf")
-    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite,
+    own = exports_here(config)
+    filled_dir(config.checkpoint.export_hf, "checkpoint.export_hf", config.checkpoint.export_overwrite or own,
                "set checkpoint.export_overwrite=true")
 
 
@@ -84,11 +105,22 @@ def check_hf_run(config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"model folder {str(folder)!r} holds no tokenizer.json, so the text has no tokenizer of "
                           f"this model; put the model's tokenizer.json there, set data.tokenizer to a folder holding "
                           f"it, or set data.tokenizer = \"byte\" to train on bytes on purpose")
+    check_position_limit(model, config.train.seq_len)
+
+
+def check_position_limit(model: ModelSpec, seq_len: int, key: str = "train.seq_len") -> None:
+    """A Hugging Face model trains (and is planned) within the positions its config.json states; `key` names the
+    setting that gave `seq_len` (`plait plan` passes "--seq-len")."""
+    if not model.source.startswith("hf:"):
+        return
+    folder = Path(model.source.removeprefix("hf:"))
+    folder = folder.parent if folder.is_file() else folder
     found = position_limit(folder)
-    if found is not None and config.train.seq_len > found[1]:
-        key, limit = found
-        raise ConfigError(f"train.seq_len={config.train.seq_len} is past {model.name}'s position limit ({key}={limit} "
-                          f"in {str(folder / 'config.json')!r}); use train.seq_len <= {limit}")
+    if found is not None and seq_len > found[1]:
+        name, limit = found
+        said = f"{key} {seq_len}" if key.startswith("--") else f"{key}={seq_len}"
+        raise ConfigError(f"{said} is past {model.name}'s position limit ({name}={limit} in "
+                          f"{str(folder / 'config.json')!r}); use {key} <= {limit}")
 
 
 def position_limit(folder: Path) -> tuple[str, int] | None:
@@ -128,7 +160,7 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     if config.plan.file == "auto":
         plan = auto_plan(config, model, num_devices)
     else:
-        plan = Plan.from_json(config.plan.file)
+        plan = with_config_lora(Plan.from_json(config.plan.file), model)
         if config.train.precision and config.train.precision != plan.train.precision:
             # Precision changes memory, not legality: the config may run a plan file in another dtype.
             plan = plan.replace(train=dataclasses.replace(plan.train, precision=config.train.precision))
@@ -139,6 +171,17 @@ def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
             f"{num_devices} processes were asked for; use --nproc {plan.num_devices} or another plan"
         )
     return plan
+
+
+def with_config_lora(plan: Plan, model: ModelSpec) -> Plan:
+    """A plan file's model with the config's LoRA alpha and dropout, where the adapters are the same (rank, targets:
+    what the plan priced); `plait plan --lora-rank` writes peft's default alpha."""
+    planned, wanted = plan.model.lora, model.lora
+    if planned is None or wanted is None or planned == wanted:
+        return plan
+    if (planned.rank, planned.targets, planned.adapter_params) != (wanted.rank, wanted.targets, wanted.adapter_params):
+        return plan
+    return plan.replace(model=plan.model.replace(lora=wanted))
 
 
 def plan_for_world(config: Config, world_size: int) -> Plan:
@@ -188,6 +231,11 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
     from plait import legality
 
     diff = _first_difference(plan.model, model, ignore=NOT_THE_MODULE)
+    if diff and diff[0] == "lora":
+        _, planned, wanted = diff
+        how = (f"--lora-rank {wanted.rank} --lora-targets {','.join(wanted.targets)}" if wanted else "without --lora-rank")
+        raise ConfigError(f"the plan is for {model.name} with {_lora_words(planned)} but the config trains it with "
+                          f"{_lora_words(wanted)}; make a plan for it with `plait plan --model ... {how} --json FILE`")
     if diff:
         key, planned, wanted = diff
         raise ConfigError(
@@ -207,6 +255,10 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
         raise ConfigError(f"train.{refusal}")
     check_hf_run(config, model)
     check_export(config, model)
+
+
+def _lora_words(lora: Any) -> str:
+    return f"LoRA rank {lora.rank} on {', '.join(lora.targets)}" if lora is not None else "every weight trained (no LoRA)"
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, Any, Any] | None:
@@ -235,11 +287,20 @@ def check_data(config: Config, model: ModelSpec) -> int:
 
 
 def check_eval_data(config: Config, model: ModelSpec) -> None:
-    """The held-out tokens must fill at least one batch."""
-    from plait.train.data import BatchLoader, eval_tokens
+    """The held-out tokens must fill at least one batch; validating on the training documents is said."""
+    import sys
+
+    from plait.train.data import BatchLoader, eval_tokens, same_documents
 
     held_out = eval_tokens(config, model)
-    where = f"eval.path {config.eval.path!r}" if config.eval.path else f"eval.fraction={config.eval.fraction}"
+    ev = config.eval
+    where = (f"eval.path {ev.path!r}" if ev.path else f"eval.split {ev.split!r}" if ev.split else
+             f"eval.fraction={ev.fraction}")
+    same = same_documents(config)
+    if same:
+        print(f"plait: warning: validation reads the training documents ({same}): its loss says how well the run "
+              f"fits them, not how it does on unseen text; set eval.split (or eval.path) to held-out documents, or "
+              f"eval.fraction", file=sys.stderr, flush=True)
     try:
         BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
     except ConfigError as e:

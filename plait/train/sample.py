@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -28,17 +28,18 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, num_tokens: int, m
 @torch.no_grad()
 def sample(logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, *, num_tokens: int,
            max_seq_len: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-           stop_id: int | None = None) -> torch.Tensor:
+           stop_ids: Collection[int] = (), stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Extend `prompt` [s] by up to `num_tokens` tokens from `logits_of(tokens [1, s]) -> [1, s, V]`: greedy at
     temperature 0, else sampled from softmax(logits / temperature) cut to the top_k most likely (0: all) and to
-    the smallest set holding top_p of the probability (nucleus sampling). Stops after `stop_id` (EOS)."""
+    the smallest set holding top_p of the probability (nucleus sampling). Stops after a token of `stop_ids` (EOS,
+    a chat template's end of turn), or once `stop(the tokens added so far)` is true (a stop string)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = prompt.clone()
     for _ in range(num_tokens):
         logits = logits_of(tokens[-max_seq_len:].unsqueeze(0))[0, -1].float()  # [V]
         picked = logits.argmax() if temperature <= 0 else _nucleus(logits / temperature, top_p, top_k, generator)
         tokens = torch.cat([tokens, picked.view(1)])
-        if stop_id is not None and int(picked) == stop_id:
+        if int(picked) in stop_ids or (stop is not None and stop(tokens[len(prompt):])):
             break
     return tokens
 

@@ -64,9 +64,9 @@ class TensorBoardSink:
     def __init__(self, log_dir: Path, metadata: dict[str, Any], resumed_at: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: a resumed run trains the steps after its checkpoint again; TensorBoard drops the old ones
-        self.writer = SummaryWriter(log_dir=str(log_dir / TENSORBOARD_DIR),
-                                    purge_step=resumed_at + 1 if resumed_at else None)
+        if resumed_at:  # the steps after the checkpoint are trained again: each step is logged once
+            keep_events_up_to(log_dir / TENSORBOARD_DIR, resumed_at)
+        self.writer = SummaryWriter(log_dir=str(log_dir / TENSORBOARD_DIR))
         if not resumed_at:
             for name, value in metadata.items():
                 self.writer.add_text(name, "```\n" + json.dumps(value, indent=1) + "\n```", global_step=0)
@@ -82,6 +82,35 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def keep_events_up_to(folder: Path, step: int) -> list[Path]:
+    """Rewrite the TensorBoard event files in `folder` without their events past `step` (what an interrupted run
+    logged after its last checkpoint), as metrics.jsonl drops those lines: any reader -- TensorBoard, its data
+    server, a script over the raw files -- then sees each step once. purge_step would only ask TensorBoard to hide
+    them. Each file is replaced whole (written aside, then renamed); returns the files rewritten."""
+    import os
+
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    rewritten = []
+    for file in sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else []:
+        records = list(RawEventFileLoader(str(file)).Load())
+        kept = [record for record in records if Event.FromString(record).step <= step]
+        if len(kept) == len(records):
+            continue
+        aside = file.with_name(f".rewrite-{os.getpid()}.tmp")  # no "tfevents" in it: no reader takes it for a log
+        with aside.open("wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, file)
+        rewritten.append(file)
+    return rewritten
 
 
 class WandbSink:

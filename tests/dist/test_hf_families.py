@@ -5,8 +5,9 @@ OLMo 2 (post-norms, q/k norms over the whole projection: its plan gathers q, k, 
 parallelism; Phi-3 (fused q|k|v and gate|up projections) under pp2; Gemma 2 (soft-capped attention and logits: the
 class's own eager attention) under pp2; MiniCPM3 (latent attention: q_a_proj, which its plan leaves unplaced,
 replicated; kv_a_proj_with_mqa's rotary part's gradient summed) under tp2; MiniMax (lightning attention its plan
-leaves unplaced, run whole on every rank in its linear layers, the full attention split in the others) under tp2.
-And a refusal: Gemma 2 under ep2 has no experts, OLMo 2's tensor plan under a
+leaves unplaced, run whole on every rank in its linear layers, the full attention split in the others) under tp2;
+StableLM (no tensor-parallel plan of its own: plait's, derived from its plain projections, plait.models.hf_tensor_plan)
+under tp2 with sequence parallelism. And a refusal: Gemma 2 under ep2 has no experts, OLMo 2's tensor plan under a
 style plait does not run would be refused before any rank starts (benchmarks/hf_families.admit)."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "hf_families.py"
-SAMPLE = [("olmo2", "tp2"), ("phi3", "pp2"), ("gemma2", "pp2"), ("minicpm3", "tp2"), ("minimax", "tp2")]
+SAMPLE = [("olmo2", "tp2"), ("phi3", "pp2"), ("gemma2", "pp2"), ("minicpm3", "tp2"), ("minimax", "tp2"),
+          ("stablelm", "tp2")]
 
 
 def _sweep_module():

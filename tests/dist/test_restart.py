@@ -120,7 +120,7 @@ def test_dead_peer_without_checkpoints_is_one_line_per_rank(workdir: Path) -> No
     assert "plait: rank 1 failed (signal SIGKILL)" in result.stderr
     assert "Traceback" not in result.stderr and "closing signal" not in result.stderr
     # The surviving rank ends without the interpreter's teardown, where gloo's threads, cut off mid-read by the
-    # dead peer, aborted it ("terminate called without an active exception" after its line, stop 23).
+    # dead peer, aborted it ("terminate called without an active exception" after its line).
     assert "terminate called" not in result.stderr
     assert len(result.stderr.splitlines()) <= 8, result.stderr
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._pytree import tree_leaves
 
 from plait.cost.activations import Dtypes, activation_bytes
 from plait.cost.model import reference_twin
 from plait.models.adapter import get_module
 from plait.spec import ModelSpec
 from plait.spec.load import load_model
+from plait.torch_internals import MemTracker, tree_leaves
 
 HF = Path(__file__).resolve().parents[2] / "examples" / "hf"
 HALF = Dtypes(compute=2, residual=2)  # fully_shard's mixed precision

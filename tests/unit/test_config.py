@@ -166,3 +166,17 @@ def test_the_example_config_documents_every_key():
         for key in dataclasses.fields(section.default_factory):
             assert re.search(rf"^#? ?{key.name} = ", body[section.name], flags=re.M), f"{section.name}.{key.name}"
     assert load_config(Path(__file__).parents[2] / "examples" / "tiny-gpt.toml").train.steps == 200
+
+
+@pytest.mark.parametrize("text", ["two\nlines", 'quote " and \\ backslash', "tab\tand unicode: 日本語 ✓ é",
+                                  "'single' and \"double\"", "trailing newline\n", "#not a comment = 1"])
+def test_written_toml_round_trips_awkward_strings(tmp_path, text):
+    """The writer is tomli-w: a string with a newline, quotes, backslashes or unicode reads back as written, as a
+    whole config and as a command-line override."""
+    from plait.train.config import dump_toml, toml_value
+
+    config = load_config(None, [f"log.dir={toml_value(text)}", f"model.tp_plan={{{toml_value(text)} = \"colwise\"}}"])
+    assert config.log.dir == text and config.model.tp_plan == {text: "colwise"}
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(config), encoding="utf-8")
+    assert load_config(path) == config

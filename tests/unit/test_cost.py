@@ -10,7 +10,8 @@ from plait.cost import predict
 from plait.cost.comm import Group, all_gather, all_reduce, members_per_node, p2p, reduce_scatter
 from plait.cost.activations import Dtypes, activation_bytes
 from plait.cost.compute import layer_flops, model_flops_per_step
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
+from plait.plan import Layout
 from plait.cost.memory import in_flight, model_state_bytes, rank_memory
 from plait.cost.published import ZERO_PSI, ZERO_ROWS
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -111,7 +112,7 @@ def test_zero_model_states_match_the_paper(nd):
 
 
 def test_in_flight_per_schedule():
-    base = dict(dp=1, tp=1, sp=False, zero=0, micro_batch=1)
+    base = dict(dp=1, tp=1, sequence_parallel=False, zero=0, micro_batch=1)
     one = Layout.make(pp=4, num_micro_batches=8, schedule="1f1b", interleave=1, **base)
     assert [in_flight(one, r) for r in range(4)] == [4, 3, 2, 1]
     gpipe = Layout.make(pp=4, num_micro_batches=8, schedule="gpipe", interleave=1, **base)
@@ -122,7 +123,7 @@ def test_in_flight_per_schedule():
 
 def test_memory_falls_with_more_recompute():
     setting = Setting(GPT175, A100, TrainSpec(global_batch=64, seq_len=2048))
-    layout = Layout.make(dp=1, tp=8, pp=8, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="1f1b",
+    layout = Layout.make(dp=1, tp=8, pp=8, sequence_parallel=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="1f1b",
                     interleave=1)
     totals = [rank_memory(setting, layout, 0, mode).total(12) for mode in ("none", "selective", "full")]
     assert totals[0] > totals[1] > totals[2]
@@ -165,10 +166,10 @@ def test_zero_three_saves_memory_and_costs_communication():
 
 
 @pytest.mark.parametrize("layout", [
-    Layout.make(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
-    Layout.make(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6, schedule="interleaved",
+    Layout.make(dp=16, tp=8, pp=8, sequence_parallel=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=16, tp=8, pp=8, sequence_parallel=False, zero=3, micro_batch=2, num_micro_batches=6, schedule="interleaved",
            interleave=3),
-    Layout.make(dp=128, tp=8, pp=1, sp=False, zero=0, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=128, tp=8, pp=1, sequence_parallel=False, zero=0, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
 ])
 def test_search_memory_table_equals_rank_memory_at_an_even_share(layout):
     """The search's table is rank_memory's peak moment at an even share of GPT-3's 96 layers (the plans it keeps
@@ -190,7 +191,7 @@ def test_closed_form_estimate_is_exact_on_uniform_stages_without_transfers():
 
     setting = Setting(GPT175, A100.replace(intra_node=A100.intra_node, inter_node=A100.inter_node),
                       TrainSpec(global_batch=64, seq_len=2048))
-    layout = Layout.make(dp=1, tp=8, pp=4, sp=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="interleaved",
+    layout = Layout.make(dp=1, tp=8, pp=4, sequence_parallel=True, zero=0, micro_batch=1, num_micro_batches=64, schedule="interleaved",
                     interleave=2)
     layers = (12,) * 8
     exact = predict_layout(setting, layout, layers, ("full",) * 4).step_time_s
@@ -204,15 +205,15 @@ HF_LLAMA70 = dataclasses.replace(MODEL_PRESETS["llama3-70b"], source="hf:llama")
 
 
 @pytest.mark.parametrize("model, layout", [
-    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b",
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sequence_parallel=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b",
                          interleave=1)),
-    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=False, zero=3, micro_batch=2, num_micro_batches=6,
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sequence_parallel=False, zero=3, micro_batch=2, num_micro_batches=6,
                          schedule="interleaved", interleave=3)),
-    (GPT175, Layout.make(dp=16, tp=8, pp=8, sp=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="zbv",
+    (GPT175, Layout.make(dp=16, tp=8, pp=8, sequence_parallel=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="zbv",
                          interleave=2)),
-    (GPT175, Layout.make(dp=128, tp=8, pp=1, sp=False, zero=3, micro_batch=1, num_micro_batches=1, schedule="1f1b",
+    (GPT175, Layout.make(dp=128, tp=8, pp=1, sequence_parallel=False, zero=3, micro_batch=1, num_micro_batches=1, schedule="1f1b",
                          interleave=1)),
-    (HF_LLAMA70, Layout.make(dp=4, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=16,
+    (HF_LLAMA70, Layout.make(dp=4, tp=8, pp=8, sequence_parallel=True, zero=1, micro_batch=1, num_micro_batches=16,
                              schedule="interleaved", interleave=2)),
 ])
 def test_memory_moments_are_the_same_whichever_mode_is_asked_first(model, layout):
@@ -246,10 +247,10 @@ def test_memory_moments_are_the_same_whichever_mode_is_asked_first(model, layout
 
 
 @pytest.mark.parametrize("layout", [
-    Layout.make(dp=2, tp=8, pp=8, sp=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
-    Layout.make(dp=2, tp=8, pp=8, sp=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="dualpipev",
+    Layout.make(dp=2, tp=8, pp=8, sequence_parallel=True, zero=1, micro_batch=1, num_micro_batches=12, schedule="1f1b", interleave=1),
+    Layout.make(dp=2, tp=8, pp=8, sequence_parallel=True, zero=2, micro_batch=1, num_micro_batches=16, schedule="dualpipev",
                 interleave=2),
-    Layout.make(dp=1, tp=8, pp=1, sp=True, zero=0, micro_batch=1, num_micro_batches=4, schedule="1f1b", interleave=1),
+    Layout.make(dp=1, tp=8, pp=1, sequence_parallel=True, zero=0, micro_batch=1, num_micro_batches=4, schedule="1f1b", interleave=1),
 ])
 def test_states_overflow_is_every_ranks_held_states_against_its_memory(layout):
     """states_overflow adds up each pipeline rank's held states (ranks holding the same ends computed once) less the

@@ -1,4 +1,4 @@
-"""The cost model against published runs (reference/published.md): the tolerances issues 2 and 10 set
+"""The cost model against published runs (docs/published-runs.md): the tolerances issues 2 and 10 set
 (benchmarks/cost_accuracy.py prints the tables)."""
 
 import pytest

@@ -62,7 +62,6 @@ def test_accepts_plans_that_fit(kwargs):
 
 
 def test_data_parallel_mode_is_one_rule_for_plan_and_cost_layout():
-    from plait.cost.layout import Layout
 
     cases = {(Degrees(dp=4), 1): ("ddp", False, 1), (Degrees(dp=4), 3): ("fully_shard", True, 3),
              (Degrees(dp=2, tp=2), 0): ("fully_shard", False, 0), (Degrees(dp=2, pp=2), 3): ("fully_shard", False, 2),
@@ -71,7 +70,7 @@ def test_data_parallel_mode_is_one_rule_for_plan_and_cost_layout():
         mode = legality.data_parallel_mode(degrees, zero)
         assert (mode.carrier, mode.reshard_after_forward, mode.held_zero) == expected
         p = plan(zero=zero, **{a: degrees[a] for a in ("dp", "tp", "pp")})
-        assert p.data_parallel == mode.carrier and Layout.of(p).dp_mode == p.dp_mode == mode
+        assert p.data_parallel == mode.carrier and p.layout.dp_mode == p.dp_mode == mode
 
 
 @pytest.fixture

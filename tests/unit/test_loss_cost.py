@@ -3,14 +3,13 @@ dispatches its ops through DTensor; the cost model prices both, and `plait train
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
 from plait.cost import predict
 from plait.cost.comm import Group, all_reduce
 from plait.cost.compute import LOSS_PARALLEL_ALL_REDUCES
-from plait.cost.layout import Layout, Setting
+from plait.cost.layout import Setting
 from plait.cost.model import pipeline_stage_times
 from plait.plan import Plan
 from plait.spec import TrainSpec
@@ -58,7 +57,7 @@ def test_the_loss_counts_as_waiting_where_the_run_measures_it():
 def test_a_pipeline_pays_the_loss_on_its_last_stage_only():
     """The loss lengthens the last stage's passes, and only its."""
     plan = priced(dp=1, tp=2, pp=2, micro_batch=1, num_micro_batches=8, schedule="1f1b")
-    setting, layout = Setting(plan.model, plan.cluster, plan.train), Layout.of(plan)
+    setting, layout = Setting(plan.model, plan.cluster, plan.train), plan.layout
     st, _ = pipeline_stage_times(setting, layout, plan.layers_per_stage, plan.recompute)
     assert st.loss[0] == 0.0 < st.loss[1]
     quiet = CLUSTER.replace(host=HostOverheads())

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.cost.activations import Dtypes, activation_bytes
-from plait.cost.model import CLASS_ACTIVATIONS, predict, reference_twin
+from plait.cost.model import CLASS_ACTIVATIONS, predict
 from plait.legality import plan_problems
 from plait.plan import Plan
 from plait.spec import TrainSpec
@@ -94,12 +93,13 @@ def test_selective_experts_keep_what_each_executor_saves(family):
 
 
 def test_a_position_table_shorter_than_the_sequence_is_refused_by_its_field(capsys):
-    """GPT-2's learned table holds 1024 positions: 2048 tokens are refused in one line naming n_positions, exit 2,
-    never priced from the 64 and 128 tokens the blocks were measured at."""
+    """GPT-2's learned table holds 1024 positions: 2048 tokens are refused before any pricing, in one line naming the
+    field and the file (plait.train.resolve.check_position_limit), exit 2, never priced from the 64 and 128 tokens
+    its blocks were measured at."""
     from plait.cli import main
 
     code = main(["plan", "--model", str(HF / "gpt2"), "--cluster", "a100-80g", "--devices", "8", "--global-batch", "8",
                  "--seq-len", "2048", "--tp", "1", "--pp", "1"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1
-    assert "n_positions" in lines[0] and "1024" in lines[0] and "seq-len-fits-positions" in lines[0]
+    assert "max_position_embeddings=1024" in lines[0] and "config.json" in lines[0] and "2048" in lines[0]

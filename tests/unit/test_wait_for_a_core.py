@@ -115,7 +115,7 @@ def test_the_end_note_reads_the_step_less_the_wait_and_gives_the_wall_clock_too(
 
 
 def test_files_without_the_delay_by_part_read_as_before(tmp_path):
-    """Files of stop 24 recorded the step's delay only: the step is read less it, the parts as the wall clock read
+    """Older run files recorded the step's delay only: the step is read less it, the parts as the wall clock read
     them; older files, without any delay, as before."""
     loaded = segment(two_ranks(0.15, 0.02, 0.03, load=0.5))
     for record in loaded.ranks:
