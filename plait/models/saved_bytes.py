@@ -11,7 +11,7 @@ things stand between that list and the bytes a training run holds, and this modu
 * **views counted twice**: q, k and v each save a view of the one normalized input; bytes are counted per storage;
 * **the attention path**: on meta, SDPA dispatches to its math backend, which keeps the s x s probabilities, where
   the run on a GPU takes a fused kernel, and the run on CPU too (`_scaled_dot_product_flash_attention_for_cpu`:
-  checked on torch 2.13 in tests/unit/test_saved_bytes.py). `_RunPath` sends SDPA on meta to that fused kernel,
+  checked on torch 2.13 in tests/unit/test_class_activations.py). `_RunPath` sends SDPA on meta to that fused kernel,
   whose meta function saves what the run's does: q, k, v at their own head counts, the output and the fp32
   logsumexp. A class whose attention is its own eager code (soft-capped scores) keeps its probabilities in the run
   too, and is measured so (their bytes grow with the sequence: `SavedBytes.per_token_position`).
