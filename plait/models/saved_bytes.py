@@ -79,6 +79,8 @@ class SavedBytes:
     outputs)."""
     selective_fp32_elements: float
     """fp32 elements per token it keeps (the fused attention's logsumexp)."""
+    selective_rerun_flops: float
+    """Forward FLOPs per token of the GEMMs it does not keep (every second one), which its backward runs again."""
 
 
 def _key(t: torch.Tensor) -> int:
@@ -97,6 +99,7 @@ class _Provenance(TorchDispatchMode):
         self.gemms = 0
         self.started = False  # set when the block's own forward begins: what its caller computed is no activation
         self.selective: dict[int, tuple[float, float]] = {}  # storage -> (compute elements, fp32 elements)
+        self.rerun_flops = 0.0  # of the GEMMs selective recompute does not keep: its backward runs them again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -114,14 +117,17 @@ class _Provenance(TorchDispatchMode):
         # transformers' experts measured in their batched form (plait.models.hf_spec.experts_batched): a bmm against
         # gathered expert weights stands for the run's loop of one linear per expert, whose GEMMs the policy counts
         batched_experts = func is torch.ops.aten.bmm.default and any(_key(t) in self.weights for t in floats)
-        self._selective(func, outputs, batched_experts)
+        self._selective(func, outputs, floats, batched_experts)
         return out
 
-    def _selective(self, func, outputs: list[torch.Tensor], batched_experts: bool = False) -> None:
+    def _selective(self, func, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   batched_experts: bool = False) -> None:
         if func in SELECTIVE_GEMMS or batched_experts:
             self.gemms += 1
             if self.gemms % 2 == 1 and _key(outputs[0]) in self.created:
                 self.selective[_key(outputs[0])] = (float(outputs[0].numel()), 0.0)
+            elif self.gemms % 2 == 0:  # 2 x output elements x the inner dimension
+                self.rerun_flops += 2.0 * outputs[0].numel() * inputs[-1].shape[-2]
         elif func in FUSED_ATTENTION:  # the output, and the logsumexp in fp32
             self.selective[_key(outputs[0])] = (float(outputs[0].numel()), 0.0)
             if len(outputs) > 1 and outputs[1].dtype == torch.float32:
@@ -171,8 +177,9 @@ BlockCall = Callable[[nn.Module, torch.Tensor], Any]
 
 
 def _kept_bytes(block: nn.Module, hidden: int, seq: int, call: BlockCall | None, precision: str,
-                fused: bool) -> tuple[float, float, float]:
-    """(bytes kept without recompute, selective's compute elements, its fp32 elements) over `seq` tokens."""
+                fused: bool) -> tuple[float, float, float, float]:
+    """(bytes kept without recompute, selective's compute elements, its fp32 elements, the FLOPs it reruns) over
+    `seq` tokens."""
     dtype = HALF if precision == "16bit" else torch.float32
     x = torch.zeros(1, seq, hidden, device="meta", dtype=dtype, requires_grad=True)
     weights = {_key(t) for t in [*block.parameters(), *block.buffers()]}
@@ -192,7 +199,7 @@ def _kept_bytes(block: nn.Module, hidden: int, seq: int, call: BlockCall | None,
     finally:
         start.remove()
     kept = list(provenance.selective.values())  # saved whether or not autograd would keep them
-    return float(sum(saved.values())), sum(c for c, _ in kept), sum(f for _, f in kept)
+    return float(sum(saved.values())), sum(c for c, _ in kept), sum(f for _, f in kept), provenance.rerun_flops
 
 
 def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockCall | None = None,
@@ -200,7 +207,7 @@ def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockC
     """The block's kept bytes on meta (module docstring), at the two `probes` lengths in fp32."""
     s1, s2 = probes
     none = {}
-    (a1, sel, sel32), (a2, _, _) = (_kept_bytes(block, hidden, s, call, "fp32", fused) for s in probes)
+    (a1, sel, sel32, rerun), (a2, *_) = (_kept_bytes(block, hidden, s, call, "fp32", fused) for s in probes)
     per_position = max(0.0, (a2 / s2 - a1 / s1) / (s2 - s1))
     none["fp32"] = a1 / s1
     for precision in PRECISIONS[1:]:
@@ -210,7 +217,7 @@ def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockC
         except RuntimeError:  # a class that mixes dtypes its own way (a buffer kept in fp32): priced from fp32
             none[precision] = 0.0
     return SavedBytes(none=none, per_token_position=per_position, selective_elements=sel / s1,
-                      selective_fp32_elements=sel32 / s1)
+                      selective_fp32_elements=sel32 / s1, selective_rerun_flops=rerun / s1)
 
 
 def _in_precision(block: nn.Module, precision: str, run: Callable[[], float]) -> float:

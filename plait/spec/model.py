@@ -84,6 +84,9 @@ class BlockCost:
     and the fused attention's: plait.execute.recompute's policy). 0: not measured."""
     selective_fp32_elements_per_token: float = 0.0
     """fp32 elements per token it keeps (the fused attention's logsumexp)."""
+    selective_rerun_flops_per_token: float = 0.0
+    """Forward FLOPs per token of the GEMMs selective recompute does not keep (every second one, in the class's own
+    order), which its backward runs again. 0: not measured (half the block's weight GEMMs)."""
     tensors: int = 0
     """Parameter tensors of the block."""
     unpriced_elements_per_token: float = 0.0
@@ -107,7 +110,8 @@ class BlockCost:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 or min(
                 self.activation_bytes_per_token, self.activation_bytes_per_token_position,
                 self.half_activation_bytes_per_token, self.autocast_activation_bytes_per_token,
-                self.selective_elements_per_token, self.selective_fp32_elements_per_token) < 0:
+                self.selective_elements_per_token, self.selective_fp32_elements_per_token,
+                self.selective_rerun_flops_per_token) < 0:
             raise ValueError("block costs must be >= 0")
         if not 0 <= self.expert_params <= self.params or not 0 <= self.expert_flops_per_token <= self.flops_per_token:
             raise ValueError("a block's experts are part of it: 0 <= expert_params <= params and 0 <= "
