@@ -176,10 +176,12 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
     if model.positions == "learned" and seq_len > model.max_seq_len:
         out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s max_seq_len="
                              f"{model.max_seq_len} (a learned position table); use seq_len <= {model.max_seq_len}"))
-    if model.sliding_window and seq_len > model.sliding_window:
+    if model.sliding_window and seq_len > model.sliding_window and not model.source.startswith("hf:"):
+        # a Hugging Face class builds its own window masks (plait.models.hf); plait's decoders have no window
         out.append(Violation("seq-len-within-window", f"seq_len={seq_len} exceeds {model.name}'s sliding_window="
-                             f"{model.sliding_window}; plait runs full causal attention, which equals the model's "
-                             f"only up to its window: use seq_len <= {model.sliding_window}"))
+                             f"{model.sliding_window}; this model's attention in plait is causal over the whole "
+                             f"sequence, which equals a window only up to its length: use seq_len <= "
+                             f"{model.sliding_window}, or the model's Hugging Face folder"))
     if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
         out.append(Violation("sp-divides-seq", f"seq_len={seq_len} (per context rank: {seq_len // cp}) is not "
                              f"divisible by tp={tp}, which sequence parallelism needs; pick a multiple of {tp * cp} "

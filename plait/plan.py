@@ -63,6 +63,87 @@ class Prediction:
     """model_tflops_per_device over the device's peak."""
     bubble_fraction: float = 0.0
     """Idle fraction of the pipeline schedule."""
+    link_bytes_per_step: float = 0.0
+    """On a cluster of islands: bytes each island sends over the slow link per (inner) step, on average."""
+    link_busy_fraction: float = 0.0
+    """On a cluster of islands: the fraction of the run's time the slow link carries the plan's exchanges."""
+    goodput_tokens_per_s: float = 0.0
+    """With a failure rate (ClusterSpec.failures): tokens/s after checkpoint writes, lost work and restarts
+    or recoveries (plait/cost/failures.py); 0: not priced."""
+    checkpoint_interval_s: float = 0.0
+    """With a failure rate: the checkpoint interval that maximises goodput (Young/Daly); 0: not priced."""
+
+
+ISLAND_METHODS: tuple[str, ...] = ("sync", "diloco")
+PSEUDO_GRADIENT_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IslandPlan:
+    """How the islands of a cluster (ClusterSpec.islands) train together; each runs the Plan's degrees inside.
+
+    "sync": data parallelism across islands, every step's gradients all-reduced over the slow link (HSDP's
+    outer replication). "diloco": each island takes `inner_steps` (H) steps of its own, then the islands average
+    their pseudo-gradients (start weights minus end weights) and take one outer step (Douillard et al. 2023,
+    arXiv 2311.08105); with `fragments` > 1 the model's blocks are exchanged in turn, one fragment every
+    H / fragments steps, each exchange overlapped with `overlap` inner steps (streaming DiLoCo, arXiv 2501.18512)."""
+
+    count: int
+    """Islands (replica groups), each running the Plan's degrees on its own devices."""
+    method: Literal["sync", "diloco"] = "diloco"
+    inner_steps: int = 1
+    """H: inner steps between two exchanges of a fragment (1 under "sync")."""
+    fragments: int = 1
+    """Parts of the model exchanged in turn (streaming DiLoCo); 1: the whole model at once."""
+    precision: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Element type of the pseudo-gradients on the slow link."""
+    overlap: int = 0
+    """Inner steps a fragment's exchange runs behind the training before it is applied (streaming DiLoCo's tau);
+    0: the islands wait for it."""
+
+    def __post_init__(self) -> None:
+        for name in ("count", "inner_steps", "fragments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"islands.{name}={value!r} must be a positive integer"
+                                 + (" (H: inner steps between outer steps)" if name == "inner_steps" else ""))
+        if self.count < 2:
+            raise ValueError(f"islands.count={self.count} must be >= 2")
+        if self.method not in ISLAND_METHODS:
+            raise ValueError(f"islands.method={self.method!r} is not one of {', '.join(ISLAND_METHODS)}")
+        if self.precision not in PSEUDO_GRADIENT_PRECISIONS:
+            raise ValueError(f"islands.precision={self.precision!r} is not one of "
+                             f"{', '.join(PSEUDO_GRADIENT_PRECISIONS)}")
+        if self.method == "sync" and (self.inner_steps, self.fragments, self.overlap) != (1, 1, 0):
+            raise ValueError("islands.method='sync' exchanges gradients every step: inner_steps 1, fragments 1, "
+                             "overlap 0")
+        if self.inner_steps % self.fragments:
+            raise ValueError(f"islands.inner_steps={self.inner_steps} must be a multiple of fragments="
+                             f"{self.fragments} (one fragment is exchanged every H / fragments steps)")
+        if not 0 <= self.overlap < self.inner_steps // self.fragments:
+            raise ValueError(f"islands.overlap={self.overlap} must lie in [0, inner_steps / fragments = "
+                             f"{self.inner_steps // self.fragments}): a fragment's exchange must land before its next")
+
+    @property
+    def sync_every(self) -> int:
+        """Inner steps between two exchanges (of successive fragments)."""
+        return self.inner_steps // self.fragments
+
+    def exchange(self) -> str:
+        """'diloco H=100 frag4 bf16 overlap1' or 'sync'."""
+        if self.method == "sync":
+            return "sync"
+        parts = ["diloco", f"H={self.inner_steps}"]
+        if self.fragments > 1:
+            parts.append(f"frag{self.fragments}")
+        parts.append(self.precision)
+        if self.overlap:
+            parts.append(f"overlap{self.overlap}")
+        return " ".join(parts)
+
+    def describe(self) -> str:
+        """'islands2 diloco H=100 frag4 bf16 overlap1' or 'islands2 sync'."""
+        return f"islands{self.count} {self.exchange()}"
 
 
 def stage_rank(schedule: str, pp: int, stage: int) -> int:
@@ -231,25 +312,35 @@ class Plan(OnAxes):
     operators: OperatorSharding | None = None
     """Per-operator placements chosen by plait.operators.planner for a module of any shape (None: the model adapter's
     tensor plan)."""
+    islands: IslandPlan | None = None
+    """On a cluster of islands: how they train together; the layout is then one island's, and global_batch is every
+    island's rows together (island_plan() is what each island runs)."""
 
     def __init__(self, *, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: Layout | None = None,
                  recompute: Any = (), layers_per_stage: tuple[int, ...] = (), predicted: Prediction | None = None,
-                 operators: OperatorSharding | None = None, **choices: Any) -> None:
+                 operators: OperatorSharding | None = None, islands: IslandPlan | None = None,
+                 **choices: Any) -> None:
         """Plan(layout=..., ...) or, as plan files spell it, the layout's fields themselves (degrees=..., zero=...)."""
         if layout is None:
             layout = Layout(**choices)
         elif choices:
             layout = dataclasses.replace(layout, **choices)
         fields = dict(layout=layout, model=model, train=train, cluster=cluster, predicted=predicted,
-                      operators=operators, recompute=self._recompute(recompute, layout.pp))
+                      operators=operators, islands=islands, recompute=self._recompute(recompute, layout.pp))
         fields["layers_per_stage"] = self._layers(layers_per_stage, layout, model.num_layers)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        batch = layout.dp * layout.micro_batch * layout.num_micro_batches
+        if islands is not None and (cluster.islands is None or cluster.islands.count != islands.count):
+            have = cluster.islands.count if cluster.islands else "no"
+            raise ValueError(f"islands.count={islands.count}, but cluster {cluster.name!r} has {have} islands;"
+                             f" a plan across islands needs the cluster's islands and the link between them "
+                             f"(examples/clusters/islands-local.yaml)")
+        batch = layout.dp * layout.micro_batch * layout.num_micro_batches * self.num_islands
         if batch != train.global_batch:
+            across = f" x islands={self.num_islands}" if islands else ""
             raise ValueError(
-                f"dp={layout.dp} x micro_batch={layout.micro_batch} x num_micro_batches={layout.num_micro_batches} = "
-                f"{batch} must equal global_batch={train.global_batch}"
+                f"dp={layout.dp} x micro_batch={layout.micro_batch} x num_micro_batches={layout.num_micro_batches}"
+                f"{across} = {batch} must equal global_batch={train.global_batch}"
             )
 
     @staticmethod
@@ -286,6 +377,23 @@ class Plan(OnAxes):
     def axis(self, name: str) -> int:
         return self.layout.degrees[name]
 
+    @property
+    def num_islands(self) -> int:
+        return self.islands.count if self.islands else 1
+
+    @property
+    def num_devices(self) -> int:
+        """Every device of the plan: one island's degrees times the islands."""
+        return self.layout.degrees.world_size * self.num_islands
+
+    def island_plan(self) -> "Plan":
+        """What one island runs: this plan on one island's devices and rows, as a plain plan (itself without
+        islands)."""
+        if self.islands is None:
+            return self
+        train = dataclasses.replace(self.train, global_batch=self.train.global_batch // self.num_islands)
+        return self.replace(islands=None, train=train, cluster=self.cluster.island_view())
+
     # ---- derived ---------------------------------------------------------------
     def stage_layers(self, stage: int) -> range:
         """Indices of the transformer layers of virtual stage `stage`."""
@@ -316,6 +424,8 @@ class Plan(OnAxes):
         parts.append("recompute=" + (modes[0] if len(modes) == 1 else ",".join(self.recompute)))
         if self.num_stages > 1:
             parts.append("layers=" + "|".join(map(str, self.layers_per_stage)))
+        if self.islands:
+            parts.append(self.islands.describe())
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> "Plan":
@@ -353,7 +463,11 @@ class Plan(OnAxes):
         named_cluster = isinstance(data, dict) and isinstance(data.get("cluster"), str)
         if isinstance(data, dict) and (named_cluster or isinstance(data.get("model"), str)):
             data = _named_specs(data)
-        plan = from_dict(_PlanFile, _as_plan_file(data), "plan").plan()
+        written = from_dict(_PlanFile, _as_plan_file(data), "plan")
+        try:
+            plan = written.plan()
+        except ValueError as e:  # what the plan's own checks refuse, named like a key's error
+            raise ConfigError(f"plan: {e}") from None
         if named_cluster:  # a preset's device count is its own; this plan runs on its degrees' world
             plan = plan.replace(cluster=plan.cluster.with_devices(plan.num_devices))
         return plan
@@ -400,6 +514,7 @@ class _PlanFile(Layout):
     cluster: ClusterSpec
     predicted: Prediction | None = None
     operators: OperatorSharding | None = None
+    islands: IslandPlan | None = None
 
     def plan(self) -> Plan:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -41,8 +41,12 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     "all_reduce": ("torch.distributed._functional_collectives", "all_reduce"),
     "all_to_all_single": ("torch.distributed._functional_collectives", "all_to_all_single"),
     "all_to_all_single_autograd": ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
+    "all_gather_tensor": ("torch.distributed._functional_collectives", "all_gather_tensor"),
     "all_gather_single_autograd": ("torch.distributed._functional_collectives", "all_gather_single_autograd",
                                    "all_gather_tensor_autograd"),  # the second: its name before torch 2.13
+    # one flat buffer for many gradients (one all-reduce across islands)
+    "flatten_dense_tensors": ("torch._utils", "_flatten_dense_tensors"),
+    "unflatten_dense_tensors": ("torch._utils", "_unflatten_dense_tensors"),
     # activation checkpointing's wrapper (torchtitan's and FSDP's too)
     "CheckpointImpl": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
     "CheckpointWrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),

@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                         help="also clip gradients to this global norm each step")
+    parser.add_argument("--chat", action="store_true",
+                        help="mask the targets as chat training does (prompt spans untrained, one window with no "
+                             "answer), rows packing several conversations kept apart where the model does: proves "
+                             "the loss is the step's token mean under the plan, and the documents' attention")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="dtype of both runs (default float64, which makes the verdict decisive)")
     parser.add_argument("--loss-tol", type=float, default=None, help="largest relative loss difference "
@@ -60,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     parser.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="also write the result as JSON")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # parent <- rank 0
+    parser.add_argument("--island", type=int, default=None, help=argparse.SUPPRESS)  # an island plan's island
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,6 +78,9 @@ def main(args: argparse.Namespace) -> int:
         output_file(args.json_out, "--json", "check.json")
     if args.dry_run:
         return _dry_run(args)
+    if args.chat and _load(args, size_limit=False).operators is not None:
+        raise ConfigError("--chat masks a decoder's token targets; a per-operator plan's model computes its own loss "
+                          "from its own batch: drop --chat")
     if in_torchrun():
         return _worker(args)
     return _launch(args)
@@ -93,7 +101,7 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 
     plan = Plan.from_json(args.plan)
     if plan.operators is None:  # a per-operator plan's placements were checked by its solver, not these rules
-        legality.check(plan)
+        legality.check(plan.island_plan())  # across islands: what each island runs
     else:
         plan.operators.check_stages(plan.pp)
     if size_limit and plan.model.num_params > MAX_CHECK_PARAMS:
@@ -114,7 +122,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table
 
-    reports = dry_run(plan)
+    reports = dry_run(plan.island_plan())  # across islands: what each island builds
     console = output_console()
     console.print(dry_run_table(plan, reports))
     console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks "
@@ -134,6 +142,13 @@ def _launch(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != plan.num_devices:
         raise ConfigError(f"--nproc {args.nproc} does not match the plan's {plan.degrees.describe()} = "
                           f"{plan.num_devices} devices; drop --nproc or plan for {args.nproc}")
+    if plan.islands is not None:  # torchft across islands, one launch each (plait/train/islands_check.py)
+        from plait.train.islands_check import island_launcher, launch_check
+
+        if args.island is not None:
+            return island_launcher(args, plan)
+        result = launch_check(args, plan)
+        return _report(plan, {**result.to_dict(), "failures": result.failures(_tolerance(args))}, args)
     with tempfile.TemporaryDirectory(prefix="plait-check-") as tmp:
         result_file = Path(tmp) / "result.json"
         code = run_local(plan.num_devices, _worker_argv(args, result_file), timeout_s=args.timeout)
@@ -149,7 +164,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _worker_argv(args: argparse.Namespace, result_file: Path) -> list[str]:
     argv = ["check", "--plan", str(Path(args.plan).resolve()) if Path(args.plan).exists() else args.plan,
             "--steps", str(args.steps), "--seed", str(args.seed), "--lr", repr(args.lr), "--dtype", args.dtype,
-            "--result-file", str(result_file)]
+            "--result-file", str(result_file)] + (["--chat"] if args.chat else [])
     for flag, value in (("--clip", args.clip), ("--loss-tol", args.loss_tol), ("--grad-tol", args.grad_tol),
                         ("--update-tol", args.update_tol)):
         if value is not None:
@@ -162,10 +177,15 @@ def _worker(args: argparse.Namespace) -> int:
     from plait.launch import ending_together, init_distributed
 
     plan = _load(args)
+    if plan.islands is not None:
+        from plait.train.islands_check import island_worker
+
+        return island_worker(args, plan)
     if plan.operators is not None:
         from plait.execute.autoshard import check_plan
     init_distributed(timeout_s=args.timeout)
-    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype)
+    settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype,
+                             chat=args.chat)
     with ending_together():
         result = check_plan(plan, settings)
     if result is None:
@@ -185,7 +205,7 @@ def _report(plan, result: dict, args: argparse.Namespace) -> int:
     tol = _tolerance(args)
     console = output_console()
     table = Table(title=f"plait check: {result['plan']}  ({plan.num_devices} ranks vs 1 process, {args.dtype}, "
-                        f"seed {args.seed}, lr {args.lr:g})")
+                        f"seed {args.seed}, lr {args.lr:g}{', chat-masked targets' if args.chat else ''})")
     for column in ("step", "loss (parallel)", "loss (1 process)", "relative diff"):
         table.add_column(column, justify="right")
     for step, (ours, ref, rel) in enumerate(zip(result["losses"], result["reference_losses"],
@@ -198,6 +218,10 @@ def _report(plan, result: dict, args: argparse.Namespace) -> int:
                   highlight=False)
     console.print(f"worst parameter after step {args.steps}: {update:.1e} AdamW steps ({update_name}); "
                   f"tolerance {tol.update:g}", highlight=False)
+    if result.get("runtime", {}).get("islands"):
+        from plait.train.islands_check import describe_link
+
+        console.print(describe_link(result, args), highlight=False)
     failures = result["failures"]
     verdict = "[green]EQUAL[/green]" if not failures else "[red]DIFFERENT[/red]: " + "; ".join(failures)
     console.print(verdict)

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                       help="16-bit keeps fp32 master weights and Adam states (default: bf16 on GPUs, fp32 on CPU "
                            "clusters, which is what plait runs there)")
+    what.add_argument("--document-len", type=positive_int, metavar="D",
+                      help="rows pack documents of D tokens on average, each attending to itself only (`plait train` "
+                           "with data.packing = \"documents\" measures its data's): attention is priced over each "
+                           "document's own square (docs/attention-and-loss.md)")
     what.add_argument("--router-imbalance", type=load_ratio, metavar="R",
                       help="mixture-of-experts models: slots the busiest expert-parallel rank receives over the mean "
                            "(default: the model's router_imbalance, 1.25 unless set; `plait train` measures your "
@@ -83,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
+    isl = parser.add_argument_group("islands (a cluster file with `islands:`; docs/islands.md)")
+    isl.add_argument("--island-method", choices=("sync", "diloco"),
+                     help="how islands talk: synchronous data parallelism over the slow link, or DiLoCo")
+    isl.add_argument("--inner-steps", type=int, metavar="H", help="DiLoCo's inner steps between outer steps")
+    isl.add_argument("--fragments", type=int, metavar="F", help="streaming DiLoCo: model parts exchanged in turn")
+    isl.add_argument("--island-precision", choices=("fp32", "bf16", "int8"),
+                     help="element type of the pseudo-gradients on the slow link")
+    isl.add_argument("--overlap", type=int, metavar="T",
+                     help="inner steps each exchange runs under before it is applied (streaming DiLoCo's tau)")
     how = parser.add_argument_group("search")
     how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="auto",
                      help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
@@ -112,15 +125,23 @@ def main(args: argparse.Namespace) -> int:
     model = with_lora_args(with_router_balance(load_model(args.model), args.router_imbalance, args.from_run), args)
     cluster = load_cluster(args.cluster)
     train = load_train(global_batch=args.global_batch, seq_len=args.seq_len,
-                       precision=args.precision or default_precision(cluster))
+                       precision=args.precision or default_precision(cluster), document_len=args.document_len)
     check_position_limit(model, train.seq_len, "--seq-len")  # as `plait train` refuses it
     if args.precision == "fp16":
         print("plait plan: warning: --precision fp16 prices fp16, but plait train refuses it (no loss scaler); "
               "bf16 trains, on CPU too", file=sys.stderr)
     num_devices = args.devices or cluster.num_devices
+    if cluster.islands is not None:
+        return _plan_islands(model, cluster, train, num_devices, args)
+    _refuse_island_pins(args)
     result = _with_progress(lambda: _search(model, cluster, train, num_devices, args),
                             f"planning {model.name} on {num_devices:,} x {cluster.name}")
     _print_result(result, args.top, model, cluster, num_devices)
+    if cluster.failures is not None:  # goodput of the run as one job, or as torchft replica groups
+        from plait.report.islands import print_replica_groups
+        from plait.search.islands import replica_group_choice
+
+        print_replica_groups(replica_group_choice(model, cluster, train, num_devices, **_search_pins(args)))
     _print_unpriced(model, train.seq_len)
     if args.json:
         _write_json(args.json, result, args.top)
@@ -144,6 +165,46 @@ def with_lora_args(model: Any, args: argparse.Namespace) -> Any:
     except ValueError as e:
         raise ConfigError(f"--lora-targets: {e}") from None
     return with_lora(model, lora)
+
+
+def _plan_islands(model: Any, cluster: Any, train: Any, num_devices: int, args: argparse.Namespace) -> int:
+    """A cluster of islands: one island's plan, then how the islands talk, beside the synchronous alternative."""
+    from plait.report.islands import print_islands
+    from plait.search.islands import IslandPins, plan_islands
+
+    if num_devices != cluster.num_devices:
+        raise ConfigError(f"--devices {num_devices}: a cluster of islands is planned whole ({cluster.islands.count} "
+                          f"islands of {cluster.island_devices}); leave --devices out")
+    pins = IslandPins(method=args.island_method, inner_steps=args.inner_steps, fragments=args.fragments,
+                      precision=args.island_precision, overlap=args.overlap)
+    choice = _with_progress(lambda: plan_islands(model, cluster, train, top=args.top, island_pins=pins,
+                                                 **_search_pins(args)),
+                            f"planning {model.name} on {cluster.islands.count} islands of {cluster.name}")
+    result = choice.inner
+    island_result = type(result)(choice.plans, result.candidates_evaluated, result.seconds, None, result.points,
+                                 result.candidates_pruned, result.solver, result.complete)
+    _print_result(island_result, args.top, model, cluster.island_view(), cluster.island_devices)
+    print_islands(choice, cluster)
+    _print_unpriced(model, train.seq_len)
+    if args.json:
+        import dataclasses
+
+        _write_json(args.json, island_result, args.top, {"islands": {
+            "chosen": choice.chosen.describe(), "why": choice.why,
+            "options": [{"exchange": o.describe(), **dataclasses.asdict(o)} for o in choice.options],
+            "failures": {name: dataclasses.asdict(cost) for name, cost in choice.failures.items()}}})
+    if args.report:
+        _write_report(args.report, island_result)
+    return 0
+
+
+def _refuse_island_pins(args: argparse.Namespace) -> None:
+    given = [flag for flag, value in (("--island-method", args.island_method), ("--inner-steps", args.inner_steps),
+                                      ("--fragments", args.fragments), ("--island-precision", args.island_precision),
+                                      ("--overlap", args.overlap)) if value is not None]
+    if given:
+        raise ConfigError(f"{given[0]} prices islands, but cluster {args.cluster} has none; add an `islands:` "
+                          "section to the cluster file (examples/clusters/two-clusters-one-region.yaml)")
 
 
 def with_router_balance(model: Any, given: float | None, log_dir: str | None) -> Any:
@@ -179,14 +240,14 @@ def default_precision(cluster: Any) -> str:
 def _search(model: Any, cluster: Any, train: Any, num_devices: int, args: argparse.Namespace) -> Any:
     from plait.search import plan_with_stats
 
-    return plan_with_stats(
-        model, cluster, train, num_devices=num_devices, top=args.top,
-        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, context_parallel=args.context_parallel,
-        zero=args.zero, recompute=args.recompute,
-        micro_batch=args.micro_batch, schedule=args.schedule, interleave=args.interleave,
-        sequence_parallel=args.sequence_parallel, allow_cross_node_tp=args.allow_cross_node_tp, solver=args.solver,
-        time_limit_s=args.time_limit,
-    )
+    return plan_with_stats(model, cluster, train, num_devices=num_devices, top=args.top, **_search_pins(args))
+
+
+def _search_pins(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, context_parallel=args.context_parallel,
+                zero=args.zero, recompute=args.recompute, micro_batch=args.micro_batch, schedule=args.schedule,
+                interleave=args.interleave, sequence_parallel=args.sequence_parallel,
+                allow_cross_node_tp=args.allow_cross_node_tp, solver=args.solver, time_limit_s=args.time_limit)
 
 
 def _with_progress(work: Callable[[], Any], message: str) -> Any:
@@ -293,10 +354,11 @@ def _largest(parts: dict[str, float], share: float = 0.01) -> list[tuple[str, fl
     return big + ([("other", rest)] if rest > 0 else [])
 
 
-def _write_json(path: Path, result: Any, top: int) -> None:
+def _write_json(path: Path, result: Any, top: int, extra: dict[str, Any] | None = None) -> None:
     document = {
         "plans": [plan.to_dict() for plan in list(result.plans)[:top]],
         "search": {"candidates_evaluated": int(result.candidates_evaluated), "seconds": float(result.seconds)},
+        **(extra or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")

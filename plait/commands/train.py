@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.errors import Interrupted
+from plait.errors import ConfigError, Interrupted
 
 # Handy flags and the config key each one sets (`--steps 20` is `--set train.steps=20`).
 FLAG_KEYS: dict[str, str] = {
@@ -105,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
             run_auto(config)
             return 0
         return launch_per_operator(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
+    if config.islands.island >= 0:  # one island of a run across islands (plait/train/island_loop.py)
+        return _island(args.config, config, overrides)
     if in_torchrun():
         from plait.train.loop import run
 
@@ -113,6 +115,32 @@ def main(args: argparse.Namespace) -> int:
     config, overrides = _on_quick_profile(config, overrides, args.nproc)
     return launch(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout,
                   max_restarts=args.max_restarts)
+
+
+def _island(config_path: str, config, overrides: list[str]) -> int:
+    from plait.launch import in_torchrun
+    from plait.train.island_loop import island_launcher, run_island, with_config_h
+    from plait.train.resolve import resolve_plan
+
+    plan = with_config_h(resolve_plan(config), config)
+    if plan.islands is None:
+        raise ConfigError(f"islands.island={config.islands.island} is set, but the plan has no islands; plan with a "
+                          "cluster file that has `islands:` (docs/islands.md)")
+    if not 0 <= config.islands.island < plan.islands.count:
+        raise ConfigError(f"islands.island={config.islands.island} must lie in [0, {plan.islands.count}) for the "
+                          f"plan's {plan.islands.count} islands")
+    if config.islands.lighthouse != "local":  # a multi-node run: every island points at the same lighthouse
+        import os
+
+        from plait.train.islands import LIGHTHOUSE_ENV, lighthouse_url
+        from plait.train.islands_launch import check_lighthouse
+
+        check_lighthouse(config.islands.lighthouse)  # one line, exit 2, before this island's ranks start
+        os.environ[LIGHTHOUSE_ENV] = lighthouse_url(config.islands.lighthouse)
+    if in_torchrun():
+        run_island(config, plan)
+        return 0
+    return island_launcher(config_path, config, overrides, plan)
 
 
 def _on_quick_profile(config, overrides: list[str], nproc: int | None):
@@ -159,15 +187,23 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.checkpoint import check_launch, plan_for_launch
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
+    from plait.train.documents import check_packing, with_document_len
     from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
+    config = with_document_len(config, resolve_model(config.model))  # the data's documents, which the plan prices
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
+    if plan.islands is not None:  # every island on this machine, each a torchft replica group
+        from plait.train.island_loop import launch_islands, with_config_h
+
+        check_data(config, resolve_model(config.model))
+        return launch_islands(config_path, config, overrides, with_config_h(plan, config), timeout_s=timeout_s)
     check_devices(plan)
     check_launch(config, plan)
     check_fault(plan.num_devices, config.train.steps)
     check_data(config, resolve_model(config.model))
+    check_packing(config, plan)
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
     console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "

@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cost.attention import window_share
 from plait.cost.compute import busiest_rank_load
 from plait.spec.model import SEQ_PROBES, ModelSpec
 
@@ -185,9 +186,9 @@ def saved_tensors(model: ModelSpec, mode: str, tp: int = 1, sp: bool = False, cp
     return tuple(kept)
 
 
-def _width(saved: Saved, seq_len: int, tp: int, sp: bool) -> float:
-    if saved.split == "tp-seq":  # probabilities: a·s per token, heads split by tp
-        return saved.width * seq_len / tp
+def _width(saved: Saved, seq_len: int, tp: int, sp: bool, windows: float = 1.0) -> float:
+    if saved.split == "tp-seq":  # probabilities: a·s per token, heads split by tp (a sliding window's share of it)
+        return saved.width * seq_len * windows / tp
     divisor = {"tp": tp, "sp": tp if sp else 1, "whole": 1}[saved.split]
     return saved.width / divisor
 
@@ -209,7 +210,8 @@ def _closed_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, mode: s
                       cp_kind: str = "all_gather", ep: int = 1) -> float:
     """Bytes per token of this rank the transformer layer of `model`'s shape keeps (`saved_tensors`)."""
     kept = saved_tensors(model, mode, tp, sp, cp, cp_kind, ep)
-    return sum(_width(s, seq_len, tp, sp) * dtypes.bytes(s.dtype) for s in kept)
+    windows = window_share(model, seq_len, fused=False)  # a window computed band by band keeps its band only
+    return sum(_width(s, seq_len, tp, sp, windows) * dtypes.bytes(s.dtype) for s in kept)
 
 
 def measured_bytes_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, mode: str, dtypes: Dtypes,
@@ -323,4 +325,5 @@ def probabilities_bytes(model: ModelSpec, seq_len: int, tokens: float, tp: int, 
     parallelism, whose attention runs the fused kernels)."""
     if model.attention != "math" or cp > 1:
         return 0.0
-    return tokens * model.num_heads / tp * seq_len * dtypes.compute
+    windows = window_share(model, seq_len, fused=False)  # a window computed band by band keeps its band only
+    return tokens * model.num_heads / tp * seq_len * dtypes.compute * windows

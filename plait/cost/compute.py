@@ -30,6 +30,9 @@ each rank computes b·s/cp of the tokens, plait/execute/context.py) and expert p
   attention FLOPs / cp, backward 2.5 x), "all_to_all" (Ulysses) attends heads/cp heads over the whole sequence
   with is_causal (half of it, as without CP). Their exchanges run as the executor issues them, exposed:
   functional collectives waited on at once, with nothing to overlap (the projections they need come first);
+* layers with a sliding window shorter than the sequence compute the share of the square plait.cost.attention
+  says their kernel does (band by band past about twice the window: ~2·s·W scores instead of s²), and rows packing
+  documents kept apart (TrainSpec.document_len) each document's own causal square;
 * mixture-of-experts layers compute each token's top-k experts and the router (the model FLOPs of the active
   parameters, Fedus et al. 2022), the busiest expert rank ModelSpec.router_imbalance times the mean under
   expert parallelism, and dispatch tokens with two all-to-alls forward and two backward (plait/execute/expert.py).
@@ -40,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.cost.attention import context_window_share, window_share
 from plait.cost.comm import Group, all_gather, all_reduce, all_to_all, reduce_scatter
 from plait.cost.trainable import adapter_flops_per_token, backward_gemm_factor
 from plait.spec.cluster import ClusterSpec
@@ -310,14 +314,17 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch
 
 @lru_cache(maxsize=4096)
 def sliced_layer_cost(model: ModelSpec, cluster: ClusterSpec, seq_len: int, micro_batch: int, cut: Slicing,
-                      dtype_bytes: int = 2) -> LayerCost:
+                      dtype_bytes: int = 2, document_len: int | None = None) -> LayerCost:
     """Time of one layer for one micro-batch on one device of the groups `cut` describes (cached, like `ends_cost`:
-    the search prices many layouts of one slicing and micro-batch)."""
+    the search prices many layouts of one slicing and micro-batch); `document_len`: TrainSpec.document_len."""
     tp, sp, cp = cut.tp, cut.sp, cut.cp
     tokens = cut.local_tokens(micro_batch, seq_len)
     dense, attn = layer_flops(model, tokens, seq_len)  # attention: the rank's queries against the whole sequence
     passes = ATTENTION_PASSES[model.attention] if cp == 1 else CP_ATTENTION_PASSES[cut.cp_kind]
-    attn_fwd, attn_bwd = (attn * factor for factor in passes)
+    # sliding windows: the share of the square their kernels compute (plait.cost.attention)
+    windows = window_share(model, seq_len, model.attention == "fused", document_len) if cp == 1 else \
+        context_window_share(model, seq_len, cut.cp_kind, document_len)
+    attn_fwd, attn_bwd = (attn * factor * windows for factor in passes)
     if cut.ep > 1:  # the busiest expert rank computes more than its share
         dense += (busiest_rank_load(model, cut.ep) - 1.0) * expert_flops(model, tokens)
     dense += (tp - 1) * replicated_kv_flops(model, tokens, tp)  # each rank's whole k, v projections (dense / tp below)

@@ -397,7 +397,7 @@ def tail_lower_bound(setting: Setting, layout: Layout) -> float:
 def rank_costs(setting: Setting, layout: Layout) -> tuple[LayerCost, EndsCost, float]:
     """(one layer, the ends, a stage pass's host time) for one micro-batch on `setting`'s hardware."""
     lc = sliced_layer_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,
-                           setting.dtype_bytes)
+                           setting.dtype_bytes, setting.train.document_len)
     if on_fully_shard(layout):
         lc = with_fsdp_hooks(lc, setting.cluster.host.fsdp_layer_overhead_s)
     ends = ends_cost(setting.model, setting.cluster, setting.seq_len, layout.micro_batch, layout.slicing,

@@ -17,6 +17,14 @@ one process:
   head split: each rank then attends over the whole sequence for heads/cp of the heads. Traffic per layer: q, k,
   v and the output of the local tokens, (cp - 1)/cp of it; needs the local heads divisible by cp.
 
+Packed documents (plait.train.documents) stay apart: the class hands its attention each token's position in its
+document, which restarts at 0 where a document begins; the ranks all-gather these few integers, number the
+documents along the whole sequence, and a key is seen only from its own document (both kinds).
+
+A layer that attends within a sliding window (its class passes ``sliding_window``: Mistral, Starcoder2, Gemma's
+local layers) keeps a key only where query position - key position < window, on global positions, in both kinds:
+the same keys the class's own mask keeps on one process.
+
 torch's own `context_parallel` (ring attention through SDPA) has no CPU kernel for causal attention in torch 2.13,
 so plait's attention exchanges keys and values itself on every device.
 """
@@ -56,16 +64,38 @@ class ContextParallelAttention(nn.Module):
         self.kind, self.mesh = kind, cp_mesh
         self.positions, self.gathered_positions, self.to_global, self.to_ranks = _tables(
             seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
+        self.documents = False
+        """Whether this step's rows hold packed documents to keep apart (set by the executor for the whole step)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                window: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`window`: the layer's sliding window (None: causal over the whole sequence); `positions` [b, local seq]:
+        each local token's position in its document, where the step holds packed documents."""
+        documents = self._document_ids(positions) if self.documents else None
         if self.kind == "all_gather":
-            return self._all_gather(q, k, v, scale)
-        return self._all_to_all(q, k, v, scale)
+            return self._all_gather(q, k, v, scale, window, documents)
+        return self._all_to_all(q, k, v, scale, window, documents)
 
-    def _all_gather(self, q, k, v, scale):
+    def _document_ids(self, positions: torch.Tensor | None) -> torch.Tensor:
+        """[b, s] the number of each token's document along the whole sequence (sequence order)."""
+        from plait.torch_internals import all_gather_tensor
+
+        if positions is None:
+            raise RuntimeError("this model's attention is not handed its tokens' positions, so context parallelism "
+                               "cannot keep packed documents apart: use data.packing = \"padded\" or \"stream\", "
+                               "or cp=1")
+        positions = positions.expand(-1, len(self.positions)) if positions.shape[-1] == 1 else positions
+        gathered = all_gather_tensor(positions.t().contiguous(), 0, self.mesh)  # [s, b], rank order
+        in_order = gathered.index_select(0, self.to_global.to(gathered.device)).t()  # [b, s], sequence order
+        return (in_order == 0).cumsum(-1)
+
+    def _all_gather(self, q, k, v, scale, window=None, documents=None):
         k_all, v_all = _repeat_kv(q, self._gather(k)), _repeat_kv(q, self._gather(v))  # [b, heads, s, d]
         device = q.device
-        visible = self.positions.to(device)[:, None] >= self.gathered_positions.to(device)[None, :]  # causal
+        mine, gathered = self.positions.to(device), self.gathered_positions.to(device)
+        visible = visible_keys(mine, gathered, window)
+        if documents is not None:
+            visible = visible & (documents[:, None, mine, None] == documents[:, None, None, gathered])
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible, scale=scale)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -73,14 +103,21 @@ class ContextParallelAttention(nn.Module):
         gathered = all_gather_single_autograd(t.permute(2, 0, 1, 3).contiguous(), 0, self.mesh)  # [s, b, kv, d]
         return gathered.permute(1, 2, 0, 3)
 
-    def _all_to_all(self, q, k, v, scale):
+    def _all_to_all(self, q, k, v, scale, window=None, documents=None):
         cp = self.mesh.size()
         k, v = _repeat_kv(q, k), _repeat_kv(q, v)
         if q.shape[1] % cp:
             raise ValueError(f"all-to-all context parallelism needs the local heads ({q.shape[1]}) divisible by "
                              f"cp={cp}; use the all-gather kind")
         q, k, v = (self._heads_for_sequence(t) for t in (q, k, v))  # [b, heads/cp, s, d], sequence order
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        if (window is None or window >= q.shape[2]) and documents is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            order = torch.arange(q.shape[2], device=q.device)
+            visible = visible_keys(order, order, window)
+            if documents is not None:
+                visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
         return self._sequence_for_heads(out)
 
     def _heads_for_sequence(self, t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +137,13 @@ class ContextParallelAttention(nn.Module):
         received = all_to_all_single_autograd(parts.flatten(0, 1), None, None, self.mesh)
         received = received.reshape(cp, b, heads_part, s // cp, d).transpose(0, 1)  # [b, cp (head group), ...]
         return received.reshape(b, cp * heads_part, s // cp, d)
+
+
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[queries, keys] True where a query at global position `queries[i]` attends to the key at `keys[j]`: causal,
+    and within `window` positions (transformers' sliding window: query - key < window) where one is given."""
+    behind = queries[:, None] - keys[None, :]
+    return (behind >= 0) & (behind < window) if window is not None else behind >= 0
 
 
 @functools.lru_cache(maxsize=8)

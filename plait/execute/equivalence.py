@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plait.execute.batches import batch_for_step, dp_shard
+from plait.execute.batches import batch_for_step, chat_batch_for_step, dp_shard
 from plait.execute.parallelize import parallelize
 from plait.execute.reference import single_process_reference
+from plait.models import adapter_for
 from plait.plan import Plan
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -69,9 +70,22 @@ class CheckSettings:
     """The dtype of both runs ("float64" makes the verdict decisive; "float32" is what training runs)."""
     verify_load: bool = False
     """Also load a changed full state dict and read it back (tests load_full_state_dict under the plan)."""
+    optimizer: str = "adamw"
+    """The reference's optimizer: "adamw", or "sgd" (plain SGD: what DiLoCo at H = 1 equals, plait/train/islands_check.py)."""
     weights: str | None = None
     """A Hugging Face checkpoint directory both sides start from (the parallel side reads its shards; the
     reference loads it with from_pretrained); None: the seed's initial weights."""
+    chat: bool = False
+    """Mask the targets as chat training does (plait.execute.batches.chat_batch_for_step): rows training different
+    numbers of tokens, one none; the step's loss must still be its token mean under every plan."""
+
+    def batches(self, plan: Plan):
+        """step -> (tokens, targets, positions or None) of the whole global batch, the same on every rank and on the
+        reference; chat batches pack documents where the model keeps them apart (ModelAdapter.takes_positions)."""
+        if not self.chat:
+            return lambda step: (*batch_for_step(plan, self.seed, step), None)
+        documents = adapter_for(plan.model).takes_positions
+        return lambda step: chat_batch_for_step(plan, self.seed, step, documents)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,9 +174,11 @@ def run_parallel(plan: Plan, settings: CheckSettings, initial_state: dict[str, t
                         initial_state=initial_state, weights=settings.weights)
     optimizer = model.make_optimizer(lr=settings.lr, weight_decay=settings.weight_decay)
     losses, norms, first_grads = [], [], {}
+    batches = settings.batches(plan)
     for step in range(settings.steps):
-        tokens, targets = batch_for_step(plan, settings.seed, step)
-        loss = model.train_step(dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank))
+        tokens, targets, positions = batches(step)
+        loss = model.train_step(dp_shard(plan, tokens, model.dp_rank), dp_shard(plan, targets, model.dp_rank),
+                                None if positions is None else dp_shard(plan, positions, model.dp_rank))
         if step == 0:
             first_grads = model.full_gradients()
         if settings.max_norm is not None:
@@ -195,9 +211,10 @@ def _norm(t: torch.Tensor) -> float:
 def compare(plan: Plan, settings: CheckSettings, run: ParallelRun,
             initial_state: dict[str, torch.Tensor] | None = None) -> CheckResult:
     """Run the single-process reference and measure how far the parallel run is from it."""
-    ref = single_process_reference(plan, None, settings.steps, settings.seed, settings.lr, max_norm=settings.max_norm,
-                                   weight_decay=settings.weight_decay, dtype=DTYPES[settings.dtype],
-                                   initial_state=initial_state, weights=settings.weights)
+    ref = single_process_reference(plan, settings.batches(plan), settings.steps, settings.seed, settings.lr,
+                                   max_norm=settings.max_norm, weight_decay=settings.weight_decay,
+                                   dtype=DTYPES[settings.dtype], initial_state=initial_state,
+                                   weights=settings.weights, optimizer=settings.optimizer)
     missing = ref.params.keys() - run.params.keys()
     if missing:
         raise RuntimeError(f"the parallel model lacks parameters {sorted(missing)[:3]}")

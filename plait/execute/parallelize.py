@@ -29,6 +29,7 @@ The order (torchtitan's), and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
@@ -42,13 +43,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from plait import legality
 from plait.errors import ConfigError
 from plait.execute.data import apply_ddp_if, apply_fully_shard, build_optimizer, gradient_sync
-from plait.execute.context import apply_cp, cp_positions
+from plait.execute.context import ContextParallelAttention, apply_cp, cp_positions
 from plait.execute.expert import apply_experts
 from plait.execute.lora import adapter_names
 from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, pipeline_position, rank_order
 from plait.execute.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
+from plait.execute.step_loss import StepLoss
 from plait.execute.state import gather_full_state_dict, load_full_state_dict, plain_named_parameters
 from plait.execute.tensor import apply_tp
 from plait.execute.tied import ReplicatedGradients, TiedGradients
@@ -157,10 +159,20 @@ class ParallelModel:
         self.replicated = [ReplicatedGradients(model_parts, "dp_replicated", data_mesh(mesh), data_mesh(mesh).size()),
                            ReplicatedGradients(model_parts, "experts_replicated", mesh["edp_cp"], data_mesh(mesh).size())]
         self.cp_positions = cp_positions(plan.train.seq_len, plan.cp, mesh["cp"].get_local_rank())
+        self.step_loss = StepLoss(adapter.loss_sum)  # the step's token mean, whatever the layout (step_loss.py)
+        self._stages = [getattr(part, "module", part) for part in model_parts]  # the Stage modules (DDP wraps)
+        self._plain_positions = [stage.ctx.positions for stage in self._stages]
+        self._chunk_positions: tuple[torch.Tensor, ...] | None = None
+        self._context_cores = [m for stage in self._stages for m in stage.modules()
+                               if isinstance(m, ContextParallelAttention)]
         self.schedule = None
         if plan.pp > 1:
-            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, adapter.loss,
-                                           buffers=pipeline_buffers)
+            self.schedule = build_schedule(plan, stage_ids, model_parts, mesh["pp"], device, self.step_loss,
+                                           buffers=pipeline_buffers, scale_grads=False)
+            for part in model_parts:  # the balance loss weighs like the loss: each micro-batch's share of the step
+                set_aux_scale(part, 1.0 / plan.num_micro_batches)
+            for index, stage in enumerate(_pipeline_stages(self.schedule)):
+                stage.before_chunk = functools.partial(self._enter_chunk, index)
 
     # ---- ranks ------------------------------------------------------------------
     @property
@@ -207,23 +219,61 @@ class ParallelModel:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
         return stack
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """Forward and backward over this dp rank's rows ([micro_batch · num_micro_batches, seq]);
-        returns the mean token cross-entropy over the global batch, the same on every rank.
-        Gradients are left in the parameters, complete (tied copies summed); the optimizer is not stepped."""
+        returns the step's loss, the mean cross-entropy over the trained tokens of the global batch (step_loss.py),
+        the same on every rank. Gradients are left in the parameters, complete (tied copies summed), those of that
+        mean; the optimizer is not stepped. `positions` [rows, seq]: each token's position in its document, for
+        packed documents kept apart (plait.train.documents; the adapter must take_positions)."""
         expected = (self.plan.micro_batch * self.plan.num_micro_batches, self.plan.train.seq_len)
-        if tuple(tokens.shape) != expected or tuple(targets.shape) != expected:
-            raise ValueError(f"tokens/targets must be {list(expected)} (this dp rank's rows), got "
-                             f"{list(tokens.shape)} and {list(targets.shape)}")
-        if self.plan.cp > 1:  # this context rank's tokens of every sequence (plait/execute/context.py)
-            tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
-        with self._compute_context():
+        if tuple(tokens.shape) != expected or tuple(targets.shape) != expected or \
+                (positions is not None and tuple(positions.shape) != expected):
+            raise ValueError(f"tokens/targets/positions must be {list(expected)} (this dp rank's rows), got "
+                             f"{list(tokens.shape)}, {list(targets.shape)}"
+                             f"{'' if positions is None else ' and ' + str(list(positions.shape))}")
+        tokens, targets, positions = self._local(tokens, targets, positions)
+        self._start_step(targets)
+        with self._compute_context(), self._documents(positions):
             local = self._pipeline_step(tokens, targets) if self.schedule else self._accumulate(tokens, targets)
         for replicated in self.replicated:
             replicated.sync()
         self.tied.sync()
         return self._global_mean(local)
+
+    def _local(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None):
+        """This context rank's tokens of every sequence (plait/execute/context.py), on the device."""
+        if positions is not None and not self.adapter.takes_positions:
+            raise ValueError(f"{self.plan.model.name} takes no document positions (its attention spans documents)")
+        if self.plan.cp > 1:
+            tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
+            positions = None if positions is None else positions[:, self.cp_positions]
+        positions = None if positions is None else positions.to(self.device)
+        return tokens.to(self.device), targets.to(self.device), positions
+
+    @contextmanager
+    def _documents(self, positions: torch.Tensor | None) -> Iterator[None]:
+        """Each micro-batch's documents' positions for its forward (`_enter_chunk`), the plain ones again after."""
+        self._chunk_positions = None if positions is None else positions.chunk(self.plan.num_micro_batches)
+        for core in self._context_cores:  # context parallelism keeps them apart itself
+            core.documents = positions is not None
+        try:
+            yield
+        finally:
+            self._chunk_positions = None
+            if positions is not None:
+                for stage, plain in zip(self._stages, self._plain_positions):
+                    stage.ctx.positions = plain
+
+    def _enter_chunk(self, part: int, chunk: int) -> None:
+        """Stage `part` is about to run micro-batch `chunk`: its positions (the recomputed forwards of activation
+        checkpointing reuse what the block was called with, so a later micro-batch changing them is harmless)."""
+        if self._chunk_positions is not None:
+            self._stages[part].ctx.positions = self._chunk_positions[chunk]
+
+    def _start_step(self, targets: torch.Tensor) -> None:
+        """The step's trained tokens, counted over the data and context ranks (one all-reduce of a count)."""
+        shared = data_mesh(self.mesh)
+        self.step_loss.start(targets, shared.get_group() if shared.size() > 1 else None, shared.size())
 
     def _accumulate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation over micro-batches; the dp reduction runs only on the last one."""
@@ -235,8 +285,9 @@ class ParallelModel:
         every = self.plan.grad_sync == "micro_batch"  # reduce-scatter every micro-batch: sharded gradients
         for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
             last = index == count - 1
+            self._enter_chunk(0, index)
             with gradient_sync(self.model_parts, enabled=every or last, keep_gathered=keep, last=last):
-                loss = self.adapter.loss(model(tok), tgt) / count
+                loss = self.step_loss(model(tok), tgt)
                 loss.backward()
             total += _scalar(loss.detach()).double()
         return total
@@ -249,35 +300,35 @@ class ParallelModel:
             return torch.zeros((), device=self.device, dtype=torch.float64)
         losses: list[torch.Tensor] = []
         run(*args, target=targets, losses=losses, **_NO_OUTPUTS)
-        return torch.stack([_scalar(loss.detach()).double() for loss in losses]).mean()
+        return torch.stack([_scalar(loss.detach()).double() for loss in losses]).sum()  # each its share already
 
     @torch.no_grad()
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """The loss `train_step` would return for these rows, forward only (no gradients, nothing synced); the same
         on every rank (collective). A pipeline runs its schedule's forward-only path (schedule.eval)."""
-        if self.plan.cp > 1:
-            tokens, targets = tokens[:, self.cp_positions], targets[:, self.cp_positions]
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
-        with self._compute_context():
+        tokens, targets, positions = self._local(tokens, targets, positions)
+        self._start_step(targets)
+        with self._compute_context(), self._documents(positions):
             if self.schedule is not None:
                 local = self._pipeline_step(tokens, targets, forward_only=True)
             else:
                 count = self.plan.num_micro_batches
                 local = torch.zeros((), device=self.device, dtype=torch.float64)
-                for tok, tgt in zip(tokens.chunk(count), targets.chunk(count)):
-                    local += _scalar(self.adapter.loss(self.model_parts[0](tok), tgt)).double() / count
+                for index, (tok, tgt) in enumerate(zip(tokens.chunk(count), targets.chunk(count))):
+                    self._enter_chunk(0, index)
+                    local += _scalar(self.step_loss(self.model_parts[0](tok), tgt)).double()
         return self._global_mean(local)
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        """Only the last pipeline rank holds the loss; tensor ranks hold equal copies; data and context ranks each
-        the mean over as many tokens."""
+        """The step's loss from this rank's shares (step_loss.py): only the last pipeline rank holds them; tensor
+        ranks hold equal copies; data and context ranks each their pieces'."""
         value = local.detach().double().reshape(1).clone()
         if self.plan.pp > 1:
             dist.all_reduce(value, group=self.mesh["pp"].get_group())
         shared = data_mesh(self.mesh)
         if shared.size() > 1:
             dist.all_reduce(value, group=shared.get_group())
-        return value.item() / shared.size()
+        return self.step_loss.value(value.item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most max_norm; returns the norm before (clip_grad_norm;
@@ -339,6 +390,12 @@ class ParallelModel:
         small models, not for speed."""
         model = single_process_model(self.plan, self.full_state_dict())
         return self.adapter.forward(model, tokens.cpu())
+
+
+def _pipeline_stages(schedule) -> list:
+    """The PipelineStages of a schedule, in the order of its model parts (one for the single-stage schedules)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
 
 
 def single_process_model(plan: Plan, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> nn.Module:

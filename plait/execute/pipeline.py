@@ -79,6 +79,13 @@ class PlacedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.group_rank = position  # what the schedules read as this stage's pipeline rank
         self.position_ranks = position_ranks
+        self.before_chunk: Callable[[int], None] | None = None
+        """Called with the micro-batch's index before each forward (its documents' positions, parallelize.py)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self.before_chunk is not None:
+            self.before_chunk(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def _resolve_peer_global_rank(self, stage_idx: int) -> int:
         return self.position_ranks[self.stage_index_to_group_rank[stage_idx]]
@@ -123,12 +130,13 @@ def _waiting_sends(schedule_class: type) -> type:
 
 
 def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn: Callable, buffers: str = "pool"
+                   device: torch.device, loss_fn: Callable, buffers: str = "pool", scale_grads: bool = True
                    ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """PipelineStages over the mesh's "pp" group and the plan's schedule; `buffers` one of PIPELINE_BUFFERS.
 
-    scale_grads=True: the schedule divides gradients by the number of micro-batches, so with a
-    per-micro-batch mean loss the gradient is that of the mean over the whole batch."""
+    `scale_grads`: the schedule divides the gradients by the number of micro-batches (a per-micro-batch mean loss);
+    False where `loss_fn` weighs each micro-batch by its share of the step's trained tokens already
+    (plait.execute.step_loss.StepLoss), which that division would undo."""
     if buffers not in PIPELINE_BUFFERS:
         raise ValueError(f"pipeline buffers {buffers!r}: expected one of {', '.join(PIPELINE_BUFFERS)}")
     group = pp_mesh.get_group()
@@ -145,7 +153,7 @@ def build_schedule(plan: Plan, stage_ids: list[int], parts: list[nn.Module], pp_
         if pooled:
             stage.use_pools(pools, own_sends=not single)
         stages.append(stage)
-    kwargs = dict(n_microbatches=plan.num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+    kwargs = dict(n_microbatches=plan.num_micro_batches, loss_fn=loss_fn, scale_grads=scale_grads)
     if single:
         schedule = schedule_class(stages[0], **kwargs)
     else:

@@ -12,8 +12,9 @@ from plait.execute.batches import batch_for_step
 from plait.models import adapter_for, build_model
 from plait.plan import Plan
 
-BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""step -> (tokens, targets), each [global_batch, seq_len]: the whole global batch of that step."""
+BatchFn = Callable[[int], tuple]
+"""step -> (tokens, targets) or (tokens, targets, positions or None), each [global_batch, seq_len]: the whole global
+batch of that step (positions: of packed documents, plait.train.documents)."""
 
 
 @dataclass
@@ -32,8 +33,8 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
                              betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                              dtype: torch.dtype = torch.float32,
                              initial_state: dict[str, torch.Tensor] | None = None,
-                             weights: str | None = None) -> ReferenceRun:
-    """Train `plan.model` for `steps` AdamW steps on one process over the plan's global batches. `batches`
+                             weights: str | None = None, optimizer: str = "adamw") -> ReferenceRun:
+    """Train `plan.model` for `steps` AdamW (or `optimizer` "sgd") steps on one process over the plan's global batches. `batches`
     defaults to the random batches of `batch_for_step(plan, seed, step)`; with `max_norm`, gradients are
     clipped (their norms before clipping are recorded)."""
     batches = batches or (lambda step: batch_for_step(plan, seed, step))
@@ -57,12 +58,19 @@ def single_process_reference(plan: Plan, batches: BatchFn | None = None, steps: 
     if initial_state is not None:
         model.load_state_dict(initial_state, strict=False)
         adapter.reset_buffers(model)
+    adapter.own_attention(model)  # the class's own attention and masks: what plait's kernels must equal
     model.to(dtype)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "sgd":  # linear in the gradient: what DiLoCo at H = 1 equals (plait/train/islands_check.py)
+        optimizer = torch.optim.SGD(trained, lr=lr, weight_decay=weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     run = ReferenceRun(initial={n: p.detach().clone() for n, p in model.named_parameters()})
     for step in range(steps):
-        tokens, targets = batches(step)
-        loss = adapter.loss(adapter.forward(model, tokens), targets)
+        tokens, targets, *rest = batches(step)
+        positions = rest[0] if rest else None
+        logits = adapter.forward(model, tokens) if positions is None else adapter.forward(model, tokens, positions)
+        loss = adapter.loss(logits, targets)
         loss.backward()
         if step == 0:
             run.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

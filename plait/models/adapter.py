@@ -82,10 +82,16 @@ class TensorPlan:
 @dataclass
 class StageContext:
     """What the blocks of one stage need besides the hidden states: the global positions of this rank's tokens
-    (under context parallelism a slice of the sequence), and the adapter's per-step tables."""
+    (under context parallelism a slice of the sequence; [rows, s] position ids restarting at each document of the
+    micro-batch running, where the adapter takes_positions), and the adapter's per-step tables."""
 
     positions: torch.Tensor
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _loss_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module | None:
@@ -191,19 +197,39 @@ class ModelAdapter:
     def head(self, stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of the whole single-process model (its author's own forward)."""
+    takes_positions: bool = False
+    """Whether the model runs packed documents apart from per-token position ids (`forward`'s `positions`, a stage's
+    StageContext.positions [rows, s]): its attention stays within each document and positions restart there
+    (plait.train.documents). plait's own decoders and a user's module do not: they attend across documents."""
+
+    def own_attention(self, model: nn.Module) -> None:
+        """Make a whole single-process model attend as its author's code does on its own (plait.execute.reference,
+        the truth `plait check` compares with); plait's decoders and a user's module already do."""
+
+    attention_sees_positions: bool = False
+    """Whether context parallelism's attention is handed each token's position in its document (it then keeps packed
+    documents apart across its ranks, plait/execute/context.py)."""
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the whole single-process model (its author's own forward); `positions`: see takes_positions."""
+        if positions is not None:
+            raise ValueError(f"{type(self).__name__} takes no document positions (takes_positions is False)")
         return model(tokens)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one (micro-)batch; logits [b, s, V], targets [b, s]."""
-        # at least fp32 (16-bit logits lose the loss's precision); float64 stays float64 (plait check)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        """Mean next-token cross-entropy over the trained targets of a whole batch; logits [b, s, V], targets [b, s].
+        What one process computes for a step (plait.execute.reference); a parallel step assembles the same mean from
+        `loss_sum` over its pieces (plait.execute.step_loss)."""
         if not targets.is_meta and not bool((targets != IGNORE_INDEX).any()):  # meta: a dry run's trace, no data
             # every target masked (a chat window with no assistant token): the mean would be 0/0 = NaN and poison the
             # gradients; a zero with the graph attached trains nothing instead (plait.train.chat counts such windows)
-            return logits.sum() * 0.0
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            return self.loss_sum(logits, targets)
+        return F.cross_entropy(_loss_logits(logits).flatten(0, 1), targets.flatten(0, 1))
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the next-token cross-entropies of the trained targets (IGNORE_INDEX skipped): 0, with the graph
+        attached, where none is trained."""
+        return F.cross_entropy(_loss_logits(logits).flatten(0, 1), targets.flatten(0, 1), reduction="sum")
 
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:

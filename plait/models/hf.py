@@ -14,9 +14,14 @@ What plait changes when it builds a model, and why:
 * attention runs through ``"plait_sdpa"``, transformers' own SDPA function registered under a name of
   plait's, so that selective recompute of the math path can checkpoint exactly the attention core, the
   math path (ModelSpec.attention = "math") runs SDPA's MATH backend, and context parallelism can
-  exchange keys and values; no mask function is registered under that name, so the class passes no mask and
-  attention is causal over the whole sequence (sliding windows: plait.legality's seq-len-within-window), except
-  for a class whose layers read the mask themselves (HFAdapter.needs_causal_mask: a 4-D causal one);
+  exchange keys and values. transformers' SDPA mask function is registered under that name too, so the class
+  builds the masks it declares, layer by layer: none where attention is plain causal (SDPA's causal path), its
+  sliding window on the layers that slide (Mistral, Starcoder2, Qwen2's window layers, Gemma 2/3's local ones),
+  and the block-diagonal mask of packed documents that transformers reads from position ids restarting at 0.
+  A window far shorter than the sequence is computed band by band, packed documents each on its own
+  (plait.models.windows: only the scores the mask keeps); context parallelism's attention applies the window and
+  the documents itself (plait/execute/context.py). A class whose layers
+  read the mask themselves gets a 4-D causal one (HFAdapter.needs_causal_mask);
 * parameters a text-only forward never reaches (a multimodal class's encoders) are frozen
   (HFAdapter.untrained_parameters);
 * after `to_empty`, every buffer is copied from the class's own construction with parameters on meta (they
@@ -25,10 +30,11 @@ What plait changes when it builds a model, and why:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,9 +46,14 @@ from plait.models.hf_experts import moe_tensor_styles
 from plait.models.hf_flow import whole_module
 from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
+from plait.models.windows import (attention_by_document, banded_attention, layer_window, runs_banded,
+                                  runs_by_document)
 
 ATTENTION = "plait_sdpa"
 EAGER = "plait_eager"
+UNMASKED = {ATTENTION: "plait_sdpa_unmasked", EAGER: "plait_eager_unmasked"}
+"""The same attentions without the class's masks (plain causal): what a forward on `meta` runs, where the class's
+mask building reads values (transformers' packed-document detection) that meta tensors do not have."""
 
 
 def model_dir(source: str) -> Path:
@@ -63,40 +74,56 @@ def _register_attention() -> None:
     """transformers' SDPA attention under plait's name; checkpointed where a module asks for it."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import checkpoint
 
     def attend(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        window = layer_window(module, kwargs)
+        if runs_banded(query, key, attention_mask, window, kwargs):  # a window far shorter than the sequence
+            def run():
+                return banded_attention(query, key, value, attention_mask, window, kwargs.get("scaling")), None
+        elif runs_by_document(query, key, attention_mask, window, kwargs):  # packed documents, each on its own
+            def run():
+                return attention_by_document(query, key, value, kwargs["position_ids"], kwargs.get("scaling")), None
+        else:
+            def run():
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if getattr(module, "plait_math", False):  # ModelSpec.attention = "math": SDPA's unfused backend
             with sdpa_kernel(SDPBackend.MATH):
-                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+                return run()
+        return run()
 
     def plait_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
         core = getattr(module, "plait_attention", None)
         if core is None:
             fn, args = functools.partial(attend, **kwargs), (module, query, key, value, attention_mask)
         else:  # context parallelism: plait's core exchanges keys and values ([b, heads, s, d]; HF wants [b, s, h, d])
+            window = layer_window(module, kwargs)  # the layer's sliding window (None: the whole sequence)
+
             def fn(q, k, v):
-                return core(q, k, v, scale=kwargs.get("scaling")).transpose(1, 2).contiguous(), None
+                return core(q, k, v, scale=kwargs.get("scaling"), window=window,
+                            positions=kwargs.get("position_ids")).transpose(1, 2).contiguous(), None
             args = (query, key, value)
         if getattr(module, "plait_recompute", False):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
     def plait_eager(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), given
-        the causal mask plait passes no mask function for."""
+        """The class's own eager attention (its module's eager_attention_forward: soft-capping and all), under the
+        masks the class builds (boolean, or None where plain causal), as the additive mask that code expects."""
         import sys
 
         if getattr(module, "plait_attention", None) is not None:  # never attend to local keys only in silence
             raise NotImplementedError(f"{type(module).__name__} runs its class's own eager attention, which context "
                                       f"parallelism cannot swap; use cp=1")
-        if attention_mask is None:
+        if attention_mask is None:  # plain causal: the mask function skipped it, as it does for SDPA
             q_len, k_len = query.shape[-2], key.shape[-2]
-            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-            attention_mask = torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device).masked_fill(
-                ~allowed, torch.finfo(query.dtype).min)[None, None]
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        if attention_mask.dtype == torch.bool:  # the class's eager code adds its mask to the scores
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+            attention_mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]
         own = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
         fn = functools.partial(own, **kwargs)
         if getattr(module, "plait_recompute", False):
@@ -105,6 +132,25 @@ def _register_attention() -> None:
 
     AttentionInterface.register(ATTENTION, plait_sdpa)
     AttentionInterface.register(EAGER, plait_eager)
+    AttentionInterface.register(UNMASKED[ATTENTION], plait_sdpa)  # no mask function: the class builds none
+    AttentionInterface.register(UNMASKED[EAGER], plait_eager)
+    # the masks the class declares (windows, packed documents), as boolean masks or None where plain causal
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(EAGER, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _unmasked(model: nn.Module) -> Iterator[None]:
+    """`model` runs plait's attention without the class's masks (UNMASKED) while in the block."""
+    used = model.config._attn_implementation
+    if used not in UNMASKED:
+        yield
+        return
+    model.set_attn_implementation(UNMASKED[used])
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(used)
 
 
 WRITTEN_TP_PLANS: dict[str, dict[str, Any]] = {
@@ -259,6 +305,38 @@ class HFAdapter(ModelAdapter):
                 continue
         return False
 
+    def own_attention(self, model: nn.Module) -> None:
+        """transformers' own attention implementation ("sdpa", or "eager" where the class's SDPA does not compute its
+        attention) and masks instead of plait's kernels: the reference `plait check` proves them against."""
+        model.set_attn_implementation("eager" if attention_for(model.config) == EAGER else "sdpa")
+
+    @functools.cached_property
+    def attention_sees_positions(self) -> bool:
+        """Whether the class hands its attention function the position ids, which context parallelism's attention
+        needs to keep packed documents apart: its first layer run on meta around a stand-in that records them."""
+        from plait.models.hf_spec import block_caller, experts_batched
+
+        seen: list[bool] = []
+
+        class Recorder(nn.Module):
+            def forward(self, q, k, v, scale=None, window=None, positions=None):
+                seen.append(positions is not None)
+                return q
+
+        block = get_module(self.meta_model, self.blocks_path)[0]
+        attention = self._attention_modules(block)
+        for module in attention:
+            module.plait_attention = Recorder()
+        try:
+            with experts_batched(self.meta_model):
+                block_caller(self)(0)(block, torch.zeros(1, 8, int(self.hf_config().hidden_size), device="meta"))
+        except Exception:  # a layer that does not run on meta: nothing is proven
+            return False
+        finally:
+            for module in attention:
+                del module.plait_attention
+        return bool(seen) and all(seen)
+
     @functools.cached_property
     def num_layers(self) -> int:
         return len(get_module(self.meta_model, self.blocks_path))
@@ -271,7 +349,7 @@ class HFAdapter(ModelAdapter):
         """What the class passes each layer (rotary tables of the whole sequence, masks, position ids), by layer
         index: found by running its forward around stubs on a stand-in of the full sequence (under sequence
         parallelism `hidden` holds a slice)."""
-        full = hidden.new_zeros(hidden.shape[0], len(ctx.positions), hidden.shape[-1])
+        full = hidden.new_zeros(hidden.shape[0], ctx.positions.shape[-1], hidden.shape[-1])
         calls, _ = self._around(stage, ctx, hidden=full, stop_at=self.num_layers - 1)
         return {index: (args, kwargs) for index, (_, args, kwargs) in calls.items()}
 
@@ -287,11 +365,22 @@ class HFAdapter(ModelAdapter):
         _, out = self._around(stage, stage.ctx, hidden=hidden)
         return out.logits
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_positions(self) -> bool:
+        """Packed documents apart (plait.train.documents): transformers reads position ids restarting at 0 as packed
+        sequences and masks each apart; not a class handed its 4-D causal mask, which it takes as it is."""
+        return not self.needs_causal_mask
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None and not self.takes_positions:
+            raise ValueError(f"{self.family} reads a 4-D causal mask of its own: it takes no document positions")
         if self.needs_causal_mask:
             return model(input_ids=tokens, attention_mask=causal_mask(tokens.shape[0], tokens.shape[1],
                                                                        tokens.device)).logits
-        return model(input_ids=tokens).logits
+        if tokens.device.type == "meta" and positions is None:
+            with _unmasked(model):
+                return model(input_ids=tokens).logits
+        return model(input_ids=tokens, position_ids=positions).logits
 
     # ---- parallelism as data -------------------------------------------------------------
     def tp_plan(self) -> TensorPlan:

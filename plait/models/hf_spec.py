@@ -26,6 +26,7 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.legality import NO_TENSOR_PLAN, PLAIT_STYLE
 from plait.models.adapter import get_module, is_norm_module
+from plait.spec.load import WINDOW_KEYS, window_fields
 from plait.torch_internals import tree_map
 from plait.spec.model import BlockCost, ModelSpec
 
@@ -46,7 +47,6 @@ def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, An
     hidden = int(config.hidden_size)
     heads = int(_first(config, "num_attention_heads", default=1))
     head_dim = _first(config, "head_dim")
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     learned = any(isinstance(get_module(meta_model, p), nn.Embedding) and p.rsplit(".", 1)[-1] != "embed_tokens"
                   and get_module(meta_model, p).num_embeddings != config.vocab_size for p in structure.pre)
     experts = int(_first(config, *EXPERT_KEYS, default=0) or 0)
@@ -58,7 +58,7 @@ def config_fields(config: Any, structure, meta_model: nn.Module) -> dict[str, An
                   vocab_size=int(config.vocab_size), tied_embeddings=bool(structure.tied),
                   max_seq_len=int(_first(config, "max_position_embeddings", default=2048) or 2048),
                   positions="learned" if learned else "rope",
-                  sliding_window=int(window) if isinstance(window, int) and window > 0 else None)
+                  **window_fields({key: getattr(config, key, None) for key in WINDOW_KEYS}))
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(_first(config, "num_experts_per_tok", "top_k",
                                                                         default=1)),

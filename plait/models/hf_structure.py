@@ -69,6 +69,26 @@ def swapped(root: nn.Module, replacements: dict[str, nn.Module | None]) -> Itera
             set_module(root, path, module)
 
 
+@contextlib.contextmanager
+def no_masks_on_meta(root: nn.Module, on_meta: bool) -> Iterator[None]:
+    """On meta, the class builds no mask: transformers reads the values of the position ids to find packed documents,
+    which meta tensors have none of. Its mask function is set aside for the call (the layers then take SDPA's causal
+    path: the same shapes and FLOPs, all that a run on meta measures)."""
+    attention = getattr(getattr(root, "config", None), "_attn_implementation", None)
+    if not on_meta or attention is None:
+        yield
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    saved = mapping.pop(attention, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            mapping[attention] = saved
+
+
 def causal_mask(batch: int, length: int, device: torch.device) -> torch.Tensor:
     """A 4-D boolean causal mask [batch, 1, length, length], which transformers' mask builders hand on as it is."""
     allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -94,9 +114,10 @@ def around_layers(model_class: type, root: nn.Module, *, blocks_path: str, num_l
     if causal_mask:  # a class whose layers read the mask themselves (sparse-attention indexers)
         inputs["attention_mask"] = globals()["causal_mask"]((tokens if tokens is not None else hidden).shape[0],
                                                             positions.shape[-1], positions.device)
-    with swapped(root, replacements):
+    with swapped(root, replacements), no_masks_on_meta(root, positions.is_meta):
         try:
-            out = model_class.forward(root, **inputs, position_ids=positions[None], use_cache=False)
+            position_ids = positions if positions.dim() == 2 else positions[None]  # [rows, s]: packed documents
+            out = model_class.forward(root, **inputs, position_ids=position_ids, use_cache=False)
         except _Stop:
             out = None
     return calls, out

@@ -18,20 +18,30 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),  # head_dim decoupled from hidden / heads
     "gemma": ("GemmaConfig", {"head_dim": 16}),  # tied, GeGLU, (1 + w) norms, scaled embedding
 }
+WINDOWED_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # sliding windows of 6 tokens, shorter than the tests' sequences: every layer (Starcoder2, Mistral), the last
+    # layers only (Qwen2's max_window_layers), every other layer under the class's own eager attention (Gemma 2)
+    "starcoder2-window": ("Starcoder2Config", {"sliding_window": 6}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 6}),
+    "qwen2-window": ("Qwen2Config", {"sliding_window": 6, "use_sliding_window": True, "max_window_layers": 2}),
+    "gemma2-window": ("Gemma2Config", {"sliding_window": 6, "head_dim": 16}),
+}
 COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
 
 
 def tiny_config(family: str, **overrides: Any):
-    """A transformers config of `family` (llama, mistral, qwen2, qwen3, gemma, gpt2) a few thousand parameters big."""
+    """A transformers config of `family` (llama, mistral, qwen2, qwen3, gemma, gpt2, or a windowed one of
+    WINDOWED_CONFIGS) a few thousand parameters big."""
     import transformers
 
     if family == "gpt2":
         fields = dict(vocab_size=67, n_embd=32, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=1)
         return transformers.GPT2Config(**{**fields, **overrides})
-    if family not in FAMILY_CONFIGS:
-        raise ValueError(f"family {family!r} is not one of {', '.join([*FAMILY_CONFIGS, 'gpt2'])}")
-    class_name, extra = FAMILY_CONFIGS[family]
+    configs = {**FAMILY_CONFIGS, **WINDOWED_CONFIGS}
+    if family not in configs:
+        raise ValueError(f"family {family!r} is not one of {', '.join([*configs, 'gpt2'])}")
+    class_name, extra = configs[family]
     return getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
 
 

@@ -10,7 +10,7 @@
   (DeepSeek-V3's sequence-wise balance loss). Per sequence, it is the same however sequences are spread over
   micro-batches and data-parallel ranks; under context parallelism the sums are all-reduced over the ranks
   that share a sequence. It reaches the gradient through `AuxLoss` (attached to the output, no change to the
-  loss function or the pipeline schedule), scaled by `aux_scale` (1 / micro-batches under accumulation).
+  loss function or the pipeline schedule), scaled by `aux_scale` (1 / micro-batches).
 * Experts are stacked tensors [E, ...] so that expert parallelism shards their first dimension and tensor
   parallelism their inner width (plait/execute/expert.py). `dispatch` is where expert parallelism exchanges
   tokens; without it, every expert is here.
@@ -167,8 +167,9 @@ class MoE(nn.Module):
 
 
 def set_aux_scale(module: nn.Module, scale: float) -> None:
-    """The weight of every MoE layer's balance-loss gradient in `module`: 1 / micro-batches where each micro-batch's
-    loss is divided by their count (gradient accumulation), 1 where the schedule scales the gradients instead."""
+    """The weight of every MoE layer's balance-loss gradient in `module`: 1 / micro-batches, so that the micro-batches'
+    balance losses add up to the whole batch's (a mean over its sequences), as their losses add up to its token mean
+    (plait.execute.step_loss)."""
     for sub in module.modules():
         if isinstance(sub, MoE):
             sub.aux_scale = scale

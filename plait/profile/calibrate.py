@@ -138,33 +138,29 @@ def _matmul_notes(matmul: MatmulFit, m: Measurements) -> list[str]:
 CPU_LAYER_PASS_FLOOR_S = 20e-6
 """Host seconds a CPU process spends at least per layer pass: a decoder layer's forward dispatches some twenty ops
 through Python, autograd and the dispatcher, each a microsecond or more on any CPU (an assumption, not fitted; the
-probe plans measure 0.3 to 3 ms on an idle machine). Where the CPU preset says 0, the host fit starts from it, so
-that timings on a loaded machine, whose noise can pull the per-pass time to 0, leave it physical."""
+probe plans measure 0.3 to 3 ms on an idle machine). The host fit of CPU processes never goes below it, so that
+timings on a loaded machine, whose noise can pull the per-pass time to 0, leave it physical."""
 
 
 def fit_host_terms(samples: tuple[HostSample, ...], cluster: ClusterSpec) -> "TermFit":
     """The host-time fields of `cluster` that best explain the probe plans' measured steps, given its
-    compute and link fits (which stay as they are). On CPU processes the per-pass time starts from, and is held
-    near, CPU_LAYER_PASS_FLOOR_S where it was 0; a fit that ends there says so."""
+    compute and link fits (which stay as they are). On CPU processes the per-pass time is held at or above
+    CPU_LAYER_PASS_FLOOR_S; a fit that ends at the floor (or could not fit it) says so."""
     from plait.plan import Plan
 
-    start = _with_host_floor(cluster)
-    observations = [Observation(plan=Plan.from_dict(s.plan).replace(cluster=start, predicted=None),
+    observations = [Observation(plan=Plan.from_dict(s.plan).replace(cluster=cluster, predicted=None),
                                 measured_s=s.seconds) for s in samples]
-    fit = fit_terms(observations, start, tuple(HOST_TERMS))
-    if start is not cluster and fit.cluster.host.layer_overhead_s <= CPU_LAYER_PASS_FLOOR_S * 1.01:
-        fit = dataclasses.replace(fit, notes=(*fit.notes, (
-            f"host time per layer pass: the probe timings do not tell it apart from the other terms (a loaded "
-            f"machine?); kept at about its floor of {CPU_LAYER_PASS_FLOOR_S * 1e6:g} us rather than fitted: rerun "
-            f"`plait profile` on an idle machine, or `plait tune` on the planned model")))
-    return fit
-
-
-def _with_host_floor(cluster: ClusterSpec) -> ClusterSpec:
-    """`cluster` whose per-layer-pass host time is CPU_LAYER_PASS_FLOOR_S where it is a CPU cluster's 0."""
-    if cluster.device_type != "cpu" or cluster.host.layer_overhead_s > 0:
-        return cluster
-    return cluster.replace(host=dataclasses.replace(cluster.host, layer_overhead_s=CPU_LAYER_PASS_FLOOR_S))
+    cpu = cluster.device_type == "cpu"
+    fit = fit_terms(observations, cluster, tuple(HOST_TERMS),
+                    floors={"layer_overhead": CPU_LAYER_PASS_FLOOR_S} if cpu else None)
+    if not cpu or fit.cluster.host.layer_overhead_s > CPU_LAYER_PASS_FLOOR_S * 1.01:
+        return fit
+    host = dataclasses.replace(fit.cluster.host, layer_overhead_s=max(fit.cluster.host.layer_overhead_s,
+                                                                      CPU_LAYER_PASS_FLOOR_S))
+    return dataclasses.replace(fit, cluster=fit.cluster.replace(host=host), notes=(*fit.notes, (
+        f"host time per layer pass: the probe timings do not tell it apart from the other terms (a loaded "
+        f"machine?); held at its floor of {CPU_LAYER_PASS_FLOOR_S * 1e6:g} us rather than fitted: rerun "
+        f"`plait profile` on an idle machine, or `plait tune` on the planned model")))
 
 
 def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:

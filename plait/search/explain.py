@@ -13,7 +13,7 @@ from plait.plan import Plan
 PART_LABELS = {
     "compute": "compute", "recompute": "recompute", "tp_comm": "tp comm", "pp_comm": "pp comm",
     "bubble": "bubble", "dp_comm": "exposed dp comm", "optimizer": "optimizer step", "cp_comm": "cp comm",
-    "ep_comm": "ep comm", "loss": "loss",
+    "ep_comm": "ep comm", "loss": "loss", "island_link": "exposed exchange between islands",
 }
 
 

@@ -84,7 +84,7 @@ class Pricer:
     def _layer_cost(self, cut: Slicing, b: int, group: str | None) -> tuple[LayerCost, EndsCost]:
         s = self.setting
         cluster = s.cluster.view(group) if group is not None else s.cluster
-        return (sliced_layer_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes),
+        return (sliced_layer_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes, s.train.document_len),
                 ends_cost(s.model, cluster, s.seq_len, b, cut, s.dtype_bytes))
 
     def modes(self, pp: int) -> list[tuple[str, ...]]:

@@ -128,6 +128,53 @@ class DeviceGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Islands:
+    """A cluster made of islands: equal groups of nodes (clusters, data centres, cloud regions) joined by a link
+    one to three orders of magnitude slower than the links inside each (plait/cost/islands.py prices it, docs/islands.md).
+    Island i holds the devices [i·n, (i+1)·n) of the cluster's num_devices, n = num_devices / count."""
+
+    count: int
+    """How many islands; they split the cluster's devices evenly."""
+    link: LinkSpec
+    """The link between islands: latency_s per message, and bandwidth, the bytes per second one island as a whole
+    (all its devices together) can push to the others."""
+    emulate: bool = False
+    """Emulation only (one machine standing in for islands): the executor holds each exchange over the link for
+    the time `link` gives it (plait/execute/throttle.py's LinkThrottle). False on real links."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 2:
+            raise ValueError(f"islands.count={self.count!r} must be an integer >= 2 (one island is a plain cluster: "
+                             "drop `islands`)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failures:
+    """How often the cluster's hardware fails and what a failure costs (plait/cost/failures.py prices it into each
+    plan's expected goodput). The times default to what plait's own runs measured (docs/islands.md)."""
+
+    mtbf_hours: float
+    """Mean time between failures of one unit (`per`), hours."""
+    per: Literal["device", "node"] = "node"
+    """What `mtbf_hours` is counted per: one device, or one node."""
+    restart_s: float = 0.0
+    """Seconds a whole-job restart costs beyond the lost work (stop every rank, start them, rebuild, load the last
+    checkpoint); 0: the figure benchmarks/islands.py measured (plait.cost.failures.MEASURED_RESTART_S)."""
+    recovery_s: float = 0.0
+    """Seconds an island that failed needs to rejoin and take the weights from a peer while the others train on;
+    0: the measured figure (plait.cost.failures.MEASURED_RECOVERY_S)."""
+    save_s: float = 0.0
+    """Seconds one checkpoint write stalls training; 0: the measured figure (plait.cost.failures.MEASURED_SAVE_S)."""
+
+    def __post_init__(self) -> None:
+        if not self.mtbf_hours > 0:
+            raise ValueError(f"failures.mtbf_hours={self.mtbf_hours!r} must be > 0 (hours between failures)")
+        for name in ("restart_s", "recovery_s", "save_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"failures.{name}={getattr(self, name)!r} must be >= 0 (seconds; 0: measured)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HostOverheads:
     """Host time of plait's executor on a device type, beyond what FLOPs and bytes take: properties of the
     software (Python, autograd, DTensor's dispatch, fully_shard's hooks, the pipeline schedule), not of the
@@ -209,8 +256,15 @@ class ClusterSpec:
     group's."""
     between_groups: LinkSpec | None = None
     """Links between devices of different groups; None: inter_node."""
+    islands: Islands | None = None
+    """Islands of nodes joined by a slower link (two clusters in one region, small clusters over a wide-area
+    link); None: one island. The fields above describe the devices and links inside each island."""
+    failures: Failures | None = None
+    """How often the hardware fails (mean time between failures) and what a failure costs; None: not priced."""
 
     def __post_init__(self) -> None:
+        if self.islands is not None:
+            self._check_islands(self.islands)
         if self.groups:
             names = [g.name for g in self.groups]
             if len(set(names)) != len(names):
@@ -227,6 +281,33 @@ class ClusterSpec:
         for name in ("memory_bytes", "peak_flops"):
             if not (getattr(self, name) > 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+    def _check_islands(self, islands: Islands) -> None:
+        if self.groups:
+            raise ValueError("islands and device groups together are not planned yet: give one of them")
+        if self.num_devices % islands.count:
+            raise ValueError(f"num_devices={self.num_devices} does not split into islands.count={islands.count} "
+                             f"equal islands; give a count that divides it")
+        if (self.num_devices // islands.count) % self.devices_per_node and self.num_devices // islands.count > self.devices_per_node:
+            raise ValueError(f"an island of {self.num_devices // islands.count} devices is not a whole number of "
+                             f"nodes of devices_per_node={self.devices_per_node}")
+        fast = self.inter_node if self.num_devices // islands.count > self.devices_per_node else self.intra_node
+        if islands.link.bandwidth > fast.bandwidth * (self.num_devices // islands.count):
+            raise ValueError(f"islands.link.bandwidth={islands.link.bandwidth:.4g} B/s is faster than the links "
+                             f"inside an island ({fast.bandwidth:.4g} B/s per device x "
+                             f"{self.num_devices // islands.count} devices): the link between islands is the slow "
+                             "one; give its real bandwidth, or drop `islands` for one cluster")
+
+    @property
+    def island_devices(self) -> int:
+        """Devices of one island (all of them without islands)."""
+        return self.num_devices // self.islands.count if self.islands else self.num_devices
+
+    def island_view(self) -> "ClusterSpec":
+        """The uniform cluster of one island: what its inner plan is priced and run on."""
+        if self.islands is None:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}/island", num_devices=self.island_devices, islands=None)
 
     @property
     def num_nodes(self) -> int:

@@ -294,7 +294,6 @@ def _llama_fields(config: Mapping[str, Any], where: str, model_type: str) -> dic
         raise ConfigError(f"{where}: attention_bias / mlp_bias are not supported for model_type {model_type!r}")
     activation = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     rope = config.get("rope_parameters") or {}
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     tied_default = model_type == "gemma"
     return dict(
         arch="llama",
@@ -312,8 +311,24 @@ def _llama_fields(config: Mapping[str, Any], where: str, model_type: str) -> dic
         tied_embeddings=bool(config.get("tie_word_embeddings", tied_default)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        sliding_window=int(window) if window else None,
+        **window_fields(config),
     )
+
+
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types")
+"""The config keys window_fields reads."""
+
+
+def window_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """sliding_window and full_attention_layers of a Hugging Face config (as a dict): its window where it uses one,
+    and the layers its ``layer_types`` says attend over the whole sequence ("full_attention")."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") is not False else None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return {"sliding_window": None}
+    kinds = config.get("layer_types")
+    kinds = kinds if isinstance(kinds, (list, tuple)) else ()
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    return {"sliding_window": int(window), "full_attention_layers": full}
 
 
 def _moe_fields(config: Mapping[str, Any], where: str, model_type: str) -> dict[str, Any]:
@@ -429,6 +444,12 @@ def _normalize_cluster_units(data: dict[str, Any], where: str, prefix: str = "cl
                 if key in link and isinstance(link[key], str):
                     link[key] = parse(link[key], f"{where}: {prefix}.{level}.{key}")
             out[level] = link
+    islands = out.get("islands")
+    if isinstance(islands, Mapping) and isinstance(islands.get("link"), Mapping):  # the slow link: 100 Gb/s, 30ms
+        islands = dict(islands)
+        islands["link"] = {k: _LINK_UNITS[k](v, f"{where}: {prefix}.islands.link.{k}")
+                           if k in _LINK_UNITS and isinstance(v, str) else v for k, v in islands["link"].items()}
+        out["islands"] = islands
     groups = out.get("groups")
     if isinstance(groups, list) and groups and all(isinstance(g, Mapping) for g in groups):
         out["groups"] = [_normalize_cluster_units(g, where, f"{prefix}.groups[{i}]") for i, g in enumerate(groups)]

@@ -167,8 +167,12 @@ class ModelSpec:
     """The attention core's path: "fused" (SDPA's flash / memory-efficient kernels, the default) or "math"
     (unfused, keeps the s x s probabilities); see the module docstring."""
     sliding_window: int | None = None
-    """Attention window of the model's own code (Mistral); plait runs full causal attention, so seq_len must
-    stay within it."""
+    """Attention window of the model's own code (Mistral, Starcoder2, Gemma's local layers): a query attends to the
+    keys fewer than this many positions behind it. A Hugging Face class runs its own window masks at any seq_len;
+    plait's own decoders have none, so there seq_len must stay within it (plait.legality)."""
+    full_attention_layers: tuple[int, ...] = ()
+    """Layers that attend over the whole sequence although the model has a sliding_window (Gemma 2's every other
+    layer, Qwen2's first max_window_layers); (): every layer slides. Priced by plait.cost.attention."""
     num_experts: int = 0
     """Experts of each mixture-of-experts MLP (0: a dense model)."""
     experts_per_token: int = 0
@@ -242,6 +246,10 @@ class ModelSpec:
                 or not self.router_imbalance >= 1.0:
             raise ValueError(f"router_imbalance={self.router_imbalance!r} must be a number >= 1 (the busiest "
                              f"expert-parallel rank's slots over the mean; 1 is a perfectly balanced router)")
+        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))  # lists from JSON
+        if any(not 0 <= layer < self.num_layers for layer in self.full_attention_layers):
+            raise ValueError(f"full_attention_layers={list(self.full_attention_layers)} must be layer indices in "
+                             f"[0, {self.num_layers})")
         if self.blocks and len(self.blocks) != self.num_layers:
             raise ValueError(f"blocks holds {len(self.blocks)} entries, num_layers={self.num_layers}")
         if self.source != "plait" and not self.source.startswith(("hf:", "module:")):

@@ -31,12 +31,20 @@ class TrainSpec:
     """Tokens per sequence."""
     precision: Precision = "bf16"
     """Compute and parameter dtype. 16-bit keeps fp32 master weights and Adam states (ZeRO's K = 12)."""
+    document_len: int | None = None
+    """Mean tokens of the documents a row packs and keeps apart ([data] packing = "documents"): attention is priced
+    over each document's own causal square (plait.cost.attention). None: one document per row. A pricing
+    assumption: `plait train` measures it from its data, `plait plan --document-len` takes it."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.document_len is not None and (isinstance(self.document_len, bool) or not isinstance(
+                self.document_len, int) or self.document_len <= 0):
+            raise ValueError(f"document_len={self.document_len!r} must be a positive integer (mean tokens of a packed "
+                             f"document) or unset")
         if self.precision not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"precision={self.precision!r} is not one of 'bf16', 'fp16', 'fp32'")
 

@@ -29,7 +29,8 @@ MASK_RULE = "assistant-turns-1"
 a change of the rule tokenizes again. Change it with the rule."""
 NO_LOSS = np.uint32(1 << 31)
 """Flag on a token that is input only (never a trained target)."""
-ID_BITS = np.uint32((1 << 31) - 1)
+ID_BITS = np.uint32((1 << 30) - 1)
+"""A token's id, without NO_LOSS and plait.train.documents.DOC_START."""
 
 
 def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +92,10 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
 
 
 def pack_conversations(conversations: Iterator[Any], tokenizer: Any, eos_id: int | None, where: str) -> tuple[np.ndarray, int]:
-    """One uint32 stream of every conversation, EOS between two (input only), NO_LOSS on untrained tokens."""
+    """One uint32 stream of every conversation, EOS between two (input only), NO_LOSS on untrained tokens, the first
+    token of each flagged as a document's start (plait.train.documents)."""
+    from plait.train.documents import flag_start
+
     pieces: list[np.ndarray] = []
     count = 0
     for number, messages in enumerate(conversations, start=1):
@@ -101,7 +105,7 @@ def pack_conversations(conversations: Iterator[Any], tokenizer: Any, eos_id: int
             if eos_id is None:
                 raise ConfigError(f"{where}: the tokenizer has no EOS token to put between conversations")
             pieces.append(np.array([eos_id], dtype=np.uint32) | NO_LOSS)
-        pieces.append(ids.astype(np.uint32) | np.where(trained, np.uint32(0), NO_LOSS))
+        pieces.append(flag_start(ids.astype(np.uint32) | np.where(trained, np.uint32(0), NO_LOSS)))
         count += 1
     if not count:
         raise ConfigError(f"{where} holds no conversation; give rows with a list of messages")
@@ -128,8 +132,9 @@ def json_conversations(file: Path, key: str) -> Iterator[Any]:
 
 
 def split_flags(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Windows of a stream that may carry NO_LOSS flags -> (ids, targets): ids without flags, and the next-token
-    targets with flagged ones set to IGNORE_INDEX. A stream without flags gives the plain shifted targets."""
+    """Windows of a stream that may carry NO_LOSS flags -> (ids, targets): ids without flags (NO_LOSS and
+    DOC_START), and the next-token targets with NO_LOSS ones set to IGNORE_INDEX. A stream without flags gives the
+    plain shifted targets."""
     rows = rows.astype(np.int64)
     flagged = rows >= int(NO_LOSS)
     ids = rows & int(ID_BITS)
@@ -139,10 +144,11 @@ def split_flags(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unanswered(rows: np.ndarray) -> int:
     """Windows (rows of seq_len + 1 tokens) of a flagged stream none of whose targets is trained: a window that falls
-    wholly inside prompts, whose loss is 0 rather than the NaN of a mean over no token."""
+    wholly inside prompts, which weighs nothing in the step's token mean (plait.execute.step_loss)."""
     return int((rows[:, 1:] >= NO_LOSS).all(axis=1).sum()) if rows.dtype == np.uint32 else 0
 
 
 def unanswered_note(count: int) -> str:
-    return (f"{count} window(s) trained on held no assistant token (prompts only): their loss counted 0, not NaN; a "
-            f"longer train.seq_len, or shorter prompts, puts answers in every window")
+    return (f"{count} window(s) trained on held no assistant token (prompts only): they weighed nothing (the loss is "
+            f"the mean over each step's trained tokens); a longer train.seq_len, or shorter prompts, puts answers in "
+            f"every window")

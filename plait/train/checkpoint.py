@@ -493,11 +493,14 @@ def _load_plain_state(model: Any, optimizer: Any, plain: dict[str, Any], to_layo
 
 
 # ---- save ---------------------------------------------------------------------------------
-def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0, fault: Any = None) -> Path:
+def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0, fault: Any = None,
+                    extra: Any = None) -> Path:
     """Save `state` (plait.train.hooks.TrainState) as ``root/step_NNNNNN`` atomically (collective).
 
     `fault` (plait.train.fault) may interrupt the save half-way, after the shards are written and before
-    the manifest: the moment a Ctrl-C would cost the most."""
+    the manifest: the moment a Ctrl-C would cost the most. `extra(folder)`, where given, writes more of this
+    rank's state into the checkpoint's folder before the manifest covers it (a run across islands: its outer
+    optimizer, plait/train/island_loop.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -515,6 +518,8 @@ def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0, fault: Any =
     plain, _ = _plain_state(state.model, state.optimizer)
     dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     _save_rng(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+    if extra is not None:
+        extra(tmp)
     maybe_inject(rank, state.step, fault, during_save=True)
     dist.barrier()  # every rank's files are written and fsynced
     if rank == 0:

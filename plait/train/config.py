@@ -99,6 +99,11 @@ class DataConfig:
     chat: bool = False
     """Chat fine-tuning: each row (source "jsonl" or "hf") holds a list of {"role", "content"} messages under
     `text_key`, rendered with the tokenizer's chat template; the loss is on the assistant's tokens only."""
+    packing: Literal["documents", "stream", "padded"] | None = None
+    """How documents make training rows (plait.train.documents): "documents", packed into windows, each attending to
+    itself only, positions restarting where it begins; "stream", packed, attending across boundaries; "padded", one
+    document per row, cut at seq_len and padded. None: "documents" for a Hugging Face model, "stream" for plait's own
+    decoders and module:factory models (their attention spans documents)."""
     tokenizer: str | None = None
     """"byte" (one token per byte, vocabulary 256), or a folder holding a tokenizer.json (read locally, never
     downloaded); None: the Hugging Face model folder's tokenizer when it has one, else "byte"."""
@@ -171,6 +176,9 @@ class TrainConfig:
     """Compute dtype; None: the plan file's, or for "auto" fp32 on CPU clusters and bf16 on GPUs."""
     max_seconds: float = 0.0
     """Stop early once this much wall time has passed (0: no limit); the demo uses it."""
+    document_len: int | None = None
+    """Mean tokens of a packed document, for pricing attention over each document's own square (TrainSpec);
+    None: `plait train` measures its data's where data.packing is "documents"."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -181,7 +189,7 @@ class TrainConfig:
 
     def spec(self, default_precision: str = "fp32") -> TrainSpec:
         return TrainSpec(global_batch=self.global_batch, seq_len=self.seq_len,
-                         precision=self.precision or default_precision)
+                         precision=self.precision or default_precision, document_len=self.document_len)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +293,37 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IslandsConfig:
+    """Training across islands (a plan with `islands`, docs/islands.md): the outer optimizer, the lighthouse."""
+
+    outer_lr: float = 0.7
+    """The outer SGD's learning rate on the averaged pseudo-gradient (DiLoCo's 0.7, arXiv 2311.08105)."""
+    outer_momentum: float = 0.9
+    """Its Nesterov momentum (DiLoCo's 0.9); 0: plain SGD (with outer_lr 1 and H = 1: synchronous training)."""
+    nesterov: bool = True
+    inner_steps: int = 0
+    """H, the inner steps between outer steps; 0: the plan's (what `plait plan` chose)."""
+    lighthouse: str = "local"
+    """torchft's lighthouse: "local" (plait starts one for a local run) or host:port of one already running
+    (multi-node runs: start `torchft_lighthouse` once and point every island at it)."""
+    max_restarts: int = 3
+    """How many times an island whose rank died is restarted to rejoin the others (which train on meanwhile)."""
+    timeout_s: float = 120.0
+    """How long an exchange, a quorum or a recovery may wait (for a slow peer, a lighthouse) before it is an error."""
+    island: int = -1
+    """Set by plait for an island's own launcher and ranks (0-based); -1: the run as a whole."""
+
+    def __post_init__(self) -> None:
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr={self.outer_lr} must be > 0 and outer_momentum={self.outer_momentum} in [0, 1)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 (seconds)")
+        if self.inner_steps < 0 or self.max_restarts < 0:
+            raise ValueError(f"inner_steps={self.inner_steps} and max_restarts={self.max_restarts} must be >= 0 "
+                             "(inner_steps 0: the plan's H)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -294,6 +333,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    islands: IslandsConfig = field(default_factory=IslandsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

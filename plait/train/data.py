@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.train.documents import document_starts, padded_rows, window_positions
 
 if TYPE_CHECKING:
     from plait.spec import ModelSpec
@@ -52,8 +53,9 @@ Source = Literal["shipped", "text", "jsonl", "tokens", "hf"]
 TokenDtype = Literal["auto", "uint16", "uint32"]
 SHIPPED_TEXT = "shakespeare.txt"
 _DTYPE_SUFFIXES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
-CACHE_FORMAT = 1
-"""Bumped when the packing changes, so that older cache entries are not read as this format."""
+CACHE_FORMAT = 2
+"""Bumped when the packing changes, so that older cache entries are not read as this format (2: documents' first
+tokens flagged, plait.train.documents)."""
 _BATCH_DOCUMENTS = 1024
 _CHUNK = 1 << 20
 
@@ -356,8 +358,10 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str = "data", hint: 
     if len(tokens) == 0:
         raise ConfigError(f"{where}: no tokens; give a data file with something in it")
     largest = int(tokens.max())
-    if tokens.dtype == np.uint32 and largest >= 1 << 31:  # a chat stream's no-loss flags (plait.train.chat)
-        largest = int((tokens & np.uint32((1 << 31) - 1)).max())
+    if tokens.dtype == np.uint32 and largest >= 1 << 30:  # no-loss and document flags (plait.train.chat, .documents)
+        from plait.train.chat import ID_BITS
+
+        largest = int((tokens & ID_BITS).max())
     if largest >= vocab_size:
         raise ConfigError(
             f"{where}: token id {largest} does not fit the model's vocabulary of {vocab_size}; "
@@ -406,8 +410,11 @@ def _json_document(raw: bytes, number: int, file: Path, text_key: str) -> str:
 
 def pack_documents(documents: Iterator[str], tokenizer: Tokenizer, *, where: str = "data") -> tuple[np.ndarray, int]:
     """One token stream of all non-empty `documents`, with the tokenizer's EOS token between two documents; returns
-    it (uint16 when the vocabulary allows, else uint32) and the number of documents."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    it and the number of documents. Several documents: uint32, each one's first token flagged (plait.train.documents);
+    one: uint16 when the vocabulary allows."""
+    from plait.train.documents import flag_start
+
+    dtype = np.uint32
     pieces: list[np.ndarray] = []
     count = 0
     batch: list[str] = []
@@ -420,7 +427,7 @@ def pack_documents(documents: Iterator[str], tokenizer: Tokenizer, *, where: str
                     raise ConfigError(f"{where}: tokenizer {tokenizer.name!r} has no EOS token to "
                                       f"put between documents; give it an eos_token in tokenizer_config.json")
                 pieces.append(np.array([tokenizer.eos_id], dtype=dtype))
-            pieces.append(ids.astype(dtype))
+            pieces.append(flag_start(ids.astype(dtype)))
             count += 1
         batch.clear()
 
@@ -432,6 +439,11 @@ def pack_documents(documents: Iterator[str], tokenizer: Tokenizer, *, where: str
     flush()
     if not count:
         raise ConfigError(f"{where} holds no text; give a file with at least one non-empty document")
+    if count == 1:  # no boundary to keep
+        from plait.train.chat import ID_BITS
+
+        stream = np.concatenate(pieces) & ID_BITS
+        return (stream.astype(np.uint16) if tokenizer.vocab_size <= 1 << 16 else stream), 1
     return np.concatenate(pieces), count
 
 
@@ -530,16 +542,30 @@ class LoaderPosition:
     step_in_epoch: int = 0
 
 
+@dataclass(frozen=True)
+class Rows:
+    """This rank's rows of one global batch: tokens and next-token targets, int64 [rows, seq_len]; `positions`, the
+    position ids of each token in its document ([data] packing = "documents"; plait.train.documents), or None where
+    no document begins inside a row."""
+
+    tokens: Any
+    targets: Any
+    positions: Any = None
+
+
 class BatchLoader:
-    """Yields this rank's rows of each global batch as ``(tokens, targets)``, int64 [rows, seq_len].
+    """Yields this rank's rows of each global batch as ``(tokens, targets)``, int64 [rows, seq_len] (`next_rows`: with
+    their documents' position ids).
 
     ``dp_rank``/``dp_degree`` pick the block of ``global_batch // dp_degree`` rows that this
     data-parallel rank trains on; every rank walks the same global order, so the run is
-    deterministic from ``seed`` and independent of the parallel layout.
+    deterministic from ``seed`` and independent of the parallel layout. ``packing`` (plait.train.documents): rows
+    are windows of the packed stream ("documents", "stream"), or its documents one per row ("padded", padded with
+    `pad_id`).
     """
 
     def __init__(self, tokens: np.ndarray, *, global_batch: int, seq_len: int, seed: int = 0,
-                 dp_rank: int = 0, dp_degree: int = 1) -> None:
+                 dp_rank: int = 0, dp_degree: int = 1, packing: str = "documents", pad_id: int = 0) -> None:
         if global_batch % dp_degree:
             raise ConfigError(f"global_batch={global_batch} is not divisible by the data-parallel degree {dp_degree}")
         if not 0 <= dp_rank < dp_degree:
@@ -547,7 +573,13 @@ class BatchLoader:
         self.tokens = tokens
         self.global_batch, self.seq_len, self.seed = global_batch, seq_len, seed
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.num_windows = (len(tokens) - 1) // seq_len
+        self.packing, self.pad_id = packing, pad_id
+        self.starts = document_starts(tokens) if packing == "padded" else None
+        self.num_windows = len(self.starts) if self.starts is not None else (len(tokens) - 1) // seq_len
+        if self.starts is not None and self.num_windows < global_batch:
+            raise ConfigError(f"data has {self.num_windows} document(s), too few for one batch of global_batch="
+                              f"{global_batch} under data.packing = \"padded\" (one document per row); use more "
+                              f"documents, a smaller global_batch, or data.packing = \"documents\"")
         if self.num_windows < global_batch:
             needed = global_batch * seq_len + 1
             raise ConfigError(
@@ -558,8 +590,8 @@ class BatchLoader:
         self.position = LoaderPosition()
         self._order: tuple[int, np.ndarray, int] | None = None  # (epoch, window order, shift)
         self.unanswered_windows = 0
-        """Windows of the global batches so far with no trained target (chat mode: no assistant token); their loss
-        counts 0 (plait.models.adapter)."""
+        """Windows of the global batches so far with no trained target (chat mode: no assistant token); they weigh
+        nothing in the step's loss (plait.execute.step_loss)."""
 
     # -- iteration --
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -567,6 +599,11 @@ class BatchLoader:
             yield self.next_batch()
 
     def next_batch(self) -> tuple[Any, Any]:
+        rows = self.next_rows()
+        return rows.tokens, rows.targets
+
+    def next_rows(self) -> Rows:
+        """This rank's rows of the next global batch, with their documents' position ids under "documents"."""
         import torch
 
         rows = self.global_rows(self.position)
@@ -577,23 +614,30 @@ class BatchLoader:
             from plait.train.chat import split_flags, unanswered
 
             self.unanswered_windows += unanswered(rows)
+            positions = window_positions(rows) if self.packing == "documents" else None  # the same for every rank
             tokens, targets = split_flags(mine)
-            return torch.from_numpy(np.ascontiguousarray(tokens)), torch.from_numpy(np.ascontiguousarray(targets))
+            if positions is not None:
+                positions = torch.from_numpy(np.ascontiguousarray(positions[self.dp_rank * per_rank:
+                                                                            (self.dp_rank + 1) * per_rank]))
+            return Rows(torch.from_numpy(np.ascontiguousarray(tokens)), torch.from_numpy(np.ascontiguousarray(targets)),
+                        positions)
         batch = torch.from_numpy(mine.astype(np.int64))
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return Rows(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
 
     def global_rows(self, position: LoaderPosition) -> np.ndarray:
         """All ``global_batch`` windows of the batch at `position`: [global_batch, seq_len + 1]."""
         order, shift = self._epoch_order(position.epoch)
         picked = order[position.step_in_epoch * self.global_batch:(position.step_in_epoch + 1) * self.global_batch]
+        if self.starts is not None:  # "padded": one document per row
+            return padded_rows(self.tokens, self.starts, picked, self.seq_len, self.pad_id)
         starts = shift + picked * self.seq_len
         return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
 
     def _epoch_order(self, epoch: int) -> tuple[np.ndarray, int]:
         if self._order is None or self._order[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            # A random shift of the window grid each epoch shows the model new cut points.
-            slack = (len(self.tokens) - 1) - self.num_windows * self.seq_len
+            # A random shift of the window grid each epoch shows the model new cut points (documents: none to shift).
+            slack = 0 if self.starts is not None else (len(self.tokens) - 1) - self.num_windows * self.seq_len
             shift = int(rng.integers(0, slack + 1))
             self._order = (epoch, rng.permutation(self.num_windows), shift)
         return self._order[1], self._order[2]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from plait.train.data import BatchLoader, LoaderPosition, eval_tokens
+from plait.train.documents import packing_for
 
 BEST_DIR = "best"
 
@@ -27,7 +28,8 @@ class Evaluator:
         dp_mesh = model.mesh["dp"]
         self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
                                   seq_len=config.train.seq_len, seed=config.train.seed,
-                                  dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
+                                  dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(),
+                                  packing=packing_for(config, plan.model))
         self.batches = min(config.eval.batches, self.loader.steps_per_epoch)
 
     def for_model(self, plan: Any, model: Any) -> "Evaluator":
@@ -38,14 +40,16 @@ class Evaluator:
         return self.every > 0 and (final or step % self.every == 0)
 
     def loss(self, model: Any) -> float:
-        """The mean loss over the held-out batches (collective)."""
+        """The token mean of the loss over the held-out batches' trained tokens, as a step's (collective)."""
         self.loader.position = LoaderPosition()
-        total = 0.0
+        total, tokens = 0.0, 0
         for _ in range(self.batches):
-            tokens, targets = self.loader.next_batch()
-            total += model.eval_loss(tokens, targets)
+            rows = self.loader.next_rows()
+            loss = model.eval_loss(rows.tokens, rows.targets, rows.positions)
+            total += loss * model.step_loss.tokens  # each batch's mean over its trained tokens, counted by them
+            tokens += model.step_loss.tokens
         # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
-        agreed = torch.tensor([total / self.batches], dtype=torch.float64, device=model.device)
+        agreed = torch.tensor([total / max(tokens, 1)], dtype=torch.float64, device=model.device)
         dist.broadcast(agreed, src=0)
         return agreed.item()
 

@@ -24,6 +24,7 @@ from plait.train.chat import unanswered_note
 from plait.train.checkpoint import export_at_end, pretrained_dir
 from plait.train.config import Config, lr_at  # noqa: F401  (lr_at: plait.train.auto imports it from here)
 from plait.train.data import BatchLoader, rank_tokens
+from plait.train.documents import packing_for
 from plait.train.hooks import TrainState, make_checkpoint_hooks
 from plait.train.adapt import Adaptation, switch_plan
 from plait.train.measure import (
@@ -115,7 +116,8 @@ def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
     tokens = rank_tokens(config, plan.model)
     dp_mesh = model.mesh["dp"]
     return BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
-                       seed=config.train.seed, dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
+                       seed=config.train.seed, dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(),
+                       packing=packing_for(config, plan.model))
 
 
 def _throughput(plan: Plan) -> Throughput:
@@ -164,11 +166,11 @@ def _one_step(state: TrainState, throughput: Throughput, device: torch.device, m
     lr = lr_at(state.step, config.optimizer, state.schedule_span())
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    tokens, targets = state.loader.next_batch()
+    rows = state.loader.next_rows()
     began, began_cpu, began_queued = time.perf_counter(), time.process_time(), queued_seconds()
     state.optimizer.zero_grad(set_to_none=True)
     forward = time.perf_counter()
-    loss = state.model.train_step(tokens.to(device), targets.to(device))
+    loss = state.model.train_step(rows.tokens.to(device), rows.targets.to(device), rows.positions)
     trained, trained_queued = time.perf_counter(), queued_seconds()
     grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
     state.optimizer.step()

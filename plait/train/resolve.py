@@ -204,8 +204,15 @@ def auto_plan(config: Config, model: ModelSpec, num_devices: int | None) -> Plan
     """The planner's best plan for this model on [plan] cluster with the given device count."""
     from plait.search import plan as search
 
-    devices = num_devices or config.plan.devices or DEFAULT_DEVICES
     cluster = load_cluster(config.plan.cluster)
+    if cluster.islands is not None:  # planned whole: one island's plan, and how the islands talk
+        from plait.search.islands import IslandPins, plan_islands
+
+        precision = "fp32" if cluster.device_type == "cpu" else "bf16"
+        pins = IslandPins(inner_steps=config.islands.inner_steps or None)
+        return plan_islands(model, cluster, config.train.spec(precision), top=1, island_pins=pins,
+                            **dict(config.plan.pins)).plans[0]
+    devices = num_devices or config.plan.devices or DEFAULT_DEVICES
     cluster = cluster.with_devices(devices)
     pins: dict[str, Any] = dict(config.plan.pins)
     _check_pins(pins)
@@ -249,7 +256,7 @@ def check_plan(plan: Plan, config: Config, model: ModelSpec) -> None:
                 f"the plan was made for {key}={getattr(plan.train, key)} but the config has train.{key}="
                 f"{getattr(train, key)}; set train.{key}={getattr(plan.train, key)} or re-plan"
             )
-    legality.check(plan)
+    legality.check(plan.island_plan())  # across islands: what each island runs
     refusal = untrainable_precision(plan.train.precision)
     if refusal:
         raise ConfigError(f"train.{refusal}")
@@ -275,10 +282,13 @@ def check_data(config: Config, model: ModelSpec) -> int:
     """Load the data once to refuse a missing or too-short file, or ids beyond the vocabulary; returns its length."""
     from plait.train.data import BatchLoader, training_tokens
 
+    from plait.train.documents import packing_for
+
+    packing = packing_for(config, model)  # "documents" for a model that cannot keep them apart: refused here
     tokens = training_tokens(config, model)  # tokenized (and cached) here, once, before any rank starts
     where = f"data ({config.data.path or 'shipped text'})"
     try:
-        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+        BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len, packing=packing)
     except ConfigError as e:  # name the file: "data has 3 tokens" alone does not say which
         raise ConfigError(f"{where}: {e}") from None
     if config.eval.every:
@@ -292,6 +302,8 @@ def check_eval_data(config: Config, model: ModelSpec) -> None:
 
     from plait.train.data import BatchLoader, eval_tokens, same_documents
 
+    from plait.train.documents import packing_for
+
     held_out = eval_tokens(config, model)
     ev = config.eval
     where = (f"eval.path {ev.path!r}" if ev.path else f"eval.split {ev.split!r}" if ev.split else
@@ -302,7 +314,8 @@ def check_eval_data(config: Config, model: ModelSpec) -> None:
               f"fits them, not how it does on unseen text; set eval.split (or eval.path) to held-out documents, or "
               f"eval.fraction", file=sys.stderr, flush=True)
     try:
-        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len)
+        BatchLoader(held_out, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
+                    packing=packing_for(config, model))
     except ConfigError as e:
         raise ConfigError(f"{where}: the held-out {e}; hold out more (a larger eval.fraction, a longer eval.path)") from None
 

@@ -33,7 +33,8 @@ def dropped_gradient_sync():
 
 
 def run_case(case: dict) -> dict:
-    settings = CheckSettings(steps=3, seed=1, lr=1e-3, max_norm=CLIP if case["clip"] else None, verify_load=True)
+    settings = CheckSettings(steps=3, seed=1, lr=1e-3, max_norm=CLIP if case["clip"] else None, verify_load=True,
+                             chat=case.get("chat", False))
     try:
         with dropped_gradient_sync() if case.get("broken") else contextlib.nullcontext():
             result = check_plan(make_plan(case), settings)

@@ -18,10 +18,10 @@ LAUNCH_TIMEOUT_S = 900
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """config.json of a tiny model of every Hugging Face family plait runs (written locally, nothing downloaded)."""
-    from plait.models.hf_tiny import FAMILIES, write_tiny_config
+    from plait.models.hf_tiny import FAMILIES, WINDOWED_CONFIGS, write_tiny_config
 
     root = tmp_path_factory.mktemp("hf")
-    for family in FAMILIES:
+    for family in (*FAMILIES, *WINDOWED_CONFIGS):
         write_tiny_config(family, root / family)
     return root
 

@@ -62,7 +62,7 @@ def _spec(model: str, layers: int) -> ModelSpec:
 
 
 def make_plan(case: dict) -> Plan:
-    kwargs = {k: v for k, v in case.items() if k not in ("name", "model", "clip", "world", "layers", "broken")}
+    kwargs = {k: v for k, v in case.items() if k not in ("name", "model", "clip", "world", "layers", "broken", "chat")}
     kwargs.setdefault("micro_batch", 1)
     kwargs.setdefault("num_micro_batches", 2)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
@@ -105,6 +105,22 @@ CASES: list[dict] = [
     _case("hf-llama-cp2-all-to-all", "hf:llama", 2, cp=2, context_parallel="all_to_all"),
     _case("pp2-zbv", "llama", 2, pp=2, schedule="zbv", interleave=2, num_micro_batches=4),
     _case("pp2-dualpipev", "gpt", 2, pp=2, schedule="dualpipev", interleave=2, num_micro_batches=4),
+    # chat-masked targets (rows training different numbers of tokens, one none), one global batch of 4 cut three
+    # ways: the step's loss is its token mean under each, the same as one process's (plait.execute.step_loss)
+    _case("chat-hf-llama-dp2", "hf:llama", 2, chat=True, dp=2),
+    _case("chat-hf-llama-tp2", "hf:llama", 2, chat=True, tp=2, micro_batch=2),
+    _case("chat-hf-llama-pp2", "hf:llama", 2, chat=True, pp=2, schedule="1f1b", num_micro_batches=4),
+    # a Hugging Face model's chat batches pack conversations too, each attending to itself only; context parallelism
+    # counts the trained tokens over its ranks and numbers the documents along the sequence across them (the second
+    # with Qwen2's windows on its last layers)
+    _case("chat-hf-llama-cp2-all-gather", "hf:llama", 2, chat=True, cp=2, context_parallel="all_gather"),
+    _case("chat-hf-qwen2-window-cp2-all-to-all", "hf:qwen2-window", 2, chat=True, cp=2, context_parallel="all_to_all"),
+    # sliding windows (6 tokens) shorter than the sequence (16), as the class declares them, against the class's own
+    # masks on one process; context parallelism applies the window itself
+    _case("window-starcoder2-dp2", "hf:starcoder2-window", 2, dp=2),
+    _case("window-mistral-tp2-sp", "hf:mistral-window", 2, tp=2, sequence_parallel=True),
+    _case("window-gemma2-pp2", "hf:gemma2-window", 2, pp=2, schedule="1f1b", num_micro_batches=4),
+    _case("window-starcoder2-cp2-all-gather", "hf:starcoder2-window", 2, cp=2, context_parallel="all_gather"),
     # a plan whose gradient reduction is dropped on purpose: the verdict must call it DIFFERENT
     _case("broken-dp-no-grad-sync", "gpt", 2, clip=False, dp=2, broken=True),
     # ---- 4 ranks: the combinations that matter --------------------------------------

@@ -33,9 +33,10 @@ def pipeline_plan(tmp_path) -> Path:
 
 
 def test_check_passes_a_correct_plan(pipeline_plan):
-    done = plait("check", "--plan", str(pipeline_plan), "--steps", "2", "--clip", "0.5")
+    done = plait("check", "--plan", str(pipeline_plan), "--steps", "2", "--clip", "0.5", "--chat")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "EQUAL" in done.stdout and "loss (1 process)" in done.stdout and "float64" in done.stdout
+    assert "chat-masked targets" in done.stdout  # a micro-batch per pipeline step, each training its own count
     assert "worst gradient after step 1" in done.stdout
 
 

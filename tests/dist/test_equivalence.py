@@ -83,3 +83,12 @@ def test_runs_the_planned_building_blocks(dist_results, case):
         assert runtime["checkpointed_blocks"] > 0 or pp > 1
     else:
         assert runtime["selective_blocks"] > 0 or pp > 1
+
+
+def test_chat_masked_batches_give_one_loss_under_every_layout(dist_results):
+    """dp2, tp2 and pp2 cut one chat-masked global batch three ways; each step's loss is the same token mean."""
+    chat = [c for c in SOUND if c["name"] in ("chat-hf-llama-dp2", "chat-hf-llama-tp2", "chat-hf-llama-pp2")]
+    results = [_result(dist_results, c) for c in chat]
+    assert len(results) == 3 and len({tuple(r["reference_losses"]) for r in results}) == 1, "one batch, one truth"
+    for case, result in zip(chat, results):
+        assert result["losses"] == pytest.approx(results[0]["reference_losses"], rel=1e-12), case["name"]

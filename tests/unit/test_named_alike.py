@@ -63,8 +63,9 @@ def test_a_config_json_is_priced_as_its_preset(family):
             for carrier in CARRIERS:
                 for mode in ("none", "selective", "full"):
                     mine, theirs = (_plan(m, layout, carrier, mode, seq_len) for m in (hf, preset))
-                    rules = [sorted(v.rule for v in plan_problems(p)) for p in (mine, theirs)]
-                    assert rules[0] == rules[1], (family, seq_len, layout)  # refused alike (positions, windows)
+                    rules = [{v.rule for v in plan_problems(p)} for p in (mine, theirs)]
+                    # refused alike, or the class runs what plait's reference decoder cannot (a window of any length)
+                    assert rules[0] <= rules[1], (family, seq_len, layout)
                     a, b = predict(mine), predict(theirs)
                     where = (family, seq_len, layout, carrier, mode)
                     own = a.memory_parts.get(CLASS_ACTIVATIONS, 0.0)
