@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import reprice, saved_grid  # noqa: E402
+from gpu_check import BadInput, reprice, saved_grid  # noqa: E402
 
 from plait.spec.cluster import ClusterSpec, HostOverheads  # noqa: E402
 from plait.spec.clusters import CLUSTER_PRESETS  # noqa: E402
@@ -171,7 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"exit 1 where a shipped constant lies more than {CHECK_WITHIN:.0%} from its refit")
     args = parser.parse_args(argv)
     folders = args.runs if args.runs else sorted(p.parent for p in RESULTS.glob("*/gpu_check.json"))
-    runs = [Run.load(folder) for folder in folders]
+    try:
+        runs = [Run.load(folder) for folder in folders]
+    except BadInput as error:
+        print(f"gpu_refit: {str(error).replace('--reprice', '--runs')}", file=sys.stderr)
+        return 2
+    unknown = sorted({run.preset for run in runs} - set(CLUSTER_PRESETS))
+    if unknown:
+        print(f"gpu_refit: runs compared with {', '.join(unknown)}, which is no preset of this tree; give runs of "
+              f"{', '.join(p for p in CLUSTER_PRESETS if p.startswith(('h1', 'h2', 'a1')))}", file=sys.stderr)
+        return 2
     console = Console(width=160)
     console.print("runs: " + ", ".join(f"{run.folder.name} ({run.kind}, {len(run.rows)} rows)" for run in runs))
     figures, balance, host_ms = refit(runs)

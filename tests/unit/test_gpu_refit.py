@@ -12,7 +12,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_refit.py"
 
 
-def test_the_shipped_gpu_constants_are_their_refit(capsys):
+def _script():
     spec = importlib.util.spec_from_file_location("gpu_refit", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
@@ -20,6 +20,14 @@ def test_the_shipped_gpu_constants_are_their_refit(capsys):
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
-    assert module.main(["--check"]) == 0, capsys.readouterr().out
+    return module
+
+
+def test_the_shipped_gpu_constants_are_their_refit(capsys, tmp_path):
+    refit = _script()
+    assert refit.main(["--check"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "memory_balance h200-141g" in out and "layer_overhead_ms" in out  # every run was read and refit
+    assert refit.main(["--runs", str(tmp_path)]) == 2  # not a saved run: one line, no traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--runs" in err[0] and "not a gpu_check output folder" in err[0]
