@@ -250,18 +250,19 @@ def measured_bytes_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, 
 
 
 def _measured_whole(model: ModelSpec, layer: ModelSpec, seq_len: int, dtypes: Dtypes, mean) -> float | None:
-    """The mean block's bytes per token without recompute on one rank in the plan's precision, at `seq_len` (the
-    measured part per position, an unfused attention's, scaled to the compute dtype); None where that precision
-    was not measured."""
+    """The mean block's bytes per token without recompute on one rank in the plan's precision, at `seq_len` (with the
+    part per position its measurement found growing: an unfused attention's); None where that precision was not
+    measured."""
     if dtypes.compute >= FP32_BYTES:
-        linear = mean("activation_bytes_per_token")
+        field = "activation_bytes_per_token"
     elif dtypes.residual >= FP32_BYTES:
-        linear = mean("autocast_activation_bytes_per_token")
+        field = "autocast_activation_bytes_per_token"
     else:
-        linear = mean("half_activation_bytes_per_token")
+        field = "half_activation_bytes_per_token"
+    linear = mean(field)
     if not linear:
         return None
-    return linear + (seq_len - SEQ_PROBES[0]) * mean("activation_bytes_per_token_position") * dtypes.compute / FP32_BYTES
+    return linear + (seq_len - SEQ_PROBES[0]) * mean(field + "_position")
 
 
 def context_sequence_bytes(seq_len: int, tp: int, cp: int, cp_kind: str, dtypes: Dtypes) -> float:

@@ -72,8 +72,9 @@ class SavedBytes:
 
     none: dict[str, float]
     """Without recompute, per precision (PRECISIONS), at the shorter probe length."""
-    per_token_position: float
-    """fp32 bytes per token and position of the sequence (0 where attention is fused)."""
+    per_token_position: dict[str, float]
+    """Bytes per token and position of the sequence, per precision, where they keep growing (0 where attention is
+    fused)."""
     selective_elements: float
     """Compute-dtype elements per token selective recompute keeps besides the block input (GEMM and attention
     outputs)."""
@@ -204,19 +205,27 @@ def _kept_bytes(block: nn.Module, hidden: int, seq: int, call: BlockCall | None,
 
 def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockCall | None = None,
             fused: bool = True) -> SavedBytes:
-    """The block's kept bytes on meta (module docstring), at the two `probes` lengths in fp32."""
+    """The block's kept bytes on meta (module docstring): per token at the first of `probes`, and per token and
+    position where they grow with the sequence, read off the longer lengths: `probes`' second and twice it. A
+    block whose bytes per token grow and then stop (a scan computed chunk by chunk keeps a chunk's square, whatever
+    the sequence) is priced flat at its longest length; one whose bytes keep growing (the class's own eager
+    attention, its s x s scores) grows on."""
     s1, s2 = probes
-    none = {}
-    (a1, sel, sel32, rerun), (a2, *_) = (_kept_bytes(block, hidden, s, call, "fp32", fused) for s in probes)
-    per_position = max(0.0, (a2 / s2 - a1 / s1) / (s2 - s1))
-    none["fp32"] = a1 / s1
-    for precision in PRECISIONS[1:]:
+    s3 = 2 * s2
+    (a1, sel, sel32, rerun), *_ = (_kept_bytes(block, hidden, s1, call, "fp32", fused),)
+    none, position = {}, {}
+    for precision in PRECISIONS:
         try:
-            none[precision] = _in_precision(block, precision, lambda p=precision: _kept_bytes(
-                block, hidden, s1, call, p, fused)[0] / s1)
+            tail = [_in_precision(block, precision, lambda p=precision, s=s: _kept_bytes(
+                block, hidden, s, call, p, fused)[0] / s) for s in (s2, s3)]
         except RuntimeError:  # a class that mixes dtypes its own way (a buffer kept in fp32): priced from fp32
-            none[precision] = 0.0
-    return SavedBytes(none=none, per_token_position=per_position, selective_elements=sel / s1,
+            if precision == "fp32":
+                raise
+            none[precision], position[precision] = 0.0, 0.0
+            continue
+        position[precision] = max(0.0, (tail[1] - tail[0]) / (s3 - s2))
+        none[precision] = tail[1] - (s3 - s1) * position[precision]  # the line through the longest length, at s1
+    return SavedBytes(none=none, per_token_position=position, selective_elements=sel / s1,
                       selective_fp32_elements=sel32 / s1, selective_rerun_flops=rerun / s1)
 
 

@@ -79,6 +79,10 @@ class BlockCost:
     autocast_activation_bytes_per_token: float = 0.0
     """As activation_bytes_per_token, under autocast to 16 bits over fp32 parameters (one replica, DDP): a norm's fp32
     output is cast again by every linear that reads it. 0: not measured."""
+    half_activation_bytes_per_token_position: float = 0.0
+    """As activation_bytes_per_token_position, with 16-bit parameters and residual stream."""
+    autocast_activation_bytes_per_token_position: float = 0.0
+    """As activation_bytes_per_token_position, under autocast."""
     selective_elements_per_token: float = 0.0
     """Compute-dtype elements per token selective recompute keeps besides the block input (every second GEMM's output
     and the fused attention's: plait.execute.recompute's policy). 0: not measured."""
@@ -110,6 +114,7 @@ class BlockCost:
         if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 or min(
                 self.activation_bytes_per_token, self.activation_bytes_per_token_position,
                 self.half_activation_bytes_per_token, self.autocast_activation_bytes_per_token,
+                self.half_activation_bytes_per_token_position, self.autocast_activation_bytes_per_token_position,
                 self.selective_elements_per_token, self.selective_fp32_elements_per_token,
                 self.selective_rerun_flops_per_token) < 0:
             raise ValueError("block costs must be >= 0")

@@ -183,3 +183,33 @@ def test_experts_measured_batched_keep_what_the_eager_loop_saves(precision, tmp_
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(torch.randn(1, seq, hidden, dtype=dtype, requires_grad=True), *args, **kwargs)
     assert sum(kept.values()) == activation_bytes(model, 1, seq, 1, False, "none", PRECISIONS[precision])
+
+
+class _Scores(torch.nn.Module):
+    """Attention written out: it keeps its s x s probabilities (or, `chunk`-wise, each chunk's square only)."""
+
+    def __init__(self, chunk: int | None = None) -> None:
+        super().__init__()
+        self.proj, self.chunk = torch.nn.Linear(16, 16), chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        if self.chunk:
+            q = q.reshape(q.shape[0], -1, self.chunk, q.shape[-1])
+        probs = torch.softmax(q @ q.transpose(-1, -2), dim=-1)
+        return (probs @ q).reshape(x.shape)
+
+
+def test_bytes_that_keep_growing_are_priced_growing_and_a_chunked_square_flat():
+    """A block keeping its s x s scores grows per token with the sequence and is priced so at any length; one keeping
+    a fixed chunk's square grows only up to the chunk: priced flat at its longest measured length, not extrapolated."""
+    from plait.models.measure import measure_block
+
+    quadratic, chunked = (measure_block(_Scores(chunk).to("meta"), 16) for chunk in (None, 64))
+    # per position: one probability (fp32, or 16 bits); per token at 64: its input, q and 64 probabilities
+    assert quadratic.activation_bytes_per_token_position == 4.0
+    assert quadratic.half_activation_bytes_per_token_position == 2.0
+    assert quadratic.activation_bytes_per_token == 4 * (16 + 16 + 64)
+    assert chunked.activation_bytes_per_token_position == chunked.half_activation_bytes_per_token_position == 0
+    assert chunked.activation_bytes_per_token == 4 * (16 + 16 + 64)  # each chunk's square, at every length
+    assert chunked.half_activation_bytes_per_token == 2 * (16 + 16 + 64)
