@@ -11,7 +11,10 @@
    alone) (the profile runs once per process count and is shared by the cases of that count, as one user on one
    machine would), then `plait train CONFIG --set plan.cluster=cluster.tuned.yaml` (the planner may
    then pick another plan);
-4. print, per case and run: the plan, the predicted and measured step (what the run reports, Segment.measured: the
+4. a plan the fit never read, on the tuned file: the same config with another micro-batch size pinned (more or
+   fewer layer passes per step: the host time per pass the fit read off the first plan, priced where it was not
+   measured), the "held out" row beside the "after" one;
+5. print, per case and run: the plan, the predicted and measured step (what the run reports, Segment.measured: the
    median over the timed steps of the slowest rank, 2 warm-up steps left out, less the time the ranks sat ready to
    run without a core), the wall clock's step beside it, and measured / predicted; then how often two runs of the
    same plan agree within 1.3x, by the wall clock and as the runs report them.
@@ -168,12 +171,14 @@ def plait(args: list[str], cwd: Path) -> str:
     return output
 
 
-def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None, profile: bool = False) -> Run:
-    """`plait train` of `case`: on `cluster`, else on this machine's quick profile (`profile`) or the preset."""
+def train(case: Case, log_dir: Path, steps: int, *, cluster: Path | None = None, profile: bool = False,
+          pins: tuple[str, ...] = ()) -> Run:
+    """`plait train` of `case`: on `cluster`, else on this machine's quick profile (`profile`) or the preset;
+    `pins`: more `plan.pins.KEY=VALUE` overrides."""
     from plait.plan import Plan
     from plait.train.measure import read_measured
 
-    overrides = [*case.extra, f"log.dir={log_dir.resolve()}"]
+    overrides = [*case.extra, f"log.dir={log_dir.resolve()}", *pins]
     overrides += [f"plan.cluster={cluster.resolve()}"] if cluster else []
     args = ["train", str(case.config), "--steps", str(steps), "--fresh", "--nproc", str(case.nproc)]
     args += [] if profile or cluster else ["--no-profile"]
@@ -239,8 +244,16 @@ def parts_table(results: list[dict]) -> Table:
     return out
 
 
-RUNS = ("preset", "quick profile", "after")
-"""The rows of a case: planned on the local-cpu preset, on the run's own quick profile, after the calibration."""
+RUNS = ("preset", "quick profile", "after", "held out")
+"""The rows of a case: planned on the local-cpu preset, on the run's own quick profile, after the calibration, and
+another plan after it (another micro-batch size: `held_out_pins`) that the fit never read."""
+
+
+def held_out_pins(plan: str) -> tuple[str, ...]:
+    """Pins of a plan the calibration never read: `plan`'s micro-batch size halved (the same sequences in twice the
+    micro-batches), or doubled where it is 1."""
+    size = int(re.search(r"\bmb(\d+)x\d+", plan).group(1))
+    return (f"plan.pins.micro_batch={size // 2 if size > 1 else 2}",)
 
 
 def run_case(case: Case, root: Path, steps: int, rounds: int, fit_runs: str) -> dict:
@@ -259,6 +272,8 @@ def run_case(case: Case, root: Path, steps: int, rounds: int, fit_runs: str) -> 
                 print(f"  {case.name}: {refusal}", flush=True)
         if tuned is not None:
             runs["after"].append(train(case, folder / "after", steps, cluster=tuned))
+            runs["held out"].append(train(case, folder / "held-out", steps, cluster=tuned,
+                                          pins=held_out_pins(runs["after"][-1].plan)))
         print(f"  {case.name} round {index + 1}: " + ", ".join(f"{name} {values[-1].ratio:.2f}x"
                                                            for name, values in runs.items() if values), flush=True)
     return {"case": case.name, "nproc": case.nproc, "tuned": str(tuned) if tuned else None, "refusal": refusal,
@@ -282,7 +297,8 @@ def median_run(runs: list[dict]) -> dict | None:
 
 def table(results: list[dict]) -> Table:
     out = Table(title=f"measured / predicted step: planned on the local-cpu preset, on the run's own quick profile, "
-                      f"and after the calibration the preset run asks for (target: within {TARGET}x after)",
+                      f"after the calibration the preset run asks for (target: within {TARGET}x after), and on a "
+                      f"plan that calibration never read (held out: another micro-batch size)",
                 title_justify="left")
     for name in ("case", "ranks", "planned on", "plan", "predicted s", "measured s", "measured / predicted", "within",
                  "wall clock / predicted", "fastest step / predicted", "step CPU / predicted", "waited for a core",

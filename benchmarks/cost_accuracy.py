@@ -1,6 +1,8 @@
 """Cost model vs published runs (docs/published-runs.md): Megatron-LM TFLOP/s and the 22B layer times on A100,
 ZeRO memory, Megatron-LM's H100 weak scaling, torchtitan's FSDP2 runs on A100 and on H100 96GB (throughput and
 memory), and Megatron-Core's Mixtral 8x7B run on 64 H100s priced at three router imbalances (a check, no fit).
+The torchtitan and Mixtral runs are priced twice: from the preset and from the model's config.json as published
+(examples/hf, the class measured on meta), which must agree within NAMED_ALIKE.
 
     python benchmarks/cost_accuracy.py            # every table, with the presets' constants
     python benchmarks/cost_accuracy.py --fit      # redo the grid searches of the fitted Efficiency constants
@@ -21,15 +23,20 @@ from rich.table import Table
 from plait.cost import predict
 from plait.cost.layout import Setting
 from plait.cost.memory import model_state_bytes
-from plait.cost.model import predict_layout
+from plait.cost.model import CLASS_ACTIVATIONS, predict_layout
 from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
                                   megatron_plan, predicted_layer_ms, predicted_tflops)
 from plait.cost.published_2024 import (MEGATRON_H100_ROWS, MEGATRON_MIXTRAL, TORCHTITAN_A100_ROWS,
                                        TORCHTITAN_H100_ROWS, megatron_h100_flops, megatron_h100_plan,
-                                       megatron_h100_tflops, megatron_moe_prediction, torchtitan_prediction)
+                                       megatron_h100_tflops, megatron_moe_prediction, published_config,
+                                       torchtitan_prediction)
 from plait.spec import ClusterSpec, Efficiency, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
+from plait.spec.load import load_model
 
+NAMED_ALIKE = 0.05
+"""How far a run priced from its model's config.json may lie from the same run priced from the preset (throughput;
+peak memory with the class's own activations set apart: plait.cost.model.CLASS_ACTIVATIONS)."""
 TOLERANCES = {"megatron": 0.10, "layer_22b": 0.15, "megatron_h100": 0.10, "torchtitan_a100": 0.15,
               "torchtitan_h100": 0.05, "torchtitan_h100_memory": 0.15}
 """Relative error each check allows (the H100 96GB rows' throughput is what its preset's `matmul` was fitted on)."""
@@ -106,11 +113,14 @@ def megatron_h100_table(cluster: ClusterSpec) -> tuple[Table, float]:
 def torchtitan_table(rows, cluster: ClusterSpec, title: str, tolerance: float) -> tuple[Table, float, float]:
     t = Table(title=title)
     for col in ("model", "GPUs", "local batch", "recompute", "published tokens/s", "predicted", "error",
-                "published GiB", "predicted GiB", "error"):
+                "published GiB", "predicted GiB", "error", "config.json tokens/s", "GiB (class's own)", "vs preset"):
         t.add_column(col, justify="right")
     worst = worst_memory = 0.0
     for row in rows:
         tokens, prediction = torchtitan_prediction(row, cluster)
+        named, as_named = torchtitan_prediction(row, cluster, load_model(published_config(row.config)))
+        own = as_named.memory_parts.get(CLASS_ACTIVATIONS, 0.0)
+        alike = max(abs(named / tokens - 1), abs((as_named.peak_memory_bytes - own) / prediction.peak_memory_bytes - 1))
         worst = max(worst, abs(tokens / row.tokens_per_s - 1))
         memory = prediction.peak_memory_bytes / GiB
         cells = ["-", f"{memory:.1f}", "-"]
@@ -119,7 +129,9 @@ def torchtitan_table(rows, cluster: ClusterSpec, title: str, tolerance: float) -
             cells = [f"{row.memory_gib}", f"{memory:.1f}",
                      _err(memory, row.memory_gib, TOLERANCES["torchtitan_h100_memory"])]
         t.add_row(row.model, str(row.devices), str(row.local_batch), row.recompute, f"{row.tokens_per_s:,.0f}",
-                  f"{tokens:,.0f}", _err(tokens, row.tokens_per_s, tolerance), *cells)
+                  f"{tokens:,.0f}", _err(tokens, row.tokens_per_s, tolerance), *cells, f"{named:,.0f}",
+                  f"{as_named.peak_memory_bytes / GiB:.1f} ({own / GiB:.1f})",
+                  f"[{'red' if alike > NAMED_ALIKE else 'green'}]{alike:.1%}[/]")
     return t, worst, worst_memory
 
 
@@ -184,13 +196,17 @@ def mixtral_table(cluster: ClusterSpec) -> Table:
     table = Table(title=f"Megatron-Core Mixtral 8x7B on {row.devices} H100 (TP{row.tp} EP{row.ep} PP{row.pp}, mb 1, "
                         f"GBS {row.batch}, s {row.seq_len}; published {row.tflops:g} TFLOP/s) vs plait "
                         f"({cluster.name}), by the router imbalance priced")
-    for name in ("schedule (reading of 'VP 8')", "router_imbalance", "step s", "TFLOP/s", "error", "peak GiB"):
+    for name in ("schedule (reading of 'VP 8')", "router_imbalance", "step s", "TFLOP/s", "error", "peak GiB",
+                 "config.json TFLOP/s", "peak GiB"):
         table.add_column(name, justify="right")
+    named = load_model(published_config(row.config))
     for interleave, reading in ((1, "1F1B, 8 layers a rank"), (8, "interleaved, 8 chunks of 1 layer")):
         for imbalance in (1.25, 1.1, 1.0):
             tflops, prediction = megatron_moe_prediction(row, cluster, interleave, imbalance)
+            as_named, named_prediction = megatron_moe_prediction(row, cluster, interleave, imbalance, named)
             table.add_row(reading, f"{imbalance:g}", f"{prediction.step_time_s:.3f}", f"{tflops:.0f}",
-                          f"{tflops / row.tflops - 1:+.1%}", f"{prediction.peak_memory_bytes / GiB:.1f}")
+                          f"{tflops / row.tflops - 1:+.1%}", f"{prediction.peak_memory_bytes / GiB:.1f}",
+                          f"{as_named:.0f}", f"{named_prediction.peak_memory_bytes / GiB:.1f}")
     return table
 
 

@@ -64,6 +64,7 @@ PRIVATE: dict[str, tuple[str, ...]] = {
 PRIVATE_OPS: dict[str, tuple[str, str, str]] = {
     "to_copy": ("aten", "_to_copy", "default"),
     "cpu_flash_attention": ("aten", "_scaled_dot_product_flash_attention_for_cpu", "default"),
+    "efficient_attention": ("aten", "_scaled_dot_product_efficient_attention", "default"),
 }
 """Private ATen ops plait recognises by identity: name here -> (namespace, op, overload)."""
 
@@ -82,6 +83,7 @@ PRIVATE_ATTRIBUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("torch.distributed.tensor", "DTensor"): ("_op_dispatcher",),
     ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle"): ("_stage",),
     ("torch.distributed.pipelining.schedules", "PipelineScheduleMulti"): ("_stages",),
+    ("torch", "UntypedStorage"): ("_cdata",),
 }
 """Private attributes of torch objects that plait reads (DTensor's sharding propagator, a schedule's stages). An
 instance attribute is checked on a small instance by the test."""
@@ -113,6 +115,12 @@ def c10d_functional() -> Any:
     import torch
 
     return getattr(torch.ops, C10D_FUNCTIONAL)
+
+
+def storage_id(tensor: Any) -> int:
+    """One tensor's storage, however viewed, on any device (meta storages have no data pointer): what
+    plait.models.saved_bytes counts a kept tensor by."""
+    return tensor.untyped_storage()._cdata
 
 
 def sharding_propagator() -> Any:

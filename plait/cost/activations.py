@@ -55,7 +55,7 @@ from functools import lru_cache
 
 from plait.cost.attention import window_share
 from plait.cost.compute import busiest_rank_load
-from plait.spec.model import ModelSpec
+from plait.spec.model import SEQ_PROBES, ModelSpec
 
 FP32_BYTES = 4
 INDEX_BYTES = 8
@@ -197,22 +197,72 @@ def _width(saved: Saved, seq_len: int, tp: int, sp: bool, windows: float = 1.0) 
 def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp: int, sp: bool, mode: str,
                      dtypes: Dtypes, cp: int = 1, cp_kind: str = "all_gather", ep: int = 1) -> float:
     """Bytes one block keeps for backward, per device, for one micro-batch of `micro_batch` sequences (this context
-    rank's b·s/cp tokens of them).
-
-    A model measured on meta (ModelSpec.blocks) keeps its measured bytes (the mean block, fp32 on meta),
-    split over tp as a transformer layer's are (the norms' part only under SP); full recompute keeps the
-    block input; selective keeps the share a transformer layer of the same width keeps."""
+    rank's b·s/cp tokens of them). A model measured on meta (ModelSpec.blocks) keeps its measured bytes:
+    `measured_bytes_per_token`."""
     tokens = micro_batch * seq_len / cp
+    sequence = context_sequence_bytes(seq_len, tp, cp, cp_kind, dtypes) if mode == "none" else 0.0
     if model.blocks and mode != "full":
-        measured = sum(x.activation_bytes_per_token for x in model.blocks) / len(model.blocks)
-        layer = model_like_blocks(model)
-        share = activation_bytes(layer, 1, seq_len, tp, sp, mode, dtypes, cp, cp_kind, ep) / activation_bytes(
-            layer, 1, seq_len, 1, False, "none", Dtypes(FP32_BYTES, FP32_BYTES), cp, cp_kind, ep)
-        return tokens * measured * share
+        return tokens * measured_bytes_per_token(model, seq_len, tp, sp, mode, dtypes, cp, cp_kind, ep) + sequence
+    return tokens * _closed_per_token(model, seq_len, tp, sp, mode, dtypes, cp, cp_kind, ep) + sequence
+
+
+def _closed_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, mode: str, dtypes: Dtypes, cp: int = 1,
+                      cp_kind: str = "all_gather", ep: int = 1) -> float:
+    """Bytes per token of this rank the transformer layer of `model`'s shape keeps (`saved_tensors`)."""
     kept = saved_tensors(model, mode, tp, sp, cp, cp_kind, ep)
     windows = window_share(model, seq_len, fused=False)  # a window computed band by band keeps its band only
-    per_token = sum(_width(s, seq_len, tp, sp, windows) * dtypes.bytes(s.dtype) for s in kept)
-    return tokens * per_token + (context_sequence_bytes(seq_len, tp, cp, cp_kind, dtypes) if mode == "none" else 0.0)
+    return sum(_width(s, seq_len, tp, sp, windows) * dtypes.bytes(s.dtype) for s in kept)
+
+
+def measured_bytes_per_token(model: ModelSpec, seq_len: int, tp: int, sp: bool, mode: str, dtypes: Dtypes,
+                             cp: int = 1, cp_kind: str = "all_gather", ep: int = 1) -> float:
+    """Bytes per token of this rank the mean measured block keeps (plait.models.saved_bytes measured them whole, on
+    one rank, on the fused path): without recompute, the measurement of the plan's precision; under selective
+    recompute, the block input and what the policy saved. Split over tp, sp and cp as the transformer layer of the
+    same shape splits its own (the share of its bytes one rank keeps); the math path adds the probabilities (and
+    repeated keys and values) the fused measurement did not keep. A block measured before these fields existed
+    (0) keeps its fp32 bytes scaled as that layer's are."""
+    layer = model_like_blocks(model).replace(attention="fused")
+    blocks = model.blocks
+
+    def mean(field: str) -> float:
+        return sum(getattr(b, field) for b in blocks) / len(blocks)
+
+    def share(kind: str) -> float:  # this rank's part of the layer's bytes (measured whole: one rank, balanced)
+        return (_closed_per_token(layer, seq_len, tp, sp, kind, dtypes, cp, cp_kind, ep)
+                / _closed_per_token(layer, seq_len, 1, False, kind, dtypes, 1, cp_kind, 1))
+
+    if mode == "selective" and mean("selective_elements_per_token") > 0 and (model.attention == "fused" or cp > 1):
+        whole = (model.hidden_size * dtypes.residual + mean("selective_elements_per_token") * dtypes.compute
+                 + mean("selective_fp32_elements_per_token") * FP32_BYTES)
+        return whole * share("selective")
+    whole = _measured_whole(model, layer, seq_len, dtypes, mean)
+    if whole is None:  # not measured in this precision: the fp32 bytes as the layer's scale
+        return mean("activation_bytes_per_token") * (
+            _closed_per_token(model_like_blocks(model), seq_len, tp, sp, mode, dtypes, cp, cp_kind, ep)
+            / _closed_per_token(layer, seq_len, 1, False, "none", Dtypes(FP32_BYTES, FP32_BYTES)))
+    math = 0.0
+    if model.attention == "math" and cp == 1 and mean("activation_bytes_per_token_position") == 0:
+        unfused = model_like_blocks(model)
+        math = (_closed_per_token(unfused, seq_len, tp, sp, mode, dtypes)
+                - _closed_per_token(layer, seq_len, tp, sp, mode, dtypes))
+    return whole * share("none") + math
+
+
+def _measured_whole(model: ModelSpec, layer: ModelSpec, seq_len: int, dtypes: Dtypes, mean) -> float | None:
+    """The mean block's bytes per token without recompute on one rank in the plan's precision, at `seq_len` (with the
+    part per position its measurement found growing: an unfused attention's); None where that precision was not
+    measured."""
+    if dtypes.compute >= FP32_BYTES:
+        field = "activation_bytes_per_token"
+    elif dtypes.residual >= FP32_BYTES:
+        field = "autocast_activation_bytes_per_token"
+    else:
+        field = "half_activation_bytes_per_token"
+    linear = mean(field)
+    if not linear:
+        return None
+    return linear + (seq_len - SEQ_PROBES[0]) * mean(field + "_position")
 
 
 def context_sequence_bytes(seq_len: int, tp: int, cp: int, cp_kind: str, dtypes: Dtypes) -> float:

@@ -295,7 +295,10 @@ def gemm_dims(model: ModelSpec) -> list[tuple[int, int]]:
 
 def selective_recompute_flops(model: ModelSpec, tokens: int) -> float:
     """Forward GEMM FLOPs the fused path's selective policy reruns: every second GEMM (the 2nd, 4th, ...), whose
-    outputs it did not keep. A measured block: half its weight GEMMs."""
+    outputs it did not keep. A measured block: those its measurement saw the policy leave (half its weight GEMMs
+    where not measured)."""
+    if model.blocks and all(b.selective_rerun_flops_per_token for b in model.blocks):
+        return tokens * sum(b.selective_rerun_flops_per_token for b in model.blocks) / len(model.blocks)
     if model.blocks or model.num_experts:
         return 0.5 * layer_flops(model, tokens, 1)[0]
     return 2.0 * tokens * sum(i * o for i, o in gemm_dims(model)[1::2])

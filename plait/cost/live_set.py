@@ -15,8 +15,10 @@ Where torch.distributed.pipelining posts the receives:
 * the multi-stage runtime (interleaved, ZB-V, DualPipeV): where its lowering (torch's ``_add_send_recv``) puts
   them: the ranks are stepped in lockstep, rank by rank, each running its next compute action once its input has
   been produced, and the receive is posted on the receiving rank as soon as the sender has sent -- possibly well
-  before the compute that needs it. `with_receives` lowers plait's action lists the same way; tests check it
-  against torch's own ``pipeline_order_with_comms``.
+  before the compute that needs it. Its steps include the idle steps and overlapped forward + backward pairs of
+  torch's own compute order (plait.cost.schedule.rank_slots writes them as torch does), which move a receive by
+  a step. `with_receives` lowers them as torch's ``_add_send_recv`` does: the order the executor runs and sizes
+  its pool over (plait/execute/pipeline.py); tests check the two give the same buffers on every rank.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from plait.cost.schedule import Action, rank_actions, stage_rank, steady_micro_batches
+from plait.cost.schedule import Action, Slot, rank_actions, rank_slots, stage_rank, steady_micro_batches
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules torch runs with its single-stage loop (receives posted right before their compute)."""
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+"""The torch.distributed.pipelining class that runs each of plait's schedules (plait/execute/pipeline.py builds
+them from this table)."""
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
+                "RECV_F": "RF", "RECV_B": "RB"}
 
 
 @dataclass(frozen=True)
@@ -69,42 +77,47 @@ def receives_before_compute(compute: Sequence[Sequence[Action]], num_stages: int
     return tuple(out)
 
 
-def receives_in_lockstep(compute: Sequence[Sequence[Action]], num_stages: int,
+def receives_in_lockstep(compute: Sequence[Sequence[Slot]], num_stages: int,
                          rank_of: Callable[[int], int]) -> tuple[tuple[Action, ...], ...]:
     """Receives where torch's multi-stage runtime posts them (module docstring): round after round, every rank in
-    order runs its next compute action if its input is there (received, or produced by a stage of its own), and a
-    compute whose output goes to another rank posts that rank's receive at once. (A rank whose next action waited
-    is not looked at again until a receive reaches it: nothing else can make that action ready.)"""
+    order takes its next step if its inputs are there (received, or produced by a stage of its own; an idle step
+    always is), and a compute whose output goes to another rank posts that rank's receive at once. (A rank whose
+    next step waited is not looked at again until a receive reaches it: nothing else can make that step ready.)"""
     owner = [rank_of(stage) for stage in range(num_stages)]
     num_ranks = len(compute)
-    next_action = [0] * num_ranks
+    next_step = [0] * num_ranks
     orders: list[list[Action]] = [[] for _ in compute]
     # A stage's input (gradient) is there once its producer ran: on the same rank, or on another, whose send posted
     # the receive then. Each stage has one rank, so one flag per (stage, micro-batch) serves every rank.
-    width = 1 + max((mb for actions in compute for _, _, mb in actions), default=0)
+    width = 1 + max((mb for slots in compute for slot in slots for _, _, mb in slot), default=0)
     has_input, has_grad = bytearray(num_stages * width), bytearray(num_stages * width)
+
+    def ready(kind: str, stage: int, mb: int) -> bool:
+        if kind == "F":
+            return stage == 0 or bool(has_input[stage * width + mb])
+        if kind == "W":
+            return True
+        return stage == num_stages - 1 or bool(has_grad[stage * width + mb])
+
     # Each round visits the ranks in order; one that waited is left out until a receive wakes it (nothing else can
-    # make its action ready), and joins this round if the waking rank comes before it, the next one otherwise.
+    # make its step ready), and joins this round if the waking rank comes before it, the next one otherwise.
     waiting = [False] * num_ranks
     this_round, next_round = [r for r in range(num_ranks) if compute[r]], []
     while this_round:
         while this_round:
             rank = heapq.heappop(this_round)
-            kind, stage, mb = action = compute[rank][next_action[rank]]
-            if kind == "F":
-                ready = stage == 0 or has_input[stage * width + mb]
-            elif kind == "W":
-                ready = True
-            else:
-                ready = stage == num_stages - 1 or has_grad[stage * width + mb]
-            if not ready:
+            slot = compute[rank][next_step[rank]]
+            if not all(ready(*action) for action in slot):
                 waiting[rank] = True
                 continue
-            next_action[rank] += 1
-            orders[rank].append(action)
-            if next_action[rank] < len(compute[rank]):
+            next_step[rank] += 1
+            if next_step[rank] < len(compute[rank]):
                 next_round.append(rank)
-            if kind != "W":  # F, B and I produce what a neighbour stage consumes
+            for action in slot:
+                kind, stage, mb = action
+                orders[rank].append(action)
+                if kind == "W":  # F, B and I produce what a neighbour stage consumes
+                    continue
                 peer_stage = stage + 1 if kind == "F" else stage - 1
                 if 0 <= peer_stage < num_stages:
                     (has_input if kind == "F" else has_grad)[peer_stage * width + mb] = 1
@@ -118,22 +131,69 @@ def receives_in_lockstep(compute: Sequence[Sequence[Action]], num_stages: int,
                             else:
                                 next_round.append(peer)
         this_round, next_round = sorted(next_round), []
-    if any(n < len(actions) for n, actions in zip(next_action, compute)):
+    if any(n < len(slots) for n, slots in zip(next_step, compute)):
         raise ValueError("the schedule's actions cannot be ordered: an input is never produced")
     return tuple(tuple(order) for order in orders)
+
+
+def torch_order(actions) -> list[Action]:
+    """A torch schedule's actions (one rank's ``pipeline_order_with_comms``) as `peak_buffers` reads them: its
+    computes and receives, an overlapped forward + backward as its two halves."""
+    out: list[Action] = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.sub_actions:
+            out += torch_order(action.sub_actions)
+        elif action.computation_type.name in _TORCH_KINDS:
+            out.append((_TORCH_KINDS[action.computation_type.name], action.stage_index, action.microbatch_index))
+    return out
 
 
 @lru_cache(maxsize=1024)
 def with_receives(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, its actions with the receives where torch.distributed.pipelining posts them."""
-    compute = rank_actions(schedule, pp, num_micro_batches, interleave)
     num_stages = pp * interleave
 
     def rank_of(stage: int) -> int:
         return stage_rank(schedule, pp, stage)
 
-    lower = receives_before_compute if schedule in SINGLE_STAGE_SCHEDULES else receives_in_lockstep
-    return lower(compute, num_stages, rank_of)
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return receives_before_compute(rank_actions(schedule, pp, num_micro_batches, interleave), num_stages, rank_of)
+    steps = [torch_steps(slots, num_micro_batches) for slots in rank_slots(schedule, pp, num_micro_batches, interleave)]
+    return receives_in_lockstep(steps, num_stages, rank_of)
+
+
+MAX_ACTIVE_STAGES = 3
+"""Stages torch's lowering keeps unsharded ahead (``_add_unshard_reshard``'s default)."""
+
+
+def torch_steps(slots: Sequence[Slot], num_micro_batches: int) -> list[Slot]:
+    """A rank's steps as torch's multi-stage lowering takes them (``_add_unshard_reshard`` then ``_add_reduce_grad``,
+    before ``_add_send_recv``): its compute steps, and a step of no compute for each stage it unshards before use
+    (the next MAX_ACTIVE_STAGES stages it runs), reshards once out of that window or at the end, and each stage's
+    gradient reduction after its last backward. They move no tensor, but each takes the rank's turn of a round of
+    the lockstep, which decides where a receive lands."""
+    ahead: list[set[int]] = [set()] * len(slots)  # the first MAX_ACTIVE_STAGES stages to run from each step on
+    order: list[int] = []
+    for i in range(len(slots) - 1, -1, -1):
+        for _, stage, _ in reversed(slots[i]):
+            if stage in order:
+                order.remove(stage)
+            order.insert(0, stage)
+        ahead[i] = set(order[:MAX_ACTIVE_STAGES])
+    steps: list[Slot] = []
+    active: set[int] = set()
+    backwards: dict[int, int] = {}
+    for slot, upcoming in zip(slots, ahead):
+        steps += [()] * (len(active - upcoming) + len(upcoming - active)) + [slot]
+        active = upcoming
+        for kind, stage, _ in slot:
+            if kind in ("B", "W"):
+                backwards[stage] = backwards.get(stage, 0) + 1
+                if backwards[stage] == num_micro_batches:
+                    steps.append(())
+    return steps + [()] * len(active)
 
 
 def peak_buffers(order: Sequence[Action]) -> LiveBuffers:

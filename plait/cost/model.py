@@ -42,6 +42,7 @@ from plait.cost.schedule import makespan
 from plait.cost.trainable import adapter_layer_params, trained
 from plait.plan import V_SCHEDULES
 from plait.plan import Plan, Prediction
+from plait.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,47 @@ def closed_form_makespan(st: StageTimes, layout: Layout, p2p: float) -> float:
 
 def memory_parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
                           ) -> list[dict[str, float]]:
-    """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these)."""
+    """Every pipeline rank's memory at its peak, by part (the report's memory plot draws these); a Hugging Face
+    class's activations beyond plait's reference layer of its shape apart (`with_class_activations`)."""
+    per_rank = _parts_per_rank(setting, layout, layers, recompute)
+    twin = reference_twin(setting.model)
+    if twin is None:
+        return per_rank
+    reference = _parts_per_rank(dataclasses.replace(setting, model=twin), layout, layers, recompute)
+    return [with_class_activations(mine, theirs) for mine, theirs in zip(per_rank, reference)]
+
+
+CLASS_ACTIVATIONS = "class_activations"
+"""The memory part a Hugging Face class keeps for backward beyond what plait's reference layer of the same shape
+keeps (measured on meta: plait.models.saved_bytes): transformers' RMSNorm keeps its fp32 upcast of a 16-bit input,
+under autocast every linear keeps its own 16-bit cast of a norm's fp32 output, GPT-2's gelu_new keeps its tanh
+intermediates. Split out of "activations" so that a plan says how much of its memory is the class's own."""
+
+
+def reference_twin(model: ModelSpec) -> ModelSpec | None:
+    """plait's reference layer of a measured model's shape, where its blocks are that layer (the same parameters:
+    a family the closed forms describe, named by its config.json); None otherwise."""
+    if not model.blocks or model.source == "plait":
+        return None
+    twin = model.replace(blocks=(), pre_params=None, post_params=None, source="plait")
+    if any(abs(b.params - twin.params_per_layer) > 0.005 * twin.params_per_layer for b in model.blocks):
+        return None
+    return twin
+
+
+def with_class_activations(parts: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+    """`parts` with what they hold beyond the `reference` layer's peak (more, never less: the two may peak at
+    different moments, and the block a backward recomputes holds the class's own too) as CLASS_ACTIVATIONS, taken
+    from the activations, then the temporaries."""
+    extra = max(0.0, sum(parts.values()) - sum(reference.values()))
+    extra = min(extra, parts["activations"] + parts["temporaries"])
+    from_activations = min(extra, parts["activations"])
+    return {**parts, "activations": parts["activations"] - from_activations,
+            "temporaries": parts["temporaries"] - (extra - from_activations), CLASS_ACTIVATIONS: extra}
+
+
+def _parts_per_rank(setting: Setting, layout: Layout, layers: tuple[int, ...], recompute: tuple[str, ...]
+                    ) -> list[dict[str, float]]:
     per_rank, memories = [], []  # one LayoutMemory per device group's setting: every rank's, on a uniform cluster
     loads = block_loads(setting.model, setting.seq_len, layers)
     for r in range(layout.pp):

@@ -103,6 +103,9 @@ class TorchtitanRow:
     """Published tokens/s per GPU."""
     memory_gib: float | None = None
     """Published maximum reserved memory (GiB), where given."""
+    config: str = ""
+    """The model's published config.json, as a folder of examples/hf (`published_config`): the run priced again from
+    it, as a user names the model."""
 
     @property
     def seq_len(self) -> int:
@@ -110,32 +113,42 @@ class TorchtitanRow:
 
 
 TORCHTITAN_A100_ROWS = (
-    TorchtitanRow("llama3-8b", 64, 1, "alternate", 2904),
-    TorchtitanRow("llama3-70b", 64, 1, "full", 331),
-    TorchtitanRow("llama2-13b", 64, 2, "none", 2162),
-    TorchtitanRow("llama2-70b", 64, 2, "full", 353),
+    TorchtitanRow("llama3-8b", 64, 1, "alternate", 2904, config="llama-3-8b"),
+    TorchtitanRow("llama3-70b", 64, 1, "full", 331, config="llama-3-70b"),
+    TorchtitanRow("llama2-13b", 64, 2, "none", 2162, config="llama-2-13b"),
+    TorchtitanRow("llama2-70b", 64, 2, "full", 353, config="llama-2-70b"),
 )
 TORCHTITAN_H100_ROWS = (
-    TorchtitanRow("llama3-8b", 8, 2, "selective", 5762, 82.4),     # Llama 3.1 8B: Llama 3 8B's shapes
-    TorchtitanRow("llama3-8b", 128, 2, "selective", 5605, 67.0),
+    TorchtitanRow("llama3-8b", 8, 2, "selective", 5762, 82.4, "llama-3-8b"),  # Llama 3.1 8B: Llama 3 8B's shapes
+    TorchtitanRow("llama3-8b", 128, 2, "selective", 5605, 67.0, "llama-3-8b"),
 )
 
 
-def torchtitan_plan(row: TorchtitanRow, cluster: ClusterSpec, recompute: str | None = None) -> Plan:
+def published_config(name: str) -> str:
+    """The path of a published config.json folder of the repository (examples/hf/`name`)."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[2] / "examples" / "hf" / name)
+
+
+def torchtitan_plan(row: TorchtitanRow, cluster: ClusterSpec, recompute: str | None = None,
+                    model: ModelSpec | None = None) -> Plan:
+    """The row's plan, its model the preset (or `model`: the same model named otherwise, its config.json)."""
     train = TrainSpec(global_batch=row.devices * row.local_batch, seq_len=row.seq_len, precision="bf16")
     return Plan.of(dp=row.devices, zero=3, micro_batch=row.local_batch, num_micro_batches=1,
-                   recompute=(recompute or row.recompute,), model=MODEL_PRESETS[row.model], train=train,
+                   recompute=(recompute or row.recompute,), model=model or MODEL_PRESETS[row.model], train=train,
                    cluster=their_software(cluster).with_devices(row.devices))
 
 
-def torchtitan_prediction(row: TorchtitanRow, cluster: ClusterSpec) -> tuple[float, Prediction]:
+def torchtitan_prediction(row: TorchtitanRow, cluster: ClusterSpec, model: ModelSpec | None = None
+                          ) -> tuple[float, Prediction]:
     """(predicted tokens/s per GPU, the prediction of the plan as run; for "alternate", its full-recompute half)."""
     if row.recompute == "alternate":
-        halves = [predict(torchtitan_plan(row, cluster, mode)) for mode in ("none", "full")]
+        halves = [predict(torchtitan_plan(row, cluster, mode, model)) for mode in ("none", "full")]
         step = sum(p.step_time_s for p in halves) / 2
         prediction = halves[1]
     else:
-        prediction = predict(torchtitan_plan(row, cluster))
+        prediction = predict(torchtitan_plan(row, cluster, model=model))
         step = prediction.step_time_s
     return row.devices * row.local_batch * row.seq_len / step / row.devices, prediction
 
@@ -158,6 +171,8 @@ class MegatronMoERow:
     batch: int = 256
     seq_len: int = 4096
     tflops: float = 468.0
+    config: str = "mixtral-8x7b"
+    """Its published config.json (examples/hf)."""
 
 
 MEGATRON_MIXTRAL = MegatronMoERow()
@@ -173,8 +188,9 @@ def megatron_moe_flops(row: MegatronMoERow) -> float:
     return 12.0 * row.batch * s * L * h * h * (attention + mlp + m.vocab_size / (2 * L * h))
 
 
-def megatron_moe_plan(row: MegatronMoERow, cluster: ClusterSpec, interleave: int, router_imbalance: float) -> Plan:
-    model = MODEL_PRESETS[row.model].replace(router_imbalance=router_imbalance)
+def megatron_moe_plan(row: MegatronMoERow, cluster: ClusterSpec, interleave: int, router_imbalance: float,
+                      model: ModelSpec | None = None) -> Plan:
+    model = (model or MODEL_PRESETS[row.model]).replace(router_imbalance=router_imbalance)
     dp = row.devices // (row.tp * row.pp)
     chunks = row.pp * interleave
     return Plan.of(dp=dp, tp=row.tp, pp=row.pp, ep=row.ep, zero=1, micro_batch=1, num_micro_batches=row.batch // dp,
@@ -185,7 +201,7 @@ def megatron_moe_plan(row: MegatronMoERow, cluster: ClusterSpec, interleave: int
 
 
 def megatron_moe_prediction(row: MegatronMoERow, cluster: ClusterSpec, interleave: int,
-                            router_imbalance: float) -> tuple[float, Prediction]:
-    """(predicted TFLOP/s per GPU as Megatron counts them, the prediction)."""
-    prediction = predict(megatron_moe_plan(row, cluster, interleave, router_imbalance))
+                            router_imbalance: float, model: ModelSpec | None = None) -> tuple[float, Prediction]:
+    """(predicted TFLOP/s per GPU as Megatron counts them, the prediction; `model`: the row's model named otherwise)."""
+    prediction = predict(megatron_moe_plan(row, cluster, interleave, router_imbalance, model))
     return megatron_moe_flops(row) / (row.devices * prediction.step_time_s) / 1e12, prediction

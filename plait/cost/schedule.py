@@ -49,19 +49,34 @@ def steady_micro_batches(schedule: str, pp: int, num_micro_batches: int) -> int:
     return min(num_micro_batches, STEADY_WITHIN * pp)
 
 
+Slot = tuple[Action, ...]
+"""One step of a rank's order as torch.distributed.pipelining's runtime steps it: one action, or two (DualPipeV's
+overlapped forward + backward, which the runtime starts only once both inputs are there)."""
+
+
 @lru_cache(maxsize=256)
 def rank_actions(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, its actions in execution order."""
-    if schedule == "zbv":
-        return tuple(tuple(_zbv(r, pp, num_micro_batches)) for r in range(pp))
+    return tuple(tuple(a for slot in slots for a in slot)
+                 for slots in rank_slots(schedule, pp, num_micro_batches, interleave))
+
+
+@lru_cache(maxsize=256)
+def rank_slots(schedule: str, pp: int, num_micro_batches: int, interleave: int = 1) -> tuple[tuple[Slot, ...], ...]:
+    """Per pipeline rank, its actions in the steps torch's runtime takes them (`Slot`): what its lowering of the
+    receives reads (plait.cost.live_set)."""
+    m = num_micro_batches
     if schedule == "dualpipev":
-        return tuple(tuple(_dualpipev(r, pp, num_micro_batches)) for r in range(pp))
-    if schedule == "gpipe":
-        m = num_micro_batches
-        return tuple(tuple([("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]) for r in range(pp))
-    if schedule == "interleaved":
-        return tuple(tuple(_interleaved(r, pp, num_micro_batches, interleave)) for r in range(pp))
-    return tuple(tuple(_one_f_one_b(r, pp, num_micro_batches)) for r in range(pp))
+        return tuple(tuple(_dualpipev(r, pp, m)) for r in range(pp))
+    if schedule == "zbv":
+        actions = [_zbv(r, pp, m) for r in range(pp)]
+    elif schedule == "gpipe":
+        actions = [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(pp)]
+    elif schedule == "interleaved":
+        actions = [_interleaved(r, pp, m, interleave) for r in range(pp)]
+    else:
+        actions = [_one_f_one_b(r, pp, m) for r in range(pp)]
+    return tuple(tuple((a,) for a in rank) for rank in actions)
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
@@ -136,27 +151,33 @@ def _zbv(rank: int, pp: int, m: int) -> list[Action]:
     return [a for a in out if a[2] < m]
 
 
-def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
+def _dualpipev(rank: int, pp: int, m: int) -> list[Slot]:
     """DualPipeV (DeepSeek-V3's DualPipe cut in a V, as torch.distributed.pipelining runs it; needs m >= 2p): two
     chunks per rank, a forward of one chunk beside a full backward of the other in the steady state (an
-    overlapped F+B runs its F then its B here), input/weight gradients split only near the end."""
+    overlapped F+B: one step, its F then its B), input/weight gradients split only near the end."""
     first, second = rank, 2 * pp - 1 - rank
     counters: dict[tuple[int, str], int] = {}
     pending: list[tuple[int, int]] = []
-    out: list[Action] = []
+    out: list[Slot] = []
 
-    def add(stage: int, kind: str) -> None:
+    def act(stage: int, kind: str) -> Action:
         key = (stage, "I" if kind in ("I", "B") else kind)
         mb = counters.get(key, 0)
-        out.append((kind, stage, mb))
         counters[key] = mb + 1
         if kind == "I":
             pending.append((stage, mb))
+        return (kind, stage, mb)
+
+    def add(stage: int, kind: str) -> None:
+        out.append((act(stage, kind),))
+
+    def overlapped(forward: int, backward: int) -> None:
+        out.append((act(forward, "F"), act(backward, "B")))
 
     def weight() -> None:
         if pending:
             stage, mb = pending.pop(0)
-            out.append(("W", stage, mb))
+            out.append((("W", stage, mb),))
 
     for _ in range((pp - rank - 1) * 2):
         add(first, "F")
@@ -165,10 +186,13 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
     for _ in range(pp - rank - 1):
         add(second, "I"), weight(), add(second, "F")
     for i in range(m - 2 * pp + rank + 1):
-        add(first, "F"), add(second, "B")  # overlapped forward + full backward (the first a plain pair)
-        add(second, "F"), add(first, "B")
+        if i == 0 and rank == pp - 1:  # the first pair not overlapped
+            add(first, "F"), add(second, "B")
+        else:
+            overlapped(first, second)
+        overlapped(second, first)
     for _ in range(pp - rank - 1):
-        add(second, "B"), add(second, "F"), add(first, "B")
+        add(second, "B"), overlapped(second, first)
     split = False
     for i in range(rank + 1):
         if i == (rank + 1) // 2 and rank % 2 == 1:

@@ -20,17 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from plait.cost.live_set import LiveBuffers, peak_buffers, with_receives
+from plait.cost.live_set import TORCH_SCHEDULES, LiveBuffers, peak_buffers, torch_order, with_receives
 from plait.execute.buffers import PoolMixin, RankBuffers, SendLedger
 from plait.models import ModelAdapter, Stage, build_stage
 from plait.plan import Plan
@@ -62,16 +55,12 @@ def check_stage_support(position_ranks: list[int], stage_class: type = PipelineS
     return not missing
 
 
-SCHEDULE_CLASSES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-    # zero bubble: backward split into input and weight gradients, on a V (Plan.stages_of_rank). fully_shard
-    # must not reshard after forward under them (silently wrong gradients otherwise): plait never does under a
-    # pipeline (plait.legality.data_parallel_mode).
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
+# zero bubble (zbv, dualpipev): backward split into input and weight gradients, on a V (Plan.stages_of_rank).
+# fully_shard must not reshard after forward under them (silently wrong gradients otherwise): plait never does under
+# a pipeline (plait.legality.data_parallel_mode).
+SCHEDULE_CLASSES: dict[str, type] = {name: getattr(torch_schedules, cls) for name, cls in TORCH_SCHEDULES.items()}
+"""The torch class that runs each schedule (the table lives with the cost model's live set, which reads their
+orders too)."""
 
 
 def split_model(adapter: ModelAdapter, root: nn.Module, plan: Plan, pp_rank: int) -> tuple[list[int], list[Stage]]:
@@ -115,28 +104,11 @@ class PooledStage(PoolMixin, PlacedStage):
     """A PlacedStage whose receive buffers come from its rank's pool (plait/execute/buffers.py)."""
 
 
-_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
-                "RECV_F": "RF", "RECV_B": "RB"}
-
-
-def torch_order(actions) -> list[tuple[str, int, int]]:
-    """A torch schedule's actions (one rank's ``pipeline_order_with_comms``) as plait.cost.live_set reads them: its
-    computes and receives, an overlapped forward + backward as its two halves."""
-    out: list[tuple[str, int, int]] = []
-    for action in actions:
-        if action is None:
-            continue
-        if action.sub_actions:
-            out += torch_order(action.sub_actions)
-        elif action.computation_type.name in _TORCH_KINDS:
-            out.append((_TORCH_KINDS[action.computation_type.name], action.stage_index, action.microbatch_index))
-    return out
-
-
 def live_buffers_of(plan: Plan, schedule, position: int) -> LiveBuffers:
     """The receive buffers this rank's pool is sized for: plait.cost.live_set's count over the order torch runs --
-    the multi-stage runtime's own ``pipeline_order_with_comms``; the single-stage loops post each receive right
-    before its compute, as plait.cost.live_set.with_receives lowers them."""
+    the multi-stage runtime's own ``pipeline_order_with_comms`` (the order the cost model prices with too); the
+    single-stage loops post each receive right before its compute, as plait.cost.live_set.with_receives lowers
+    them."""
     order = getattr(schedule, "pipeline_order_with_comms", None)
     if order is not None:
         return peak_buffers(torch_order(order[position]))

@@ -26,23 +26,18 @@ and it does not compose with DTensor/FSDP hooks.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from plait.torch_internals import CheckpointImpl, c10d_functional, checkpoint_wrapper
+from plait.torch_internals import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from plait.models.saved_bytes import SELECTIVE_ALWAYS_SAVED, SELECTIVE_GEMMS
 from plait.plan import RECOMPUTE_MODES
 
 
-def _ops(namespace, *names: str) -> frozenset:
-    return frozenset(getattr(namespace, name).default for name in names if hasattr(namespace, name))
-
-
-GEMMS = _ops(torch.ops.aten, "mm", "addmm")
+# the policy's ops live with the measurement that prices them (plait.models.saved_bytes: one rule, one place)
+GEMMS = SELECTIVE_GEMMS
 """The GEMMs of a block's linear layers (biased ones are addmm); every second one's output is saved."""
-ALWAYS_SAVED = _ops(torch.ops.aten, "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") | _ops(
-    c10d_functional(), "reduce_scatter_tensor", "all_reduce")
+ALWAYS_SAVED = SELECTIVE_ALWAYS_SAVED
 """Fused attention kernels (their output and logsumexp: the scores are never materialized, so rerunning the
 kernel would cost its whole forward) and the collectives whose rerun would communicate again."""
 

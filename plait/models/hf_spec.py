@@ -27,6 +27,7 @@ from plait.errors import ConfigError
 from plait.legality import NO_TENSOR_PLAN, PLAIT_STYLE
 from plait.models.adapter import get_module, is_norm_module
 from plait.spec.load import WINDOW_KEYS, window_fields
+from plait.torch_internals import tree_map
 from plait.spec.model import BlockCost, ModelSpec
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -93,6 +94,9 @@ def block_caller(adapter, causal_mask: bool | None = None) -> Callable[[int], Ca
                                             stop_at=len(blocks) - 1, causal_mask=masked)
                 arguments[seq] = calls
             _, args, kwargs = arguments[seq][index]
+            if x.dtype != torch.float32:  # a 16-bit run's rotary tables and masks are in its dtype too
+                args, kwargs = tree_map(lambda t: t.to(x.dtype) if isinstance(t, torch.Tensor)
+                                        and t.dtype == torch.float32 else t, (args, kwargs))
             return block(x, *args, **kwargs)
         return run
     return call
@@ -234,7 +238,24 @@ def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
     params = sum(p.numel() for module in experts for p in module.parameters())
     top_k = int(_first(config, "num_experts_per_tok", "top_k", default=1))
     flops = sum(2.0 * top_k * sum(p.numel() for p in m.parameters()) / m.num_experts for m in experts)
-    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token))
+    return dataclasses.replace(cost, expert_params=params, expert_flops_per_token=min(flops, cost.flops_per_token),
+                               **_eager_loop_bytes(cost, top_k * len(experts), int(config.hidden_size)))
+
+
+EAGER_SLOT_BYTES = 16
+"""Bytes per routed slot the eager loop keeps besides the batched form's tensors: the slot's token index (int64) and
+its routing weight, each gathered per expert (scaled-down Mixtral on CPU, tests/unit/test_class_activations.py)."""
+
+
+def _eager_loop_bytes(cost: BlockCost, slots: int, hidden: int) -> dict[str, float]:
+    """The measured bytes per token corrected from the batched form measured on meta to the eager loop over routed
+    experts the run takes (plait.models.hf: `_experts_implementation = "eager"`): per slot it also keeps its weighted
+    output (h, in the compute dtype; under autocast the batched form kept as much in its own casts) and
+    EAGER_SLOT_BYTES."""
+    fields = {"activation_bytes_per_token": 4, "half_activation_bytes_per_token": 2,
+              "autocast_activation_bytes_per_token": 0}
+    return {name: getattr(cost, name) + slots * (hidden * width + EAGER_SLOT_BYTES)
+            for name, width in fields.items() if getattr(cost, name)}
 
 
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:

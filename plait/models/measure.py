@@ -2,8 +2,9 @@
 
 * FLOPs: torch.utils.flop_counter.FlopCounterMode over one block's forward at two sequence lengths, which
   splits them into a part per token (weight GEMMs) and a part per token and position (attention);
-* activation bytes: the tensors autograd saves for backward during the block's forward
-  (torch.autograd.graph.saved_tensors_hooks), per token;
+* activation bytes: the tensors autograd saves for backward during the block's forward, as the run keeps them
+  (plait.models.saved_bytes: fused attention, weights left out, per storage), per token, in fp32, 16 bits and
+  under autocast, and what selective recompute keeps;
 * parameters: counted per block, and for what runs before and after the blocks.
 
 `measure_spec(source)` turns a "module:package.module:factory" model into a ModelSpec whose `blocks` hold
@@ -20,10 +21,9 @@ from plait.torch_internals import TorchDispatchMode, tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.errors import ConfigError
-from plait.spec.model import BlockCost, ModelSpec
+from plait.models import saved_bytes
+from plait.spec.model import SEQ_PROBES, BlockCost, ModelSpec
 
-SEQ_PROBES = (64, 128)
-"""Sequence lengths at which each block's FLOPs are counted (two points fix the linear and quadratic parts)."""
 
 
 BlockCall = Callable[[nn.Module, torch.Tensor], Any]
@@ -55,17 +55,10 @@ class _Unpriced(TorchDispatchMode):
 
 
 def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | None = None,
-                  replicated: tuple[nn.Module, ...] = ()) -> tuple[float, float, float, float]:
-    """(forward FLOPs, bytes saved for backward, elements written by unpriced ops, FLOPs inside the `replicated`
-    modules) of one block over one sequence of `seq` tokens, on meta."""
+                  replicated: tuple[nn.Module, ...] = ()) -> tuple[float, float, float]:
+    """(forward FLOPs, elements written by unpriced ops, FLOPs inside the `replicated` modules) of one block over one
+    sequence of `seq` tokens, on meta."""
     x = torch.zeros(1, seq, hidden, device="meta", requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        if t is not x:
-            saved[id(t)] = t.numel() * t.element_size()
-        return t
-
     counter = FlopCounterMode(display=False)
     unpriced = _Unpriced(counter.flop_registry)
     inside = [0.0]  # FLOPs counted while a replicated module ran: the total's difference across its forward
@@ -73,13 +66,12 @@ def _forward_cost(block: nn.Module, hidden: int, seq: int, call: BlockCall | Non
         module.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] - counter.get_total_flops())),
         module.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + counter.get_total_flops())))]
     try:
-        with counter, unpriced, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block(x) if call is None else call(block, x)
-            out = out[0] if isinstance(out, tuple) else out
+        with counter, unpriced:
+            block(x) if call is None else call(block, x)
     finally:
         for hook in hooks:
             hook.remove()
-    return float(counter.get_total_flops()), float(sum(saved.values())), float(unpriced.elements), inside[0]
+    return float(counter.get_total_flops()), float(unpriced.elements), inside[0]
 
 
 def _per_token(f1: float, f2: float) -> tuple[float, float]:
@@ -94,11 +86,20 @@ def measure_block(block: nn.Module, hidden: int, call: BlockCall | None = None,
     """`block` measured on meta; `replicated`: paths of its modules that tensor parallelism runs whole on every rank
     (their parameters and FLOPs are also counted apart: BlockCost.replicated_*)."""
     whole = tuple(m for path in replicated if (m := _submodule(block, path)) is not None)
-    (f1, a1, u1, r1), (f2, _, _, r2) = (_forward_cost(block, hidden, s, call, whole) for s in SEQ_PROBES)
+    (f1, u1, r1), (f2, _, r2) = (_forward_cost(block, hidden, s, call, whole) for s in SEQ_PROBES)
     per_token, per_position = _per_token(f1, f2)
     replicated_token, replicated_position = _per_token(r1, r2)
+    kept = saved_bytes.measure(block, hidden, SEQ_PROBES, call)
     return BlockCost(params=sum(p.numel() for p in block.parameters()), flops_per_token=per_token,
-                     attention_flops_per_token=per_position, activation_bytes_per_token=a1 / SEQ_PROBES[0],
+                     attention_flops_per_token=per_position, activation_bytes_per_token=kept.none["fp32"],
+                     activation_bytes_per_token_position=kept.per_token_position["fp32"],
+                     half_activation_bytes_per_token=kept.none["16bit"],
+                     half_activation_bytes_per_token_position=kept.per_token_position["16bit"],
+                     autocast_activation_bytes_per_token=kept.none["autocast"],
+                     autocast_activation_bytes_per_token_position=kept.per_token_position["autocast"],
+                     selective_elements_per_token=kept.selective_elements,
+                     selective_fp32_elements_per_token=kept.selective_fp32_elements,
+                     selective_rerun_flops_per_token=kept.selective_rerun_flops,
                      tensors=sum(1 for _ in block.parameters()), unpriced_elements_per_token=u1 / SEQ_PROBES[0],
                      replicated_params=sum(p.numel() for m in whole for p in m.parameters()),
                      replicated_flops_per_token=min(replicated_token, per_token),

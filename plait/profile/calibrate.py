@@ -135,14 +135,32 @@ def _matmul_notes(matmul: MatmulFit, m: Measurements) -> list[str]:
             f"another dtype than {m.dtype}"]
 
 
+CPU_LAYER_PASS_FLOOR_S = 20e-6
+"""Host seconds a CPU process spends at least per layer pass: a decoder layer's forward dispatches some twenty ops
+through Python, autograd and the dispatcher, each a microsecond or more on any CPU (an assumption, not fitted; the
+probe plans measure 0.3 to 3 ms on an idle machine). The host fit of CPU processes never goes below it, so that
+timings on a loaded machine, whose noise can pull the per-pass time to 0, leave it physical."""
+
+
 def fit_host_terms(samples: tuple[HostSample, ...], cluster: ClusterSpec) -> "TermFit":
     """The host-time fields of `cluster` that best explain the probe plans' measured steps, given its
-    compute and link fits (which stay as they are)."""
+    compute and link fits (which stay as they are). On CPU processes the per-pass time is held at or above
+    CPU_LAYER_PASS_FLOOR_S; a fit that ends at the floor (or could not fit it) says so."""
     from plait.plan import Plan
 
     observations = [Observation(plan=Plan.from_dict(s.plan).replace(cluster=cluster, predicted=None),
                                 measured_s=s.seconds) for s in samples]
-    return fit_terms(observations, cluster, tuple(HOST_TERMS))
+    cpu = cluster.device_type == "cpu"
+    fit = fit_terms(observations, cluster, tuple(HOST_TERMS),
+                    floors={"layer_overhead": CPU_LAYER_PASS_FLOOR_S} if cpu else None)
+    if not cpu or fit.cluster.host.layer_overhead_s > CPU_LAYER_PASS_FLOOR_S * 1.01:
+        return fit
+    host = dataclasses.replace(fit.cluster.host, layer_overhead_s=max(fit.cluster.host.layer_overhead_s,
+                                                                      CPU_LAYER_PASS_FLOOR_S))
+    return dataclasses.replace(fit, cluster=fit.cluster.replace(host=host), notes=(*fit.notes, (
+        f"host time per layer pass: the probe timings do not tell it apart from the other terms (a loaded "
+        f"machine?); held at its floor of {CPU_LAYER_PASS_FLOOR_S * 1e6:g} us rather than fitted: rerun "
+        f"`plait profile` on an idle machine, or `plait tune` on the planned model")))
 
 
 def _per_collective(comm: dict[str, tuple[CommSample, ...]]) -> dict[str, dict[str, LinkFit]]:

@@ -288,7 +288,8 @@ def _linear_held_out(relative: np.ndarray, residual: np.ndarray, terms: list[int
 
 def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tuple[str, ...] = TERMS, *,
               prior_weight: float = PRIOR_WEIGHT, max_rounds: int = 12, tolerance: float = 1e-4,
-              only: tuple[str, ...] | None = None, validate: bool = True) -> TermFit:
+              only: tuple[str, ...] | None = None, validate: bool = True,
+              floors: dict[str, float] | None = None) -> TermFit:
     """Correct `cluster`'s terms so the cost model best explains the measured times.
 
     Fits the terms the timings identify (`identifiable`, at most one fewer than the timings; `only` fixes them
@@ -304,7 +305,7 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
     measured = np.array([o.measured_s for o in usable])
     refs = np.array([reference(cluster, t) for t in terms])
     original = np.array([term_value(cluster, t) for t in terms]) / refs
-    low, high = _physical_bounds(terms, original, refs)
+    low, high = _physical_bounds(terms, original, refs, floors or {})
     weights = np.where(original > 0, prior_weight, ZERO_PRIOR_WEIGHT)
     residual = 1.0 - np.array([predicted_time(o.plan, cluster, o.part) for o in usable]) / measured
     relative = np.zeros((len(usable), len(terms)))
@@ -345,7 +346,8 @@ def fit_terms(observations: list[Observation], cluster: ClusterSpec, terms: tupl
                   uncertainty=_standard_errors(shares[:, free] / measured[:, None], weights[free], refs[free], fitted,
                                                errors_after))
     if validate and len(usable) >= 2 and fitted:
-        held = tuple(_held_out_error(usable, i, cluster, terms, fitted, prior_weight) for i in range(len(usable)))
+        held = tuple(_held_out_error(usable, i, cluster, terms, fitted, prior_weight, floors)
+                     for i in range(len(usable)))
         fit = dataclasses.replace(fit, held_out=held)
     return fit
 
@@ -382,19 +384,26 @@ def _standard_errors(jacobian: np.ndarray, weights: np.ndarray, refs: np.ndarray
 
 
 def _held_out_error(observations: list[Observation], index: int, cluster: ClusterSpec, terms: tuple[str, ...],
-                    fitted: tuple[str, ...], prior_weight: float) -> float:
+                    fitted: tuple[str, ...], prior_weight: float, floors: dict[str, float] | None = None) -> float:
     """Observation `index` predicted by the fit of the others (the same terms: at most as many as they are)."""
     others = observations[:index] + observations[index + 1:]
-    fold = fit_terms(others, cluster, terms, prior_weight=prior_weight, only=fitted, validate=False)
+    fold = fit_terms(others, cluster, terms, prior_weight=prior_weight, only=fitted, validate=False, floors=floors)
     held = observations[index]
     return relative_error(predicted_time(held.plan, fold.cluster, held.part), held.measured_s)
 
 
-def _physical_bounds(terms: tuple[str, ...], original: np.ndarray, refs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """FACTOR_BOUNDS around each term's value, and efficiency.matmul <= 1 (the compute term >= 1)."""
+def _physical_bounds(terms: tuple[str, ...], original: np.ndarray, refs: np.ndarray,
+                     floors: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """FACTOR_BOUNDS around each term's value, efficiency.matmul <= 1 (the compute term >= 1), and each term of
+    `floors` at least its floor (a time no machine goes below: plait.profile.calibrate.CPU_LAYER_PASS_FLOOR_S)."""
     low, high = FACTOR_BOUNDS
     zero = original == 0
     low, high = np.where(zero, 0.0, original * low), np.where(zero, ZERO_BOUND, original * high)
+    for term, floor in (floors or {}).items():
+        if term in terms:
+            k = terms.index(term)
+            low[k] = max(low[k], floor / refs[k])
+            high[k] = max(high[k], low[k])
     if "compute" in terms:
         k = terms.index("compute")
         low[k] = max(low[k], 1.0 / refs[k])

@@ -45,21 +45,22 @@ single-GPU plans of a 1.4B Llama, micro-batch 1-8, sequence 1K-8K, each recomput
 kept; NVLink and the fabric as on an H100 node (one GPU cannot measure links).
 
 GPU host time (`GPU_HOST`, every GPU preset): plait's executor is eager PyTorch, and a small model's layers wait
-on the host, not the kernels. Fitted on the H200's 41 rows (robust least squares on step time, `pass_time`'s
-max(kernels, host) per layer pass): ``layer_overhead_s`` 0.87 ms (forward; backward twice it),
-``recompute_layer_overhead_s`` 0.84 ms, ``selective_layer_overhead_s`` 1.74 ms (the per-op policy's dispatch
-mode, per forward and per recompute), ``step_overhead_s`` 20 ms. Software figures, not the GPU's: checked
-unchanged on an H100 machine (2026-11-26, the same grid's 41 rows, another host): median step-time error 17.3%
-with host time 0, 6.8% with these figures as they are (a refit there gives 5.3% with figures that trade the
-forward pass against recompute, so the H200's are kept). Every GPU preset carries them, since plait's runs on
-any GPU pay them; A100 hosts were not measured. Published runs of other software (Megatron-LM's, torchtitan's)
-are priced without them (`plait.cost.published.their_software`).
+on the host, not the kernels. Fitted on every saved grid of benchmarks/results/gpu/ together (the H200's 44 rows and
+two runs of 41 rows on one H100 machine, 2026-11-26; robust least squares on step time, `pass_time`'s max(kernels,
+host) per layer pass): ``layer_overhead_s`` 0.53 ms (forward; backward twice it), ``recompute_layer_overhead_s``
+1.44 ms, ``selective_layer_overhead_s`` 1.50 ms (the per-op policy's dispatch mode, per forward and per recompute),
+``step_overhead_s`` 25 ms. Software figures, not the GPU's, so every GPU preset carries them (A100 hosts were not
+measured). `python benchmarks/gpu_refit.py --held-out` refits them and gives, per run, the median step-time error
+in-sample / leave-one-shape-out / fitted on the other GPU kind only: H200 4.5% / 4.5% / 5.4%, H100 runs 4.5% /
+5.5% / 8.3% and 4.4% / 5.3% / 9.2% (saved: benchmarks/results/gpu_refit.txt; tests/unit/test_gpu_refit.py keeps
+the shipped figures within 2% of their refit). Published runs of other software (Megatron-LM's, torchtitan's) are
+priced without them (`plait.cost.published.their_software`).
 
-Optimizer bandwidth (``memory_balance``): the H200 rows' AdamW step took 13.3 ms (median of 41) for 1.40B
-parameters at 30 bytes each: 3.17 TB/s, 66% of the 4.8 TB/s datasheet; balance 989e12 / 3.17e12 = 312. The H100
-rows (2026-11-26, 41 rows): 16.5 ms, 2.56 TB/s, 76% of its 3.35 TB/s; balance 386 (``h100-80g``). GPUs not
-measured take 66% of their datasheet bandwidth (A100 80GB 2.04 TB/s, 40GB 1.56 TB/s, H100 96GB HBM2e 3.35 TB/s),
-in place of the A100-derived 150 FLOP per byte that priced every GPU before.
+Optimizer bandwidth (``memory_balance``), refit by the same command from each kind's rows (the median measured over
+predicted optimizer step): the H200's AdamW step runs at 3.20 TB/s, 67% of its 4.8 TB/s datasheet (balance 309);
+the H100's at 2.55 TB/s, 76% of its 3.35 TB/s (balance 388, ``h100-80g``). GPUs not measured take 66% of their
+datasheet bandwidth (A100 80GB 2.04 TB/s, 40GB 1.56 TB/s, H100 96GB HBM2e 3.35 TB/s), in place of the A100-derived
+150 FLOP per byte that priced every GPU before.
 """
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ def _balance(peak_flops: float, datasheet_bandwidth: float) -> float:
 # Fitted constants, per device type: see the module docstring for the rows they were fitted on.
 A100_EFFICIENCY = Efficiency(matmul=0.82, matmul_half_dim=800.0, overhead=0.30)
 H100_EFFICIENCY = Efficiency(matmul=0.76, matmul_half_dim=1600.0, overhead=0.0,
-                             memory_balance=386.0)  # Megatron-LM's H100 rows; gpu_check's H100 grid (balance)
+                             memory_balance=388.0)  # Megatron-LM's H100 rows; gpu_refit.py on the H100 grids (balance)
 H100_500W_EFFICIENCY = Efficiency(matmul=0.47, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
                                   overhead=H100_EFFICIENCY.overhead,
                                   memory_balance=_balance(989e12, 3.35 * TB))  # torchtitan's H100 96GB rows
 H200_EFFICIENCY = Efficiency(matmul=H100_EFFICIENCY.matmul, matmul_half_dim=H100_EFFICIENCY.matmul_half_dim,
-                             overhead=H100_EFFICIENCY.overhead, memory_balance=312.0)  # gpu_check's H200 grid
-GPU_HOST = HostOverheads(layer_overhead_s=0.87e-3, recompute_layer_overhead_s=0.84e-3,
-                         selective_layer_overhead_s=1.74e-3, step_overhead_s=20e-3)  # gpu_check's H200 grid
+                             overhead=H100_EFFICIENCY.overhead, memory_balance=309.0)  # gpu_refit.py, H200 grid
+GPU_HOST = HostOverheads(layer_overhead_s=0.53e-3, recompute_layer_overhead_s=1.44e-3,
+                         selective_layer_overhead_s=1.50e-3, step_overhead_s=25e-3)  # gpu_refit.py, every saved grid
 
 H100_MEMORY_BYTES = 85_017_493_504
 """An H100 80GB HBM3's capacity as torch.cuda reports it (79.18 GiB; read on the H100 of 2026-11-26), not 80 GiB:

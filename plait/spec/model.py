@@ -48,6 +48,11 @@ ARCH_FEATURES: dict[str, dict[str, Any]] = {
 FEATURES = ("mlp", "norm", "bias", "positions")
 
 
+SEQ_PROBES = (64, 128)
+"""Sequence lengths at which a block is measured on meta (plait.models.measure: two points fix the parts linear and
+quadratic in the sequence); the per-token measurements of BlockCost are taken at the first."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockCost:
     """One block as measured on `meta` (plait.models.measure): what the cost model needs when blocks are not
@@ -62,7 +67,30 @@ class BlockCost:
     """Forward FLOPs per token per position of the sequence (attention scores and values: 4·h for a
     transformer layer): the block costs flops_per_token + s · attention_flops_per_token per token."""
     activation_bytes_per_token: float = 0.0
-    """Bytes the block keeps for backward per token, at the measured precision (fp32 on meta)."""
+    """Bytes the block keeps for backward per token without recompute, in fp32, measured on meta on the path the run
+    takes (fused attention; weights, views and the tables its model hands every layer left out:
+    plait.models.saved_bytes), at the shorter measured length."""
+    activation_bytes_per_token_position: float = 0.0
+    """fp32 bytes per token and position of the sequence the block keeps besides: 0 where attention is fused; an
+    attention the class computes itself (soft-capped scores) keeps its s x s probabilities."""
+    half_activation_bytes_per_token: float = 0.0
+    """As activation_bytes_per_token, with parameters and residual stream in 16 bits (fully_shard's mixed precision):
+    what the class upcasts to fp32 shows here. 0: not measured (priced from the fp32 bytes)."""
+    autocast_activation_bytes_per_token: float = 0.0
+    """As activation_bytes_per_token, under autocast to 16 bits over fp32 parameters (one replica, DDP): a norm's fp32
+    output is cast again by every linear that reads it. 0: not measured."""
+    half_activation_bytes_per_token_position: float = 0.0
+    """As activation_bytes_per_token_position, with 16-bit parameters and residual stream."""
+    autocast_activation_bytes_per_token_position: float = 0.0
+    """As activation_bytes_per_token_position, under autocast."""
+    selective_elements_per_token: float = 0.0
+    """Compute-dtype elements per token selective recompute keeps besides the block input (every second GEMM's output
+    and the fused attention's: plait.execute.recompute's policy). 0: not measured."""
+    selective_fp32_elements_per_token: float = 0.0
+    """fp32 elements per token it keeps (the fused attention's logsumexp)."""
+    selective_rerun_flops_per_token: float = 0.0
+    """Forward FLOPs per token of the GEMMs selective recompute does not keep (every second one, in the class's own
+    order), which its backward runs again. 0: not measured (half the block's weight GEMMs)."""
     tensors: int = 0
     """Parameter tensors of the block."""
     unpriced_elements_per_token: float = 0.0
@@ -83,8 +111,12 @@ class BlockCost:
     """Of `attention_flops_per_token`, those of the same modules."""
 
     def __post_init__(self) -> None:
-        if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 \
-                or self.activation_bytes_per_token < 0:
+        if self.params < 0 or self.flops_per_token < 0 or self.attention_flops_per_token < 0 or min(
+                self.activation_bytes_per_token, self.activation_bytes_per_token_position,
+                self.half_activation_bytes_per_token, self.autocast_activation_bytes_per_token,
+                self.half_activation_bytes_per_token_position, self.autocast_activation_bytes_per_token_position,
+                self.selective_elements_per_token, self.selective_fp32_elements_per_token,
+                self.selective_rerun_flops_per_token) < 0:
             raise ValueError("block costs must be >= 0")
         if not 0 <= self.expert_params <= self.params or not 0 <= self.expert_flops_per_token <= self.flops_per_token:
             raise ValueError("a block's experts are part of it: 0 <= expert_params <= params and 0 <= "

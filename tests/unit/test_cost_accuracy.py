@@ -98,3 +98,34 @@ def test_megatron_mixtral_says_the_assumed_router_imbalance_is_pessimistic():
     assert all(t < MEGATRON_MIXTRAL.tflops for t in assumed)
     assert min(balanced) < MEGATRON_MIXTRAL.tflops < max(balanced)
     assert all(b > a for a, b in zip(assumed, balanced))
+
+
+@pytest.mark.parametrize("row", TORCHTITAN_A100_ROWS + TORCHTITAN_H100_ROWS,
+                         ids=lambda r: f"{r.model}-{r.recompute}-{r.devices}")
+def test_torchtitan_rows_priced_alike_from_their_config_json(row):
+    """Every published run is priced twice, from the preset and from the model's config.json as published (its
+    class measured on meta): throughput and peak memory agree within 5%, the class's own activations beyond the
+    reference layer set apart (plait.cost.model.CLASS_ACTIVATIONS; torchtitan's model keeps what plait's does)."""
+    from plait.cost.model import CLASS_ACTIVATIONS
+    from plait.cost.published_2024 import published_config
+    from plait.spec.load import load_model
+
+    cluster = A100 if row in TORCHTITAN_A100_ROWS else H100_500W
+    preset, as_preset = torchtitan_prediction(row, cluster)
+    named, as_named = torchtitan_prediction(row, cluster, load_model(published_config(row.config)))
+    assert named == pytest.approx(preset, rel=0.05)
+    own = as_named.memory_parts.get(CLASS_ACTIVATIONS, 0.0)
+    assert as_named.peak_memory_bytes - own == pytest.approx(as_preset.peak_memory_bytes, rel=0.05)
+
+
+def test_megatron_mixtral_priced_alike_from_its_config_json():
+    """Megatron-Core's Mixtral row from Mixtral's config.json: the same throughput within 5% in both readings of its
+    "VP 8" (no recompute: its memory is the class's, whose experts keep what the eager loop keeps)."""
+    from plait.cost.published_2024 import MEGATRON_MIXTRAL, megatron_moe_prediction, published_config
+    from plait.spec.load import load_model
+
+    model = load_model(published_config(MEGATRON_MIXTRAL.config))
+    for v in (1, 8):
+        preset, _ = megatron_moe_prediction(MEGATRON_MIXTRAL, H100, v, 1.25)
+        named, _ = megatron_moe_prediction(MEGATRON_MIXTRAL, H100, v, 1.25, model)
+        assert named == pytest.approx(preset, rel=0.05), v

@@ -1,7 +1,10 @@
 """The planner's ranked plans stay what they were when the planner was made faster: each configuration's plans
 (degrees and every choice, the layers per stage, recompute) and their predicted figures, against a fixture the
 code before the speed-up wrote (tests/data/planner_rankings.json, written at commit bc9e8ee by
-`PYTHONPATH=. python tests/unit/test_planner_rankings.py --write`).
+`PYTHONPATH=. python tests/unit/test_planner_rankings.py --write`; the GPU and pipelined cases and the Hugging Face
+folder written again where the pricing changed on purpose: receive buffers counted over the steps torch's lowering
+takes, a measured class's activations on its run path and its own bytes named apart (plans unchanged), the GPU host
+times refit from the saved runs (benchmarks/gpu_refit.py: gpt-7.5b's and qwen2-0.5b's orders moved)).
 
 The configurations cover the benchmark's rows (benchmarks/planner_speed.py), every feasible plan of a small space
 (no bound pruning), CPU ranks sharing cores, a mixed cluster (exact and dichotomy solvers), mixture-of-experts and

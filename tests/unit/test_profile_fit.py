@@ -242,3 +242,24 @@ def test_probe_plans_fit_any_world():
         assert all(p.num_devices == world for p in probes)
         assert any(p.tp > 1 for p in probes) == any(p.pp > 1 for p in probes) == (world % 2 == 0)
         assert {p.num_micro_batches for p in probes if p.pp == 1} == {1, 4}
+
+
+def test_host_time_stays_physical_where_load_hides_it():
+    """Probe timings a loaded machine left no per-pass time in (each step exactly what the cost model prices
+    without host time) fit no host time of 0 for CPU processes: the per-pass time stays at its floor, and the fit
+    says it could not tell it."""
+    from plait.cost import predict
+    from plait.profile.calibrate import CPU_LAYER_PASS_FLOOR_S, HostSample, fit_host_terms
+    from plait.profile.host import probe_plans
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    cluster = CLUSTER_PRESETS["local-cpu"].with_devices(2)
+    assert cluster.host.layer_overhead_s == 0
+    samples = []
+    for plan in probe_plans(2):
+        plan = plan.replace(cluster=cluster, predicted=None)
+        samples.append(HostSample(plan=plan.to_dict(), seconds=predict(plan).step_time_s))
+    fit = fit_host_terms(tuple(samples), cluster)
+    host = fit.cluster.host
+    assert 0 < host.layer_overhead_s <= CPU_LAYER_PASS_FLOOR_S * 1.01
+    assert any("floor" in note for note in fit.notes)
