@@ -16,7 +16,13 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
   would travel on to a row-split matmul's backward, which gathers the weight).
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
   sharded; each call's floating outputs, as what autograd may save for backward, over the axis when sharded
-  (an upper bound: views and outputs not saved count too).
+  (an upper bound: views and outputs not saved count too). Over dp > 1 the executor's fully_shard holds its 4
+  copies over dp, and, as one unit on the whole module (plait.execute.autoshard), the gathered weights from the
+  forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
+  unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
+* Data-parallel synchronisation (fully_shard, one unit on the whole module): one all-gather of the weights before
+  the forward and one reduce-scatter of the gradients after the backward, per step (a pipeline's schedule keeps the
+  weights gathered and the gradients unreduced until its last micro-batch).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ ADAMW_COPIES = 4
 """Parameter, gradient and AdamW's two moments."""
 FUSED_TABLE_COPIES = 1
 """An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
+FSDP_GATHERED_COPIES = 2
+"""Over dp > 1: the weights gathered for the forward and backward and the whole gradients before their
+reduce-scatter, on top of the sharded copies (see the module docstring)."""
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -145,9 +154,22 @@ def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], 
 
 def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1,
                     copies: int = ADAMW_COPIES) -> float:
-    """Per device: weights, gradients and AdamW moments (`copies`), over the axis when sharded and over the
-    data-parallel ranks when fully_shard shards them further."""
-    return copies * ref.nbytes / (axis_size if placement.startswith("S") else 1) / dp_shards
+    """Per device: weights, gradients and AdamW moments (`copies`), over the axis when sharded (the largest shard
+    where the axis does not divide the dimension) and over the data-parallel ranks when fully_shard shards them
+    further, with the copies fully_shard gathers (FSDP_GATHERED_COPIES)."""
+    local = shard_bytes(ref, placement, axis_size)
+    if dp_shards <= 1:
+        return copies * local
+    return local * (FSDP_GATHERED_COPIES + copies / dp_shards)
+
+
+def shard_bytes(ref: "TensorRef", placement: str, axis_size: int) -> float:
+    """Bytes of the largest shard of `ref` placed `placement` over `axis_size` ranks: DTensor's Shard gives the
+    first ranks ceil(size / axis_size) rows (torch.chunk's split) where the axis does not divide the dimension."""
+    if not placement.startswith("S") or axis_size <= 1:
+        return float(ref.nbytes)
+    size = ref.shape[int(placement[1:])]
+    return ref.nbytes / size * -(-size // axis_size) if size else 0.0
 
 
 def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
@@ -162,12 +184,12 @@ def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp:
 
 def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
                        dp_group: comm.Group) -> float:
-    """Data-parallel cost of a parameter per step under fully_shard: all-gather of the weights (forward and
-    backward) and reduce-scatter of the gradients, of this rank's tensor-parallel shard."""
+    """Data-parallel cost of a parameter per step under fully_shard: one all-gather of the weights and one
+    reduce-scatter of the gradients, of this rank's tensor-parallel shard (see the module docstring)."""
     if dp <= 1:
         return 0.0
-    local = ref.nbytes / (axis_size if placement.startswith("S") else 1)
-    return 2 * comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
+    local = shard_bytes(ref, placement, axis_size)
+    return comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
 
 
 def _numel(ref: "TensorRef") -> int:

@@ -19,6 +19,7 @@ placements inside each stage over its tensor-parallel axis, the pipeline priced 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -161,7 +162,8 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
-    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, memory_limit, fused=frozenset(fused))
+    # the whole module is solved for its parts' times only: a stage holds a part of it, so no memory limit here
+    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, math.inf, fused=frozenset(fused))
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model)
     split = settings.layers_per_stage or stage_split(whole, solution.choice, layout, settings.pp)
@@ -212,10 +214,14 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         for kind, n in st.comm_counts.items():
             counts[kind] = counts.get(kind, 0) + n
     dp_only = planner.data_parallel_time(whole, tp * settings.pp, dp, cluster, settings.num_micro_batches)
+    peak = max(stages, key=lambda st: st.peak_memory_bytes)
+    gaps = [st.proven_gap for st in stages]
     sharding_ = OperatorSharding(
         batch=batch_source, params={k: v for st in stages for k, v in st.params.items()}, pins=pins,
         step_time_s=step, data_parallel_step_time_s=dp_only, comm_bytes=sum(st.comm_bytes for st in stages),
-        comm_counts=counts, peak_memory_bytes=max(st.peak_memory_bytes for st in stages), solver=solution.solver,
+        comm_counts=counts, peak_memory_bytes=peak.peak_memory_bytes, solver=solution.solver,
+        solver_status=weakest_status([st.solver_status for st in stages]),
+        proven_gap=None if any(g is None for g in gaps) else max(gaps), memory_parts=peak.memory_parts,
         solve_time_s=time.perf_counter() - start,
         costliest=tuple(sorted((c for st in stages for c in st.costliest),
                                key=lambda c: -(c.compute_s + c.comm_s))[:planner.COSTLIEST]),
@@ -223,6 +229,12 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         fused_tables=fused, synchronised_norms=norms,
         blocks=layout.blocks_path, stages=tuple(stages))
     return sharding_, tuple(split), bubble
+
+
+def weakest_status(statuses: list[str]) -> str:
+    """The status that proves least among several solves (a pipeline's stages)."""
+    order = ("heuristic", "time limit", "tied", "optimal", "forced")
+    return min(statuses, key=lambda s: order.index(s) if s in order else -1, default="")
 
 
 def _sync_seconds(built: planner.Built, choice: tuple[int, ...]) -> float:

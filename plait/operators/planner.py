@@ -62,6 +62,8 @@ class Built:
     gradient_shares: dict[int, int] = dataclasses.field(default_factory=dict)
     """Value id a reader reads -> the value whose gradient sum that reading may join (itself, or the value a view
     was taken of)."""
+    axis_size: int = 0
+    """The tensor-parallel degree the problem was built for."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -78,6 +80,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     whose Partial gradients autograd adds before DTensor reduces them, price.joins_gradient_sum, share one
     all-reduce: the node's edge to the producer costs it, on a replicated producer only, and its edge to each such
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
+    if oracle is None and axis_size == 1:  # no axis to split over: every call runs whole, nothing to ask DTensor
+        oracle = _WholeOracle()
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
             return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
@@ -106,7 +110,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     for value in graph.values.values():
         if value.kind == "op":
             continue
-        placed = value.kind in ("param", "buffer")
+        placed = value.kind in ("param", "buffer") and axis_size > 1
         options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
@@ -197,7 +201,14 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares)
+                 tuple(unsupported), gradient_sums, shares, axis_size)
+
+
+class _WholeOracle:
+    """Strategies on an axis of one rank: each call replicated, its one strategy (no fake process group needed)."""
+
+    def strategies(self, call) -> tuple[list[Strategy], bool]:
+        return [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], True
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -254,17 +265,25 @@ def _taken_as_is(strategies: list[Strategy], k: int) -> frozenset[str]:
     return frozenset(s.inputs[k] for s in strategies)
 
 
+class PinRefused(ConfigError):
+    """A pin this tensor-parallel degree cannot honour (another degree may)."""
+
+
 def apply_pins(built: Built, pins: dict[str, str]) -> None:
-    """Mask the strategies pins forbid; ConfigError naming the pin when one cannot hold."""
+    """Mask the strategies pins forbid; ConfigError naming the pin when one cannot hold (PinRefused where it is this
+    tensor-parallel degree that cannot take it). Over one rank (tp = 1) every pin holds: placements on the axis are
+    all the whole tensor there."""
     masks = built.problem.allowed
     by_node: dict[int, list[str]] = {}
     for name, placement in pins.items():
         node, index = _pinned_node(built, name, placement)
+        if built.axis_size == 1:  # over one rank every placement is the whole tensor: any pin holds
+            continue
         keep = np.array([s.outputs[index] == placement for s in built.nodes[node].strategies])
         if not keep.any():
             options = sorted({s.outputs[index] for s in built.nodes[node].strategies})
-            raise ConfigError(f"pin {name!r} = {placement!r}: its shape cannot take that placement on this axis; "
-                              f"it can take {', '.join(options)}")
+            raise PinRefused(f"pin {name!r} = {placement!r}: its shape cannot take that placement over "
+                             f"tp={built.axis_size}; it can take {', '.join(options)}")
         by_node.setdefault(node, []).append(name)
         masks[node] = masks[node] & keep
         if not masks[node].any():
@@ -366,17 +385,36 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
 
 
+class DoesNotFit(ConfigError):
+    """No placement of this mesh shape fits the memory limit; `needs_bytes` is the least any placement the pins allow
+    needs per device (what a budget must hold for this shape)."""
+
+    def __init__(self, message: str, needs_bytes: float) -> None:
+        super().__init__(message)
+        self.needs_bytes = needs_bytes
+
+
+def least_memory(built: Built) -> float:
+    """The least bytes per device any choice the pins allow needs: memory is a sum over nodes, so each node's
+    smallest allowed figure."""
+    problem = built.problem
+    return float(sum(m[a].min() for m, a in zip(problem.node_memory, problem.allowed)))
+
+
 def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
                     ) -> sharding.Solution:
-    """`solve`, or a ConfigError in one line when no placement fits the problem's memory limit (naming the limit,
-    the pins, and a fused table optimizer where the module has embedding tables without one)."""
+    """`solve`, or DoesNotFit (a ConfigError) in one line when no placement fits the problem's memory limit (naming
+    the limit, what the smallest placement needs, the pins, and a fused table optimizer where the module has
+    embedding tables without one)."""
     try:
         return solve(built, solver)
     except sharding.Infeasible as e:
         hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
                 if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-        raise ConfigError(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
-                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
+        needs = least_memory(built)
+        raise DoesNotFit(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
+                         + (f" with pins {pins}" if pins else "") + f" (the smallest needs {needs / 2**20:.2f} MiB)"
+                         + f"{hint}: {e}", needs) from None
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
@@ -459,7 +497,21 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
+                            solver_status=solution.status, proven_gap=solution.gap,
+                            memory_parts=memory_parts(built, choice),
                             costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+
+
+def memory_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
+    """Bytes per device of the solution by part: "params" (weights, gradients and optimizer states, with what
+    fully_shard gathers), "activations" (what the calls keep for backward) and "inputs" (the batch and buffers)."""
+    parts = {"params": 0.0, "activations": 0.0, "inputs": 0.0}
+    params = {built.value_node[ref.value] for ref in built.graph.params.values()}
+    calls = set(built.call_node.values())
+    for i, m in enumerate(built.problem.node_memory):
+        part = "params" if i in params else "activations" if i in calls else "inputs"
+        parts[part] += float(m[choice[i]])
+    return parts
 
 
 def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
