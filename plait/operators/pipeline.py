@@ -31,7 +31,6 @@ from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
 from plait.operators import planner
-from plait.operators.capture import capture
 from plait.operators.solution import OperatorSharding
 from plait.operators.stages import StageLayout, build_stage, find_layout
 from plait.search import sharding
@@ -154,16 +153,17 @@ def _in_flight(settings: PipelineSettings, dp: int, tp: int, micro_batch: int) -
 
 def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: PipelineSettings, *, batch_source: str,
                   tp: int, dp: int, cluster: ClusterSpec, pins: dict[str, str], solver: str,
-                  memory_limit: float | None, table_optimizer: str | None, name: str = "the model"
-                  ) -> tuple[OperatorSharding, tuple[int, ...], float]:
+                  memory_limit: float | None, table_optimizer: str | None, name: str = "the model",
+                  graphs: dict | None = None) -> tuple[OperatorSharding, tuple[int, ...], float]:
     """(the per-operator plan with its stages, blocks per stage, bubble fraction) of `model` (on meta) for one
-    micro-batch `batch` (on meta)."""
+    micro-batch `batch` (on meta). `graphs`: captures kept between calls (planner.captured)."""
     start = time.perf_counter()
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
     # the whole module is solved for its parts' times only: a stage holds a part of it, so no memory limit here
-    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, math.inf, fused=frozenset(fused))
+    whole = planner.build_problem(planner.captured(model, batch, graphs), tp, dp, cluster, math.inf,
+                                  fused=frozenset(fused))
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model)
     split = settings.layers_per_stage or stage_split(whole, solution.choice, layout, settings.pp)
@@ -176,7 +176,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         stage_start = time.perf_counter()
         module = build_stage(model, layout, blocks, first=s == 0, last=s == settings.pp - 1)
         inputs = batch if hidden is None else (hidden, *batch)
-        graph = capture(module, inputs)
+        graph = planner.captured(module, inputs, graphs, ("stage", blocks.start, blocks.stop, settings.pp))
         names = {*graph.params, *graph.buffers, *graph.module_outputs}
         stage_pins = {k: v for k, v in pins.items() if k in names}
         built = planner.build_problem(graph, tp, dp, cluster, memory_limit,

@@ -291,13 +291,20 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
                               f"strategy of {built.nodes[node].name} satisfies both; drop one")
 
 
-def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
+def pinned_ref(graph: Graph, name: str, placement: str) -> TensorRef:
+    """The tensor a pin names (a parameter, a buffer, a module's output); ConfigError in one line for a pin naming
+    nothing or no placement."""
     if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
         raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
-    ref = built.graph.params.get(name) or built.graph.buffers.get(name) or built.graph.module_outputs.get(name)
+    ref = graph.params.get(name) or graph.buffers.get(name) or graph.module_outputs.get(name)
     if ref is None:
-        known = list(built.graph.params)[:4] + list(built.graph.module_outputs)[:4]
+        known = list(graph.params)[:4] + list(graph.module_outputs)[:4]
         raise ConfigError(f"pin {name!r} names no parameter or module of the model; e.g. {', '.join(known)}")
+    return ref
+
+
+def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
+    ref = pinned_ref(built.graph, name, placement)
     node = built.value_node[ref.value]
     index = next(i for i, r in enumerate(
         built.nodes[node].call.outputs if built.nodes[node].call is not None else [ref]) if r.value == ref.value)
@@ -368,15 +375,28 @@ def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse
     return sharding.solve_program(built.problem, time_limit, classes)
 
 
+def captured(model: nn.Module, inputs: tuple[torch.Tensor, ...], graphs: dict | None, key: tuple = ()) -> Graph:
+    """capture(model, inputs), kept in `graphs` (a search's, by `key` and the inputs' shapes: the graph depends on
+    nothing else) when given."""
+    if graphs is None:
+        return capture(model, inputs)
+    key = (key, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
+    if key not in graphs:
+        graphs[key] = capture(model, inputs)
+    return graphs[key]
+
+
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
                 cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
-                memory_limit: float | None = None, table_optimizer: str | None = None) -> OperatorSharding:
+                memory_limit: float | None = None, table_optimizer: str | None = None,
+                graphs: dict | None = None) -> OperatorSharding:
     """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
-    (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer."""
+    (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer. `graphs`: captures
+    kept between calls (see `captured`)."""
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
-    graph = capture(model, batch)
+    graph = captured(model, batch, graphs)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model)
@@ -498,8 +518,20 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
                             solver_status=solution.status, proven_gap=solution.gap,
-                            memory_parts=memory_parts(built, choice),
+                            memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
                             costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+
+
+def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
+    """The solution's seconds by part, summing to its cost: "compute" (the calls), "tp_comm" (the redistributions,
+    the edges) and "dp_comm" (the parameters' data-parallel synchronisation)."""
+    problem = built.problem
+    params = {built.value_node[ref.value] for ref in built.graph.params.values()}
+    parts = {"compute": 0.0, "tp_comm": 0.0, "dp_comm": 0.0}
+    for i, cost in enumerate(problem.node_cost):
+        parts["dp_comm" if i in params else "compute"] += float(cost[choice[i]])
+    parts["tp_comm"] = float(sum(m[choice[u], choice[v]] for u, v, m in problem.edges))
+    return parts
 
 
 def memory_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
@@ -593,44 +625,24 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
               tp: int = 1, pins: dict[str, str] | None = None, solver: str = "program",
               memory_limit: float | None = None, table_optimizer: str | None = None, pp: int = 1,
               num_micro_batches: int | None = None, schedule: str = "1f1b", layers_per_stage: tuple[int, ...] = ()):
-    """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved), and
-    with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline; `num_micro_batches`
-    defaults to pp)."""
-    from plait.models.factory import load_factory
-    from plait.plan import Plan, Prediction
-    from plait.spec import ModelSpec, TrainSpec
+    """A Plan for a module of any shape at one mesh shape: data parallelism over dp, per-operator placements over
+    tp (solved), and with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline;
+    `num_micro_batches` defaults to pp). plait.operators.search ranks every shape."""
+    from plait.operators.search import Shape, load_module, plan_shape
 
     micro_batches = num_micro_batches or pp
     if global_batch % (dp * micro_batches):
         raise ConfigError(f"global batch {global_batch} must divide by dp={dp} x {micro_batches} micro-batches")
-    with torch.device("meta"):
-        model = load_factory(model_source)()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
-    micro_batch = global_batch // dp // micro_batches
-    batch = meta_batch(batch_source, micro_batch)
-    name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
-    split, bubble = (), 0.0
-    if pp > 1:
-        from plait.operators.pipeline import PipelineSettings, plan_pipeline
+    module = load_module(model_source, batch_source, find_blocks=False)
+    return plan_shape(module, cluster, Shape(dp, tp, pp, micro_batches, schedule), global_batch=global_batch,
+                      pins=dict(pins or {}), solver=solver, memory_limit=memory_limit,
+                      table_optimizer=table_optimizer, layers_per_stage=tuple(layers_per_stage))
 
-        settings = PipelineSettings(pp, micro_batches, schedule, tuple(layers_per_stage))
-        sharding_, split, bubble = plan_pipeline(
-            model, batch, settings, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=dict(pins or {}),
-            solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer, name=f"model {name!r}")
-    else:
-        sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
-                                solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
-    num_params = sum(p.numel() for p in model.parameters())
-    layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
-    spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
-                     num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
-                     post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
-                                                 for _ in range(layers)))
-    prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes,
-                            bubble_fraction=bubble)
-    return Plan.of(dp=dp, tp=tp, pp=pp, model=spec,
-                   train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
-                   cluster=cluster.with_devices(dp * tp * pp), micro_batch=micro_batch,
-                   num_micro_batches=micro_batches, schedule=schedule, layers_per_stage=tuple(split),
-                   zero=zero_stage(dp), predicted=prediction, operators=sharding_)
+
+def check_pin_names(model: nn.Module, batch: tuple[torch.Tensor, ...], pins: dict[str, str]) -> None:
+    """ConfigError in one line for a pin naming no parameter, buffer or module of `model`, or no placement (checked
+    once, before any shape is planned)."""
+    if pins:
+        graph = capture(model, batch)
+        for name, placement in pins.items():
+            pinned_ref(graph, name, placement)

@@ -76,6 +76,9 @@ class OperatorSharding:
     proven_gap: float | None = None
     """How far step_time_s may be above the best placement, as proven: (cost - lower bound) / lower bound; under a
     pipeline, the largest of the stages' (each stage's time per micro-batch). None: nothing proven."""
+    time_parts: dict[str, float] = field(default_factory=dict)
+    """step_time_s by part ("compute", "tp_comm", "dp_comm"; plait.operators.planner.time_parts), without a
+    pipeline; under one, each stage's per micro-batch."""
     memory_parts: dict[str, float] = field(default_factory=dict)
     """peak_memory_bytes by part ("params", "activations", "inputs"; plait.operators.planner.memory_parts); under a
     pipeline, the peak stage's."""
