@@ -310,15 +310,13 @@ def _nothing_fits(module: _Module, cluster: ClusterSpec, devices: int, global_ba
 def smallest_devices(module: _Module, cluster: ClusterSpec, devices: int, global_batch: int, degrees: DegreePins,
                      limit: float, table_optimizer: str | None) -> int | None:
     """The smallest of 2x, 4x, ... MAX_DEVICE_GROWTH x `devices` at which some shape without a pipeline (the
-    degree pins kept, but not dp; tp among the degrees `devices` allows, whose strategies are known by now) has a
-    placement whose least memory fits `limit` (None: none does)."""
+    degree pins kept, but not dp) has a placement whose least memory fits `limit` (None: none does). Cheap where it
+    stops early: each new tensor-parallel degree asks DTensor its strategies."""
     fused = frozenset(planner.fused_tables(module.model, table_optimizer))
     grow = 2
     while grow <= MAX_DEVICE_GROWTH:
         count = devices * grow
         for shape in shapes(count, global_batch, 0, dataclasses.replace(degrees, dp=None, pp=None, micro_batch=None)):
-            if devices % shape.tp:
-                continue
             batch = module.batch(global_batch // shape.dp)
             built = planner.build_problem(planner.captured(module.model, batch, module.graphs), shape.tp, shape.dp, cluster, limit,
                                           fused=fused)
