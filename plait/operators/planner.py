@@ -400,9 +400,31 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model)
+    candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
-                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
+                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
+                               tensor_plan_step_time_s=candidate)
+
+
+def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
+    """What the decoder's own tensor plan (plait.operators.tensor_plans: Megatron's pattern as its class declares it)
+    costs as a candidate of this program, the rest of the module solved around it; None for a module without one,
+    under the user's pins, over one rank, or where the degree cannot split it (or it does not fit)."""
+    from plait.operators.tensor_plans import tensor_plan_pins
+
+    if pins or built.axis_size <= 1:
+        return None
+    candidate = {k: v for k, v in tensor_plan_pins(model).items() if k in built.graph.params}
+    if not candidate:
+        return None
+    pinned = dataclasses.replace(built, problem=dataclasses.replace(
+        built.problem, allowed=[m.copy() for m in built.problem.allowed]))
+    try:
+        apply_pins(pinned, candidate)
+        return solve(pinned, solver).cost
+    except (ConfigError, sharding.Infeasible):
+        return None
 
 
 class DoesNotFit(ConfigError):

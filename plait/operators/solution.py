@@ -76,6 +76,9 @@ class OperatorSharding:
     proven_gap: float | None = None
     """How far step_time_s may be above the best placement, as proven: (cost - lower bound) / lower bound; under a
     pipeline, the largest of the stages' (each stage's time per micro-batch). None: nothing proven."""
+    tensor_plan_step_time_s: float | None = None
+    """For a decoder (plait.operators.tensor_plans): step_time_s of its class's own tensor plan (Megatron's
+    pattern) as a candidate of the same program, which step_time_s never exceeds. None otherwise."""
     time_parts: dict[str, float] = field(default_factory=dict)
     """step_time_s by part ("compute", "tp_comm", "dp_comm"; plait.operators.planner.time_parts), without a
     pipeline; under one, each stage's per micro-batch."""

@@ -35,6 +35,10 @@ def operators_table(plan: Plan) -> RenderableType:
     for op in ops.costliest:
         costly.add_row(op.name, op.placements, seconds_cell(op.compute_s), seconds_cell(op.comm_s), op.comm or "-")
     parts: list[RenderableType] = [header, params, costly]
+    if ops.tensor_plan_step_time_s is not None:
+        parts.append(Text(f"the decoder's own tensor plan (Megatron's pattern, as its class declares it) prices "
+                          f"{seconds_cell(ops.tensor_plan_step_time_s)} as a candidate of the same program; this "
+                          f"plan {seconds_cell(ops.step_time_s)}"))
     if ops.stages:
         parts.append(_stages_table(plan))
     if ops.replicated_ops:
