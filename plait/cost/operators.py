@@ -117,10 +117,19 @@ def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group
               needs_grad: bool = True) -> tuple[float, Redistribution, Redistribution]:
     """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions. A tensor no
     gradient flows to (a constant, RoPE's tables, anything computed from the batch alone) has no backward image."""
-    forward = redistribution(src, dst, ref.nbytes, group, cluster)
-    backward = redistribution(grad, "R" if src == "P" else src, ref.nbytes, group, cluster) \
+    # an uneven shard moves as the largest shard, padded, on every rank (DTensor pads before the collective)
+    forward = redistribution(src, dst, padded_bytes(ref, src, dst, group.size), group, cluster)
+    back_to = "R" if src == "P" else src
+    backward = redistribution(grad, back_to, padded_bytes(ref, grad, back_to, group.size), group, cluster) \
         if ref.is_float and needs_grad else NONE
     return forward.seconds + backward.seconds, forward, backward
+
+
+def padded_bytes(ref: "TensorRef", src: str, dst: str, axis_size: int) -> float:
+    """The bytes a redistribution from `src` to `dst` carries: the tensor's, or where either side splits a dimension
+    the axis does not divide, the largest shard's on every rank."""
+    split = [shard_bytes(ref, p, axis_size) * axis_size for p in (src, dst) if p.startswith("S")]
+    return max([float(ref.nbytes), *split])
 
 
 def joins_gradient_sum(src: str, dst: str, grad: str) -> bool:
@@ -148,8 +157,7 @@ def compute_time(flops: float, outputs: Sequence["TensorRef"], split: bool, axis
 
 
 def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int) -> float:
-    return sum(ref.nbytes / (axis_size if p.startswith("S") else 1)
-               for ref, p in zip(outputs, placements) if ref.is_float)
+    return sum(shard_bytes(ref, p, axis_size) for ref, p in zip(outputs, placements) if ref.is_float)
 
 
 def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1,

@@ -111,7 +111,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         if value.kind == "op":
             continue
         placed = value.kind in ("param", "buffer") and axis_size > 1
-        options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
+        options = candidate_placements(value.ref, axis_size, partial=False, uneven=value.kind == "param") \
+            if placed else ["R"]
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
@@ -124,11 +125,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
         else:
             costs.append([0.0] * len(options))
-            memory.append([value.ref.nbytes / (axis_size if p.startswith("S") else 1) for p in options])
+            memory.append([price.shard_bytes(value.ref, p, axis_size) for p in options])
         add_gradient_sums([value.ref])
     call_node = {}
+    param_values = {ref.value for ref in graph.params.values()}  # arguments that may arrive split unevenly
     for call in graph.calls:
-        strategies, has_rule = oracle.strategies(call)
+        strategies, has_rule = oracle.strategies(call, tuple(ref.value in param_values for ref in call.inputs))
         if not has_rule:
             unsupported.append(call.name)
         call_node[call.index] = len(nodes)
@@ -207,7 +209,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
 class _WholeOracle:
     """Strategies on an axis of one rank: each call replicated, its one strategy (no fake process group needed)."""
 
-    def strategies(self, call) -> tuple[list[Strategy], bool]:
+    def strategies(self, call, uneven: tuple[bool, ...] = ()) -> tuple[list[Strategy], bool]:
         return [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], True
 
 

@@ -132,3 +132,30 @@ def test_plan_prints_the_ranking_and_writes_plans_that_load(tmp_path, capsys):
 def test_a_plan_file_written_before_the_solver_status_still_loads():
     plan = Plan.from_json((Path(__file__).resolve().parents[1] / "data" / "operator_plan_v0.json").read_text())
     assert plan.operators.solver_status == "" and plan.operators.proven_gap is None
+
+
+def test_a_table_no_degree_divides_splits_by_rows_and_the_executor_moves_what_was_priced():
+    """200,003 user rows over tp2 (DTensor's Shard gives rank 0 one row more): the pin the planner once refused
+    holds, the memory is the larger shard's, and one forward and backward through the executor on a fake process
+    group issues exactly the planned collectives (the looked-up rows, never the table)."""
+    import torch
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.dryrun import CollectiveCounter
+
+    plan = auto_plan("dual_encoder:build", "dual_encoder:batch", CPU, global_batch=8, tp=2, table_optimizer="sgd",
+                     pins={"user_table.weight": "S0", "item_table.weight": "S1"})
+    from dual_encoder import DIM, ITEMS, USERS
+
+    assert plan.operators.params["user_table.weight"] == "S0" and USERS % 2 == 1
+    assert plan.operators.memory_parts["params"] >= (USERS + 1) // 2 * DIM * 4 + ITEMS * DIM // 2 * 4
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
+        model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
+        counter = CollectiveCounter()
+        with counter:
+            loss = model(*make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32))
+            with implicit_replication():
+                loss.backward()
+    assert counter.counts == plan.operators.comm_counts and counter.nbytes == plan.operators.comm_bytes
+    assert counter.nbytes < USERS * DIM * 4 / 100  # kilobytes of rows, not the 24 MiB table
