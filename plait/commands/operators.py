@@ -97,7 +97,8 @@ def plan_operators(args: argparse.Namespace) -> int:
     degrees = DegreePins(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule)
     result = search(args.model, args.batch, cluster, devices=devices, global_batch=args.global_batch,
                     degrees=degrees, pins=parse_pins(args.pin), solver=args.operator_solver,
-                    memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer)
+                    memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer,
+                    allow_cross_node_tp=bool(getattr(args, "allow_cross_node_tp", False)))
     print_search(result, args.top, devices, cluster)
     if args.json:
         from plait.outputs import write_text
@@ -136,6 +137,8 @@ def print_search(result, top: int, devices: int, cluster) -> None:
         more = f" and {len(result.refused) - 4} more" if len(result.refused) > 4 else ""
         console.print(f"{len(result.refused)} shapes refused ({shown}{more}): {result.refused[0].reason}",
                       highlight=False, style="dim")
+    skipped = f", {result.dominated} pipeline shapes bounded out before their stages were solved" \
+        if result.dominated else ""
     console.print(f"{result.candidates_evaluated} shapes priced per operator in {result.seconds:.1f} s "
-                  f"({result.solver})", highlight=False)
+                  f"({result.solver}{skipped})", highlight=False)
     console.print(operators_table(best))

@@ -369,12 +369,13 @@ def _scalars(call) -> str:
     return repr([None if isinstance(a, TensorRef) else a for a in flat]) + str(spec)
 
 
-def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
-          ) -> sharding.Solution:
+def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True,
+          prove: bool = True) -> sharding.Solution:
+    """`prove`: a tied solve's gap against the untied bound (sharding.solve_program)."""
     classes = repeated_blocks(built) if reuse_blocks else None
     if solver == "propagation":
         return sharding.solve_propagation(built.problem, classes=classes)
-    return sharding.solve_program(built.problem, time_limit, classes)
+    return sharding.solve_program(built.problem, time_limit, classes, prove)
 
 
 def captured(model: nn.Module, inputs: tuple[torch.Tensor, ...], graphs: dict | None, key: tuple = ()) -> Graph:
@@ -391,7 +392,7 @@ def captured(model: nn.Module, inputs: tuple[torch.Tensor, ...], graphs: dict | 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
                 cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
                 memory_limit: float | None = None, table_optimizer: str | None = None,
-                graphs: dict | None = None) -> OperatorSharding:
+                graphs: dict | None = None, prove: bool = True) -> OperatorSharding:
     """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
     (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer. `graphs`: captures
     kept between calls (see `captured`)."""
@@ -401,7 +402,7 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     graph = captured(model, batch, graphs)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
-    solution = solve_or_refuse(built, solver, pins, fused, model)
+    solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
@@ -424,7 +425,7 @@ def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solv
         built.problem, allowed=[m.copy() for m in built.problem.allowed]))
     try:
         apply_pins(pinned, candidate)
-        return solve(pinned, solver).cost
+        return solve(pinned, solver, prove=False).cost
     except (ConfigError, sharding.Infeasible):
         return None
 
@@ -445,20 +446,29 @@ def least_memory(built: Built) -> float:
     return float(sum(m[a].min() for m, a in zip(problem.node_memory, problem.allowed)))
 
 
-def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
-                    ) -> sharding.Solution:
+def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module,
+                    prove: bool = True) -> sharding.Solution:
     """`solve`, or DoesNotFit (a ConfigError) in one line when no placement fits the problem's memory limit (naming
     the limit, what the smallest placement needs, the pins, and a fused table optimizer where the module has
     embedding tables without one)."""
     try:
-        return solve(built, solver)
+        solution = solve(built, solver, prove=prove)
     except sharding.Infeasible as e:
-        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
-                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-        needs = least_memory(built)
-        raise DoesNotFit(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
-                         + (f" with pins {pins}" if pins else "") + f" (the smallest needs {needs / 2**20:.2f} MiB)"
-                         + f"{hint}: {e}", needs) from None
+        reason = str(e)
+    else:
+        if solution.cost < price.UNRUNNABLE_S:
+            return solution
+        # what fits holds a redistribution DTensor cannot run as planned (price.runs_on_layout): not a plan
+        reason = UNRUNNABLE_ONLY
+    hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+            if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+    needs = least_memory(built) if reason != UNRUNNABLE_ONLY else 0.0
+    smallest = f" (the smallest needs {needs / 2**20:.2f} MiB)" if needs else ""
+    raise DoesNotFit(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
+                     + (f" with pins {pins}" if pins else "") + f"{smallest}{hint}: {reason}", needs)
+
+
+UNRUNNABLE_ONLY = "only placements the executor cannot run as planned fit"
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:

@@ -11,6 +11,8 @@ that shape, named).
 
 What the search does not vary, and why:
 
+* Tensor-parallel degrees beyond a node (the cluster's devices_per_node), unless pinned or allowed
+  (--allow-cross-node-tp), as the decoder search.
 * The pipeline schedule: 1F1B. GPipe runs the same stages with every micro-batch in flight; the schedule simulator
   never prices its step below 1F1B's and its memory is never lower, so it is ranked only where pinned
   (--schedule gpipe). Interleaved and zero-bubble schedules need several stages per pipeline rank or split
@@ -35,6 +37,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.operators import planner
+from plait.operators.pipeline import Dominated
 from plait.operators.solution import OperatorSharding
 from plait.spec.cluster import ClusterSpec
 
@@ -78,6 +81,9 @@ class DegreePins:
     pp: int | None = None
     micro_batch: int | None = None
     schedule: str | None = None
+    max_tp: int | None = None
+    """The largest tensor-parallel degree searched unpinned (the cluster's devices per node: tensor-parallel
+    collectives run every operator and belong on a node's links); None: any."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +93,13 @@ class SearchResult:
     refused: tuple[Refusal, ...]
     seconds: float
     solver: str = "program"
+    dominated: int = 0
+    """Pipeline shapes left unsolved: no stage split of theirs could beat a plan already found (their bound,
+    plait.operators.pipeline.step_lower_bound)."""
 
     @property
     def candidates_evaluated(self) -> int:
-        return len(self.plans) + len(self.refused)
+        return len(self.plans) + len(self.refused) + self.dominated
 
     @property
     def points(self) -> list[tuple[float, float]]:
@@ -131,6 +140,8 @@ def shapes(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -
             dp = devices // (pp * tp)
             if (pins.tp is not None and tp != pins.tp) or (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
+            if pins.tp is None and pins.max_tp is not None and tp > pins.max_tp:
+                continue
             per_replica = global_batch // dp
             if pp == 1:
                 if pins.micro_batch is None or pins.micro_batch == per_replica:
@@ -144,7 +155,8 @@ def shapes(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -
 
 def explain_no_shape(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -> str:
     """Why no shape exists (pins that contradict the devices or the batch), in one line."""
-    given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(pins).items() if v is not None)
+    given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(pins).items()
+                      if v is not None and k != "max_tp")
     if pins.pp is not None and pins.pp > 1 and pins.pp > num_blocks:
         return f"--pp {pins.pp}: the module has {num_blocks or 'no'} repeated blocks to cut pipeline stages between"
     if pins.micro_batch is not None and (pins.pp or 1) == 1:
@@ -197,8 +209,9 @@ def load_module(model_source: str, batch_source: str, find_blocks: bool = True) 
 
 def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_batch: int, pins: dict[str, str],
                solver: str, memory_limit: float | None, table_optimizer: str | None,
-               layers_per_stage: tuple[int, ...] = ()):
-    """The Plan of one shape (planner.DoesNotFit or planner.PinRefused where it cannot hold)."""
+               layers_per_stage: tuple[int, ...] = (), prove: bool = True, give_up_above: float | None = None):
+    """The Plan of one shape (planner.DoesNotFit or planner.PinRefused where it cannot hold; pipeline.Dominated
+    where a pipeline cannot beat `give_up_above`). `prove`: the solves' proven gaps (planner.solve)."""
     from plait.plan import Plan, Prediction
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.model import BlockCost
@@ -213,11 +226,12 @@ def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_ba
         ops, split, bubble = plan_pipeline(
             module.model, batch, settings, batch_source=module.batch_source, tp=shape.tp, dp=shape.dp,
             cluster=cluster, pins=dict(pins), solver=solver, memory_limit=memory_limit,
-            table_optimizer=table_optimizer, name=f"model {module.name!r}", graphs=module.graphs)
+            table_optimizer=table_optimizer, name=f"model {module.name!r}", graphs=module.graphs, prove=prove,
+            give_up_above=give_up_above)
     else:
         ops = planner.plan_module(module.model, batch, batch_source=module.batch_source, tp=shape.tp, dp=shape.dp,
                                   cluster=cluster, pins=pins, solver=solver, memory_limit=memory_limit,
-                                  table_optimizer=table_optimizer, graphs=module.graphs)
+                                  table_optimizer=table_optimizer, graphs=module.graphs, prove=prove)
     num_params = sum(p.numel() for p in module.model.parameters())
     layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
     source = module.source if module.source.startswith("module:") else f"module:{module.source}"
@@ -253,9 +267,10 @@ def step_parts(ops: OperatorSharding, shape: Shape, bubble: float) -> dict[str, 
 def search(model_source: str, batch_source: str, cluster: ClusterSpec, *, devices: int, global_batch: int,
            degrees: DegreePins = DegreePins(), pins: dict[str, str] | None = None, solver: str = "program",
            memory_limit: float | None = None, table_optimizer: str | None = None,
-           layers_per_stage: tuple[int, ...] = ()) -> SearchResult:
+           layers_per_stage: tuple[int, ...] = (), allow_cross_node_tp: bool = False) -> SearchResult:
     """Every shape of `devices` planned per operator, ranked; ConfigError in one line when none fits (naming the
-    smallest budget and device count that would) or the pins leave no shape."""
+    smallest budget and device count that would) or the pins leave no shape. Unpinned, tp stays within a node
+    (the cluster's devices_per_node) unless `allow_cross_node_tp`."""
     start = time.perf_counter()
     pins = dict(pins or {})
     if degrees.schedule is not None:
@@ -266,27 +281,43 @@ def search(model_source: str, batch_source: str, cluster: ClusterSpec, *, device
                               f"{' or '.join(PIPELINE_SCHEDULES)} (one stage per pipeline rank); interleaved and "
                               f"zero-bubble schedules are not run per operator")
     module = load_module(model_source, batch_source)
+    if degrees.max_tp is None and not allow_cross_node_tp:
+        degrees = dataclasses.replace(degrees, max_tp=cluster.devices_per_node)
     if degrees.pp is not None and degrees.pp > 1 and module.no_blocks_reason:
         raise ConfigError(module.no_blocks_reason)
     planner.check_pin_names(module.model, module.batch(1), pins)
     found = shapes(devices, global_batch, module.num_blocks, degrees)
     if not found:
         raise ConfigError(explain_no_shape(devices, global_batch, module.num_blocks, degrees))
-    plans, refused = [], []
-    for shape in found:
+    plans, refused, dominated = [], [], 0
+    settings = dict(global_batch=global_batch, pins=pins, solver=solver, memory_limit=memory_limit,
+                    table_optimizer=table_optimizer, layers_per_stage=layers_per_stage)
+    for shape in sorted(found, key=lambda s: (s.pp, s.num_micro_batches, s.tp)):  # cheap shapes first: a bound
+        best = min((p.predicted.step_time_s for p in plans), default=None)
         try:
-            plans.append(plan_shape(module, cluster, shape, global_batch=global_batch, pins=pins, solver=solver,
-                                    memory_limit=memory_limit, table_optimizer=table_optimizer,
-                                    layers_per_stage=layers_per_stage))
+            plans.append(plan_shape(module, cluster, shape, prove=False, give_up_above=best, **settings))
         except planner.DoesNotFit as e:
             refused.append(Refusal(shape, str(e), e.needs_bytes))
         except planner.PinRefused as e:
             refused.append(Refusal(shape, str(e)))
+        except Dominated:
+            dominated += 1
     if not plans:
         raise ConfigError(_nothing_fits(module, cluster, devices, global_batch, degrees, refused, memory_limit,
                                         table_optimizer))
     plans.sort(key=lambda p: (p.predicted.step_time_s, p.predicted.peak_memory_bytes, p.tp, p.pp))
-    return SearchResult(tuple(plans), tuple(refused), time.perf_counter() - start, solver)
+    plans[0] = proven(module, cluster, plans[0], settings)
+    return SearchResult(tuple(plans), tuple(refused), time.perf_counter() - start, solver, dominated)
+
+
+def proven(module: _Module, cluster: ClusterSpec, plan, settings: dict):
+    """`plan` planned again with its solves' gaps proven (the search ranks without: a tied solve's bound is an LP
+    over the untied program, seconds on a large graph); the plan itself is the same."""
+    ops = plan.operators
+    if ops.solver_status not in ("tied", "time limit") and not any(st.solver_status == "tied" for st in ops.stages):
+        return plan
+    shape = Shape(plan.dp, plan.tp, plan.pp, plan.num_micro_batches, plan.schedule)
+    return plan_shape(module, cluster, shape, **{**settings, "layers_per_stage": plan.layers_per_stage})
 
 
 def _nothing_fits(module: _Module, cluster: ClusterSpec, devices: int, global_batch: int, degrees: DegreePins,
