@@ -15,8 +15,9 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
   (the executor reduces a replicated value's summed Partial gradient there; left to DTensor, the pending sum
   would travel on to a row-split matmul's backward, which gathers the weight).
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
-  sharded; each call's floating outputs, as what autograd may save for backward, over the axis when sharded
-  (an upper bound: views and outputs not saved count too). Over dp > 1 the executor's fully_shard holds its 4
+  sharded; each call's floating outputs that autograd saves for the backward (the capture's saved_tensors_hooks;
+  a view of a saved tensor counted once), over the axis when sharded; and, beside them at the peak, the largest
+  output autograd does not save (whole: a transient). Over dp > 1 the executor's fully_shard holds its 4
   copies over dp, and, as one unit on the whole module (plait.execute.autoshard), the gathered weights from the
   forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
   unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
@@ -156,8 +157,12 @@ def compute_time(flops: float, outputs: Sequence["TensorRef"], split: bool, axis
     return work / (cluster.peak_flops * cluster.efficiency.matmul)
 
 
-def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int) -> float:
-    return sum(shard_bytes(ref, p, axis_size) for ref, p in zip(outputs, placements) if ref.is_float)
+def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int,
+                     saved: Sequence[bool] = ()) -> float:
+    """Bytes per device a call's outputs keep for the backward: those autograd saves (`saved`, from the capture;
+    () counts every floating output, an upper bound), their shard where split."""
+    keep = saved or [True] * len(outputs)
+    return sum(shard_bytes(ref, p, axis_size) for ref, p, k in zip(outputs, placements, keep) if ref.is_float and k)
 
 
 def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1,

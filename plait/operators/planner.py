@@ -139,7 +139,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         nodes.append(_Node(call.name, strategies, call=call))
         costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
                       for s in strategies])
-        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
+        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
         add_gradient_sums(call.outputs)
     edges, parts = [], []
 
@@ -171,7 +171,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         sink = len(nodes)
         nodes.append(_Node("<output>", [Strategy(("R",), ())]))
         costs.append([0.0])
-        memory.append([0.0])
+        memory.append([graph.transient_bytes])  # beside the kept activations at the peak (price's docstring)
         connect(graph.output, sink, [("R", "R")])
     allowed = [np.ones(len(c), dtype=bool) for c in costs]
     shares: dict[int, int] = {}

@@ -159,3 +159,33 @@ def test_a_table_no_degree_divides_splits_by_rows_and_the_executor_moves_what_wa
                 loss.backward()
     assert counter.counts == plan.operators.comm_counts and counter.nbytes == plan.operators.comm_bytes
     assert counter.nbytes < USERS * DIM * 4 / 100  # kilobytes of rows, not the 24 MiB table
+
+
+def test_activations_are_what_autograd_keeps_for_the_backward():
+    """Linear -> ReLU -> transpose -> Linear: the ReLU's output is kept (its backward needs it), the first linear's
+    output is not (ReLU's result suffices), and the transposed view of the kept tensor costs nothing more."""
+    import torch
+    from torch import nn
+
+    from plait.cost import operators as price
+    from plait.operators.capture import capture
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 128), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)).transpose(1, 2)).square().mean()
+
+    with torch.device("meta"):
+        net = Net()
+    graph = capture(net, (torch.empty(4, 4, 64, device="meta"),))
+    by_op = {call.op.__name__.split(".")[0]: call for call in graph.calls}
+    assert by_op["relu"].saved == (True,)
+    assert by_op["addmm"].saved == (False,) or by_op["_unsafe_view"].saved == (False,)
+    assert by_op["transpose"].saved == (False,)  # a view of the kept ReLU output
+    kept = sum(price.activation_bytes(c.outputs, ["R"] * len(c.outputs), 1, c.saved) for c in graph.calls)
+    every = sum(price.activation_bytes(c.outputs, ["R"] * len(c.outputs), 1) for c in graph.calls)
+    relu = 4 * 4 * 128 * 4
+    assert relu <= kept < every and graph.transient_bytes >= relu
