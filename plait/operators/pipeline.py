@@ -165,8 +165,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
     # the whole module is solved for its parts' times only: a stage holds a part of it, so no memory limit here
-    whole = planner.build_problem(planner.captured(model, batch, graphs), tp, dp, cluster, math.inf,
-                                  fused=frozenset(fused))
+    whole = planner.build_problem(planner.captured(model, batch, graphs), tp, dp, cluster, math.inf, fused=fused)
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model, prove=False)
     if give_up_above is not None and step_lower_bound(whole, solution, settings) > give_up_above:
@@ -185,7 +184,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         names = {*graph.params, *graph.buffers, *graph.module_outputs}
         stage_pins = {k: v for k, v in pins.items() if k in names}
         built = planner.build_problem(graph, tp, dp, cluster, memory_limit,
-                                      fused=frozenset(n for n in fused if n in names))
+                                      fused={n: o for n, o in fused.items() if n in names})
         for node in built.call_node.values():  # activations of every micro-batch this stage holds
             built.problem.node_memory[node] = built.problem.node_memory[node] * flight[s]
         planner.apply_pins(built, stage_pins)

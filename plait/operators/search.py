@@ -342,14 +342,14 @@ def smallest_devices(module: _Module, cluster: ClusterSpec, devices: int, global
     """The smallest of 2x, 4x, ... MAX_DEVICE_GROWTH x `devices` at which some shape without a pipeline (the
     degree pins kept, but not dp) has a placement whose least memory fits `limit` (None: none does). Cheap where it
     stops early: each new tensor-parallel degree asks DTensor its strategies."""
-    fused = frozenset(planner.fused_tables(module.model, table_optimizer))
+    fused = planner.fused_tables(module.model, table_optimizer)
     grow = 2
     while grow <= MAX_DEVICE_GROWTH:
         count = devices * grow
         for shape in shapes(count, global_batch, 0, dataclasses.replace(degrees, dp=None, pp=None, micro_batch=None)):
             batch = module.batch(global_batch // shape.dp)
-            built = planner.build_problem(planner.captured(module.model, batch, module.graphs), shape.tp, shape.dp, cluster, limit,
-                                          fused=fused)
+            graph = planner.captured(module.model, batch, module.graphs)
+            built = planner.build_problem(graph, shape.tp, shape.dp, cluster, limit, fused=fused)
             if planner.least_memory(built) <= limit:
                 return count
         grow *= 2
