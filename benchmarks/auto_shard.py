@@ -279,8 +279,9 @@ ZOO_LOCAL = (2, 4, 8)
 """Devices the zoo is searched on with local-cpu, measured (bytes) and checked (EQUAL, --check: 2 devices)."""
 ZOO_GPU = (8, 64, 1024)
 """Devices the zoo is searched on with h100-80g (planned only; global batch 2 per device)."""
-ZOO_TABLE_OPTIMIZER = {"dual_encoder": "sgd"}
-"""The dual encoder's tables train by the fused row-wise SGD (nn.Embedding; the DLRM's EmbeddingBags run AdamW)."""
+ZOO_TABLE_OPTIMIZER = {"dual_encoder": "sgd", "dlrm_tables": "rowwise_adagrad"}
+"""The tables' fused row-wise optimizers: SGD for the dual encoder, row-wise Adagrad (TorchRec's default) for the
+DLRM."""
 
 
 def measured_bytes(plan) -> tuple[float, dict[str, int]]:
