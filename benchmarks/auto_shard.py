@@ -110,7 +110,7 @@ def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
     from plait.spec.clusters import CLUSTER_PRESETS
     from plait.spec.models import MODEL_PRESETS
 
-    times: dict[str, float] = {}
+    times: dict = {}
     start = time.perf_counter()
     with torch.device("meta"):
         model = WithLoss(Transformer(MODEL_PRESETS["llama3-8b"]))
@@ -120,18 +120,26 @@ def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
     built = planner.build_problem(graph, tp, dp, CLUSTER_PRESETS["h100-80g"].with_devices(dp * tp))
     times["build"] = time.perf_counter() - start
     start = time.perf_counter()
-    tied = planner.solve(built)
+    tied = planner.solve(built, prove=False)
     times["solve"] = time.perf_counter() - start
+    start = time.perf_counter()
+    bound = sharding.relaxation_bound(built.problem)
+    times["bound"] = time.perf_counter() - start
+    times["proven gap"] = tied.cost / bound - 1  # against the untied program's LP relaxation: every placement
     times["nodes"], times["tied nodes"] = built.problem.num_nodes, tied.stats.get("nodes", 0)
     times["step"] = tied.cost
     if full_program:
         start = time.perf_counter()
         full = planner.solve(built, reuse_blocks=False)
         times["full solve"], times["tied / full"] = time.perf_counter() - start, tied.cost / full.cost - 1
+        times["full status"] = full.status
+        times["full gap"] = full.gap if full.gap is not None else float("nan")
+        # the untied program's own dual bound, where HiGHS stopped: the tightest bound proven on any placement
+        times["tied / full bound"] = tied.cost / max(full.lower_bound, bound) - 1
     return times
 
 
-def decoders_table(full_program: bool) -> None:
+def decoders_table(full_program: bool, small: bool = True) -> None:
     from decoders import megatron_pins
     from rich.console import Console
     from rich.table import Table
@@ -139,6 +147,8 @@ def decoders_table(full_program: bool) -> None:
     from plait.operators.planner import auto_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
+    if not small:
+        return llama_8b_table(full_program)
     table = Table(title="per-operator sharding of decoders (local-cpu cluster model; machine shared)")
     for column in ("model", "mesh", "solve s", "auto ms", "Megatron ms", "dp-only ms", "heuristic gap",
                    "projections as Megatron", "predicted bytes", "measured bytes", "bytes error", "collectives"):
@@ -163,18 +173,29 @@ def decoders_table(full_program: bool) -> None:
                           f"{(measured - auto.comm_bytes) / auto.comm_bytes:+.1%}",
                           ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     Console(width=260).print(table)
+    llama_8b_table(full_program)
+
+
+def llama_8b_table(full_program: bool) -> None:
+    """Llama 3 8B's shape planned per operator on 64 and 512 h100s (plan_8b), with the tied solve's proven gap."""
+    from rich.console import Console
+    from rich.table import Table
+
     reference = reference_seconds()
     big = Table(title=f"Llama 3 8B's shape planned on h100-80g (reference computation {reference:.2f} s this run)")
     for column in ("mesh", "nodes", "tied nodes", "capture s", "build s", "solve s", "build + solve s",
-                   "/ reference", "step s", "full program s", "tied vs full"):
-        big.add_column(column, justify="left" if column == "mesh" else "right")
+                   "/ reference", "step s", "proven gap (LP) ", "bound s", "full program s", "full status",
+                   "tied vs full", "proven gap (full bound)"):
+        big.add_column(column, justify="left" if column in ("mesh", "full status") else "right")
     for dp, tp in ((8, 8), (64, 8)):
         t = plan_8b(dp, tp, full_program)
         total = t["build"] + t["solve"]
         big.add_row(f"dp{dp} x tp{tp}", f"{t['nodes']:.0f}", f"{t['tied nodes']:.0f}", f"{t['capture']:.2f}",
                     f"{t['build']:.2f}", f"{t['solve']:.2f}", f"{total:.2f}", f"{total / reference:.1f}x",
-                    f"{t['step']:.3f}", f"{t['full solve']:.1f}" if "full solve" in t else "-",
-                    f"{t['tied / full']:+.2%}" if "tied / full" in t else "-")
+                    f"{t['step']:.3f}", f"{t['proven gap']:+.2%}", f"{t['bound']:.1f}",
+                    f"{t['full solve']:.1f}" if "full solve" in t else "-", str(t.get("full status", "-")),
+                    f"{t['tied / full']:+.2%}" if "tied / full" in t else "-",
+                    f"{t['tied / full bound']:+.2%}" if "tied / full bound" in t else "-")
     Console(width=200).print(big)
 
 
@@ -435,24 +456,27 @@ def main() -> None:
                                                         f"{','.join(PIPELINE_MODELS)})")
     parser.add_argument("--decoders", action="store_true", help="the decoders' table instead (see the docstring)")
     parser.add_argument("--full-program", action="store_true", help="with --decoders: the untied 8B program too")
+    parser.add_argument("--only-8b", action="store_true", help="with --decoders: Llama 3 8B's table alone")
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="the pipeline table instead: per-operator plans with N stages (pipeline_table)")
     parser.add_argument("--zoo", action="store_true", help="the zoo's free search table instead (zoo_table)")
     parser.add_argument("--check", action="store_true", help="with --zoo: plait check the 2-device plans")
     parser.add_argument("--search-8b", type=int, default=None, metavar="DEVICES",
                         help="Llama 3 8B's shape searched per operator with pp on DEVICES h100s (search_8b_table)")
+    parser.add_argument("--global-batch", type=int, default=None, metavar="B",
+                        help="with --search-8b: sequences per step (default: one per device)")
     args = parser.parse_args()
     if args.zoo:
         zoo_table(args.check, (args.models or ",".join(ZOO)).split(","))
         return
     if args.search_8b:
-        search_8b_table(args.search_8b, args.search_8b)
+        search_8b_table(args.search_8b, args.global_batch or args.search_8b)
         return
     if args.decoders and args.pp:
         pipeline_8b_table(args.pp)
         return
     if args.decoders:
-        decoders_table(args.full_program)
+        decoders_table(args.full_program, small=not args.only_8b)
         return
     if args.pp:
         pipeline_table(args.pp, (args.models or ",".join(PIPELINE_MODELS)).split(","))

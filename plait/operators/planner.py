@@ -29,7 +29,6 @@ from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSha
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
-from plait.spec.model import BlockCost
 
 COSTLIEST = 10
 """Operators the plan keeps for its report."""
