@@ -192,7 +192,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             built.problem, allowed=[m.copy() for m in built.problem.allowed]))
         _reuse_blocks(reused, whole, solution.choice)
         try:
-            stage_solution = planner.solve(reused, solver, prove=prove)
+            stage_solution = planner.solve(reused, solver, prove=False)
         except sharding.Infeasible:
             stage_solution = None
         if stage_solution is None or stage_solution.cost >= price.UNRUNNABLE_S:
@@ -200,6 +200,9 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             # (a read DTensor would postpone): the stage is solved freely
             reused = built
             stage_solution = planner.solve_or_refuse(built, solver, pins, fused, model, prove)
+        elif prove and solver == "program":  # the reused blocks are a restriction: proven against the stage's own
+            stage_solution = dataclasses.replace(stage_solution, status="tied",
+                                                 lower_bound=sharding.relaxation_bound(built.problem))
         described = planner.describe(reused, stage_solution, batch_source, stage_pins, tp, dp, cluster,
                                      time.perf_counter() - stage_start)
         stages.append(dataclasses.replace(described, fused_tables={k: v for k, v in fused.items() if k in names},
