@@ -200,9 +200,9 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             # (a read DTensor would postpone): the stage is solved freely
             reused = built
             stage_solution = planner.solve_or_refuse(built, solver, pins, fused, model, prove)
-        elif prove and solver == "program":  # the reused blocks are a restriction: proven against the stage's own
-            stage_solution = dataclasses.replace(stage_solution, status="tied",
-                                                 lower_bound=sharding.relaxation_bound(built.problem))
+        elif solver == "program":  # the reused blocks are a restriction: proven against the stage's own program
+            stage_solution = dataclasses.replace(stage_solution, status="tied", lower_bound=sharding.relaxation_bound(
+                built.problem) if prove else -math.inf)
         described = planner.describe(reused, stage_solution, batch_source, stage_pins, tp, dp, cluster,
                                      time.perf_counter() - stage_start)
         stages.append(dataclasses.replace(described, fused_tables={k: v for k, v in fused.items() if k in names},
