@@ -406,6 +406,7 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured(model, batch, graphs)
+    check_returns_loss(graph, model)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
@@ -656,9 +657,25 @@ def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
     small next to the model)."""
     from plait.models.factory import load_factory
 
-    batch = load_factory(batch_source)(batch_size, torch.Generator().manual_seed(0))
+    import inspect
+
+    factory = load_factory(batch_source)
+    try:
+        inspect.signature(factory).bind(batch_size, torch.Generator())
+    except (TypeError, ValueError):
+        raise ConfigError(f"batch factory {batch_source!r} must take (batch_size, generator) and return the forward's "
+                          f"tensors") from None
+    batch = factory(batch_size, torch.Generator().manual_seed(0))
     batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
     return tuple(t.to("meta") for t in batch)
+
+
+def check_returns_loss(graph: Graph, model: nn.Module) -> None:
+    """ConfigError in one line unless the captured forward returned a scalar tensor (the loss a plan trains)."""
+    if graph.output is None or graph.output.shape != ():
+        got = "no tensor it computed" if graph.output is None else f"a tensor of shape {list(graph.output.shape)}"
+        raise ConfigError(f"{type(model).__name__}'s forward returned {got}; a per-operator plan trains a module whose "
+                          f"forward takes the batch and returns its scalar loss")
 
 
 def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,

@@ -215,3 +215,42 @@ def test_an_operator_whose_backward_has_no_rule_runs_replicated_both_ways():
             with implicit_replication():
                 loss.backward()
     assert counter.counts == plan.operators.comm_counts and counter.nbytes == plan.operators.comm_bytes
+
+
+class Logits:
+    """A module whose forward returns logits, not a loss (built lazily: torch imported inside)."""
+
+    def __new__(cls):
+        from torch import nn
+
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(64, 8)
+
+            def forward(self, x, y):
+                return self.fc(x)
+
+        return Head()
+
+
+def pairs(batch_size, generator):
+    import torch
+
+    return torch.randn(batch_size, 64, generator=generator), torch.randn(batch_size, 8, generator=generator)
+
+
+def no_generator(batch_size):
+    return pairs(batch_size, None)
+
+
+@pytest.mark.parametrize("model, batch, message", [
+    (f"module:{__name__}:Logits", f"{__name__}:pairs", "forward returned a tensor of shape [4, 8]"),
+    ("module:mlp:build", f"{__name__}:no_generator", "must take (batch_size, generator)"),
+])
+def test_a_forward_without_a_loss_or_a_factory_without_a_generator_is_refused_in_one_line(model, batch, message,
+                                                                                           capsys):
+    code = cli_main(["plan", "--model", model, "--batch", batch, "--cluster", "local-cpu", "--devices", "2",
+                     "--global-batch", "8", "--seq-len", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err, err
