@@ -319,7 +319,8 @@ def measured_bytes(plan) -> tuple[float, dict[str, int]]:
     if plan.pp > 1:
         from plait.execute.autoshard_pipeline import stage_collectives
 
-        stages = stage_collectives(plan)
+        replica = dataclasses.replace(plan.train, global_batch=plan.micro_batch * plan.num_micro_batches)
+        stages = stage_collectives(plan.replace(dp=1, train=replica))
         counts: dict[str, int] = {}
         for _, c, _ in stages:
             for kind, n in c.items():
