@@ -119,7 +119,9 @@ class StrategyOracle:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
         if missing_backward_rules(call.op):  # its backward would stop the run: replicated, both ways
             return [replicated], False
-        options = [candidate_placements(ref, self.axis_size, uneven=u) for ref, u in zip(call.inputs, uneven)]
+        # over one rank every placement is the whole tensor: ask only whether the op runs replicated at all
+        options = [candidate_placements(ref, self.axis_size, uneven=u) if self.axis_size > 1 else ["R"]
+                   for ref, u in zip(call.inputs, uneven)]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
         if len(combos) > MAX_COMBINATIONS:
             combos = [tuple(o if i == j else "R" for j in range(len(options))) for i, opts in enumerate(options)
