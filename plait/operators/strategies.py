@@ -298,7 +298,10 @@ def missing_backward_rules(op) -> list:
     name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
     packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
     backward = getattr(packet, "default", None) if packet is not None else None
-    return [backward] if backward is not None and not _has_rule(backward) else []
+    if backward is None or _has_rule(backward) or \
+            torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
+        return []  # a composite (embedding_backward) decomposes into kernels before DTensor sees it
+    return [backward]
 
 
 def register_replicated(call_name: str) -> None:
