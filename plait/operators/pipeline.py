@@ -70,10 +70,11 @@ def check_boundary_pins(pins: dict[str, str], layout: StageLayout, stage_blocks:
     """A pin on a block whose output crosses to the next stage must be R: hidden states travel whole."""
     for blocks in stage_blocks[:-1]:
         name = f"{layout.blocks_path}.{blocks.stop - 1}"
-        if pins.get(name, "R") != "R":
-            raise ConfigError(f"pin {name!r} = {pins[name]!r}: that block's output is the hidden states pipeline "
-                              f"stage {stage_blocks.index(blocks)} sends to the next, which travel replicated; pin R, "
-                              f"drop the pin, or cut the stages elsewhere (layers_per_stage)")
+        if pins.get(name, "R") != "R":  # this cut only: another split or no pipeline may hold the pin
+            raise planner.PinRefused(
+                f"pin {name!r} = {pins[name]!r}: that block's output is the hidden states pipeline stage "
+                f"{stage_blocks.index(blocks)} sends to the next, which travel replicated; pin R, drop the pin, or cut "
+                f"the stages elsewhere (layers_per_stage)")
 
 
 def _block_of(name: str, layout: StageLayout) -> int | None:
