@@ -117,7 +117,9 @@ class StrategyOracle:
 
     def _ask_each_combination(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
-        if missing_backward_rules(call.op):  # its backward would stop the run: replicated, both ways
+        if missing_backward_rules(call.op) or call.op in REPLICATED_BY_PLAIT:
+            # its backward would stop the run, or its only rule is the replicated one an executor in this process
+            # registered (the plan must still name it, so that the ranks register it too): replicated, both ways
             return [replicated], False
         # over one rank every placement is the whole tensor: ask only whether the op runs replicated at all
         options = [candidate_placements(ref, self.axis_size, uneven=u) if self.axis_size > 1 else ["R"]
@@ -284,10 +286,14 @@ def _attention_rule(outputs: int):
     return rule
 
 
+REPLICATED_BY_PLAIT: set = set()
+"""Operators register_replicated gave a rule in this process: not DTensor's own, so the planner still names them."""
+
+
 def _has_rule(op) -> bool:
     propagator = DTensor._op_dispatcher.sharding_propagator
-    return op in propagator.op_strategy_funcs or op in propagator.op_single_dim_strategy_funcs or \
-        op in propagator.op_to_rules
+    return op not in REPLICATED_BY_PLAIT and (op in propagator.op_strategy_funcs or
+                                              op in propagator.op_single_dim_strategy_funcs or op in propagator.op_to_rules)
 
 
 def missing_backward_rules(op) -> list:
@@ -315,6 +321,7 @@ def register_replicated(call_name: str) -> None:
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
     for kernel in [op, *missing_backward_rules(op)]:
         register_sharding(kernel)(_replicated_rule(len(kernel._schema.returns)))
+        REPLICATED_BY_PLAIT.add(kernel)
 
 
 def _replicated_rule(num_outputs: int):
