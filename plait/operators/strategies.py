@@ -9,7 +9,8 @@ axis divides, partial); the propagator answers with the placements it would run 
 its arguments if needed) and the output's. The distinct answers are the op's strategies. This is the rule DTensor
 itself runs in eager mode, so the executor runs what was priced. Calls with the same operator, shapes and
 arguments share one answer (a repeated block is asked once). An operator without a rule (the propagator
-raises) gets one strategy, everything replicated, and is named in the plan's report; `register_sharding`
+raises), or whose backward kernel has none (avg_pool2d's, native_group_norm's: `missing_backward_rules`), gets one
+strategy, everything replicated, and is named in the plan's report; `register_sharding`
 (torch.distributed.tensor.experimental) adds a rule for a custom op, and this module then sees it.
 
 Rules plait adds (`register_plait_rules`, through the same public `register_sharding`, for the planner and the
@@ -70,14 +71,20 @@ def placement_of(name: str) -> Placement:
     raise ValueError(f"placement {name!r} is not R, P or S<dim>")
 
 
-def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True) -> list[str]:
-    """Placements a tensor can hold on an axis of `axis_size`: whole dims the axis divides evenly (uneven shards
-    would make the executor's shapes differ from the reference's per rank), and P for floats."""
-    names = ["R"] + [f"S{d}" for d, size in enumerate(ref.shape) if size >= axis_size and size % axis_size == 0]
+def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True, uneven: bool = False) -> list[str]:
+    """Placements a tensor can hold on an axis of `axis_size`: dims the axis divides evenly, with `uneven` (a
+    parameter: an embedding table's 200,003 rows) any dim at least as long as the axis (DTensor's Shard gives the
+    first ranks one row more, as torch.chunk splits), and P for floats."""
+    names = ["R"] + [f"S{d}" for d, size in enumerate(ref.shape) if size >= axis_size and (
+        size % axis_size == 0 or uneven and size >= UNEVEN_MIN_PER_RANK * axis_size)]
     if partial and ref.is_float:
         names.append("P")
     return names
 
+
+UNEVEN_MIN_PER_RANK = 16
+"""An uneven split is offered where every rank gets at least this many rows of the dimension: a table's rows, not a
+convolution's 3-wide kernel (whose padded shards move a third more than the tensor)."""
 
 ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
 """DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
@@ -91,23 +98,31 @@ class StrategyOracle:
         self.mesh = mesh
         self.propagator = sharding_propagator()
 
-    def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
-        """(strategies, has_rule); without a rule: [everything replicated], False. Answers are kept for the process
+    def strategies(self, call: OpCall, uneven: tuple[bool, ...] = ()) -> tuple[list[Strategy], bool]:
+        """(strategies, has_rule); without a rule: [everything replicated], False. `uneven`: per tensor argument,
+        whether it may arrive split unevenly (a parameter; candidate_placements). Answers are kept for the process
         (ANSWERS: a plan asked again, the program and the heuristic, the same block in another model), keyed by the
         rules DTensor holds so that a rule registered since is asked."""
         rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
-        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs))
+        uneven = tuple(uneven) or (False,) * len(call.inputs)
+        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs), uneven)
         if key not in ANSWERS:
-            ANSWERS[key] = self._ask(call)
+            ANSWERS[key] = self._ask(call, uneven)
         return ANSWERS[key]
 
-    def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
+    def _ask(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         with _output_meta_once(self.propagator):
-            return self._ask_each_combination(call)
+            return self._ask_each_combination(call, uneven)
 
-    def _ask_each_combination(self, call: OpCall) -> tuple[list[Strategy], bool]:
+    def _ask_each_combination(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
-        options = [candidate_placements(ref, self.axis_size) for ref in call.inputs]
+        if missing_backward_rules(call.op) or call.op in REPLICATED_BY_PLAIT:
+            # its backward would stop the run, or its only rule is the replicated one an executor in this process
+            # registered (the plan must still name it, so that the ranks register it too): replicated, both ways
+            return [replicated], False
+        # over one rank every placement is the whole tensor: ask only whether the op runs replicated at all
+        options = [candidate_placements(ref, self.axis_size, uneven=u) if self.axis_size > 1 else ["R"]
+                   for ref, u in zip(call.inputs, uneven)]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
         if len(combos) > MAX_COMBINATIONS:
             combos = [tuple(o if i == j else "R" for j in range(len(options))) for i, opts in enumerate(options)
@@ -270,20 +285,47 @@ def _attention_rule(outputs: int):
     return rule
 
 
+REPLICATED_BY_PLAIT: set = set()
+"""Operators register_replicated gave a rule in this process: not DTensor's own, so the planner still names them."""
+
+
+def _has_rule(op) -> bool:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return op not in REPLICATED_BY_PLAIT and (op in propagator.op_strategy_funcs or
+                                              op in propagator.op_single_dim_strategy_funcs or op in propagator.op_to_rules)
+
+
+def missing_backward_rules(op) -> list:
+    """The backward kernel autograd calls for `op` (aten's `<name>_backward`: avg_pool2d's, native_group_norm's,
+    _embedding_bag's), where DTensor has no rule for it (torch 2.13): [] when it has one or there is none. The
+    forward may have a rule, but a run whose backward meets the kernel stops; the planner runs such an operator
+    replicated and the executor gives its backward a replicated rule too (register_replicated)."""
+    name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
+    packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
+    backward = getattr(packet, "default", None) if packet is not None else None
+    if backward is None or _has_rule(backward) or \
+            torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
+        return []  # a composite (embedding_backward) decomposes into kernels before DTensor sees it
+    return [backward]
+
+
 def register_replicated(call_name: str) -> None:
     """Give an ATen operator without a DTensor rule one (torch's public register_sharding): run it replicated,
-    every tensor argument gathered, as the planner priced it. `call_name` is a captured call's name
-    ("module:op.overload#index")."""
+    every tensor argument gathered, as the planner priced it; and its backward kernel, where that has no rule
+    (missing_backward_rules). `call_name` is a captured call's name ("module:op.overload#index")."""
     from torch.distributed.tensor.experimental import register_sharding
 
     op_name = call_name.split(":", 1)[1].split("#")[0]
     packet, _, overload = op_name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-    num_outputs = len(op._schema.returns)
+    for kernel in [op, *missing_backward_rules(op)]:
+        register_sharding(kernel)(_replicated_rule(len(kernel._schema.returns)))
+        REPLICATED_BY_PLAIT.add(kernel)
 
+
+def _replicated_rule(num_outputs: int):
     def replicated(*args, **kwargs):
         flat = [a for a in args] + list(kwargs.values())
         inputs = [Replicate() if isinstance(a, DTensorSpec) else None for a in flat]
         return [([Replicate()] * num_outputs, inputs)]
-
-    register_sharding(op)(replicated)
+    return replicated
