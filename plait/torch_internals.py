@@ -27,6 +27,7 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     "HigherOrderOperator": ("torch._ops", "HigherOrderOperator"),
     "DisableTorchFunction": ("torch._C", "DisableTorchFunction"),
     "fused_sdp_choice": ("torch", "_fused_sdp_choice"),
+    "dispatch_has_kernel_for_dispatch_key": ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     # DTensor's sharding rules (plait.operators.strategies) and their caches (plait.execute.mesh)
     "DTensorSpec": ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
     "TensorMeta": ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),

@@ -212,7 +212,7 @@ def measure(block: nn.Module, hidden: int, probes: tuple[int, int], call: BlockC
     attention, its s x s scores) grows on."""
     s1, s2 = probes
     s3 = 2 * s2
-    (a1, sel, sel32, rerun), *_ = (_kept_bytes(block, hidden, s1, call, "fp32", fused),)
+    _, sel, sel32, rerun = _kept_bytes(block, hidden, s1, call, "fp32", fused)
     none, position = {}, {}
     for precision in PRECISIONS:
         try:

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from plait.operators.capture import OpCall, TensorRef
-from plait.torch_internals import (DTensorSpec, OpSchema, RuntimeSchemaInfo, TensorMeta, sharding_propagator,
-                                   tree_flatten, tree_map)
+from plait.torch_internals import (DTensorSpec, OpSchema, RuntimeSchemaInfo, TensorMeta,
+                                   dispatch_has_kernel_for_dispatch_key, sharding_propagator, tree_flatten, tree_map)
 
 MAX_COMBINATIONS = 400
 """Placement combinations asked per call; beyond, only single-argument sharding is asked (ops of many inputs)."""
@@ -290,7 +290,7 @@ REPLICATED_BY_PLAIT: set = set()
 
 
 def _has_rule(op) -> bool:
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = sharding_propagator()
     return op not in REPLICATED_BY_PLAIT and (op in propagator.op_strategy_funcs or
                                               op in propagator.op_single_dim_strategy_funcs or op in propagator.op_to_rules)
 
@@ -304,7 +304,7 @@ def missing_backward_rules(op) -> list:
     packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
     backward = getattr(packet, "default", None) if packet is not None else None
     if backward is None or _has_rule(backward) or \
-            torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
+            dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
         return []  # a composite (embedding_backward) decomposes into kernels before DTensor sees it
     return [backward]
 
