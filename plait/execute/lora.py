@@ -12,7 +12,7 @@ Tensor parallelism places each adapter with its projection, exactly and with no 
 * a projection kept whole (replicated; a router run on local values): A and B whole too, run as it runs.
 
 Both follow from DTensor's rules on the DTensors the projection's own style makes, so the numbers are those of
-one process (`plait check`: tests/dist/test_lora.py).
+one process (`plait check`: tests/dist/test_lora_runs.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LoRA in one process: plait's adapters compute what peft's do, bad LoRA input is refused in one line before any
 rank starts, and the planner prices a frozen base (so it plans LoRA differently from full fine-tuning).
 
-The parallel side (plait check under dp, FSDP, tp, pp; resume; the exports) is tests/dist/test_lora.py."""
+The parallel side (plait check under dp, FSDP, tp, pp; resume; the exports) is tests/dist/test_lora_runs.py."""
 
 from __future__ import annotations
 

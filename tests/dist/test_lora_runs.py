@@ -12,7 +12,7 @@ five of its seven projections (column- and row-wise ones).
   `peft.PeftModel.from_pretrained`, give the trained model's logits; `plait export` of A's checkpoint (which holds
   the adapters alone) writes the same two folders, and `plait generate` reads it over the base.
 
-One launch of 2 ranks; this file is also its worker:  python tests/dist/test_lora.py SCRIPT.json
+One launch of 2 ranks; this file is also its worker:  python tests/dist/test_lora_runs.py SCRIPT.json
 """
 
 from __future__ import annotations
