@@ -100,13 +100,6 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if args.fresh:
         start_fresh(config, resuming=args.resume or args.start_over, under_torchrun=in_torchrun())
-    if config.data.batch is not None:  # a module that returns its loss, planned per operator
-        from plait.train.auto import launch_per_operator, run_auto
-
-        if in_torchrun():
-            run_auto(config)
-            return 0
-        return launch_per_operator(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
     if in_torchrun():
         from plait.train.loop import run
 
@@ -160,6 +153,7 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.checkpoint import check_launch, plan_for_launch
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
+    from plait.train.module_run import check_module_run, is_module_run
     from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
@@ -168,10 +162,14 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     check_devices(plan)
     check_launch(config, plan)
     check_fault(plan.num_devices, config.train.steps)
-    check_data(config, resolve_model(config.model))
+    if is_module_run(config):  # its batch factories, and the plan's first step dry-run here
+        check_module_run(config, plan)
+    else:
+        check_data(config, resolve_model(config.model))
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
-    console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
+    placed = f" per operator ({plan.operators.describe()})" if plan.operators is not None else ""
+    console.print(f"[bold]plait train[/]: {plan.describe()}{placed} on {plan.num_devices} local processes; "
                   f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
     note = uncalibrated_note(plan)
     if note:

@@ -29,47 +29,37 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.errors import ConfigError
-from plait.models.factory import load_factory
+from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
-from plait.execute.parallelize import clip_grad_norm
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
+from plait.operators import batch as batches
+from plait.operators import norms
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
 from plait.operators.solution import OperatorSharding
 from plait.plan import Plan
 
 
-def load_callable(source: str, what: str) -> Callable:
-    """`package.module:function` -> the function (plait.models.factory.load_factory's rules and errors)."""
-    return load_factory(source)
-
-
 def build_module(source: str, *, seed: int, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """The user's module with the seed's initial weights (every rank and the reference build the same)."""
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = load_callable(source, "model")()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    model = build_factory_module(source, device)
     return model.to(dtype) if device != "meta" else model
 
 
-def make_batch(source: str, batch_size: int, seed: int, step: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The global batch of `step`: the factory's tensors, floats cast to the run's dtype."""
-    generator = torch.Generator().manual_seed(seed * 100_003 + step)
-    batch = load_callable(source, "batch")(batch_size, generator)
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+def make_batch(source: str, batch_size: int, seed: int, step: int, dtype: torch.dtype):
+    """The global batch of `step`: the factory's tensors, floats cast to the run's dtype (plait.operators.batch)."""
+    return batches.step_batch(source, batch_size, seed, step, dtype)
 
 
-def dp_slice(batch: tuple[torch.Tensor, ...], dp: int, dp_rank: int) -> tuple[torch.Tensor, ...]:
-    return tuple(t.chunk(dp, dim=0)[dp_rank] for t in batch)
+def dp_slice(batch, dp: int, dp_rank: int):
+    return batches.split(batch, dp, dp_rank)
 
 
 def build_mesh(plan: Plan) -> DeviceMesh:
@@ -113,8 +103,17 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
         from torch.distributed.fsdp import fully_shard
 
         synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
-        fully_shard(model, mesh=mesh["dp"], ignored_params=fused.parameters(model) or None)
+        fully_shard(model, mesh=mesh["dp"], ignored_params=(fused.parameters(model) | replicate_over_dp(model)) or None)
     return model
+
+
+def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:
+    """Parameters fully_shard cannot shard (0-d ones: CLIP's logit scale) stay whole on every data-parallel rank,
+    marked `dp_replicated`: the step averages their gradients over dp (plait.execute.module_model)."""
+    kept = {p for p in model.parameters() if p.dim() == 0}
+    for param in kept:
+        param.dp_replicated = True
+    return kept
 
 
 def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None) -> FusedTables:
@@ -173,6 +172,21 @@ class PlannedReads(TorchFunctionMode):
             return out
         inputs = [a for a in flat if isinstance(a, DTensor)]
         return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+class NormsReadWhole(TorchFunctionMode):
+    """A normalisation (F.group_norm, F.layer_norm, F.batch_norm, F.rms_norm) whose input is split along a
+    dimension its statistics span reads it replicated, redistributed here, above autograd (plait.operators.norms:
+    the planner prices the same). Left to DTensor's dispatch, GroupNorm's backward fails on a channel-split input."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dims = norms.function_statistics_dims(func, args, kwargs)
+        first = args[0] if args else None
+        if dims is not None and isinstance(first, DTensor) and any(
+                p.is_shard() and p.dim in dims for p in first.placements):
+            args = (first.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim), *args[1:])
+        return func(*args, **kwargs)
 
 
 def _read_as(value: DTensor, mesh: DeviceMesh, placement) -> DTensor:
@@ -240,7 +254,7 @@ def _with_constants_replicated(forward: Callable, planned: PlannedReads | None =
     the caller holds implicit_replication around it."""
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with implicit_replication() if replicate else nullcontext():
+        with implicit_replication() if replicate else nullcontext(), NormsReadWhole():
             if planned is None:
                 return forward(*args, **kwargs)
             planned.start()
@@ -288,7 +302,7 @@ def _replicate_inputs(mesh: DeviceMesh) -> Callable:
         return a
 
     def hook(module, args, kwargs):
-        return tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
+        return tree_map(replicated, (args, kwargs))
     return hook
 
 
@@ -296,53 +310,68 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def mean_over_dp(loss: torch.Tensor, dp: int, dp_group=None) -> float:
-    """A step's loss: the mean of the data-parallel ranks' losses, each the mean over as many samples (collective
-    over `dp_group` when dp > 1)."""
-    value = loss.detach().clone()
-    if dp > 1:
-        dist.all_reduce(value, group=dp_group)
-        value /= dp
-    return value.item()
-
-
-def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
-                dp_group=None, clip: Callable | None = None
-                ) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """K AdamW steps; (losses averaged over dp, gradient norms before clipping, first gradients, final parameters),
-    full tensors. With settings.max_norm each step clips by `clip(parameters, max_norm)` (torch's
-    clip_grad_norm_ by default: one process's)."""
-    dtype = DTYPES[settings.dtype]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                  foreach=False)
-    clip = clip or torch.nn.utils.clip_grad_norm_
-    losses, norms, first = [], [], {}
-    for step in range(settings.steps):
-        batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
-        loss = model(*dp_slice(batch, dp, dp_rank))
-        with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
-            loss.backward()
-        losses.append(mean_over_dp(loss, dp, dp_group))
-        if step == 0:
-            first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        if settings.max_norm is not None:
-            norms.append(float(clip(list(model.parameters()), settings.max_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    return losses, norms, first, params
+CHECK_BETAS = (0.9, 0.999)
+"""AdamW's betas on both sides of `plait check` (torch's defaults)."""
 
 
 def run_parallel(plan: Plan, settings: CheckSettings):
-    if plan.pp > 1:
-        from plait.execute.autoshard_pipeline import run_pipeline
+    """K AdamW steps of `plan` on its ranks through the run's own model (plait.execute.module_model); (losses,
+    gradient norms before clipping, first gradients, final parameters), full tensors of every stage on every
+    rank."""
+    from plait.execute.module_model import parallelize_module
 
-        return run_pipeline(plan, settings)
-    mesh = build_mesh(plan)
-    model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    model = apply_operator_sharding(model, plan, mesh, settings.lr)
-    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group(),
-                       clip=clip_grad_norm)
+    dtype = DTYPES[settings.dtype]
+    model = parallelize_module(plan, seed=settings.seed, dtype=dtype, lr=settings.lr)
+    optimizer = model.make_optimizer(lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS)
+    losses, norms, first = [], [], {}
+    for step in range(settings.steps):
+        batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
+                         plan.dp, model.dp_rank)
+        losses.append(model.train_step(batch))
+        if step == 0:
+            first = _every_stage(plan, {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        if settings.max_norm is not None:
+            norms.append(model.clip_grad_norm_(settings.max_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms, first, _every_stage(plan, {n: _full(p) for n, p in model.named_parameters()})
+
+
+def _every_stage(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's full tensors on every rank (the models plait checks are small)."""
+    tensors = {n: t.detach().clone() for n, t in tensors.items()}
+    if plan.pp == 1:
+        return tensors
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors)
+    return {n: t for part in parts for n, t in part.items()}
+
+
+def reference_steps(plan: Plan, settings: CheckSettings):
+    """The same K steps on one process, like with like: each step's loss is the mean of the module's loss over the
+    step's calls (dp x micro-batches, each on its rows, as the ranks call it), every call's forward before the one
+    backward, so a loss over the batch's own samples (an in-batch softmax's negatives, BatchNorm's statistics)
+    sees on one process the samples it sees on the ranks, and fused tables update from the step's weights."""
+    dtype = DTYPES[settings.dtype]
+    model = build_module(plan.model.source, seed=settings.seed, dtype=dtype)
+    fused = use_fused_tables(model, plan.operators.fused_tables, settings.lr).parameters(model)
+    trained = [p for p in model.parameters() if p not in fused]
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS,
+                                  foreach=False)
+    calls = plan.dp * plan.num_micro_batches
+    losses, norms, first = [], [], {}
+    for step in range(settings.steps):
+        batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
+        loss = sum(batches.call(model, batches.split(batch, calls, i)) for i in range(calls)) / calls
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if settings.max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trained, settings.max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
@@ -350,9 +379,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     losses, norms, grads, params = run_parallel(plan, settings)
     if dist.get_rank() != 0:
         return None
-    reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
-    ref_losses, ref_norms, ref_grads, ref_params = train_steps(reference, plan, settings)
+    ref_losses, ref_norms, ref_grads, ref_params = reference_steps(plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
                   if n in grads else math.inf for n, g in ref_grads.items()}
@@ -388,7 +415,7 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
         counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
-            loss = model(*batch)
+            loss = batches.call(model, batch)
             with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
                 loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()

@@ -158,10 +158,14 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     """(the per-operator plan with its stages, blocks per stage, bubble fraction) of `model` (on meta) for one
     micro-batch `batch` (on meta)."""
     start = time.perf_counter()
+    if not isinstance(batch, (tuple, list)):
+        raise ConfigError(f"{name}: batches {batch_source!r} return a {type(batch).__name__}; pipeline stages take "
+                          f"the batch as a tuple of tensors (return one), or use pp=1")
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
-    whole = planner.build_problem(capture(model, batch), tp, dp, cluster, memory_limit, fused=frozenset(fused))
+    whole = planner.build_problem(planner.capture_loss(model, batch, batch_source), tp, dp, cluster, memory_limit,
+                                  fused=frozenset(fused))
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model)
     split = settings.layers_per_stage or stage_split(whole, solution.choice, layout, settings.pp)

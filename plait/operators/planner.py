@@ -24,7 +24,7 @@ from torch import nn
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
-from plait.operators.capture import Graph, TensorRef, capture
+from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
@@ -357,13 +357,20 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
-    graph = capture(model, batch)
+    graph = capture_loss(model, batch, batch_source)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
+
+
+def capture_loss(model: nn.Module, batch, batch_source: str) -> Graph:
+    """The whole module's capture; ConfigError in one line when its forward does not return a scalar loss."""
+    graph = capture(model, batch)
+    check_loss(graph, f"model {type(model).__name__} (batches {batch_source!r})")
+    return graph
 
 
 def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
@@ -530,11 +537,9 @@ def zero_stage(dp: int) -> int:
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The factory's batch at `batch_size`, moved to meta for capture (the factory runs once on CPU: batches are
     small next to the model)."""
-    from plait.models.factory import load_factory
+    from plait.operators import batch as batches
 
-    batch = load_factory(batch_source)(batch_size, torch.Generator().manual_seed(0))
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    return tuple(t.to("meta") for t in batch)
+    return batches.to_device(batches.draw(batch_source, batch_size, torch.Generator().manual_seed(0)), "meta")
 
 
 def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,
@@ -544,17 +549,14 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
     """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved), and
     with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline; `num_micro_batches`
     defaults to pp)."""
-    from plait.models.factory import load_factory
+    from plait.models.factory import build_factory_module, import_roots
     from plait.plan import Plan, Prediction
     from plait.spec import ModelSpec, TrainSpec
 
     micro_batches = num_micro_batches or pp
     if global_batch % (dp * micro_batches):
         raise ConfigError(f"global batch {global_batch} must divide by dp={dp} x {micro_batches} micro-batches")
-    with torch.device("meta"):
-        model = load_factory(model_source)()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    model = build_factory_module(model_source, "meta")
     micro_batch = global_batch // dp // micro_batches
     batch = meta_batch(batch_source, micro_batch)
     name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
@@ -575,6 +577,7 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
                      num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
                      post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
                                                  for _ in range(layers)))
+    sharding_ = dataclasses.replace(sharding_, import_paths=import_roots(model_source, batch_source))
     prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes,
                             bubble_fraction=bubble)
     return Plan.of(dp=dp, tp=tp, pp=pp, model=spec,

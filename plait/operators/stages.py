@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from plait.errors import ConfigError
 from plait.models.adapter import get_module, set_module
+from plait.operators.capture import forward_on_meta
 
 
 class _Stop(Exception):
@@ -132,7 +133,7 @@ def find_layout(model: nn.Module, batch: tuple[torch.Tensor, ...], name: str = "
         hooks.append(module.register_forward_hook(lambda m, a, out, p=path: outputs.setdefault(p, out)))
     uses = _Uses({id(model.get_parameter(p)): p for p in bare})
     try:
-        with uses:
+        with uses, forward_on_meta():
             model(*batch)
     except _Stop:
         pass

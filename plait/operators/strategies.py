@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.utils._pytree import tree_flatten, tree_map
 
+from plait.operators import norms
 from plait.operators.capture import OpCall, TensorRef
 
 MAX_COMBINATIONS = 400
@@ -84,6 +85,14 @@ ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
 """DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
 
 
+def _whole_statistics(call: OpCall, found: list[Strategy], has_rule: bool) -> tuple[list[Strategy], bool]:
+    """A normalisation reads its input whole along the dimensions its statistics span (plait.operators.norms, the
+    executor's rule too): strategies that read them split are left out (all replicated if none is left)."""
+    dims = norms.aten_statistics_dims(call.op.__name__.split(".")[0], call.args)
+    kept = [s for s in found if not norms.reads_split_statistics(dims, s.inputs[0])] if dims is not None else found
+    return kept or [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], has_rule
+
+
 class StrategyOracle:
     """DTensor's answers for one mesh axis size, cached by (op, arguments)."""
 
@@ -99,7 +108,7 @@ class StrategyOracle:
         rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
         key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs))
         if key not in ANSWERS:
-            ANSWERS[key] = self._ask(call)
+            ANSWERS[key] = _whole_statistics(call, *self._ask(call))
         return ANSWERS[key]
 
     def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:

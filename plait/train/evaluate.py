@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.train.data import BatchLoader, LoaderPosition, eval_tokens
+from plait.train.data import BatchLoader, eval_tokens
 
 BEST_DIR = "best"
 
@@ -25,9 +25,14 @@ class Evaluator:
         self.config = config
         self.every = config.eval.every
         dp_mesh = model.mesh["dp"]
-        self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
-                                  seq_len=config.train.seq_len, seed=config.train.seed,
-                                  dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
+        if plan.operators is not None:  # a module's held-out batches (eval.batch)
+            from plait.train.module_run import module_loader
+
+            self.loader = module_loader(config, plan, model, held_out=True)
+        else:
+            self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
+                                      seq_len=config.train.seq_len, seed=config.train.seed,
+                                      dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size())
         self.batches = min(config.eval.batches, self.loader.steps_per_epoch)
 
     def for_model(self, plan: Any, model: Any) -> "Evaluator":
@@ -39,11 +44,10 @@ class Evaluator:
 
     def loss(self, model: Any) -> float:
         """The mean loss over the held-out batches (collective)."""
-        self.loader.position = LoaderPosition()
+        self.loader.rewind()
         total = 0.0
         for _ in range(self.batches):
-            tokens, targets = self.loader.next_batch()
-            total += model.eval_loss(tokens, targets)
+            total += model.eval_loss(*self.loader.next_batch())
         # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
         agreed = torch.tensor([total / self.batches], dtype=torch.float64, device=model.device)
         dist.broadcast(agreed, src=0)

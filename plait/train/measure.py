@@ -69,7 +69,8 @@ class StepClock:
         self._handles: list[Any] = []
         for part in model_parts:
             stage = getattr(part, "module", part)  # a DistributedDataParallel wraps the Stage
-            blocks = list(stage.stage_blocks().values())
+            # a per-operator plan's module has no Stage's blocks: its backward ends at its received input
+            blocks = list(stage.stage_blocks().values()) if hasattr(stage, "stage_blocks") else []
             self._handles.append(stage.register_forward_pre_hook(self._forward_start, prepend=True))
             self._handles.append(stage.register_forward_hook(self._forward_end))
             if blocks:  # the gradient reaching block 0's input: every layer of the stage is done
@@ -341,6 +342,10 @@ def _less_wait(record: RankRecord, ranks: list[RankRecord]) -> RankRecord:
 
 def predicted_segment(plan: Any) -> Segment:
     """A segment for `plan` with the cost model's prediction and no timings yet."""
+    if plan.operators is not None:  # priced per operator: one figure, the forward and backward with their
+        step = plan.predicted.step_time_s if plan.predicted else 0.0  # collectives (inside the module: compute)
+        return Segment(plan=plan.to_dict(), predicted=Parts(step=step, compute=step, waiting=0.0, optimizer=0.0),
+                       predicted_rank_compute=[step] * plan.pp, ranks=[])
     from plait.cost import predict
 
     prediction = predict(plan.replace(predicted=None))
