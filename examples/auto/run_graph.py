@@ -28,7 +28,7 @@ class Layer(nn.Module):
         self.norm = nn.LayerNorm(HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.relu(ADJACENCY @ self.linear(self.norm(x)))
+        return x + F.relu(ADJACENCY.to(x.dtype) @ self.linear(self.norm(x)))
 
 
 class GraphNet(nn.Module):
@@ -39,7 +39,7 @@ class GraphNet(nn.Module):
         self.head = nn.Linear(HIDDEN, CLASSES)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(features @ PROJECTION)
+        x = self.embed(features @ PROJECTION.to(features.dtype))
         for layer in self.layers:
             x = layer(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())

@@ -163,9 +163,14 @@ def _launch(args: argparse.Namespace) -> int:
 
     plan = _load(args)
     if plan.operators is not None:  # a plan whose first step would crash stops here, in one line
-        from plait.execute.module_dryrun import dry_run_module
+        import sys
+
+        from plait.execute.module_dryrun import dry_run_module, samples_note
 
         dry_run_module(plan)
+        note = samples_note(plan)
+        if note:
+            print(f"plait check: note: {note}", file=sys.stderr, flush=True)
     if args.nproc is not None and args.nproc != plan.num_devices:
         raise ConfigError(f"--nproc {args.nproc} does not match the plan's {plan.degrees.describe()} = "
                           f"{plan.num_devices} devices; drop --nproc or plan for {args.nproc}")

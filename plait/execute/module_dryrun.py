@@ -138,3 +138,29 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def samples_note(plan: Plan) -> str | None:
+    """A line for a module whose loss is not a mean over its samples (an in-batch softmax, batch statistics), when
+    the plan's calls see fewer samples than the step (data parallelism, micro-batches): how many each call sees.
+    Told by running the forward (one process, no gradients) on one call's samples and on its two halves (apart by
+    more than float32's rounding);
+    None for a loss that is a mean over samples, a call of one sample, or a module beyond REAL_BYTES (not run)."""
+    from plait.execute.autoshard import build_module, make_batch
+    from plait.operators import batch as batches
+
+    calls = plan.dp * plan.num_micro_batches
+    if calls == 1 or plan.micro_batch < 2 or plan.micro_batch % 2 or _module_bytes(plan) > REAL_BYTES:
+        return None
+    module = build_module(plan.model.source, seed=0, dtype=torch.float32)
+    batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+    with torch.no_grad():
+        whole = batches.call(module, batch).item()
+        halves = sum(batches.call(module, batches.split(batch, 2, i)).item() for i in range(2)) / 2
+    if abs(whole - halves) <= 1e-5 * max(abs(whole), 1e-30):
+        return None
+    return (f"the loss of {plan.model.source.removeprefix('module:')} is not a mean over its samples (on one call's "
+            f"{plan.micro_batch} samples it is {whole:.6g}, over their halves {halves:.6g}: an in-batch softmax, batch "
+            f"statistics): each of a step's {calls} calls (dp{plan.dp} x {plan.num_micro_batches} micro-batches) "
+            f"computes it over its own {plan.micro_batch} samples, not the step's {plan.train.global_batch}; the "
+            f"step's loss is their mean, and `plait check` compares with one process computing the same")

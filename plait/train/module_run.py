@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 from plait.errors import ConfigError
@@ -171,7 +172,7 @@ def _plan_from_pins(config: Any, num_devices: int | None) -> Any:
 def check_module_run(config: Any, plan: Any) -> None:
     """Before any rank starts: the batch factories answer (batch_size, generator) with tensors of that many rows,
     and the plan's first step builds and runs on this machine (plait.execute.module_dryrun)."""
-    from plait.execute.module_dryrun import dry_run_module
+    from plait.execute.module_dryrun import dry_run_module, samples_note
     from plait.operators import batch as batches
 
     import torch
@@ -180,6 +181,9 @@ def check_module_run(config: Any, plan: Any) -> None:
     if config.eval.every:
         batches.draw(config.eval.batch, plan.micro_batch, torch.Generator().manual_seed(0))
     dry_run_module(plan)
+    note = samples_note(plan)
+    if note:
+        print(f"plait train: note: {note}", file=sys.stderr, flush=True)
 
 
 class ModuleBatches:

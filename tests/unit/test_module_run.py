@@ -180,3 +180,31 @@ def test_check_dry_run_builds_a_per_operator_plan_from_another_working_directory
     assert result["builds"] and [r["pp_rank"] for r in result["ranks"]] == [0, 1]
     assert all(r["tensors"] == "cpu" for r in result["ranks"])
     assert [r["params"] for r in result["ranks"]] == [10, 10]  # embed + 2 layers | 2 layers + head, of the 20
+
+
+@pytest.mark.parametrize("example", ["train-dlrm.toml", "train-vit-pp.toml"])
+def test_the_per_operator_example_configs_plan_and_dry_run_their_first_step(example):
+    """What `plait train` checks before starting ranks, for the shipped per-operator configs: the config's keys,
+    its plan from its pins, and the plan's first step on every pipeline rank (the runs themselves:
+    tests/dist/test_module_run.py)."""
+    from plait.execute.module_dryrun import dry_run_module
+    from plait.train.config import load_config
+    from plait.train.module_run import plan_module_run
+
+    config = load_config(EXAMPLES / example)
+    plan = plan_module_run(config, None)
+    assert plan.operators is not None and plan.num_devices == config.plan.devices
+    assert len(dry_run_module(plan)) == plan.pp
+
+
+def test_the_run_says_when_a_loss_is_not_a_mean_over_its_samples():
+    """The two-tower model's in-batch softmax on dp2: each call's negatives are its own 4 samples of the step's 8,
+    which `plait train` and `plait check` say when they start; the graph network's node loss is a mean over samples:
+    nothing to say."""
+    from plait.execute.module_dryrun import samples_note
+
+    tower = auto_plan("run_two_tower:build_small", "run_two_tower:batch", CPU, global_batch=8, dp=2)
+    graph = auto_plan("run_graph:build", "run_graph:batch", CPU, global_batch=8, dp=2)
+    note = samples_note(tower)
+    assert "not a mean over its samples" in note and "its own 4 samples, not the step's 8" in note
+    assert samples_note(graph) is None
