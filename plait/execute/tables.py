@@ -102,9 +102,11 @@ def _local_view(weight, ids, grad):
 
 
 def _first_row(weight: DTensor) -> int:
+    """The first row of this rank's shard. DTensor's Shard(0) splits as torch.chunk does: shards of ceil(rows /
+    ranks) rows, the last ones shorter (a row count no degree divides: 200,003 users)."""
     rows = weight.shape[0]
     ranks = weight.device_mesh.size(0)
-    return weight.device_mesh.get_local_rank(0) * (rows // ranks)
+    return min(weight.device_mesh.get_local_rank(0) * -(-rows // ranks), rows)
 
 
 def _gather(t: torch.Tensor, group) -> torch.Tensor:

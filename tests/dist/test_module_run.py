@@ -137,18 +137,24 @@ progress = false
 
 
 def test_check_compares_an_in_batch_softmax_like_with_like_from_any_folder(tmp_path):
-    """The two-tower model on dp2: each rank's in-batch softmax sees its half of the batch as negatives, and so does
-    the one process `plait check` compares with (the mean over the step's calls); EQUAL, run from a folder that does
-    not hold the module and without it on PYTHONPATH (the plan's import_paths)."""
+    """The two-tower model on dp2 x tp2: each data-parallel rank's in-batch softmax sees its half of the batch as
+    negatives, and so does the one process `plait check` compares with (the mean over the step's calls); the
+    2,003-row user table split by rows over tp (1,002 and 1,001: DTensor's uneven shards) and both tables trained
+    by the fused row-wise SGD. EQUAL, run from a folder that does not hold the module and without it on PYTHONPATH
+    (the plan's import_paths)."""
+    import dataclasses
+
     from plait.operators.planner import auto_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
     sys.path.insert(0, str(EXAMPLES))
     try:
         plan = auto_plan("run_two_tower:build_small", "run_two_tower:batch", CLUSTER_PRESETS["local-cpu"],
-                         global_batch=8, dp=2, tp=1)
+                         global_batch=8, dp=2, tp=2, table_optimizer="sgd")
     finally:
         sys.path.remove(str(EXAMPLES))
+    rows = dict(plan.operators.params, **{"user_table.weight": "S0"})  # a row count tp2 does not divide
+    plan = plan.replace(operators=dataclasses.replace(plan.operators, params=rows))
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -157,4 +163,4 @@ def test_check_compares_an_in_batch_softmax_like_with_like_from_any_folder(tmp_p
                           capture_output=True, text=True, env={**env, "PLAIT_OMP_THREADS": "1"}, cwd=tmp_path,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "EQUAL" in done.stdout
+    assert "EQUAL" in done.stdout and "not a mean over its samples" in done.stderr

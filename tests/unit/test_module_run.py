@@ -208,3 +208,28 @@ def test_the_run_says_when_a_loss_is_not_a_mean_over_its_samples():
     note = samples_note(tower)
     assert "not a mean over its samples" in note and "its own 4 samples, not the step's 8" in note
     assert samples_note(graph) is None
+
+
+@pytest.mark.parametrize("rows, ranks", [(2003, 2), (2003, 3), (200_003, 4)])
+def test_a_fused_table_split_by_uneven_rows_updates_the_rows_its_shard_holds(rows, ranks):
+    """DTensor's Shard(0) splits a row count no degree divides as torch.chunk does (ceil-sized shards, the last
+    shorter): the fused lookup's row update finds this rank's first row where DTensor put it (it assumed rows //
+    ranks: off by one row per rank before, DIFFERENT under `plait check`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plait.execute.tables import _first_row
+
+    firsts = []
+    for rank in range(ranks):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+        try:
+            weight = distribute_tensor(torch.empty(rows, 2, device="meta"), init_device_mesh("cpu", (ranks,)),
+                                       [Shard(0)])
+            firsts.append((_first_row(weight), weight.to_local().shape[0]))
+        finally:
+            dist.destroy_process_group()
+    assert firsts[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(firsts, firsts[1:]))
+    assert firsts[-1][0] + firsts[-1][1] == rows
