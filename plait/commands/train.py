@@ -174,6 +174,11 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     note = uncalibrated_note(plan)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
+    if plan.operators is not None and plan.operators.replicated_ops:  # priced so, named here
+        ops = plan.operators.replicated_ops
+        console.print(f"plait train: note: {len(ops)} operator(s) have no DTensor rule and run replicated, as priced: "
+                      f"{', '.join(ops[:6])}{', ...' if len(ops) > 6 else ''} (add a rule with register_sharding)",
+                      highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]

@@ -47,6 +47,7 @@ def build_pipeline_stage(plan: Plan, mesh, *, seed: int, dtype: torch.dtype, lr:
     model = build_module(plan.model.source, seed=seed, dtype=dtype)
     stage = build_stage(model, layout, plan.stage_layers(position), first=position == 0, last=position == plan.pp - 1)
     stage = apply_operator_sharding(stage, plan, mesh, lr, plan.operators.stages[position], caller_replicates=True)
+    stage.tied_parameters = layout.tied  # copies on several stages: their gradients summed (module_model)
     schedule = build_schedule(plan, [position], [stage], mesh["pp"], torch.device("cpu"), _loss_is_output)
     return position, stage, schedule
 

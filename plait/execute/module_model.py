@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module
@@ -36,7 +36,8 @@ class ModuleModel:
     mixed_precision (torch.bfloat16: the step computes under CPU autocast; None: fp32)."""
 
     def __init__(self, plan: Plan, mesh, module: nn.Module, device: torch.device,
-                 mixed_precision: torch.dtype | None, schedule: Any = None, position: int = 0) -> None:
+                 mixed_precision: torch.dtype | None, schedule: Any = None, position: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.plan, self.mesh, self.device = plan, mesh, device
         self.mixed_precision = mixed_precision
         self.model_parts = [module]
@@ -46,6 +47,8 @@ class ModuleModel:
         fused = self.fused.parameters(module)
         self.trained = [p for p in module.parameters() if p not in fused]
         self.replicated = [p for p in module.parameters() if getattr(p, "dp_replicated", False)]
+        self.tied = TiedAcrossStages(module, getattr(module, "tied_parameters", ()), mesh, dtype) \
+            if plan.pp > 1 else None
         self.optimizer: torch.optim.Optimizer | None = None
 
     # ---- ranks ------------------------------------------------------------------
@@ -100,6 +103,8 @@ class ModuleModel:
         with self._compute():
             local = self._pipeline(batch) if self.schedule is not None else self._accumulate(batch)
         self._sync_replicated()
+        if self.tied is not None:
+            self.tied.sync()
         return self._global_mean(local)
 
     def _accumulate(self, batch: Any, backward: bool = True) -> torch.Tensor:
@@ -146,8 +151,10 @@ class ModuleModel:
         return self._global_mean(local)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
+        """Over every stage's gradients; a parameter several stages hold counts once (its first holder's)."""
         pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
-        return clip_grad_norm(self.trained, max_norm, pp_group, device=self.device).item()
+        counted = [p for p in self.trained if self.tied is None or id(p) not in self.tied.copies]
+        return clip_grad_norm(self.trained, max_norm, pp_group, counted=counted, device=self.device).item()
 
     def runtime_summary(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
         from torch.distributed.fsdp import FSDPModule
@@ -171,6 +178,41 @@ class ModuleModel:
         gathered: list = [None] * self.plan.pp
         dist.all_gather_object(gathered, local, group=self.mesh["pp"].get_group())
         return {name: t for piece in gathered for name, t in piece.items()}
+
+
+class TiedAcrossStages:
+    """One parameter held by parts on several pipeline stages (an output layer tied to the embedding): each stage
+    trains its copy from the same initial value; after every backward their gradients are summed across the
+    pipeline ranks (each copy's full gradient, all-reduced over the "pp" group, every stage taking part in the same
+    order, a stage without a copy adding zeros; each rank keeps its own shard of the sum), so every copy takes the
+    same optimizer step and they stay one parameter. The copies may be placed differently on their stages: the sum
+    is of full gradients. Gradient clipping counts the parameter once (`copies`: the later holders')."""
+
+    def __init__(self, stage: nn.Module, tied: tuple, mesh, dtype: torch.dtype) -> None:
+        held = dict(stage.named_parameters(remove_duplicate=False))
+        self.groups = [(group, next((held[n] for n in group.names if n in held), None)) for group in tied]
+        self.group = mesh["pp"].get_group()
+        self.dtype = dtype
+        # the stage holding a group's first name counts it in the gradient norm; the others hold copies
+        self.copies = {id(param) for group, param in self.groups
+                       if param is not None and group.names[0] not in held}
+
+    def sync(self) -> None:
+        for group, param in self.groups:
+            grad = None if param is None else param.grad
+            if grad is None:
+                full = torch.zeros(group.shape, dtype=param.dtype if param is not None else self.dtype)
+            else:
+                full = grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
+            dist.all_reduce(full, group=self.group)
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                mesh = grad.device_mesh
+                mine = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                grad.to_local().copy_(mine.redistribute(mesh, grad.placements).to_local())
+            else:
+                grad.copy_(full)
 
 
 def _scalar(loss: Any) -> torch.Tensor:
@@ -197,7 +239,7 @@ def parallelize_module(plan: Plan, *, seed: int = 0, device: str | torch.device 
         from plait.execute.autoshard_pipeline import build_pipeline_stage
 
         position, module, schedule = build_pipeline_stage(plan, mesh, seed=seed, dtype=dtype, lr=lr)
-        return ModuleModel(plan, mesh, module, device, mixed, schedule, position)
+        return ModuleModel(plan, mesh, module, device, mixed, schedule, position, dtype)
     # forward and backward under one implicit_replication (ModuleModel._compute): it does not nest
     module = apply_operator_sharding(build_module(plan.model.source, seed=seed, dtype=dtype), plan, mesh, lr,
                                      caller_replicates=True)

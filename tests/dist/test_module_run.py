@@ -164,3 +164,27 @@ def test_check_compares_an_in_batch_softmax_like_with_like_from_any_folder(tmp_p
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "EQUAL" in done.stdout and "not a mean over its samples" in done.stderr
+
+
+def test_check_proves_a_weight_tied_across_pipeline_stages_summed(tmp_path):
+    """An output layer tied to the embedding (tests/tied_stages.py) on pp2 x tp2: the first stage holds the embedding
+    split by rows, the last stage its copy as the output layer, replicated; each step sums the copies' gradients
+    across the stages (before: refused), and clipping counts the weight once. EQUAL with --clip."""
+    from plait.operators.planner import auto_plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        plan = auto_plan("tied_stages:build", "tied_stages:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8,
+                         tp=2, pp=2, pins={"embed.weight": "S0"})
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    assert [stage.params.get("embed.weight", stage.params.get("head.weight")) for stage in plan.operators.stages] \
+        == ["S0", "R"]
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "2", "--clip",
+                           "0.5"], capture_output=True, text=True, env={**os.environ, "PLAIT_OMP_THREADS": "1"},
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "EQUAL" in done.stdout
