@@ -87,6 +87,9 @@ def plan_operators(args: argparse.Namespace) -> int:
 
     console.print(operators_table(plan))
     if args.json:
+        from plait.execute.module_dryrun import dry_run_module
+
+        dry_run_module(plan)  # a plan whose first step would crash is refused, never written
         write_text(args.json, json.dumps({"plans": [plan.to_dict()]}, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
