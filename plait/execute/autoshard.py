@@ -32,7 +32,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
-from plait.errors import ConfigError
 from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings

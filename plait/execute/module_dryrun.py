@@ -60,7 +60,7 @@ def dry_run_module(plan: Plan) -> list[ModuleStageReport]:
 def _stages(plan: Plan) -> list[ModuleStageReport]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.execute.autoshard import build_module, make_batch
+    from plait.execute.autoshard import make_batch
     from plait.operators import batch as batches
 
     device = "cpu" if _module_bytes(plan) <= REAL_BYTES else "meta"
