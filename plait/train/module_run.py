@@ -177,6 +177,17 @@ def check_module_run(config: Any, plan: Any) -> None:
 
     import torch
 
+    if config.plan.file != "auto":  # the plan file decides these: a value set beside it would go unused
+        from plait.train.config import PlanConfig
+
+        default = PlanConfig()
+        for key in ("pins", "cluster"):
+            if getattr(config.plan, key) != getattr(default, key):
+                raise ConfigError(f"plan.{key} = {getattr(config.plan, key)!r} plans for plan.file = \"auto\"; "
+                                  f"plan.file {config.plan.file!r} is a plan already: unset one of them")
+        if config.plan.devices not in (None, plan.num_devices):
+            raise ConfigError(f"plan.devices = {config.plan.devices} but plan.file {config.plan.file!r} is for "
+                              f"{plan.num_devices} devices ({plan.degrees.describe()}); unset plan.devices or re-plan")
     batches.draw(config.data.batch, plan.micro_batch, torch.Generator().manual_seed(0))
     if config.eval.every:
         batches.draw(config.eval.batch, plan.micro_batch, torch.Generator().manual_seed(0))

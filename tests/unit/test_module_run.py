@@ -233,3 +233,18 @@ def test_a_fused_table_split_by_uneven_rows_updates_the_rows_its_shard_holds(row
             dist.destroy_process_group()
     assert firsts[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(firsts, firsts[1:]))
     assert firsts[-1][0] + firsts[-1][1] == rows
+
+
+def test_pins_beside_a_plan_file_are_refused_not_ignored(tmp_path, capsys):
+    """plan.pins, plan.cluster and plan.devices plan for plan.file = "auto"; beside a plan file they would go unused:
+    `plait train` refuses them in one line (and runs the file alone: here refused only for the pins)."""
+    plan = auto_plan("run_graph:build", "run_graph:batch", CPU, global_batch=8, tp=2)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\nmodule = "run_graph:build"\npath = "{EXAMPLES}"\n[data]\nbatch = "run_graph:batch"\n'
+                      f'[train]\nglobal_batch = 8\n[plan]\nfile = "{tmp_path / "plan.json"}"\n'
+                      f'[log]\ndir = "{tmp_path / "log"}"\n')
+    for setting, message in (("plan.pins={tp = 2}", "plan.pins = {'tp': 2} plans for plan.file"),
+                             ("plan.devices=4", "plan.devices = 4 but plan.file")):
+        code, err = _cli(["train", str(config), "--set", setting], capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err
