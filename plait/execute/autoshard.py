@@ -69,13 +69,16 @@ def build_mesh(plan: Plan) -> DeviceMesh:
 
 
 def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0,
-                            sharding: OperatorSharding | None = None, caller_replicates: bool = False) -> nn.Module:
+                            sharding: OperatorSharding | None = None, caller_replicates: bool = False,
+                            data_parallel: bool = True) -> nn.Module:
     """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
     out replicated; then fully_shard over dp when dp > 1. Fused tables (plan.operators.fused_tables) update their
     rows in the lookup's backward at `lr` (model.fused_tables.lr, which a training loop sets each step) and stay
     out of fully_shard. `sharding`: a pipeline stage's own (plan.operators.stages[k]) for that stage's module.
     `caller_replicates`: the caller runs forward and backward inside one implicit_replication (a pipeline schedule
-    interleaves them; the context does not nest: leaving an inner one turns it off for the outer)."""
+    interleaves them; the context does not nest: leaving an inner one turns it off for the outer).
+    `data_parallel=False` stops before fully_shard (shard_over_dp then applies it: a dry run on meta traces the
+    step in between, as fully_shard cannot run on meta parameters)."""
     sharding = sharding or plan.operators
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
@@ -98,11 +101,18 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
                                                if by_function else None, not caller_replicates)
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh), with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+    return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
+
+
+def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
+    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp and fully_shard over
+    it, the fused tables and 0-d parameters left out."""
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
-        fully_shard(model, mesh=mesh["dp"], ignored_params=(fused.parameters(model) | replicate_over_dp(model)) or None)
+        kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
+        fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None)
     return model
 
 

@@ -90,7 +90,7 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module
+    from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module, shard_over_dp
     from plait.execute.dryrun import CollectiveCounter
     from plait.operators import batch as batches
     from plait.operators.capture import forward_on_meta
@@ -105,13 +105,10 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
         module = build_stage(module, stage_layout(plan), plan.stage_layers(position), first=position == 0,
                              last=position == plan.pp - 1)
         sharding = plan.operators.stages[position]
-    module = apply_operator_sharding(module, plan, mesh, 0.0, sharding, caller_replicates=True)  # as the run does
+    # as the run does; on meta fully_shard comes after the step (it cannot run on meta parameters)
+    module = apply_operator_sharding(module, plan, mesh, 0.0, sharding, caller_replicates=True,
+                                     data_parallel=device != "meta")
     report = ModuleStageReport(pp_rank=position, rank=rank, device=device)
-    for param in module.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        report.params += 1
-        report.local_bytes += local.numel() * local.element_size()
-        report.full_bytes += param.numel() * local.element_size()
     counter = CollectiveCounter()
     on_meta = forward_on_meta() if device == "meta" else _nothing()
     with counter, on_meta, implicit_replication():
@@ -129,6 +126,13 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
             out.backward(torch.ones_like(out))
     report.collectives = dict(counter.counts)
     sent = out.detach().requires_grad_() if position < plan.pp - 1 else None
+    if device == "meta":
+        module = shard_over_dp(module, plan, mesh, sharding or plan.operators)
+    for param in module.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        report.params += 1
+        report.local_bytes += local.numel() * local.element_size()
+        report.full_bytes += param.numel() * local.element_size()
     return report, sent
 
 
