@@ -74,22 +74,12 @@ def import_roots(*sources: str) -> tuple[str, ...]:
     return tuple(roots)
 
 
-def add_import_folder(folder: str) -> None:
-    """Make `folder` importable here and in every process this one starts (PYTHONPATH is inherited)."""
-    import os
-    import sys
-
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if folder not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *parts])
-
-
 def use_import_roots(roots: tuple[str, ...]) -> None:
     """The folders a plan recorded (import_roots), importable here and in the ranks; a folder that is not on this
     machine is left out (PYTHONPATH may hold the module there)."""
     import os
+
+    from plait.inputs import add_import_folder
 
     for folder in roots:
         if os.path.isdir(folder):

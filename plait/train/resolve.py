@@ -109,7 +109,7 @@ def position_limit(folder: Path) -> tuple[str, int] | None:
 
 def import_path(folder: str) -> None:
     """Make `folder` importable here and in every rank this process starts (PYTHONPATH is inherited)."""
-    from plait.models.factory import add_import_folder
+    from plait.inputs import add_import_folder
 
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
