@@ -102,11 +102,11 @@ def _local_view(weight, ids, grad):
 
 
 def _first_row(weight: DTensor) -> int:
-    """The first row of this rank's shard. DTensor's Shard(0) splits as torch.chunk does: shards of ceil(rows /
-    ranks) rows, the last ones shorter (a row count no degree divides: 200,003 users)."""
+    """This rank's first row: Shard(0) splits as torch.chunk does, ceil(rows / ranks) rows a rank (the last ranks
+    fewer, or none, where the rows do not divide)."""
     rows = weight.shape[0]
     ranks = weight.device_mesh.size(0)
-    return min(weight.device_mesh.get_local_rank(0) * -(-rows // ranks), rows)
+    return min(rows, weight.device_mesh.get_local_rank(0) * -(-rows // ranks))
 
 
 def _gather(t: torch.Tensor, group) -> torch.Tensor:
