@@ -58,38 +58,90 @@ def _budget(mib: float | None) -> float | None:
     return mib * 2**20
 
 
+NOT_PER_OPERATOR = (
+    ("cp", "context parallelism splits a decoder's sequences"),
+    ("ep", "expert parallelism splits a mixture-of-experts decoder's experts"),
+    ("context_parallel", "context parallelism splits a decoder's sequences"),
+    ("recompute", "per-operator plans keep every activation (recomputation is not run per operator)"),
+    ("interleave", "per-operator pipelines run one stage per pipeline rank"),
+    ("sequence_parallel", "sequence parallelism splits a decoder's norms along its sequence"),
+    ("router_imbalance", "it prices a mixture-of-experts decoder's router"),
+    ("from_run", "it prices a mixture-of-experts decoder's router"),
+    ("time_limit", "the per-operator search prices every shape"),
+)
+"""Flags of `plait plan` a per-operator plan (--batch) does not take, and why: refused, never ignored."""
+
+
+def refuse_decoder_flags(args: argparse.Namespace) -> None:
+    for name, why in NOT_PER_OPERATOR:
+        if getattr(args, name, None) not in (None, False):
+            raise ConfigError(f"--{name.replace('_', '-')} does not apply to a per-operator plan (--batch): {why}; "
+                              f"leave it out")
+    if getattr(args, "zero", None) not in (None, 3):
+        raise ConfigError(f"--zero {args.zero}: per-operator data parallelism is fully_shard over dp (ZeRO 3); "
+                          f"leave --zero out or pin 3")
+    if getattr(args, "precision", None) not in (None, "fp32"):
+        raise ConfigError(f"--precision {args.precision}: per-operator plans are priced and run in fp32; leave it out")
+    if getattr(args, "solver", "auto") not in ("auto", "exact"):
+        raise ConfigError(f"--solver {args.solver} searches decoders; per-operator plans take --operator-solver "
+                          f"program or propagation")
+
+
 def plan_operators(args: argparse.Namespace) -> int:
-    from plait.outputs import write_text
-    from plait.report.console import output_console
-    from plait.operators.planner import auto_plan
+    from plait.operators.search import DegreePins, search
     from plait.spec.load import load_cluster
 
+    refuse_decoder_flags(args)
     cluster = load_cluster(args.cluster)
     devices = args.devices or cluster.num_devices
-    tp, pp = args.tp or 1, args.pp or 1
-    if devices % (tp * pp):
-        raise ConfigError(f"--tp {tp} x --pp {pp} must divide --devices {devices}")
-    dp = args.dp or devices // (tp * pp)
-    if dp * tp * pp != devices:
-        raise ConfigError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} must equal --devices {devices}")
-    micro_batches = None
-    if args.micro_batch:
-        if args.global_batch % (dp * args.micro_batch):
-            raise ConfigError(f"--micro-batch {args.micro_batch} x dp {dp} must divide --global-batch "
-                              f"{args.global_batch}")
-        micro_batches = args.global_batch // (dp * args.micro_batch)
-    plan = auto_plan(args.model, args.batch, cluster, global_batch=args.global_batch, dp=dp, tp=tp,
-                     pins=parse_pins(args.pin), solver=args.operator_solver,
-                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer, pp=pp,
-                     num_micro_batches=micro_batches, schedule=args.schedule or "1f1b")
-    console = output_console()
-    from plait.report.operators import operators_table
-
-    console.print(operators_table(plan))
+    degrees = DegreePins(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule)
+    result = search(args.model, args.batch, cluster, devices=devices, global_batch=args.global_batch,
+                    degrees=degrees, pins=parse_pins(args.pin), solver=args.operator_solver,
+                    memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer,
+                    allow_cross_node_tp=bool(getattr(args, "allow_cross_node_tp", False)))
+    print_search(result, args.top, devices, cluster)
     if args.json:
         from plait.execute.module_dryrun import dry_run_module
+        from plait.outputs import write_text
 
-        dry_run_module(plan)  # a plan whose first step would crash is refused, never written
-        write_text(args.json, json.dumps({"plans": [plan.to_dict()]}, indent=2))
+        for plan in result.plans[:args.top]:  # a plan whose first step would crash is refused, never written
+            dry_run_module(plan)
+        document = {"plans": [plan.to_dict() for plan in result.plans[:args.top]],
+                    "search": {"candidates_evaluated": result.candidates_evaluated, "seconds": result.seconds}}
+        write_text(args.json, json.dumps(document, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.report:
+        from plait.report.operators import write_operator_report
+
+        for png in write_operator_report(result, args.report):
+            print(f"wrote {png}", file=sys.stderr)
     return 0
+
+
+def print_search(result, top: int, devices: int, cluster) -> None:
+    """The ranked plans, why #1 beats #2, #1's parts, the shapes that did not fit, then #1's placements."""
+    from rich.text import Text
+
+    from plait.report.console import output_console
+    from plait.report.operators import operators_table, parts_line, ranked_table
+    from plait.search.explain import explain
+
+    console = output_console()
+    plans = list(result.plans)
+    best = plans[0]
+    title = (f"{best.model.name} on {devices} x {cluster.name}, batch {best.train.global_batch}: top "
+             f"{min(top, len(plans))} of {len(plans)} plans")
+    console.print(ranked_table(plans[:top], title))
+    if len(plans) >= 2:
+        console.print(Text.assemble(("why #1 beats #2: ", "bold"), explain(plans[0], plans[1])))
+    console.print(parts_line(best), highlight=False)
+    if result.refused:
+        shown = ", ".join(r.shape.describe() for r in result.refused[:4])
+        more = f" and {len(result.refused) - 4} more" if len(result.refused) > 4 else ""
+        console.print(f"{len(result.refused)} shapes refused ({shown}{more}): {result.refused[0].reason}",
+                      highlight=False, style="dim")
+    skipped = f", {result.dominated} pipeline shapes bounded out before their stages were solved" \
+        if result.dominated else ""
+    console.print(f"{result.candidates_evaluated} shapes priced per operator in {result.seconds:.1f} s "
+                  f"({result.solver}{skipped})", highlight=False)
+    console.print(operators_table(best))

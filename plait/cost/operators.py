@@ -15,8 +15,15 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
   (the executor reduces a replicated value's summed Partial gradient there; left to DTensor, the pending sum
   would travel on to a row-split matmul's backward, which gathers the weight).
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
-  sharded; each call's floating outputs, as what autograd may save for backward, over the axis when sharded
-  (an upper bound: views and outputs not saved count too).
+  sharded; each call's floating outputs that autograd saves for the backward (the capture's saved_tensors_hooks;
+  a view of a saved tensor counted once), over the axis when sharded; and, beside them at the peak, the largest
+  output autograd does not save (whole: a transient). Over dp > 1 the executor's fully_shard holds its 4
+  copies over dp, and, as one unit on the whole module (plait.execute.autoshard), the gathered weights from the
+  forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
+  unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
+* Data-parallel synchronisation (fully_shard, one unit on the whole module): one all-gather of the weights before
+  the forward and one reduce-scatter of the gradients after the backward, per step (a pipeline's schedule keeps the
+  weights gathered and the gradients unreduced until its last micro-batch).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ ADAMW_COPIES = 4
 """Parameter, gradient and AdamW's two moments."""
 FUSED_TABLE_COPIES = 1
 """An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
+FSDP_GATHERED_COPIES = 2
+"""Over dp > 1: the weights gathered for the forward and backward and the whole gradients before their
+reduce-scatter, on top of the sharded copies (see the module docstring)."""
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -108,10 +118,19 @@ def edge_time(src: str, dst: str, grad: str, ref: "TensorRef", group: comm.Group
               needs_grad: bool = True) -> tuple[float, Redistribution, Redistribution]:
     """Seconds of one producer -> consumer edge, forward and backward, and the two redistributions. A tensor no
     gradient flows to (a constant, RoPE's tables, anything computed from the batch alone) has no backward image."""
-    forward = redistribution(src, dst, ref.nbytes, group, cluster)
-    backward = redistribution(grad, "R" if src == "P" else src, ref.nbytes, group, cluster) \
+    # an uneven shard moves as the largest shard, padded, on every rank (DTensor pads before the collective)
+    forward = redistribution(src, dst, padded_bytes(ref, src, dst, group.size), group, cluster)
+    back_to = "R" if src == "P" else src
+    backward = redistribution(grad, back_to, padded_bytes(ref, grad, back_to, group.size), group, cluster) \
         if ref.is_float and needs_grad else NONE
     return forward.seconds + backward.seconds, forward, backward
+
+
+def padded_bytes(ref: "TensorRef", src: str, dst: str, axis_size: int) -> float:
+    """The bytes a redistribution from `src` to `dst` carries: the tensor's, or where either side splits a dimension
+    the axis does not divide, the largest shard's on every rank."""
+    split = [shard_bytes(ref, p, axis_size) * axis_size for p in (src, dst) if p.startswith("S")]
+    return max([float(ref.nbytes), *split])
 
 
 def joins_gradient_sum(src: str, dst: str, grad: str) -> bool:
@@ -138,16 +157,32 @@ def compute_time(flops: float, outputs: Sequence["TensorRef"], split: bool, axis
     return work / (cluster.peak_flops * cluster.efficiency.matmul)
 
 
-def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int) -> float:
-    return sum(ref.nbytes / (axis_size if p.startswith("S") else 1)
-               for ref, p in zip(outputs, placements) if ref.is_float)
+def activation_bytes(outputs: Sequence["TensorRef"], placements: Sequence[str], axis_size: int,
+                     saved: Sequence[bool] = ()) -> float:
+    """Bytes per device a call's outputs keep for the backward: those autograd saves (`saved`, from the capture;
+    () counts every floating output, an upper bound), their shard where split."""
+    keep = saved or [True] * len(outputs)
+    return sum(shard_bytes(ref, p, axis_size) for ref, p, k in zip(outputs, placements, keep) if ref.is_float and k)
 
 
 def parameter_bytes(ref: "TensorRef", placement: str, axis_size: int, dp_shards: int = 1,
                     copies: int = ADAMW_COPIES) -> float:
-    """Per device: weights, gradients and AdamW moments (`copies`), over the axis when sharded and over the
-    data-parallel ranks when fully_shard shards them further."""
-    return copies * ref.nbytes / (axis_size if placement.startswith("S") else 1) / dp_shards
+    """Per device: weights, gradients and AdamW moments (`copies`), over the axis when sharded (the largest shard
+    where the axis does not divide the dimension) and over the data-parallel ranks when fully_shard shards them
+    further, with the copies fully_shard gathers (FSDP_GATHERED_COPIES)."""
+    local = shard_bytes(ref, placement, axis_size)
+    if dp_shards <= 1:
+        return copies * local
+    return local * (FSDP_GATHERED_COPIES + copies / dp_shards)
+
+
+def shard_bytes(ref: "TensorRef", placement: str, axis_size: int) -> float:
+    """Bytes of the largest shard of `ref` placed `placement` over `axis_size` ranks: DTensor's Shard gives the
+    first ranks ceil(size / axis_size) rows (torch.chunk's split) where the axis does not divide the dimension."""
+    if not placement.startswith("S") or axis_size <= 1:
+        return float(ref.nbytes)
+    size = ref.shape[int(placement[1:])]
+    return ref.nbytes / size * -(-size // axis_size) if size else 0.0
 
 
 def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
@@ -162,12 +197,12 @@ def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp:
 
 def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
                        dp_group: comm.Group) -> float:
-    """Data-parallel cost of a parameter per step under fully_shard: all-gather of the weights (forward and
-    backward) and reduce-scatter of the gradients, of this rank's tensor-parallel shard."""
+    """Data-parallel cost of a parameter per step under fully_shard: one all-gather of the weights and one
+    reduce-scatter of the gradients, of this rank's tensor-parallel shard (see the module docstring)."""
     if dp <= 1:
         return 0.0
-    local = ref.nbytes / (axis_size if placement.startswith("S") else 1)
-    return 2 * comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
+    local = shard_bytes(ref, placement, axis_size)
+    return comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
 
 
 def _numel(ref: "TensorRef") -> int:

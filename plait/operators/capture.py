@@ -80,6 +80,9 @@ class OpCall:
     flops: float
     function: int = -1
     """Index of the torch-level call (Graph.functions) this ATen call ran inside; -1: none."""
+    saved: tuple[bool, ...] = ()
+    """Per output: whether autograd keeps it for the backward (its storage counted once, at the first output that
+    holds it: a view of a kept tensor costs nothing more). () (a graph built by hand): every output counts."""
 
     @property
     def name(self) -> str:
@@ -101,6 +104,8 @@ class Graph:
     """Module name -> the tensor its forward returned (the first tensor of a tuple)."""
     module_inputs: dict[str, TensorRef] = field(default_factory=dict)
     """Module name -> its forward's first tensor argument."""
+    transient_bytes: float = 0.0
+    """The largest floating output autograd does not keep (what lives beside the kept activations at the peak)."""
     grad_inputs: set[int] = field(default_factory=set)
     """Value ids of batch inputs a gradient flows back to (a pipeline stage's received hidden states: its tensor
     requires grad)."""
@@ -303,9 +308,11 @@ def capture(model: nn.Module, batch: Any) -> Graph:
     for name, module in model.named_modules():
         hooks.append(module.register_forward_pre_hook(_input_hook(name, modules, graph, refs)))
         hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
+    kept = _Kept()
     try:
         # the recorder sees a constant's real tensor (its id stays one value); the call then runs on meta
-        with forward_on_meta(), _AttentionAsCpuRuns(), recorder, _Functions(recorder):
+        with forward_on_meta(), torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack), \
+                _AttentionAsCpuRuns(), recorder, _Functions(recorder):
             out = batches.call(model, batch)
     finally:
         for hook in hooks:
@@ -313,6 +320,7 @@ def capture(model: nn.Module, batch: Any) -> Graph:
     first = out[0] if isinstance(out, (tuple, list)) else out
     graph.output = refs.get(id(first))
     graph.returned = _returned(out)
+    kept.mark(graph, recorder)
     return graph
 
 
@@ -331,6 +339,48 @@ def check_loss(graph: Graph, what: str) -> None:
     if graph.returned != "a scalar loss":
         raise ConfigError(f"{what}: its forward returned {graph.returned}, not a scalar loss; a module "
                           f"planned per operator returns its loss (a 0-d tensor) from forward(batch)")
+
+
+class _Kept:
+    """What autograd saves for the backward during the capture (saved_tensors_hooks: exactly the tensors each
+    operator's backward needs, given which inputs require a gradient), by tensor and by storage."""
+
+    def __init__(self) -> None:
+        self.tensors: set[int] = set()
+        self.storages: set[int] = set()
+        self.alive: list[torch.Tensor] = []  # ids stay unique while the capture runs
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.tensors.add(id(t))
+        self.storages.add(_storage(t))
+        self.alive.append(t)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def mark(self, graph: Graph, recorder: "_Recorder") -> None:
+        """Each call's `saved` flags (an output whose storage a saved tensor holds, counted at the first output
+        made on that storage) and the graph's transient_bytes."""
+        tensor_of = {recorder.refs[id(t)].value: t for t in recorder.keep if id(t) in recorder.refs}
+        counted: set[int] = set()
+        for call in graph.calls:
+            flags = []
+            for ref in call.outputs:
+                t = tensor_of.get(ref.value)
+                storage = _storage(t) if t is not None else None
+                keep = storage in self.storages and storage not in counted and ref.is_float
+                if keep:
+                    counted.add(storage)
+                flags.append(keep)
+                if not keep and ref.is_float and (t is None or id(t) not in self.tensors):
+                    graph.transient_bytes = max(graph.transient_bytes, float(ref.nbytes))
+            call.saved = tuple(flags)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def _input_hook(name: str, modules: list[str], graph: Graph, refs: dict[int, TensorRef]) -> Callable:

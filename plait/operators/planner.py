@@ -62,6 +62,8 @@ class Built:
     gradient_shares: dict[int, int] = dataclasses.field(default_factory=dict)
     """Value id a reader reads -> the value whose gradient sum that reading may join (itself, or the value a view
     was taken of)."""
+    axis_size: int = 0
+    """The tensor-parallel degree the problem was built for."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -78,6 +80,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     whose Partial gradients autograd adds before DTensor reduces them, price.joins_gradient_sum, share one
     all-reduce: the node's edge to the producer costs it, on a replicated producer only, and its edge to each such
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
+    if oracle is None and axis_size == 1:  # no axis to split over: every call runs whole, nothing to ask DTensor
+        oracle = _WholeOracle()
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
             return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
@@ -106,8 +110,9 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     for value in graph.values.values():
         if value.kind == "op":
             continue
-        placed = value.kind in ("param", "buffer")
-        options = candidate_placements(value.ref, axis_size, partial=False) if placed else ["R"]
+        placed = value.kind in ("param", "buffer") and axis_size > 1
+        options = candidate_placements(value.ref, axis_size, partial=False, uneven=value.kind == "param") \
+            if placed else ["R"]
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
@@ -120,11 +125,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
         else:
             costs.append([0.0] * len(options))
-            memory.append([value.ref.nbytes / (axis_size if p.startswith("S") else 1) for p in options])
+            memory.append([price.shard_bytes(value.ref, p, axis_size) for p in options])
         add_gradient_sums([value.ref])
     call_node = {}
+    param_values = {ref.value for ref in graph.params.values()}  # arguments that may arrive split unevenly
     for call in graph.calls:
-        strategies, has_rule = oracle.strategies(call)
+        strategies, has_rule = oracle.strategies(call, tuple(ref.value in param_values for ref in call.inputs))
         if not has_rule:
             unsupported.append(call.name)
         call_node[call.index] = len(nodes)
@@ -133,7 +139,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         nodes.append(_Node(call.name, strategies, call=call))
         costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
                       for s in strategies])
-        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size) for s in strategies])
+        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
         add_gradient_sums(call.outputs)
     edges, parts = [], []
 
@@ -165,7 +171,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         sink = len(nodes)
         nodes.append(_Node("<output>", [Strategy(("R",), ())]))
         costs.append([0.0])
-        memory.append([0.0])
+        memory.append([graph.transient_bytes])  # beside the kept activations at the peak (price's docstring)
         connect(graph.output, sink, [("R", "R")])
     allowed = [np.ones(len(c), dtype=bool) for c in costs]
     shares: dict[int, int] = {}
@@ -197,7 +203,14 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares)
+                 tuple(unsupported), gradient_sums, shares, axis_size)
+
+
+class _WholeOracle:
+    """Strategies on an axis of one rank: each call replicated, its one strategy (no fake process group needed)."""
+
+    def strategies(self, call, uneven: tuple[bool, ...] = ()) -> tuple[list[Strategy], bool]:
+        return [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], True
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -254,17 +267,25 @@ def _taken_as_is(strategies: list[Strategy], k: int) -> frozenset[str]:
     return frozenset(s.inputs[k] for s in strategies)
 
 
+class PinRefused(ConfigError):
+    """A pin this tensor-parallel degree cannot honour (another degree may)."""
+
+
 def apply_pins(built: Built, pins: dict[str, str]) -> None:
-    """Mask the strategies pins forbid; ConfigError naming the pin when one cannot hold."""
+    """Mask the strategies pins forbid; ConfigError naming the pin when one cannot hold (PinRefused where it is this
+    tensor-parallel degree that cannot take it). Over one rank (tp = 1) every pin holds: placements on the axis are
+    all the whole tensor there."""
     masks = built.problem.allowed
     by_node: dict[int, list[str]] = {}
     for name, placement in pins.items():
         node, index = _pinned_node(built, name, placement)
+        if built.axis_size == 1:  # over one rank every placement is the whole tensor: any pin holds
+            continue
         keep = np.array([s.outputs[index] == placement for s in built.nodes[node].strategies])
         if not keep.any():
             options = sorted({s.outputs[index] for s in built.nodes[node].strategies})
-            raise ConfigError(f"pin {name!r} = {placement!r}: its shape cannot take that placement on this axis; "
-                              f"it can take {', '.join(options)}")
+            raise PinRefused(f"pin {name!r} = {placement!r}: its shape cannot take that placement over "
+                             f"tp={built.axis_size}; it can take {', '.join(options)}")
         by_node.setdefault(node, []).append(name)
         masks[node] = masks[node] & keep
         if not masks[node].any():
@@ -272,13 +293,20 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
                               f"strategy of {built.nodes[node].name} satisfies both; drop one")
 
 
-def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
+def pinned_ref(graph: Graph, name: str, placement: str) -> TensorRef:
+    """The tensor a pin names (a parameter, a buffer, a module's output); ConfigError in one line for a pin naming
+    nothing or no placement."""
     if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
         raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
-    ref = built.graph.params.get(name) or built.graph.buffers.get(name) or built.graph.module_outputs.get(name)
+    ref = graph.params.get(name) or graph.buffers.get(name) or graph.module_outputs.get(name)
     if ref is None:
-        known = list(built.graph.params)[:4] + list(built.graph.module_outputs)[:4]
+        known = list(graph.params)[:4] + list(graph.module_outputs)[:4]
         raise ConfigError(f"pin {name!r} names no parameter or module of the model; e.g. {', '.join(known)}")
+    return ref
+
+
+def _pinned_node(built: Built, name: str, placement: str) -> tuple[int, int]:
+    ref = pinned_ref(built.graph, name, placement)
     node = built.value_node[ref.value]
     index = next(i for i, r in enumerate(
         built.nodes[node].call.outputs if built.nodes[node].call is not None else [ref]) if r.value == ref.value)
@@ -341,49 +369,117 @@ def _scalars(call) -> str:
     return repr([None if isinstance(a, TensorRef) else a for a in flat]) + str(spec)
 
 
-def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True
-          ) -> sharding.Solution:
+def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse_blocks: bool = True,
+          prove: bool = True) -> sharding.Solution:
+    """`prove`: a tied solve's gap against the untied bound (sharding.solve_program)."""
     classes = repeated_blocks(built) if reuse_blocks else None
     if solver == "propagation":
         return sharding.solve_propagation(built.problem, classes=classes)
-    return sharding.solve_program(built.problem, time_limit, classes)
+    return sharding.solve_program(built.problem, time_limit, classes, prove)
 
 
-def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
-                cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
-                memory_limit: float | None = None, table_optimizer: str | None = None) -> OperatorSharding:
-    """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
-    (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer."""
-    pins = dict(pins or {})
-    fused = fused_tables(model, table_optimizer)
-    start = time.perf_counter()
-    graph = capture_loss(model, batch, batch_source)
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
-    apply_pins(built, pins)
-    solution = solve_or_refuse(built, solver, pins, fused, model)
-    elapsed = time.perf_counter() - start
-    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
-                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp))
+def captured(model: nn.Module, inputs: tuple[torch.Tensor, ...], graphs: dict | None, key: tuple = ()) -> Graph:
+    """capture(model, inputs), kept in `graphs` (a search's, by `key` and the inputs' shapes: the graph depends on
+    nothing else) when given."""
+    if graphs is None:
+        return capture(model, inputs)
+    from plait.operators import batch as batches
+
+    leaves = [t for t in batches.flat(inputs)[0] if isinstance(t, torch.Tensor)]  # a dict batch, nested ones
+    key = (key, batches.flat(inputs)[1], tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves))
+    if key not in graphs:
+        graphs[key] = capture(model, inputs)
+    return graphs[key]
 
 
-def capture_loss(model: nn.Module, batch, batch_source: str) -> Graph:
-    """The whole module's capture; ConfigError in one line when its forward does not return a scalar loss."""
-    graph = capture(model, batch)
+def captured_loss(model: nn.Module, batch, graphs: dict | None, batch_source: str) -> Graph:
+    """The whole module's capture (`captured`); ConfigError in one line when its forward does not return a scalar
+    loss."""
+    graph = captured(model, batch, graphs)
     check_loss(graph, f"model {type(model).__name__} (batches {batch_source!r})")
     return graph
 
 
-def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module
-                    ) -> sharding.Solution:
-    """`solve`, or a ConfigError in one line when no placement fits the problem's memory limit (naming the limit,
-    the pins, and a fused table optimizer where the module has embedding tables without one)."""
+def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
+                cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
+                memory_limit: float | None = None, table_optimizer: str | None = None,
+                graphs: dict | None = None, prove: bool = True) -> OperatorSharding:
+    """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
+    (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer. `graphs`: captures
+    kept between calls (see `captured`)."""
+    pins = dict(pins or {})
+    fused = fused_tables(model, table_optimizer)
+    start = time.perf_counter()
+    graph = captured_loss(model, batch, graphs, batch_source)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
+    apply_pins(built, pins)
+    solution = solve_or_refuse(built, solver, pins, fused, model, prove)
+    candidate = tensor_plan_price(built, model, pins, solver)
+    elapsed = time.perf_counter() - start
+    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
+                               fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
+                               tensor_plan_step_time_s=candidate)
+
+
+def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
+    """What the decoder's own tensor plan (plait.operators.tensor_plans: Megatron's pattern as its class declares it)
+    costs as a candidate of this program, the rest of the module solved around it; None for a module without one,
+    under the user's pins, over one rank, or where the degree cannot split it (or it does not fit)."""
+    from plait.operators.tensor_plans import tensor_plan_pins
+
+    if pins or built.axis_size <= 1:
+        return None
+    candidate = {k: v for k, v in tensor_plan_pins(model).items() if k in built.graph.params}
+    if not candidate:
+        return None
+    pinned = dataclasses.replace(built, problem=dataclasses.replace(
+        built.problem, allowed=[m.copy() for m in built.problem.allowed]))
     try:
-        return solve(built, solver)
+        apply_pins(pinned, candidate)
+        return solve(pinned, solver, prove=False).cost
+    except (ConfigError, sharding.Infeasible):
+        return None
+
+
+class DoesNotFit(ConfigError):
+    """No placement of this mesh shape fits the memory limit; `needs_bytes` is the least any placement the pins allow
+    needs per device (what a budget must hold for this shape)."""
+
+    def __init__(self, message: str, needs_bytes: float) -> None:
+        super().__init__(message)
+        self.needs_bytes = needs_bytes
+
+
+def least_memory(built: Built) -> float:
+    """The least bytes per device any choice the pins allow needs: memory is a sum over nodes, so each node's
+    smallest allowed figure."""
+    problem = built.problem
+    return float(sum(m[a].min() for m, a in zip(problem.node_memory, problem.allowed)))
+
+
+def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict[str, str], model: nn.Module,
+                    prove: bool = True) -> sharding.Solution:
+    """`solve`, or DoesNotFit (a ConfigError) in one line when no placement fits the problem's memory limit (naming
+    the limit, what the smallest placement needs, the pins, and a fused table optimizer where the module has
+    embedding tables without one)."""
+    try:
+        solution = solve(built, solver, prove=prove)
     except sharding.Infeasible as e:
-        hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
-                if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
-        raise ConfigError(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
-                          + (f" with pins {pins}" if pins else "") + f"{hint}: {e}") from None
+        reason = str(e)
+    else:
+        if solution.cost < price.UNRUNNABLE_S:
+            return solution
+        # what fits holds a redistribution DTensor cannot run as planned (price.runs_on_layout): not a plan
+        reason = UNRUNNABLE_ONLY
+    hint = ("; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+            if not fused and any(isinstance(m, nn.Embedding) for m in model.modules()) else "")
+    needs = least_memory(built) if reason != UNRUNNABLE_ONLY else 0.0
+    smallest = f" (the smallest needs {needs / 2**20:.2f} MiB)" if needs else ""
+    raise DoesNotFit(f"no placement fits {built.problem.memory_limit / 2**20:.2f} MiB per device"
+                     + (f" with pins {pins}" if pins else "") + f"{smallest}{hint}: {reason}", needs)
+
+
+UNRUNNABLE_ONLY = "only placements the executor cannot run as planned fit"
 
 
 def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
@@ -466,7 +562,33 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
+                            solver_status=solution.status, proven_gap=solution.gap,
+                            memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
                             costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+
+
+def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
+    """The solution's seconds by part, summing to its cost: "compute" (the calls), "tp_comm" (the redistributions,
+    the edges) and "dp_comm" (the parameters' data-parallel synchronisation)."""
+    problem = built.problem
+    params = {built.value_node[ref.value] for ref in built.graph.params.values()}
+    parts = {"compute": 0.0, "tp_comm": 0.0, "dp_comm": 0.0}
+    for i, cost in enumerate(problem.node_cost):
+        parts["dp_comm" if i in params else "compute"] += float(cost[choice[i]])
+    parts["tp_comm"] = float(sum(m[choice[u], choice[v]] for u, v, m in problem.edges))
+    return parts
+
+
+def memory_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
+    """Bytes per device of the solution by part: "params" (weights, gradients and optimizer states, with what
+    fully_shard gathers), "activations" (what the calls keep for backward) and "inputs" (the batch and buffers)."""
+    parts = {"params": 0.0, "activations": 0.0, "inputs": 0.0}
+    params = {built.value_node[ref.value] for ref in built.graph.params.values()}
+    calls = set(built.call_node.values())
+    for i, m in enumerate(built.problem.node_memory):
+        part = "params" if i in params else "activations" if i in calls else "inputs"
+        parts[part] += float(m[choice[i]])
+    return parts
 
 
 def _first_reads(built: Built, choice: tuple[int, ...]) -> dict[int, str]:
@@ -546,42 +668,24 @@ def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, glo
               tp: int = 1, pins: dict[str, str] | None = None, solver: str = "program",
               memory_limit: float | None = None, table_optimizer: str | None = None, pp: int = 1,
               num_micro_batches: int | None = None, schedule: str = "1f1b", layers_per_stage: tuple[int, ...] = ()):
-    """A Plan for a module of any shape: data parallelism over dp, per-operator placements over tp (solved), and
-    with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline; `num_micro_batches`
-    defaults to pp)."""
-    from plait.models.factory import build_factory_module, import_roots
-    from plait.plan import Plan, Prediction
-    from plait.spec import ModelSpec, TrainSpec
+    """A Plan for a module of any shape at one mesh shape: data parallelism over dp, per-operator placements over
+    tp (solved), and with pp > 1 pipeline stages cut between its repeated blocks (plait.operators.pipeline;
+    `num_micro_batches` defaults to pp). plait.operators.search ranks every shape."""
+    from plait.operators.search import Shape, load_module, plan_shape
 
     micro_batches = num_micro_batches or pp
     if global_batch % (dp * micro_batches):
         raise ConfigError(f"global batch {global_batch} must divide by dp={dp} x {micro_batches} micro-batches")
-    model = build_factory_module(model_source, "meta")
-    micro_batch = global_batch // dp // micro_batches
-    batch = meta_batch(batch_source, micro_batch)
-    name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
-    split, bubble = (), 0.0
-    if pp > 1:
-        from plait.operators.pipeline import PipelineSettings, plan_pipeline
+    module = load_module(model_source, batch_source, find_blocks=False)
+    return plan_shape(module, cluster, Shape(dp, tp, pp, micro_batches, schedule), global_batch=global_batch,
+                      pins=dict(pins or {}), solver=solver, memory_limit=memory_limit,
+                      table_optimizer=table_optimizer, layers_per_stage=tuple(layers_per_stage))
 
-        settings = PipelineSettings(pp, micro_batches, schedule, tuple(layers_per_stage))
-        sharding_, split, bubble = plan_pipeline(
-            model, batch, settings, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=dict(pins or {}),
-            solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer, name=f"model {name!r}")
-    else:
-        sharding_ = plan_module(model, batch, batch_source=batch_source, tp=tp, dp=dp, cluster=cluster, pins=pins,
-                                solver=solver, memory_limit=memory_limit, table_optimizer=table_optimizer)
-    num_params = sum(p.numel() for p in model.parameters())
-    layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
-    spec = ModelSpec(name=name, source=model_source if model_source.startswith("module:") else f"module:{model_source}",
-                     num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1, max_seq_len=1, pre_params=0,
-                     post_params=0, blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0)
-                                                 for _ in range(layers)))
-    sharding_ = dataclasses.replace(sharding_, import_paths=import_roots(model_source, batch_source))
-    prediction = Prediction(step_time_s=sharding_.step_time_s, peak_memory_bytes=sharding_.peak_memory_bytes,
-                            bubble_fraction=bubble)
-    return Plan.of(dp=dp, tp=tp, pp=pp, model=spec,
-                   train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
-                   cluster=cluster.with_devices(dp * tp * pp), micro_batch=micro_batch,
-                   num_micro_batches=micro_batches, schedule=schedule, layers_per_stage=tuple(split),
-                   zero=zero_stage(dp), predicted=prediction, operators=sharding_)
+
+def check_pin_names(model: nn.Module, batch: tuple[torch.Tensor, ...], pins: dict[str, str]) -> None:
+    """ConfigError in one line for a pin naming no parameter, buffer or module of `model`, or no placement (checked
+    once, before any shape is planned)."""
+    if pins:
+        graph = capture(model, batch)
+        for name, placement in pins.items():
+            pinned_ref(graph, name, placement)

@@ -66,7 +66,25 @@ class OperatorSharding:
     solver: str = "program"
     solve_time_s: float = 0.0
     lower_bound_s: float = 0.0
-    """What the program's relaxation proves no plan beats (0 when not computed)."""
+    """What the program proves no placement beats (0 when not computed): HiGHS's dual bound, or under a tied solve
+    (a repeated block solved once) the untied program's LP relaxation."""
+    solver_status: str = ""
+    """How the solve ended (plait.search.sharding.STATUSES): "optimal", "time limit" (the best found when the time
+    ran out), "tied" (optimal over plans that place every copy of a repeated block alike), "heuristic" (the
+    propagation: no proof), "forced" (the pins left one placement); under a pipeline, the weakest of the stages'.
+    "" in plans written before it was recorded."""
+    proven_gap: float | None = None
+    """How far step_time_s may be above the best placement, as proven: (cost - lower bound) / lower bound; under a
+    pipeline, the largest of the stages' (each stage's time per micro-batch). None: nothing proven."""
+    tensor_plan_step_time_s: float | None = None
+    """For a decoder (plait.operators.tensor_plans): step_time_s of its class's own tensor plan (Megatron's
+    pattern) as a candidate of the same program, which step_time_s never exceeds. None otherwise."""
+    time_parts: dict[str, float] = field(default_factory=dict)
+    """step_time_s by part ("compute", "tp_comm", "dp_comm"; plait.operators.planner.time_parts), without a
+    pipeline; under one, each stage's per micro-batch."""
+    memory_parts: dict[str, float] = field(default_factory=dict)
+    """peak_memory_bytes by part ("params", "activations", "inputs"; plait.operators.planner.memory_parts); under a
+    pipeline, the peak stage's."""
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""

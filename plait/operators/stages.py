@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from plait.errors import ConfigError
 from plait.models.adapter import get_module, set_module
+from plait.operators import batch as batches
 from plait.operators.capture import forward_on_meta
 
 
@@ -144,7 +145,7 @@ def find_layout(model: nn.Module, batch: tuple[torch.Tensor, ...], name: str = "
     uses = _Uses({id(model.get_parameter(p)): p for p in bare})
     try:
         with uses, forward_on_meta():
-            model(*batch)
+            batches.call(model, batch)
     except _Stop:
         pass
     finally:

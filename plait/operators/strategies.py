@@ -72,14 +72,20 @@ def placement_of(name: str) -> Placement:
     raise ValueError(f"placement {name!r} is not R, P or S<dim>")
 
 
-def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True) -> list[str]:
-    """Placements a tensor can hold on an axis of `axis_size`: whole dims the axis divides evenly (uneven shards
-    would make the executor's shapes differ from the reference's per rank), and P for floats."""
-    names = ["R"] + [f"S{d}" for d, size in enumerate(ref.shape) if size >= axis_size and size % axis_size == 0]
+def candidate_placements(ref: TensorRef, axis_size: int, partial: bool = True, uneven: bool = False) -> list[str]:
+    """Placements a tensor can hold on an axis of `axis_size`: dims the axis divides evenly, with `uneven` (a
+    parameter: an embedding table's 200,003 rows) any dim at least as long as the axis (DTensor's Shard gives the
+    first ranks one row more, as torch.chunk splits), and P for floats."""
+    names = ["R"] + [f"S{d}" for d, size in enumerate(ref.shape) if size >= axis_size and (
+        size % axis_size == 0 or uneven and size >= UNEVEN_MIN_PER_RANK * axis_size)]
     if partial and ref.is_float:
         names.append("P")
     return names
 
+
+UNEVEN_MIN_PER_RANK = 16
+"""An uneven split is offered where every rank gets at least this many rows of the dimension: a table's rows, not a
+convolution's 3-wide kernel (whose padded shards move a third more than the tensor)."""
 
 ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
 """DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
@@ -101,23 +107,25 @@ class StrategyOracle:
         self.mesh = mesh
         self.propagator = DTensor._op_dispatcher.sharding_propagator
 
-    def strategies(self, call: OpCall) -> tuple[list[Strategy], bool]:
-        """(strategies, has_rule); without a rule: [everything replicated], False. Answers are kept for the process
+    def strategies(self, call: OpCall, uneven: tuple[bool, ...] = ()) -> tuple[list[Strategy], bool]:
+        """(strategies, has_rule); without a rule: [everything replicated], False. `uneven`: per tensor argument,
+        whether it may arrive split unevenly (a parameter; candidate_placements). Answers are kept for the process
         (ANSWERS: a plan asked again, the program and the heuristic, the same block in another model), keyed by the
         rules DTensor holds so that a rule registered since is asked."""
         rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
-        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs))
+        uneven = tuple(uneven) or (False,) * len(call.inputs)
+        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs), uneven)
         if key not in ANSWERS:
-            ANSWERS[key] = _whole_statistics(call, *self._ask(call))
+            ANSWERS[key] = _whole_statistics(call, *self._ask(call, uneven))
         return ANSWERS[key]
 
-    def _ask(self, call: OpCall) -> tuple[list[Strategy], bool]:
+    def _ask(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         with _output_meta_once(self.propagator):
-            return self._ask_each_combination(call)
+            return self._ask_each_combination(call, uneven)
 
-    def _ask_each_combination(self, call: OpCall) -> tuple[list[Strategy], bool]:
+    def _ask_each_combination(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
-        options = [candidate_placements(ref, self.axis_size) for ref in call.inputs]
+        options = [candidate_placements(ref, self.axis_size, uneven=u) for ref, u in zip(call.inputs, uneven)]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
         if len(combos) > MAX_COMBINATIONS:
             combos = [tuple(o if i == j else "R" for j in range(len(options))) for i, opts in enumerate(options)

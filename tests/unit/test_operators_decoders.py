@@ -14,6 +14,7 @@ from torch import nn
 
 from plait.cost import operators as price
 from plait.operators.capture import TensorRef, capture
+from plait.operators.tensor_plans import tensor_plan_pins
 from plait.operators.planner import auto_plan
 from plait.operators.strategies import strategy_oracle
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -94,6 +95,13 @@ def test_llama_solution_prices_no_higher_than_megatrons_pattern(model):
                          pins=megatron_pins(model)).operators
     assert auto.replicated_ops == () and megatron.replicated_ops == ()
     assert auto.step_time_s <= megatron.step_time_s * (1 + 1e-9) < auto.data_parallel_step_time_s
+    # the class's own tensor plan (base_model_tp_plan, plait's reference plan) is a candidate, priced beside it
+    with torch.device("meta"):
+        module = getattr(__import__("decoders"), model)()
+    assert {k: v for k, v in tensor_plan_pins(module).items() if k.endswith(".weight")} == \
+        {k: v for k, v in megatron_pins(model).items() if k.endswith(".weight")}
+    assert auto.step_time_s <= auto.tensor_plan_step_time_s * (1 + 1e-9)
+    assert auto.tensor_plan_step_time_s <= megatron.step_time_s * (1 + 1e-9)  # the outputs left free
     # Megatron's pattern is one the executor runs as planned: not priced out (planner._taken_as_is, runs_on_layout)
     assert megatron.step_time_s < 1.0
     weights = {name: placement for name, placement in megatron_pins(model).items() if name.endswith(".weight")}

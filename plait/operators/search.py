@@ -1,0 +1,357 @@
+"""The joint search for a module of any shape: every mesh shape a device count allows, each solved per operator.
+
+`search(...)` enumerates the shapes (`shapes`): dp x tp x pp over the devices (pp only where the module has
+repeated blocks to cut between, at most one block per stage), and under a pipeline the number of micro-batches
+per step (`MICRO_BATCH_CHOICES` of them); each shape is planned by the per-operator program
+(plait.operators.planner for pp = 1, plait.operators.pipeline for stages, whose repeated block is solved once and
+reused on every stage), under the per-device memory limit; the plans are ranked by predicted step time (then peak
+memory). Pins of any degree (--dp, --tp, --pp, --micro-batch, --schedule) narrow the shapes; placement pins hold
+on every shape (over one rank every placement is the whole tensor; a degree a pinned placement cannot take refuses
+that shape, named).
+
+What the search does not vary, and why:
+
+* Tensor-parallel degrees beyond a node (the cluster's devices_per_node), unless pinned or allowed
+  (--allow-cross-node-tp), as the decoder search.
+* The pipeline schedule: 1F1B. GPipe runs the same stages with every micro-batch in flight; the schedule simulator
+  never prices its step below 1F1B's and its memory is never lower, so it is ranked only where pinned
+  (--schedule gpipe). Interleaved and zero-bubble schedules need several stages per pipeline rank or split
+  backwards, which per-operator stages do not run: a pin of one is refused in one line.
+* Without a pipeline, one micro-batch per step (the executor runs each data-parallel rank's share at once).
+* The data-parallel carrier: fully_shard over dp, one unit on the whole module (plait.execute.autoshard; priced
+  as it runs, plait.cost.operators).
+
+When no shape fits, the error names the smallest per-device budget that fits one (each shape's least memory: the
+smallest placement of every node, plait.operators.planner.least_memory) and the smallest device count, among
+2x, 4x ... MAX_DEVICE_GROWTH x the devices, at which one shape's least memory fits the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.operators import planner
+from plait.operators.pipeline import Dominated
+from plait.operators.solution import OperatorSharding
+from plait.spec.cluster import ClusterSpec
+
+SEARCHED_SCHEDULES = ("1f1b",)
+"""Schedules the search ranks unpinned (see the module docstring); plait.operators.pipeline runs gpipe too."""
+MICRO_BATCH_CHOICES = 3
+"""Micro-batch counts tried per pipeline shape: pp, then doubling (2pp, 4pp, ...) while they divide the batch."""
+MAX_DEVICE_GROWTH = 64
+"""The largest device count the refusal's suggestion looks at, as a multiple of the devices asked for."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One point of the search: the mesh and, under a pipeline, its micro-batches per step and schedule."""
+
+    dp: int
+    tp: int
+    pp: int = 1
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+
+    def describe(self) -> str:
+        mesh = f"dp{self.dp} x tp{self.tp}" + (f" x pp{self.pp}" if self.pp > 1 else "")
+        return mesh + (f" ({self.schedule}, {self.num_micro_batches} micro-batches)" if self.pp > 1 else "")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    shape: Shape
+    reason: str
+    needs_bytes: float = 0.0
+    """Where the shape did not fit: the least bytes per device any placement of it needs (0: refused otherwise)."""
+
+
+@dataclass(frozen=True)
+class DegreePins:
+    """The search's pins of the mesh and the pipeline (None: searched)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    max_tp: int | None = None
+    """The largest tensor-parallel degree searched unpinned (the cluster's devices per node: tensor-parallel
+    collectives run every operator and belong on a node's links); None: any."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: tuple
+    """Plans that fit, best first (plait.plan.Plan, each with its OperatorSharding)."""
+    refused: tuple[Refusal, ...]
+    seconds: float
+    solver: str = "program"
+    dominated: int = 0
+    """Pipeline shapes left unsolved: no stage split of theirs could beat a plan already found (their bound,
+    plait.operators.pipeline.step_lower_bound)."""
+
+    @property
+    def candidates_evaluated(self) -> int:
+        return len(self.plans) + len(self.refused) + self.dominated
+
+    @property
+    def points(self) -> list[tuple[float, float]]:
+        """(step seconds, peak bytes) of every plan that fits, for the report's scatter."""
+        return [(p.predicted.step_time_s, p.predicted.peak_memory_bytes) for p in self.plans]
+
+    complete = True
+    """Every shape was priced (the search has no time limit)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batch_counts(per_replica: int, pp: int, pinned_micro_batch: int | None) -> list[int]:
+    """Micro-batches per step of a pp-stage pipeline whose data-parallel replica takes `per_replica` samples."""
+    if pinned_micro_batch is not None:
+        return [per_replica // pinned_micro_batch] if per_replica % pinned_micro_batch == 0 and \
+            per_replica // pinned_micro_batch >= pp else []
+    counts, m = [], pp
+    while m <= per_replica and len(counts) < MICRO_BATCH_CHOICES:
+        if per_replica % m == 0:
+            counts.append(m)
+        m *= 2
+    if not counts:
+        counts = [m for m in divisors(per_replica) if m >= pp][:1]
+    return counts
+
+
+def shapes(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -> list[Shape]:
+    """Every shape the search prices: dp x tp x pp = devices, dp dividing the global batch, pp at most
+    `num_blocks` (1 where the module has no repeated blocks); pins narrow each axis."""
+    found = []
+    for pp in divisors(devices):
+        if pp > max(num_blocks, 1) or (pins.pp is not None and pp != pins.pp):
+            continue
+        for tp in divisors(devices // pp):
+            dp = devices // (pp * tp)
+            if (pins.tp is not None and tp != pins.tp) or (pins.dp is not None and dp != pins.dp) or global_batch % dp:
+                continue
+            if pins.tp is None and pins.max_tp is not None and tp > pins.max_tp:
+                continue
+            per_replica = global_batch // dp
+            if pp == 1:
+                if pins.micro_batch is None or pins.micro_batch == per_replica:
+                    found.append(Shape(dp, tp))
+                continue
+            schedules = (pins.schedule,) if pins.schedule else SEARCHED_SCHEDULES
+            for m in micro_batch_counts(per_replica, pp, pins.micro_batch):
+                found.extend(Shape(dp, tp, pp, m, s) for s in schedules)
+    return found
+
+
+def explain_no_shape(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -> str:
+    """Why no shape exists (pins that contradict the devices or the batch), in one line."""
+    given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(pins).items()
+                      if v is not None and k != "max_tp")
+    if pins.pp is not None and pins.pp > 1 and pins.pp > num_blocks:
+        return f"--pp {pins.pp}: the module has {num_blocks or 'no'} repeated blocks to cut pipeline stages between"
+    if pins.micro_batch is not None and (pins.pp or 1) == 1:
+        return (f"--micro-batch {pins.micro_batch}: without a pipeline a per-operator step is one micro-batch of the "
+                f"global batch over dp; leave it out or pin --pp")
+    return (f"no dp x tp x pp of {devices} devices with dp dividing the global batch {global_batch}"
+            + (f" matches {given}" if given else "") + "; change the pins, --devices or --global-batch")
+
+
+@dataclass
+class _Module:
+    """The module on meta, its sources, and its captures' batches by micro-batch size (built once per search)."""
+
+    source: str
+    batch_source: str
+    model: nn.Module
+    name: str
+    num_blocks: int
+    no_blocks_reason: str
+    batches: dict = dataclasses.field(default_factory=dict)
+    graphs: dict = dataclasses.field(default_factory=dict)
+    """Captures by stage and input shapes (plait.operators.planner.captured)."""
+
+    def batch(self, size: int) -> tuple[torch.Tensor, ...]:
+        if size not in self.batches:
+            self.batches[size] = planner.meta_batch(self.batch_source, size)
+        return self.batches[size]
+
+
+def load_module(model_source: str, batch_source: str, find_blocks: bool = True) -> _Module:
+    """The module on meta; with `find_blocks`, its repeated blocks counted (plait.operators.stages.find_layout),
+    or why it has none to pipeline."""
+    from plait.models.factory import build_factory_module
+    from plait.operators.stages import find_layout
+
+    model = build_factory_module(model_source, "meta")  # the file imported as Python imports it, the model on meta
+    name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
+    module = _Module(model_source, batch_source, model, name, 0, "")
+    if not find_blocks:
+        return module
+    try:
+        module.num_blocks = find_layout(model, module.batch(1), f"model {name!r}").num_blocks
+    except ConfigError as e:
+        module.no_blocks_reason = str(e)
+    return module
+
+
+def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_batch: int, pins: dict[str, str],
+               solver: str, memory_limit: float | None, table_optimizer: str | None,
+               layers_per_stage: tuple[int, ...] = (), prove: bool = True, give_up_above: float | None = None):
+    """The Plan of one shape (planner.DoesNotFit or planner.PinRefused where it cannot hold; pipeline.Dominated
+    where a pipeline cannot beat `give_up_above`). `prove`: the solves' proven gaps (planner.solve)."""
+    from plait.models.factory import import_roots
+    from plait.plan import Plan, Prediction
+    from plait.spec import ModelSpec, TrainSpec
+    from plait.spec.model import BlockCost
+
+    micro_batch = global_batch // shape.dp // shape.num_micro_batches
+    batch = module.batch(micro_batch)
+    split, bubble = (), 0.0
+    if shape.pp > 1:
+        from plait.operators.pipeline import PipelineSettings, plan_pipeline
+
+        settings = PipelineSettings(shape.pp, shape.num_micro_batches, shape.schedule, tuple(layers_per_stage))
+        ops, split, bubble = plan_pipeline(
+            module.model, batch, settings, batch_source=module.batch_source, tp=shape.tp, dp=shape.dp,
+            cluster=cluster, pins=dict(pins), solver=solver, memory_limit=memory_limit,
+            table_optimizer=table_optimizer, name=f"model {module.name!r}", graphs=module.graphs, prove=prove,
+            give_up_above=give_up_above)
+    else:
+        ops = planner.plan_module(module.model, batch, batch_source=module.batch_source, tp=shape.tp, dp=shape.dp,
+                                  cluster=cluster, pins=pins, solver=solver, memory_limit=memory_limit,
+                                  table_optimizer=table_optimizer, graphs=module.graphs, prove=prove)
+    num_params = sum(p.numel() for p in module.model.parameters())
+    layers = sum(split) or 1  # the module's blocks under a pipeline (the stages' unit), else the module as one
+    source = module.source if module.source.startswith("module:") else f"module:{module.source}"
+    spec = ModelSpec(name=module.name, source=source, num_layers=layers, hidden_size=1, num_heads=1, vocab_size=1,
+                     max_seq_len=1, pre_params=0, post_params=0,
+                     blocks=tuple(BlockCost(params=num_params // layers, flops_per_token=0.0) for _ in range(layers)))
+    prediction = Prediction(step_time_s=ops.step_time_s, step_time_parts=step_parts(ops, shape, bubble),
+                            peak_memory_bytes=ops.peak_memory_bytes, memory_parts=dict(ops.memory_parts),
+                            memory_per_stage=tuple(st.peak_memory_bytes for st in ops.stages),
+                            bubble_fraction=bubble)
+    # where the module and its batches come from: plait check and plait train find them from any folder
+    ops = dataclasses.replace(ops, import_paths=import_roots(module.source, module.batch_source))
+    return Plan.of(dp=shape.dp, tp=shape.tp, pp=shape.pp, model=spec,
+                   train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
+                   cluster=cluster.with_devices(shape.dp * shape.tp * shape.pp), micro_batch=micro_batch,
+                   num_micro_batches=shape.num_micro_batches, schedule=shape.schedule, layers_per_stage=tuple(split),
+                   zero=planner.zero_stage(shape.dp), predicted=prediction, operators=ops)
+
+
+def step_parts(ops: OperatorSharding, shape: Shape, bubble: float) -> dict[str, float]:
+    """Additive parts of the step (plait.search.explain's names): compute, tp_comm and dp_comm of the solve; under
+    a pipeline the slowest stage's compute and tp_comm over the micro-batches, its synchronisation, and the rest of
+    the schedule's makespan (its bubble and point-to-point hops) as "bubble"."""
+    if not ops.stages:
+        return dict(ops.time_parts)
+    slowest = max(ops.stages, key=lambda st: st.step_time_s - st.time_parts.get("dp_comm", 0.0))
+    m = shape.num_micro_batches
+    parts = {"compute": m * slowest.time_parts.get("compute", 0.0),
+             "tp_comm": m * slowest.time_parts.get("tp_comm", 0.0),
+             "dp_comm": max(st.time_parts.get("dp_comm", 0.0) for st in ops.stages)}
+    parts["bubble"] = max(0.0, ops.step_time_s - sum(parts.values()))
+    return parts
+
+
+def search(model_source: str, batch_source: str, cluster: ClusterSpec, *, devices: int, global_batch: int,
+           degrees: DegreePins = DegreePins(), pins: dict[str, str] | None = None, solver: str = "program",
+           memory_limit: float | None = None, table_optimizer: str | None = None,
+           layers_per_stage: tuple[int, ...] = (), allow_cross_node_tp: bool = False) -> SearchResult:
+    """Every shape of `devices` planned per operator, ranked; ConfigError in one line when none fits (naming the
+    smallest budget and device count that would) or the pins leave no shape. Unpinned, tp stays within a node
+    (the cluster's devices_per_node) unless `allow_cross_node_tp`."""
+    start = time.perf_counter()
+    pins = dict(pins or {})
+    if degrees.schedule is not None:
+        from plait.operators.pipeline import PIPELINE_SCHEDULES
+
+        if degrees.schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"--schedule {degrees.schedule}: per-operator plans pipeline with "
+                              f"{' or '.join(PIPELINE_SCHEDULES)} (one stage per pipeline rank); interleaved and "
+                              f"zero-bubble schedules are not run per operator")
+    module = load_module(model_source, batch_source)
+    if degrees.max_tp is None and not allow_cross_node_tp:
+        degrees = dataclasses.replace(degrees, max_tp=cluster.devices_per_node)
+    if degrees.pp is not None and degrees.pp > 1 and module.no_blocks_reason:
+        raise ConfigError(module.no_blocks_reason)
+    planner.check_pin_names(module.model, module.batch(1), pins)
+    found = shapes(devices, global_batch, module.num_blocks, degrees)
+    if not found:
+        raise ConfigError(explain_no_shape(devices, global_batch, module.num_blocks, degrees))
+    plans, refused, dominated = [], [], 0
+    settings = dict(global_batch=global_batch, pins=pins, solver=solver, memory_limit=memory_limit,
+                    table_optimizer=table_optimizer, layers_per_stage=layers_per_stage)
+    for shape in sorted(found, key=lambda s: (s.pp, s.num_micro_batches, s.tp)):  # cheap shapes first: a bound
+        best = min((p.predicted.step_time_s for p in plans), default=None)
+        try:
+            plans.append(plan_shape(module, cluster, shape, prove=False, give_up_above=best, **settings))
+        except planner.DoesNotFit as e:
+            refused.append(Refusal(shape, str(e), e.needs_bytes))
+        except planner.PinRefused as e:
+            refused.append(Refusal(shape, str(e)))
+        except Dominated:
+            dominated += 1
+    if not plans:
+        raise ConfigError(_nothing_fits(module, cluster, devices, global_batch, degrees, refused, memory_limit,
+                                        table_optimizer))
+    plans.sort(key=lambda p: (p.predicted.step_time_s, p.predicted.peak_memory_bytes, p.tp, p.pp))
+    plans[0] = proven(module, cluster, plans[0], settings)
+    return SearchResult(tuple(plans), tuple(refused), time.perf_counter() - start, solver, dominated)
+
+
+def proven(module: _Module, cluster: ClusterSpec, plan, settings: dict):
+    """`plan` planned again with its solves' gaps proven (the search ranks without: a tied solve's bound is an LP
+    over the untied program, seconds on a large graph); the plan itself is the same."""
+    ops = plan.operators
+    if ops.solver_status not in ("tied", "time limit") and not any(st.solver_status == "tied" for st in ops.stages):
+        return plan
+    shape = Shape(plan.dp, plan.tp, plan.pp, plan.num_micro_batches, plan.schedule)
+    return plan_shape(module, cluster, shape, **{**settings, "layers_per_stage": plan.layers_per_stage})
+
+
+def _nothing_fits(module: _Module, cluster: ClusterSpec, devices: int, global_batch: int, degrees: DegreePins,
+                  refused: list[Refusal], memory_limit: float | None, table_optimizer: str | None) -> str:
+    limit = memory_limit if memory_limit is not None else cluster.memory_bytes
+    sized = [r for r in refused if r.needs_bytes > 0]
+    if not sized:  # every shape refused a pin
+        return refused[0].reason + f" (and at every other shape of {devices} devices)"
+    least = min(sized, key=lambda r: r.needs_bytes)
+    message = (f"no plan of model {module.name!r} fits {limit / 2**20:.2f} MiB per device on {devices} devices at "
+               f"any of {len(refused)} shapes; the smallest budget that fits one is {least.needs_bytes / 2**20:.2f} "
+               f"MiB ({least.shape.describe()})")
+    grown = smallest_devices(module, cluster, devices, global_batch, degrees, limit, table_optimizer)
+    message += f", or {grown} devices fit {limit / 2**20:.2f} MiB" if grown else \
+        f"; no device count up to {MAX_DEVICE_GROWTH}x fits {limit / 2**20:.2f} MiB"
+    if table_optimizer is None and any(isinstance(m, nn.Embedding) for m in module.model.modules()):
+        message += "; a fused table optimizer (--table-optimizer sgd) keeps an embedding table's weights alone"
+    return message
+
+
+def smallest_devices(module: _Module, cluster: ClusterSpec, devices: int, global_batch: int, degrees: DegreePins,
+                     limit: float, table_optimizer: str | None) -> int | None:
+    """The smallest of 2x, 4x, ... MAX_DEVICE_GROWTH x `devices` at which some shape without a pipeline (the
+    degree pins kept, but not dp) has a placement whose least memory fits `limit` (None: none does). Cheap where it
+    stops early: each new tensor-parallel degree asks DTensor its strategies."""
+    fused = frozenset(planner.fused_tables(module.model, table_optimizer))
+    grow = 2
+    while grow <= MAX_DEVICE_GROWTH:
+        count = devices * grow
+        for shape in shapes(count, global_batch, 0, dataclasses.replace(degrees, dp=None, pp=None, micro_batch=None)):
+            batch = module.batch(global_batch // shape.dp)
+            built = planner.build_problem(planner.captured(module.model, batch, module.graphs), shape.tp, shape.dp, cluster, limit,
+                                          fused=fused)
+            if planner.least_memory(built) <= limit:
+                return count
+        grow *= 2
+    return None
