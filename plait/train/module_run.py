@@ -8,7 +8,8 @@ validation, time limits, restarts, resume and resharding, bf16, the end table an
     [eval]  every = 10, batch = "dlrm:batch" # held-out batches: a factory of its own, or data.batch's own on
                                              # generator seeds training never draws
     [plan]  devices = 2, pins = {tp = 2, memory_budget = 2.3, table_optimizer = "sgd", place = {"fc.weight" = "S0"}}
-            # pins = {pp = 2} cuts pipeline stages between the module's repeated blocks (plait.operators.pipeline)
+            # what the pins leave free, the joint search chooses (plait.operators.search: dp x tp x pp, micro-
+            # batches); pins = {pp = 2} cuts pipeline stages between the module's repeated blocks
             # or file = "plan.json" from `plait plan --model module:... --batch ... --json`
 
 What a per-operator run cannot do is refused in one line before any rank starts (MODULE_RUN_KEYS says, for every
@@ -24,10 +25,11 @@ from typing import Any
 
 from plait.errors import ConfigError
 
-PLAN_PINS = ("tp", "pp", "schedule", "num_micro_batches", "memory_budget", "table_optimizer", "place")
-"""[plan] pins a per-operator run takes: tp degree, pipeline stages (pp, cut between the module's repeated blocks;
-schedule gpipe or 1f1b; micro-batches per step, default pp), a per-device budget in MiB, the fused table optimizer,
-and placements pinned by parameter or module name."""
+PLAN_PINS = ("dp", "tp", "pp", "schedule", "num_micro_batches", "memory_budget", "table_optimizer", "place")
+"""[plan] pins a per-operator run takes: the dp, tp and pp degrees (pp: stages cut between the module's repeated
+blocks), the pipeline schedule (gpipe or 1f1b) and micro-batches per step, a per-device budget in MiB, the fused
+table optimizer, and placements pinned by parameter or module name. What they leave free the joint search chooses
+(plait.operators.search: every mesh shape of the devices, each solved per operator)."""
 
 _TOKENS = "reads token data; a per-operator run draws its batches from data.batch (the factory's tensors): unset it"
 ACTS = "acts"
@@ -143,30 +145,50 @@ def _check_plan_fits(plan: Any, config: Any, num_devices: int | None) -> None:
 
 
 def _plan_from_pins(config: Any, num_devices: int | None) -> Any:
+    """The best plan of the joint search (plait.operators.search: every mesh shape of the devices, each solved per
+    operator) under the config's pins."""
     pins = dict(config.plan.pins)
     unknown = sorted(set(pins) - set(PLAN_PINS))
     if unknown:
         raise ConfigError(f"plan.pins key {unknown[0]!r} does not apply to a per-operator run; it takes "
                           f"{', '.join(PLAN_PINS)}")
     devices = num_devices or config.plan.devices or 2
-    pp = pins.get("pp", 1)
-    if not isinstance(pp, int) or pp < 1 or devices % pp:
-        raise ConfigError(f"plan.pins pp = {pp!r} must be a whole number dividing the {devices} devices")
-    tp = pins.get("tp", devices // pp)
-    if not isinstance(tp, int) or tp < 1 or devices % (tp * pp):
-        raise ConfigError(f"plan.pins tp = {tp!r} must be a whole number dividing the {devices // pp} devices of "
-                          f"each pipeline stage (pp = {pp})")
+    degrees = {}
+    for key in ("dp", "tp", "pp"):
+        value = pins.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1 or devices % value):
+            raise ConfigError(f"plan.pins {key} = {value!r} must be a whole number dividing the {devices} devices")
+        degrees[key] = value
+    fixed = [degrees[k] for k in degrees if degrees[k] is not None]
+    if devices % math.prod(fixed):
+        raise ConfigError(f"plan.pins {' x '.join(f'{k}{v}' for k, v in degrees.items() if v)} must divide the "
+                          f"{devices} devices")
     budget = pins.get("memory_budget")
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise ConfigError(f"plan.pins memory_budget = {budget!r} must be a positive number of MiB")
-    from plait.operators.planner import auto_plan
+    micro_batch = _micro_batch(pins, degrees, devices, config.train.global_batch)
+    from plait.operators.search import DegreePins, search
     from plait.spec.load import load_cluster
 
-    return auto_plan(config.model.module, config.data.batch, load_cluster(config.plan.cluster),
-                     global_batch=config.train.global_batch, dp=devices // (tp * pp), tp=tp,
-                     pins=pins.get("place") or None, memory_limit=budget * 2**20 if budget else None,
-                     table_optimizer=pins.get("table_optimizer"), pp=pp,
-                     num_micro_batches=pins.get("num_micro_batches"), schedule=pins.get("schedule", "1f1b"))
+    result = search(config.model.module, config.data.batch, load_cluster(config.plan.cluster), devices=devices,
+                    global_batch=config.train.global_batch,
+                    degrees=DegreePins(micro_batch=micro_batch, schedule=pins.get("schedule"), **degrees),
+                    pins=pins.get("place") or None, memory_limit=budget * 2**20 if budget else None,
+                    table_optimizer=pins.get("table_optimizer"))
+    return result.plans[0]
+
+
+def _micro_batch(pins: dict, degrees: dict, devices: int, global_batch: int) -> int | None:
+    """The micro-batch size pins.num_micro_batches asks for (the search takes sizes); needs dp known: pinned, or
+    the devices over pinned tp and pp."""
+    count = pins.get("num_micro_batches")
+    if count is None:
+        return None
+    dp = degrees["dp"] or (devices // (degrees["tp"] * degrees["pp"]) if degrees["tp"] and degrees["pp"] else None)
+    if dp is None or not isinstance(count, int) or count < 1 or global_batch % (dp * count):
+        raise ConfigError(f"plan.pins num_micro_batches = {count!r} needs dp known (pin dp, or tp and pp) and "
+                          f"dp x num_micro_batches dividing train.global_batch = {global_batch}")
+    return global_batch // (dp * count)
 
 
 def check_module_run(config: Any, plan: Any) -> None:

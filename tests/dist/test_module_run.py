@@ -126,7 +126,7 @@ progress = false
     first = _rows(tmp_path / "log" / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     shutil.rmtree(tmp_path / "ckpt" / "step_000004")
-    done = _train(config, "--nproc", "4", "--resume", "--set", "plan.pins={pp = 2}")
+    done = _train(config, "--nproc", "4", "--resume", "--set", "plan.pins={pp = 2, tp = 2, num_micro_batches = 2}")
     assert "resumed from" in done.stdout + done.stderr
     plan = json.loads((tmp_path / "log" / "plan.json").read_text())
     assert (plan["degrees"]["pp"], plan["degrees"]["tp"], plan["num_micro_batches"]) == (2, 2, 2)
