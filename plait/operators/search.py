@@ -197,6 +197,11 @@ def load_module(model_source: str, batch_source: str, find_blocks: bool = True) 
     module = _Module(model_source, batch_source, model, name, 0, "")
     if not find_blocks:
         return module
+    if not isinstance(module.batch(1), (tuple, list)):  # a dict batch: stages take the batch positionally
+        module.no_blocks_reason = (f"model {name!r}: batches {batch_source!r} are a "
+                                   f"{type(module.batch(1)).__name__}; pipeline stages take the batch as a tuple of "
+                                   f"tensors (return one), or use pp=1")
+        return module
     try:
         module.num_blocks = find_layout(model, module.batch(1), f"model {name!r}").num_blocks
     except ConfigError as e:
