@@ -362,18 +362,18 @@ def reference_steps(plan: Plan, settings: CheckSettings):
     """The same K steps on one process, like with like: each step's loss is the mean of the module's loss over the
     step's calls (dp x micro-batches, each on its rows, as the ranks call it), every call's forward before the one
     backward, so a loss over the batch's own samples (an in-batch softmax's negatives, BatchNorm's statistics)
-    sees on one process the samples it sees on the ranks, and fused tables update from the step's weights."""
+    sees on one process the samples it sees on the ranks (step_calls), and fused tables update from the step's
+    weights."""
     dtype = DTYPES[settings.dtype]
     model = build_module(plan.model.source, seed=settings.seed, dtype=dtype)
     fused = use_fused_tables(model, plan.operators.fused_tables, settings.lr).parameters(model)
     trained = [p for p in model.parameters() if p not in fused]
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS,
                                   foreach=False)
-    calls = plan.dp * plan.num_micro_batches
     losses, norms, first = [], [], {}
     for step in range(settings.steps):
-        batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
-        loss = sum(batches.call(model, batches.split(batch, calls, i)) for i in range(calls)) / calls
+        calls = step_calls(plan, make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype))
+        loss = sum(batches.call(model, call) for call in calls) / len(calls)
         loss.backward()
         losses.append(loss.item())
         if step == 0:
@@ -383,6 +383,17 @@ def reference_steps(plan: Plan, settings: CheckSettings):
         optimizer.step()
         optimizer.zero_grad()
     return losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def step_calls(plan: Plan, batch) -> list:
+    """The samples each forward of a step sees, as one process runs them: each data-parallel rank's share of the
+    batch cut into the plan's micro-batches (dp x micro-batches calls); where the plan synchronises BatchNorm over
+    dp, micro-batch i of every data-parallel rank together (m calls: the statistics span the dp ranks)."""
+    dp, m = plan.dp, plan.num_micro_batches
+    shares = [batches.split(batch, dp, r) for r in range(dp)]
+    if plan.operators.synchronised_norms and dp > 1:
+        return [batches.concat([batches.split(share, m, i) for share in shares]) for i in range(m)]
+    return [batches.split(share, m, i) for share in shares for i in range(m)]
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:

@@ -61,6 +61,7 @@ def _stages(plan: Plan) -> list[ModuleStageReport]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from plait.execute.autoshard import make_batch
+    from plait.execute.mesh import forget_meshes
     from plait.operators import batch as batches
 
     device = "cpu" if _module_bytes(plan) <= REAL_BYTES else "meta"
@@ -76,6 +77,7 @@ def _stages(plan: Plan) -> list[ModuleStageReport]:
             reports.append(report)
         finally:
             dist.destroy_process_group()
+            forget_meshes()  # DTensor's caches name this group's collectives: the next stage's is another
     return reports
 
 
@@ -163,8 +165,10 @@ def samples_note(plan: Plan) -> str | None:
         halves = sum(batches.call(module, batches.split(batch, 2, i)).item() for i in range(2)) / 2
     if abs(whole - halves) <= 1e-5 * max(abs(whole), 1e-30):
         return None
+    synced = (f" (BatchNorm's statistics, synchronised over the dp ranks, span {plan.dp * plan.micro_batch})"
+              if plan.operators.synchronised_norms and plan.dp > 1 else "")
     return (f"the loss of {plan.model.source.removeprefix('module:')} is not a mean over its samples (on one call's "
             f"{plan.micro_batch} samples it is {whole:.6g}, over their halves {halves:.6g}: an in-batch softmax, batch "
             f"statistics): each of a step's {calls} calls (dp{plan.dp} x {plan.num_micro_batches} micro-batches) "
-            f"computes it over its own {plan.micro_batch} samples, not the step's {plan.train.global_batch}; the "
+            f"computes it over its own {plan.micro_batch} samples{synced}, not the step's {plan.train.global_batch}; the "
             f"step's loss is their mean, and `plait check` compares with one process computing the same")

@@ -79,6 +79,14 @@ def split(batch: Any, parts: int, index: int) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.chunk(parts, dim=0)[index], batch)
 
 
+def concat(parts: list[Any]) -> Any:
+    """Batches of the same structure joined row-wise (every tensor concatenated along dim 0)."""
+    leaves = [tree_flatten(part)[0] for part in parts]
+    spec = tree_flatten(parts[0])[1]
+    joined = [torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0] for column in zip(*leaves)]
+    return tree_unflatten(joined, spec)
+
+
 def to_device(batch: Any, device: torch.device | str) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
 

@@ -252,3 +252,31 @@ def test_pins_beside_a_plan_file_are_refused_not_ignored(tmp_path, capsys):
                              ("plan.devices=4", "plan.devices = 4 but plan.file")):
         code, err = _cli(["train", str(config), "--set", setting], capsys)
         assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_module_with_dict_batches_is_searched_without_pipeline_shapes():
+    """The two-tower model's batches are a dict: the joint search ranks its dp x tp shapes (pipeline stages take the
+    batch as a tuple, so none is offered, and a pinned pp says why in one line)."""
+    from plait.errors import ConfigError
+    from plait.operators.search import DegreePins, search
+
+    result = search("run_two_tower:build_small", "run_two_tower:batch", CPU, devices=4, global_batch=8)
+    assert {(p.dp, p.tp, p.pp) for p in result.plans} == {(1, 4, 1), (2, 2, 1), (4, 1, 1)}
+    with pytest.raises(ConfigError, match="pipeline stages take the batch as a tuple"):
+        search("run_two_tower:build_small", "run_two_tower:batch", CPU, devices=4, global_batch=8,
+               degrees=DegreePins(pp=2))
+
+
+def test_the_dry_run_of_a_pipeline_issues_each_stage_s_planned_collectives(monkeypatch):
+    """Blocks read straight into column-split linears (tests/split_readers.py, Megatron's pattern pinned) on
+    pp2 x tp2: each stage's first rank built and stepped under its own fake process group (DTensor's caches of the
+    previous group dropped: they named its collectives, "could not resolve the process group"), issuing the
+    all-reduces its stage plan prices."""
+    from plait.execute.module_dryrun import dry_run_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from split_readers import MEGATRON
+
+    plan = auto_plan("split_readers:build", "split_readers:batch", CPU, global_batch=8, tp=2, pp=2, pins=MEGATRON)
+    reports = dry_run_module(plan)
+    assert [r.collectives for r in reports] == [stage.comm_counts for stage in plan.operators.stages]
