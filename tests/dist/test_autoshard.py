@@ -1,6 +1,6 @@
 """Per-operator sharding end to end: plans of modules that are not decoders, `plait check` on their ranks (DLRM
 dp2 x tp2: tensor-parallel placements from the solver, fully_shard over dp, a fused table; ResNet dp2: BatchNorm
-synchronised over dp), EQUAL to one process. (`plait train` of per-operator plans: tests/dist/test_module_run.py.) (The other examples' runs on 2 and 4 ranks are in the README; two
+synchronised over dp), EQUAL to one process. (`plait train` of per-operator plans: tests/dist/test_train_modules.py.) (The other examples' runs on 2 and 4 ranks are in the README; two
 launches here keep the suite's time.)"""
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def test_check_dry_run_builds_a_per_operator_plan_from_another_working_directory
 def test_the_per_operator_example_configs_plan_and_dry_run_their_first_step(example):
     """What `plait train` checks before starting ranks, for the shipped per-operator configs: the config's keys,
     its plan from its pins, and the plan's first step on every pipeline rank (the runs themselves:
-    tests/dist/test_module_run.py)."""
+    tests/dist/test_train_modules.py)."""
     from plait.execute.module_dryrun import dry_run_module
     from plait.train.config import load_config
     from plait.train.module_run import plan_module_run

@@ -228,7 +228,7 @@ def test_blocks_held_in_a_module_dict_are_found_and_cut_under_their_keys():
 def test_a_parameter_tied_across_stages_is_recorded_for_its_stages_to_sum():
     """An output layer sharing the embedding's weight: the first and the last stage each train a copy, and the
     layout names the tie (both names, the weight's shape), which the executor sums the copies' gradients over
-    (plait.execute.module_model.TiedAcrossStages; `plait check` EQUAL: tests/dist/test_module_run.py); untied,
+    (plait.execute.module_model.TiedAcrossStages; `plait check` EQUAL: tests/dist/test_train_modules.py); untied,
     nothing is recorded."""
 
     class Tied(nn.Module):
