@@ -37,6 +37,7 @@ in the same run (the machine may be shared: the ratio is the figure that travels
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -109,7 +110,7 @@ def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
     from plait.spec.clusters import CLUSTER_PRESETS
     from plait.spec.models import MODEL_PRESETS
 
-    times: dict[str, float] = {}
+    times: dict = {}
     start = time.perf_counter()
     with torch.device("meta"):
         model = WithLoss(Transformer(MODEL_PRESETS["llama3-8b"]))
@@ -119,18 +120,26 @@ def plan_8b(dp: int, tp: int, full_program: bool) -> dict[str, float]:
     built = planner.build_problem(graph, tp, dp, CLUSTER_PRESETS["h100-80g"].with_devices(dp * tp))
     times["build"] = time.perf_counter() - start
     start = time.perf_counter()
-    tied = planner.solve(built)
+    tied = planner.solve(built, prove=False)
     times["solve"] = time.perf_counter() - start
+    start = time.perf_counter()
+    bound = sharding.relaxation_bound(built.problem)
+    times["bound"] = time.perf_counter() - start
+    times["proven gap"] = tied.cost / bound - 1  # against the untied program's LP relaxation: every placement
     times["nodes"], times["tied nodes"] = built.problem.num_nodes, tied.stats.get("nodes", 0)
     times["step"] = tied.cost
     if full_program:
         start = time.perf_counter()
         full = planner.solve(built, reuse_blocks=False)
         times["full solve"], times["tied / full"] = time.perf_counter() - start, tied.cost / full.cost - 1
+        times["full status"] = full.status
+        times["full gap"] = full.gap if full.gap is not None else float("nan")
+        # the untied program's own dual bound, where HiGHS stopped: the tightest bound proven on any placement
+        times["tied / full bound"] = tied.cost / max(full.lower_bound, bound) - 1
     return times
 
 
-def decoders_table(full_program: bool) -> None:
+def decoders_table(full_program: bool, small: bool = True) -> None:
     from decoders import megatron_pins
     from rich.console import Console
     from rich.table import Table
@@ -138,6 +147,8 @@ def decoders_table(full_program: bool) -> None:
     from plait.operators.planner import auto_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
+    if not small:
+        return llama_8b_table(full_program)
     table = Table(title="per-operator sharding of decoders (local-cpu cluster model; machine shared)")
     for column in ("model", "mesh", "solve s", "auto ms", "Megatron ms", "dp-only ms", "heuristic gap",
                    "projections as Megatron", "predicted bytes", "measured bytes", "bytes error", "collectives"):
@@ -162,18 +173,29 @@ def decoders_table(full_program: bool) -> None:
                           f"{(measured - auto.comm_bytes) / auto.comm_bytes:+.1%}",
                           ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     Console(width=260).print(table)
+    llama_8b_table(full_program)
+
+
+def llama_8b_table(full_program: bool) -> None:
+    """Llama 3 8B's shape planned per operator on 64 and 512 h100s (plan_8b), with the tied solve's proven gap."""
+    from rich.console import Console
+    from rich.table import Table
+
     reference = reference_seconds()
     big = Table(title=f"Llama 3 8B's shape planned on h100-80g (reference computation {reference:.2f} s this run)")
     for column in ("mesh", "nodes", "tied nodes", "capture s", "build s", "solve s", "build + solve s",
-                   "/ reference", "step s", "full program s", "tied vs full"):
-        big.add_column(column, justify="left" if column == "mesh" else "right")
+                   "/ reference", "step s", "proven gap (LP) ", "bound s", "full program s", "full status",
+                   "tied vs full", "proven gap (full bound)"):
+        big.add_column(column, justify="left" if column in ("mesh", "full status") else "right")
     for dp, tp in ((8, 8), (64, 8)):
         t = plan_8b(dp, tp, full_program)
         total = t["build"] + t["solve"]
         big.add_row(f"dp{dp} x tp{tp}", f"{t['nodes']:.0f}", f"{t['tied nodes']:.0f}", f"{t['capture']:.2f}",
                     f"{t['build']:.2f}", f"{t['solve']:.2f}", f"{total:.2f}", f"{total / reference:.1f}x",
-                    f"{t['step']:.3f}", f"{t['full solve']:.1f}" if "full solve" in t else "-",
-                    f"{t['tied / full']:+.2%}" if "tied / full" in t else "-")
+                    f"{t['step']:.3f}", f"{t['proven gap']:+.2%}", f"{t['bound']:.1f}",
+                    f"{t['full solve']:.1f}" if "full solve" in t else "-", str(t.get("full status", "-")),
+                    f"{t['tied / full']:+.2%}" if "tied / full" in t else "-",
+                    f"{t['tied / full bound']:+.2%}" if "tied / full bound" in t else "-")
     Console(width=200).print(big)
 
 
@@ -271,20 +293,191 @@ def pipeline_8b_table(pp: int) -> None:
     Console(width=200).print(table)
 
 
+ZOO = ("dual_encoder", "unet", "gnn", "dlrm_tables")
+"""Module kinds beyond the first examples (examples/auto): a dual encoder with a scalar parameter and odd tables, a
+U-Net with GroupNorm, a graph network, a DLRM of several tables of odd sizes."""
+ZOO_LOCAL = (2, 4, 8)
+"""Devices the zoo is searched on with local-cpu, measured (bytes) and checked (EQUAL, --check: 2 devices)."""
+ZOO_GPU = (8, 64, 1024)
+"""Devices the zoo is searched on with h100-80g (planned only; global batch 2 per device)."""
+ZOO_TABLE_OPTIMIZER = {"dual_encoder": "sgd", "dlrm_tables": "rowwise_adagrad"}
+"""The tables' fused row-wise optimizers: SGD for the dual encoder, row-wise Adagrad (TorchRec's default) for the
+DLRM."""
+
+
+def measured_bytes(plan) -> tuple[float, dict[str, int]]:
+    """What the executor asks the tensor-parallel axis to carry in one micro-batch's forward and backward of `plan`
+    (one data-parallel replica: dp set to 1, the micro-batch as the batch), on a fake process group (no ranks): the
+    pipeline's stages chained (plait.execute.autoshard_pipeline.stage_collectives), or the module with every
+    collective counted (plait.execute.dryrun.CollectiveCounter)."""
+    import torch
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.dryrun import CollectiveCounter
+
+    if plan.pp > 1:
+        from plait.execute.autoshard_pipeline import stage_collectives
+
+        replica = dataclasses.replace(plan.train, global_batch=plan.micro_batch * plan.num_micro_batches)
+        stages = stage_collectives(plan.replace(dp=1, train=replica))
+        counts: dict[str, int] = {}
+        for _, c, _ in stages:
+            for kind, n in c.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return sum(b for b, _, _ in stages), counts
+    one = plan.replace(dp=1, train=dataclasses.replace(plan.train, global_batch=plan.micro_batch))
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
+        model = apply_operator_sharding(build_module(one.model.source, seed=0, dtype=torch.float32), one, mesh)
+        counter = CollectiveCounter()
+        with counter:
+            loss = model(*make_batch(one.operators.batch, one.train.global_batch, 0, 0, torch.float32))
+            with implicit_replication():
+                loss.backward()
+    return counter.nbytes, counter.counts
+
+
+def best_pinned(model: str, cluster, devices: int, global_batch: int) -> float:
+    """The best step among every dp x tp x pp of `devices` pinned alone and planned as the pinned path plans it
+    (plait.operators.planner.auto_plan: pp micro-batches under a pipeline); inf when none fits."""
+    from plait.errors import ConfigError
+    from plait.operators.planner import auto_plan
+    from plait.operators.search import DegreePins, shapes
+
+    best = float("inf")
+    for shape in shapes(devices, global_batch, 64, DegreePins(max_tp=cluster.devices_per_node)):
+        if shape.num_micro_batches != shape.pp:
+            continue
+        try:
+            plan = auto_plan(f"{model}:build", f"{model}:batch", cluster, global_batch=global_batch, dp=shape.dp,
+                             tp=shape.tp, pp=shape.pp, table_optimizer=ZOO_TABLE_OPTIMIZER.get(model))
+        except ConfigError:
+            continue
+        best = min(best, plan.predicted.step_time_s)
+    return best
+
+
+def check_equal(plan) -> str:
+    """`plait check` of `plan` on its ranks (2 steps, float64): EQUAL, DIFFERENT, or the error's last line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.json")
+        with open(path, "w") as f:
+            json.dump({"plans": [plan.to_dict()]}, f)
+        run = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", path, "--steps", "2"],
+                             capture_output=True, text=True, timeout=900)
+    if run.returncode == 0:
+        return "EQUAL"
+    if run.returncode == 1:
+        return "DIFFERENT"
+    lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+    return f"exit {run.returncode}: " + (lines[-1][:90] if lines else "?")
+
+
+def zoo_table(check: bool, models: list[str]) -> None:
+    """Each zoo module searched freely (plait.operators.search) on local-cpu at 2, 4 and 8 devices and on h100-80g
+    at 8, 64 and 1,024: search seconds, shapes priced, the best shape, its predicted step and memory, the free
+    best against the best mesh pinned alone (local), bytes predicted against bytes the executor issues (local), and
+    `plait check`'s verdict (local, 2 devices, with --check)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.operators.search import search
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    table = Table(title="the zoo, searched freely per operator (machine shared; seconds are wall time)")
+    for column in ("model", "cluster", "devices", "search s", "shapes fit/refused/bounded", "best", "step ms",
+                   "peak MiB", "free / best pinned", "predicted bytes", "measured bytes", "bytes error", "check"):
+        table.add_column(column, justify="left" if column in ("model", "cluster", "best", "check") else "right")
+    for model in models:
+        for cluster_name, counts in (("local-cpu", ZOO_LOCAL), ("h100-80g", ZOO_GPU)):
+            cluster = CLUSTER_PRESETS[cluster_name]
+            for devices in counts:
+                batch = 8 if cluster_name == "local-cpu" else 2 * devices
+                start = time.perf_counter()
+                result = search(f"{model}:build", f"{model}:batch", cluster, devices=devices, global_batch=batch,
+                                table_optimizer=ZOO_TABLE_OPTIMIZER.get(model))
+                seconds = time.perf_counter() - start
+                best = result.plans[0]
+                ops = best.operators
+                cells = ["-"] * 5
+                if cluster_name == "local-cpu":
+                    pinned = best_pinned(model, cluster, devices, batch)
+                    nbytes, _ = measured_bytes(best)
+                    error = (nbytes - ops.comm_bytes) / ops.comm_bytes if ops.comm_bytes else \
+                        (0.0 if not nbytes else 1.0)
+                    cells = [f"{best.predicted.step_time_s / pinned:.3f}", f"{ops.comm_bytes / 1024:.0f} KiB",
+                             f"{nbytes / 1024:.0f} KiB", f"{error:+.1%}",
+                             check_equal(best) if check and devices == 2 else "-"]
+                table.add_row(model, cluster_name, str(devices), f"{seconds:.1f}",
+                              f"{len(result.plans)}/{len(result.refused)}/{result.dominated}",
+                              f"dp{best.dp} tp{best.tp} pp{best.pp} mb{best.micro_batch}x{best.num_micro_batches}",
+                              f"{best.predicted.step_time_s * 1e3:.3f}",
+                              f"{best.predicted.peak_memory_bytes / 2**20:.1f}", *cells)
+                Console(width=250).print(f"{model} {cluster_name} {devices}: done in {seconds:.1f} s",
+                                         style="dim", highlight=False)
+    Console(width=250).print(table)
+
+
+def search_8b_table(devices: int, global_batch: int) -> None:
+    """Llama 3 8B's shape (plait's reference code, sequence 8192) searched freely per operator on h100-80g with pp
+    searched: plan seconds in all, shapes priced, the best plans."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.operators.search import search
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    start = time.perf_counter()
+    result = search("decoders:llama_8b", "decoders:tokens_8k", CLUSTER_PRESETS["h100-80g"], devices=devices,
+                    global_batch=global_batch)
+    seconds = time.perf_counter() - start
+    table = Table(title=f"Llama 3 8B's shape searched per operator on {devices} x h100-80g, global batch "
+                        f"{global_batch} x 8192 tokens, fp32: {seconds:.0f} s, {result.candidates_evaluated} shapes "
+                        f"({len(result.plans)} fit, {len(result.refused)} refused, {result.dominated} bounded out)")
+    for column in ("#", "mesh", "mb x n", "blocks/stage", "step s", "peak GiB", "solve status", "proven gap"):
+        table.add_column(column, justify="left" if column in ("mesh", "solve status") else "right")
+    for rank, plan in enumerate(result.plans[:5], start=1):
+        ops = plan.operators
+        table.add_row(str(rank), f"dp{plan.dp} x tp{plan.tp} x pp{plan.pp}",
+                      f"{plan.micro_batch} x {plan.num_micro_batches}", "|".join(map(str, plan.layers_per_stage)),
+                      f"{plan.predicted.step_time_s:.3f}", f"{plan.predicted.peak_memory_bytes / 2**30:.1f}",
+                      ops.solver_status, f"{ops.proven_gap:.2%}" if ops.proven_gap is not None else "-")
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=None, help=f"comma-separated; default {','.join(MODELS)} (with --pp: "
                                                         f"{','.join(PIPELINE_MODELS)})")
     parser.add_argument("--decoders", action="store_true", help="the decoders' table instead (see the docstring)")
     parser.add_argument("--full-program", action="store_true", help="with --decoders: the untied 8B program too")
+    parser.add_argument("--only-8b", action="store_true", help="with --decoders: Llama 3 8B's table alone")
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="the pipeline table instead: per-operator plans with N stages (pipeline_table)")
+    parser.add_argument("--zoo", action="store_true", help="the zoo's free search table instead (zoo_table)")
+    parser.add_argument("--check", action="store_true", help="with --zoo: plait check the 2-device plans")
+    parser.add_argument("--search-8b", type=int, default=None, metavar="DEVICES",
+                        help="Llama 3 8B's shape searched per operator with pp on DEVICES h100s (search_8b_table)")
+    parser.add_argument("--global-batch", type=int, default=None, metavar="B",
+                        help="with --search-8b: sequences per step (default: one per device)")
     args = parser.parse_args()
+    if args.zoo:
+        zoo_table(args.check, (args.models or ",".join(ZOO)).split(","))
+        return
+    if args.search_8b:
+        search_8b_table(args.search_8b, args.global_batch or args.search_8b)
+        return
     if args.decoders and args.pp:
         pipeline_8b_table(args.pp)
         return
     if args.decoders:
-        decoders_table(args.full_program)
+        decoders_table(args.full_program, small=not args.only_8b)
         return
     if args.pp:
         pipeline_table(args.pp, (args.models or ",".join(PIPELINE_MODELS)).split(","))

@@ -43,6 +43,14 @@ ADAMW_COPIES = 4
 """Parameter, gradient and AdamW's two moments."""
 FUSED_TABLE_COPIES = 1
 """An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
+
+
+def fused_table_copies(optimizer: str, ref: "TensorRef") -> float:
+    """Copies of a fused table's bytes a rank holds: the weights, and under row-wise Adagrad one float32
+    accumulator per row (1 / the row's width more)."""
+    if optimizer == "rowwise_adagrad":
+        return FUSED_TABLE_COPIES + 4.0 / (ref.shape[-1] * ref.dtype.itemsize)
+    return FUSED_TABLE_COPIES
 FSDP_GATHERED_COPIES = 2
 """Over dp > 1: the weights gathered for the forward and backward and the whole gradients before their
 reduce-scatter, on top of the sharded copies (see the module docstring)."""
@@ -186,13 +194,19 @@ def shard_bytes(ref: "TensorRef", placement: str, axis_size: int) -> float:
 
 
 def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
-                          dp_group: comm.Group) -> float:
-    """Data-parallel cost of a fused table per step: the all-gather of each rank's looked-up rows' gradients
-    (`rows_bytes`, this micro-batch's lookups in full; a column split gathers its columns only)."""
-    if dp <= 1:
-        return 0.0
-    local = rows_bytes / (axis_size if placement == "S1" else 1)
-    return comm.all_gather(local * dp, dp_group, cluster)
+                          dp_group: comm.Group, optimizer: str = "sgd", lookups: int = 0,
+                          tp_group: comm.Group | None = None) -> float:
+    """Cost of a fused table's update per step: over dp, the all-gather of each rank's looked-up rows' gradients
+    (`rows_bytes`, this micro-batch's lookups in full; a column split gathers its columns only); under row-wise
+    Adagrad split by columns, the all-reduce over tp of each looked-up row's sum of squares (`lookups` rows, all
+    dp ranks' once gathered), which the row's accumulator needs whole."""
+    seconds = 0.0
+    if dp > 1:
+        local = rows_bytes / (axis_size if placement == "S1" else 1)
+        seconds += comm.all_gather(local * dp, dp_group, cluster)
+    if optimizer == "rowwise_adagrad" and placement == "S1" and tp_group is not None and axis_size > 1:
+        seconds += comm.all_reduce(4.0 * lookups * max(dp, 1), tp_group, cluster)
+    return seconds
 
 
 def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,

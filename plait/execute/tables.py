@@ -1,12 +1,20 @@
 """Embedding tables trained by a fused row-wise optimizer (TorchRec's manner): the lookup's backward updates the
-rows it touched in place and leaves the table no gradient, so a table costs its weights alone (no dense
-gradient, no optimizer state), split over the tensor-parallel axis as the plan placed it. The planner prices it so
-(plait.cost.operators.FUSED_TABLE_COPIES) when a plan names the table in `operators.fused_tables`.
+rows it touched in place and leaves the table no gradient, so a table costs its weights alone (no dense gradient,
+no optimizer state but row-wise Adagrad's one accumulator per row), split over the tensor-parallel axis as the plan
+placed it. The planner prices it so (plait.cost.operators.fused_table_copies) when a plan names the table in
+`operators.fused_tables`.
 
-The optimizer is SGD without momentum or weight decay: the only row-wise update that is exact under any split
-(rows, columns or whole) and equal to one process's dense SGD on the same table, which the check compares with.
+* "sgd": SGD without momentum or weight decay: a linear update, exact under any split (rows, columns or whole) and
+  equal to one process's dense SGD on the same table.
+* "rowwise_adagrad": TorchRec's and FBGEMM's EXACT_ROWWISE_ADAGRAD: the gradients of each touched row summed
+  first (duplicate ids in a batch are one row's update), the row's accumulator grows by the mean square of its
+  summed gradient, and the row moves by lr x gradient / (sqrt(accumulator) + eps). Under a column split each rank
+  holds some columns: the row's sum of squares is all-reduced over the tensor-parallel ranks (one float a row), so
+  every split updates as one process does.
+
 Over data-parallel ranks each rank's touched rows and their gradients are all-gathered (the row-wise exchange,
-kilobytes), so every rank applies the same update; the table is left out of fully_shard.
+kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
+table is left out of fully_shard. The accumulators are kept beside the table on each rank (not in a checkpoint).
 """
 
 from __future__ import annotations
@@ -19,15 +27,23 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from plait.operators.solution import FUSED_OPTIMIZERS as OPTIMIZERS
 
+ADAGRAD_EPS = 1e-8
+"""Row-wise Adagrad's epsilon (FBGEMM's default)."""
+
 
 class FusedTables:
     """The fused tables of one model: their learning rate (set by the training loop each step) and the
     data-parallel group whose ranks exchange their rows."""
 
-    def __init__(self, lr: float, dp_group=None) -> None:
+    def __init__(self, lr: float, dp_group=None, eps: float = ADAGRAD_EPS) -> None:
         self.lr = lr
         self.dp_group = dp_group
+        self.eps = eps
         self.modules: list[str] = []
+        self.optimizers: dict[int, str] = {}
+        """id(table module) -> its optimizer."""
+        self.accumulators: dict[int, torch.Tensor] = {}
+        """id(table module) -> row-wise Adagrad's accumulator of this rank's rows (made at the first update)."""
 
     def apply(self, model: nn.Module, fused: dict[str, str]) -> None:
         """Route every nn.Embedding whose weight `fused` names through the fused lookup."""
@@ -40,6 +56,7 @@ class FusedTables:
                                  f"(got {type(module).__name__}, {fused[weight]!r})")
             module.forward = _fused_forward(module, self)
             self.modules.append(name)
+            self.optimizers[id(module)] = fused[weight]
 
     def parameters(self, model: nn.Module) -> set[nn.Parameter]:
         return {model.get_submodule(name).weight for name in self.modules}
@@ -47,44 +64,68 @@ class FusedTables:
 
 def _fused_forward(module: nn.Embedding, tables: FusedTables):
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        return _FusedSGDLookup.apply(ids, module.weight, module, tables)
+        return _FusedLookup.apply(ids, module.weight, module, tables)
     return forward
 
 
-class _FusedSGDLookup(torch.autograd.Function):
-    """F.embedding forward; backward applies SGD to the touched rows of this rank's shard in place and returns
-    no gradient for the table."""
+class _FusedLookup(torch.autograd.Function):
+    """F.embedding forward; backward applies the table's optimizer to the touched rows of this rank's shard in
+    place and returns no gradient for the table."""
 
     @staticmethod
     def forward(ctx, ids, weight, module, tables):
         ctx.save_for_backward(ids)
-        ctx.weight, ctx.tables = weight, tables
+        ctx.weight, ctx.tables, ctx.module = weight, tables, module
         return F.embedding(ids, weight, module.padding_idx, module.max_norm, module.norm_type,
                            module.scale_grad_by_freq, module.sparse)
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        _update_rows(ctx.weight, ids, grad_out, ctx.tables)
+        _update_rows(ctx.weight, ids, grad_out, ctx.tables, ctx.module)
         return None, None, None, None
 
 
-def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, tables: FusedTables) -> None:
-    """weight[ids] -= lr * grad, on this rank's shard: all rows of its columns (split by columns), its rows
-    (split by rows), or the whole table."""
+def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, tables: FusedTables,
+                 module: nn.Module) -> None:
+    """The table's optimizer on this rank's shard: all rows of its columns (split by columns), its rows (split by
+    rows), or the whole table."""
     local, placement, ids, grad = _local_view(weight, ids, grad)
     dim = local.shape[1]
     ids, grad = ids.reshape(-1), grad.reshape(-1, dim)
-    lr = tables.lr
     if tables.dp_group is not None and dist.get_world_size(tables.dp_group) > 1:
         ids, grad = _gather(ids, tables.dp_group), _gather(grad, tables.dp_group)
-        lr /= dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average, as fully_shard
+        grad = grad / dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average
     if isinstance(placement, Shard) and placement.dim == 0:  # this rank holds rows [first, first + len)
         first = _first_row(weight)
         mine = (ids >= first) & (ids < first + local.shape[0])
         ids, grad = ids[mine] - first, grad[mine]
     with torch.no_grad():
-        local.index_add_(0, ids, grad.to(local.dtype), alpha=-lr)
+        if tables.optimizers.get(id(module), "sgd") == "rowwise_adagrad":
+            columns = weight.device_mesh.get_group(0) if isinstance(placement, Shard) and placement.dim == 1 else None
+            _rowwise_adagrad(local, ids, grad, tables, id(module), columns)
+        else:
+            local.index_add_(0, ids, grad.to(local.dtype), alpha=-tables.lr)
+
+
+def _rowwise_adagrad(local: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, tables: FusedTables, key: int,
+                     columns_group) -> None:
+    """Row-wise Adagrad on this rank's rows `local` (see the module docstring); `columns_group`: the ranks holding
+    the row's other columns, whose sums of squares complete the row's (None: this rank holds whole rows)."""
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    dtype = torch.promote_types(local.dtype, torch.float32)  # float32 at least (16-bit tables), float64 in a check
+    summed = torch.zeros(len(rows), grad.shape[1], dtype=dtype).index_add_(0, inverse, grad.to(dtype))
+    squares = summed.square().sum(dim=1)
+    width = grad.shape[1]
+    if columns_group is not None:
+        dist.all_reduce(squares, group=columns_group)
+        width *= dist.get_world_size(columns_group)
+    if key not in tables.accumulators:
+        tables.accumulators[key] = torch.zeros(local.shape[0], dtype=summed.dtype)
+    accumulator = tables.accumulators[key]
+    accumulator.index_add_(0, rows, squares / width)
+    step = summed / (accumulator[rows].sqrt() + tables.eps)[:, None]
+    local.index_add_(0, rows, step.to(local.dtype), alpha=-tables.lr)
 
 
 def _local_view(weight, ids, grad):

@@ -364,7 +364,9 @@ class _Kept:
         """Each call's `saved` flags (an output whose storage a saved tensor holds, counted at the first output
         made on that storage) and the graph's transient_bytes."""
         tensor_of = {recorder.refs[id(t)].value: t for t in recorder.keep if id(t) in recorder.refs}
-        counted: set[int] = set()
+        # a view of a parameter, a buffer or the batch (a weight's transpose that mm keeps) is not an activation
+        counted = {_storage(tensor_of[v.id]) for v in graph.values.values()
+                   if v.kind in ("param", "buffer", "input") and v.id in tensor_of}
         for call in graph.calls:
             flags = []
             for ref in call.outputs:

@@ -169,7 +169,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     fused = planner.fused_tables(model, table_optimizer)
     # the whole module is solved for its parts' times only: a stage holds a part of it, so no memory limit here
     whole = planner.build_problem(planner.captured_loss(model, batch, graphs, batch_source), tp, dp, cluster, math.inf,
-                                  fused=frozenset(fused))
+                                  fused=fused)
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model, prove=False)
     if give_up_above is not None and step_lower_bound(whole, solution, settings) > give_up_above:
@@ -188,7 +188,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
         names = {*graph.params, *graph.buffers, *graph.module_outputs}
         stage_pins = {k: v for k, v in pins.items() if k in names}
         built = planner.build_problem(graph, tp, dp, cluster, memory_limit,
-                                      fused=frozenset(n for n in fused if n in names))
+                                      fused={n: o for n, o in fused.items() if n in names})
         for node in built.call_node.values():  # activations of every micro-batch this stage holds
             built.problem.node_memory[node] = built.problem.node_memory[node] * flight[s]
         planner.apply_pins(built, stage_pins)
@@ -196,7 +196,7 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             built.problem, allowed=[m.copy() for m in built.problem.allowed]))
         _reuse_blocks(reused, whole, solution.choice)
         try:
-            stage_solution = planner.solve(reused, solver, prove=prove)
+            stage_solution = planner.solve(reused, solver, prove=False)
         except sharding.Infeasible:
             stage_solution = None
         if stage_solution is None or stage_solution.cost >= price.UNRUNNABLE_S:
@@ -204,6 +204,9 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
             # (a read DTensor would postpone): the stage is solved freely
             reused = built
             stage_solution = planner.solve_or_refuse(built, solver, pins, fused, model, prove)
+        elif solver == "program":  # the reused blocks are a restriction: proven against the stage's own program
+            stage_solution = dataclasses.replace(stage_solution, status="tied", lower_bound=sharding.relaxation_bound(
+                built.problem) if prove else -math.inf)
         described = planner.describe(reused, stage_solution, batch_source, stage_pins, tp, dp, cluster,
                                      time.perf_counter() - stage_start)
         stages.append(dataclasses.replace(described, fused_tables={k: v for k, v in fused.items() if k in names},

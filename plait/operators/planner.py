@@ -29,7 +29,6 @@ from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSha
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
-from plait.spec.model import BlockCost
 
 COSTLIEST = 10
 """Operators the plan keeps for its report."""
@@ -71,9 +70,11 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
-                  oracle: StrategyOracle | None = None, fused: frozenset[str] = frozenset()) -> Built:
-    """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer: weights alone, kept whole
-    over dp (plait.execute.tables).
+                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset()
+                  ) -> Built:
+    """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
+    names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
+    (plait.execute.tables).
 
     A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
     strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
@@ -86,6 +87,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         with strategy_oracle(axis_size) as oracle:
             return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
+    fused = fused if isinstance(fused, dict) else dict.fromkeys(fused, "sgd")
     nodes: list[_Node] = []
     value_node: dict[int, tuple[int, int]] = {}
     costs, memory = [], []
@@ -116,10 +118,14 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
-            rows = sum(out.nbytes for call in graph.calls if value.ref in call.inputs for out in call.outputs)
-            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group) for p in options])
-            memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.FUSED_TABLE_COPIES)
-                           for p in options])
+            lookups = [out for call in graph.calls if value.ref in call.inputs for out in call.outputs]
+            rows = sum(out.nbytes for out in lookups)
+            count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
+            optimizer = fused[value.name]
+            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group, optimizer, count,
+                                                      group) for p in options])
+            memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
+                optimizer, value.ref)) for p in options])
         elif value.kind == "param":
             costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
@@ -410,8 +416,8 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
-    graph = captured_loss(model, batch, graphs, batch_source)
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=frozenset(fused))
+    graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)

@@ -2,7 +2,7 @@
 
 `search(...)` enumerates the shapes (`shapes`): dp x tp x pp over the devices (pp only where the module has
 repeated blocks to cut between, at most one block per stage), and under a pipeline the number of micro-batches
-per step (`MICRO_BATCH_CHOICES` of them); each shape is planned by the per-operator program
+per step (`micro_batch_counts`); each shape is planned by the per-operator program
 (plait.operators.planner for pp = 1, plait.operators.pipeline for stages, whose repeated block is solved once and
 reused on every stage), under the per-device memory limit; the plans are ranked by predicted step time (then peak
 memory). Pins of any degree (--dp, --tp, --pp, --micro-batch, --schedule) narrow the shapes; placement pins hold
@@ -44,7 +44,7 @@ from plait.spec.cluster import ClusterSpec
 SEARCHED_SCHEDULES = ("1f1b",)
 """Schedules the search ranks unpinned (see the module docstring); plait.operators.pipeline runs gpipe too."""
 MICRO_BATCH_CHOICES = 3
-"""Micro-batch counts tried per pipeline shape: pp, then doubling (2pp, 4pp, ...) while they divide the batch."""
+"""Micro-batch counts tried per pipeline shape (micro_batch_counts): the fewest, the most, and the most halved."""
 MAX_DEVICE_GROWTH = 64
 """The largest device count the refusal's suggestion looks at, as a multiple of the devices asked for."""
 
@@ -115,18 +115,17 @@ def divisors(n: int) -> list[int]:
 
 
 def micro_batch_counts(per_replica: int, pp: int, pinned_micro_batch: int | None) -> list[int]:
-    """Micro-batches per step of a pp-stage pipeline whose data-parallel replica takes `per_replica` samples."""
+    """Micro-batches per step of a pp-stage pipeline whose data-parallel replica takes `per_replica` samples: the
+    fewest (pp: the largest micro-batch), the most (micro-batches of one sample: the smallest bubble and memory)
+    and the most halved, where they divide the samples (MICRO_BATCH_CHOICES of them)."""
     if pinned_micro_batch is not None:
         return [per_replica // pinned_micro_batch] if per_replica % pinned_micro_batch == 0 and \
             per_replica // pinned_micro_batch >= pp else []
-    counts, m = [], pp
-    while m <= per_replica and len(counts) < MICRO_BATCH_CHOICES:
-        if per_replica % m == 0:
-            counts.append(m)
-        m *= 2
-    if not counts:
-        counts = [m for m in divisors(per_replica) if m >= pp][:1]
-    return counts
+    fitting = [m for m in divisors(per_replica) if m >= pp]
+    if not fitting:
+        return []
+    wanted = [fitting[0], fitting[-1]] + [m for m in fitting[-2::-1] if m * 2 <= fitting[-1]][:1]
+    return sorted(set(wanted))[:MICRO_BATCH_CHOICES]
 
 
 def shapes(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -> list[Shape]:
@@ -348,14 +347,14 @@ def smallest_devices(module: _Module, cluster: ClusterSpec, devices: int, global
     """The smallest of 2x, 4x, ... MAX_DEVICE_GROWTH x `devices` at which some shape without a pipeline (the
     degree pins kept, but not dp) has a placement whose least memory fits `limit` (None: none does). Cheap where it
     stops early: each new tensor-parallel degree asks DTensor its strategies."""
-    fused = frozenset(planner.fused_tables(module.model, table_optimizer))
+    fused = planner.fused_tables(module.model, table_optimizer)
     grow = 2
     while grow <= MAX_DEVICE_GROWTH:
         count = devices * grow
         for shape in shapes(count, global_batch, 0, dataclasses.replace(degrees, dp=None, pp=None, micro_batch=None)):
             batch = module.batch(global_batch // shape.dp)
-            built = planner.build_problem(planner.captured(module.model, batch, module.graphs), shape.tp, shape.dp, cluster, limit,
-                                          fused=fused)
+            graph = planner.captured(module.model, batch, module.graphs)
+            built = planner.build_problem(graph, shape.tp, shape.dp, cluster, limit, fused=fused)
             if planner.least_memory(built) <= limit:
                 return count
         grow *= 2

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FUSED_OPTIMIZERS = ("sgd",)
-"""Fused row-wise optimizers for embedding tables (plait.execute.tables runs them; the planner prices them)."""
+FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")
+"""Fused row-wise optimizers for embedding tables (plait.execute.tables runs them; the planner prices them): SGD,
+and row-wise Adagrad (one accumulator per row, as TorchRec's and FBGEMM's EXACT_ROWWISE_ADAGRAD)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,8 @@ axis divides, partial); the propagator answers with the placements it would run 
 its arguments if needed) and the output's. The distinct answers are the op's strategies. This is the rule DTensor
 itself runs in eager mode, so the executor runs what was priced. Calls with the same operator, shapes and
 arguments share one answer (a repeated block is asked once). An operator without a rule (the propagator
-raises) gets one strategy, everything replicated, and is named in the plan's report; `register_sharding`
+raises), or whose backward kernel has none (avg_pool2d's, native_group_norm's: `missing_backward_rules`), gets one
+strategy, everything replicated, and is named in the plan's report; `register_sharding`
 (torch.distributed.tensor.experimental) adds a rule for a custom op, and this module then sees it.
 
 Rules plait adds (`register_plait_rules`, through the same public `register_sharding`, for the planner and the
@@ -125,6 +126,8 @@ class StrategyOracle:
 
     def _ask_each_combination(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
+        if missing_backward_rules(call.op):  # its backward would stop the run: replicated, both ways
+            return [replicated], False
         options = [candidate_placements(ref, self.axis_size, uneven=u) for ref, u in zip(call.inputs, uneven)]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
         if len(combos) > MAX_COMBINATIONS:
@@ -288,20 +291,39 @@ def _attention_rule(outputs: int):
     return rule
 
 
+def _has_rule(op) -> bool:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return op in propagator.op_strategy_funcs or op in propagator.op_single_dim_strategy_funcs or \
+        op in propagator.op_to_rules
+
+
+def missing_backward_rules(op) -> list:
+    """The backward kernel autograd calls for `op` (aten's `<name>_backward`: avg_pool2d's, native_group_norm's,
+    _embedding_bag's), where DTensor has no rule for it (torch 2.13): [] when it has one or there is none. The
+    forward may have a rule, but a run whose backward meets the kernel stops; the planner runs such an operator
+    replicated and the executor gives its backward a replicated rule too (register_replicated)."""
+    name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
+    packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
+    backward = getattr(packet, "default", None) if packet is not None else None
+    return [backward] if backward is not None and not _has_rule(backward) else []
+
+
 def register_replicated(call_name: str) -> None:
     """Give an ATen operator without a DTensor rule one (torch's public register_sharding): run it replicated,
-    every tensor argument gathered, as the planner priced it. `call_name` is a captured call's name
-    ("module:op.overload#index")."""
+    every tensor argument gathered, as the planner priced it; and its backward kernel, where that has no rule
+    (missing_backward_rules). `call_name` is a captured call's name ("module:op.overload#index")."""
     from torch.distributed.tensor.experimental import register_sharding
 
     op_name = call_name.split(":", 1)[1].split("#")[0]
     packet, _, overload = op_name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-    num_outputs = len(op._schema.returns)
+    for kernel in [op, *missing_backward_rules(op)]:
+        register_sharding(kernel)(_replicated_rule(len(kernel._schema.returns)))
 
+
+def _replicated_rule(num_outputs: int):
     def replicated(*args, **kwargs):
         flat = [a for a in args] + list(kwargs.values())
         inputs = [Replicate() if isinstance(a, DTensorSpec) else None for a in flat]
         return [([Replicate()] * num_outputs, inputs)]
-
-    register_sharding(op)(replicated)
+    return replicated

@@ -189,3 +189,68 @@ def test_activations_are_what_autograd_keeps_for_the_backward():
     every = sum(price.activation_bytes(c.outputs, ["R"] * len(c.outputs), 1) for c in graph.calls)
     relu = 4 * 4 * 128 * 4
     assert relu <= kept < every and graph.transient_bytes >= relu
+
+
+def test_an_operator_whose_backward_has_no_rule_runs_replicated_both_ways():
+    """The U-Net's GroupNorm and average pooling have DTensor rules forward but none for their backward kernels
+    (torch 2.13): planned split, every rank died in the backward. They are planned replicated, named, and the
+    executor's step on a fake process group (backward included) issues exactly the planned collectives."""
+    import torch
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.dryrun import CollectiveCounter
+    from plait.operators.strategies import missing_backward_rules
+
+    assert missing_backward_rules(torch.ops.aten.avg_pool2d.default)
+    assert not missing_backward_rules(torch.ops.aten.convolution.default)
+    plan = auto_plan("unet:build", "unet:batch", CPU, global_batch=8, tp=2)
+    replicated = {name.split(":")[1].split("#")[0] for name in plan.operators.replicated_ops}
+    assert {"native_group_norm.default", "avg_pool2d.default"} <= replicated
+    with fake_tensor_parallel_mesh(plan.tp) as mesh:
+        model = apply_operator_sharding(build_module(plan.model.source, seed=0, dtype=torch.float32), plan, mesh)
+        counter = CollectiveCounter()
+        with counter:
+            loss = model(*make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32))
+            with implicit_replication():
+                loss.backward()
+    assert counter.counts == plan.operators.comm_counts and counter.nbytes == plan.operators.comm_bytes
+
+
+class Logits:
+    """A module whose forward returns logits, not a loss (built lazily: torch imported inside)."""
+
+    def __new__(cls):
+        from torch import nn
+
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(64, 8)
+
+            def forward(self, x, y):
+                return self.fc(x)
+
+        return Head()
+
+
+def pairs(batch_size, generator):
+    import torch
+
+    return torch.randn(batch_size, 64, generator=generator), torch.randn(batch_size, 8, generator=generator)
+
+
+def no_generator(batch_size):
+    return pairs(batch_size, None)
+
+
+@pytest.mark.parametrize("model, batch, message", [
+    (f"module:{__name__}:Logits", f"{__name__}:pairs", "forward returned a tensor of shape [4, 8]"),
+    ("module:mlp:build", f"{__name__}:no_generator", "must take (batch_size, generator)"),
+])
+def test_a_forward_without_a_loss_or_a_factory_without_a_generator_is_refused_in_one_line(model, batch, message,
+                                                                                           capsys):
+    code = cli_main(["plan", "--model", model, "--batch", batch, "--cluster", "local-cpu", "--devices", "2",
+                     "--global-batch", "8", "--seq-len", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err, err

@@ -1,0 +1,115 @@
+"""plait's per-operator placements of embedding tables against TorchRec's EmbeddingShardingPlanner on the same
+tables, world sizes and per-device budgets.
+
+The tables are examples/auto/dlrm_tables.py's five (100,003, 25,013, 4,099, 1,009 and 97 rows of 32 floats; row
+counts no degree divides), trained by row-wise Adagrad on both sides (TorchRec's fused default, plait's
+`--table-optimizer rowwise_adagrad`). Each world size is planned with an unlimited budget and with one the largest
+table does not fit whole (BUDGET_MIB per device):
+
+* plait: the whole DLRM planned per operator on h100-80g with every rank on the tensor-parallel axis (dp = 1, tp =
+  world: the tables over every rank, as TorchRec shards them), its tables' placements (R: a copy on every rank,
+  TorchRec's data_parallel; S0: row-wise, uneven where the degree does not divide the rows; S1: column-wise), the
+  plan's step and peak memory;
+* TorchRec (1.8.0, whose fbgemm-gpu-cpu 1.8.0 loads on torch 2.13; 1.9.x's fbgemm 1.9.0 is built for torch 2.14
+  and does not): each table's sharding type and ranks, and its planner's per-shard perf estimate (fwd + bwd
+  compute and comms, the planner's own units) and HBM storage.
+
+TorchRec is not a dependency of plait: fetch it beside the shared environment, not into it, and put it on the path:
+
+    pip download torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 --no-deps -d /tmp/trec
+    (cd /tmp/trec && mkdir site && cd site && for w in ../*.whl; do python -m zipfile -e $w .; done)
+    OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto:/tmp/trec/site python benchmarks/torchrec_tables.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+WORLDS = (2, 4, 8)
+BUDGET_MIB = 8.0
+"""A per-device budget the 12.2 MiB table (100,003 x 32 floats, and row-wise Adagrad's accumulators) does not fit
+whole, so both planners must split it."""
+BATCH_PER_RANK = 8
+PLACEMENT_AS_TORCHREC = {"R": "data_parallel", "S0": "row_wise", "S1": "column_wise"}
+
+
+def plait_tables(world: int, budget_mib: float | None) -> tuple[dict[str, str], float, float, float]:
+    """({table: placement}, step s, peak bytes, plan seconds) of the DLRM on dp1 x tp`world`."""
+    from plait.operators.search import DegreePins, search
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    start = time.perf_counter()
+    result = search("dlrm_tables:build", "dlrm_tables:batch", CLUSTER_PRESETS["h100-80g"], devices=world,
+                    global_batch=BATCH_PER_RANK * world, degrees=DegreePins(dp=1, tp=world),
+                    memory_limit=budget_mib * 2**20 if budget_mib else None, table_optimizer="rowwise_adagrad")
+    plan = result.plans[0]
+    tables = {name.removesuffix(".weight"): placement for name, placement in plan.operators.params.items()
+              if name.startswith("tables.")}
+    return tables, plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, time.perf_counter() - start
+
+
+def torchrec_tables(world: int, budget_mib: float | None) -> tuple[dict[str, tuple[str, list[int], float, int]], float]:
+    """({table: (sharding type, ranks, perf estimate summed over its shards, HBM bytes of its largest shard)},
+    plan seconds) from TorchRec's EmbeddingShardingPlanner."""
+    import logging
+
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from dlrm_tables import DIM, TABLES  # examples/auto
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    configs = [EmbeddingBagConfig(name=f"table{i}", embedding_dim=DIM, num_embeddings=rows,
+                                  feature_names=[f"feature{i}"]) for i, rows in enumerate(TABLES)]
+    collection = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    topology = Topology(world_size=world, compute_device="cuda", local_world_size=8,
+                        **({"hbm_cap": int(budget_mib * 2**20)} if budget_mib else {}))
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=BATCH_PER_RANK)
+    start = time.perf_counter()
+    planner.plan(collection, [EmbeddingBagCollectionSharder()])
+    seconds = time.perf_counter() - start
+    found = {}
+    for option in planner._best_plan or []:  # the planner's chosen ShardingOptions (no public accessor in 1.8)
+        found[option.name.replace("table", "tables.")] = (option.sharding_type, sorted({s.rank for s in option.shards}),
+                              sum(s.perf.total for s in option.shards if s.perf),
+                              max(s.storage.hbm for s in option.shards if s.storage))
+    return found, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    args = parser.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    from dlrm_tables import TABLES
+
+    table = Table(title="embedding tables: plait's placement against TorchRec 1.8's planner (row-wise Adagrad; "
+                        "h100 figures, planned only)")
+    for column in ("world", "budget", "table", "rows", "plait", "TorchRec", "TorchRec ranks", "TorchRec perf",
+                   "TorchRec HBM/shard", "plait step µs", "plait peak MiB", "plan s plait / TorchRec"):
+        table.add_column(column, justify="left" if column in ("table", "plait", "TorchRec", "TorchRec ranks")
+                         else "right")
+    for world in map(int, args.worlds.split(",")):
+        for budget in (None, BUDGET_MIB):
+            ours, step, peak, ours_s = plait_tables(world, budget)
+            theirs, theirs_s = torchrec_tables(world, budget)
+            for i, rows in enumerate(TABLES):
+                name = f"tables.{i}"
+                kind, ranks, perf, hbm = theirs.get(name, ("-", [], 0.0, 0))
+                placement = ours.get(name, "R")
+                table.add_row(str(world), f"{budget:g} MiB" if budget else "-", name, f"{rows:,}",
+                              f"{placement} ({PLACEMENT_AS_TORCHREC.get(placement, placement)})", kind,
+                              ",".join(map(str, ranks)), f"{perf:.3g}", f"{hbm / 2**20:.2f} MiB",
+                              f"{step * 1e6:.1f}" if i == 0 else "", f"{peak / 2**20:.1f}" if i == 0 else "",
+                              f"{ours_s:.1f} / {theirs_s:.2f}" if i == 0 else "")
+    Console(width=220).print(table)
+
+
+if __name__ == "__main__":
+    main()

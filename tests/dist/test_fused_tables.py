@@ -1,0 +1,33 @@
+"""Fused row-wise Adagrad on ranks (plait.execute.tables): DLRM on dp2 x tp2 with its table split by columns, each
+row's sum of squares all-reduced over the tensor-parallel ranks and the touched rows exchanged over dp, EQUAL to
+one process running the same optimizer on the whole table (one launch of 4 ranks)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.operators.planner import auto_plan
+from plait.spec.clusters import CLUSTER_PRESETS
+
+pytestmark = pytest.mark.dist
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+
+
+def test_check_proves_rowwise_adagrad_on_a_column_split_table_equal(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    plan = auto_plan("dlrm:build", "dlrm:batch", CLUSTER_PRESETS["local-cpu"], global_batch=16, dp=2, tp=2,
+                     table_optimizer="rowwise_adagrad", pins={"table.weight": "S1"})
+    assert plan.operators.fused_tables == {"table.weight": "rowwise_adagrad"}
+    assert plan.operators.params["table.weight"] == "S1"
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
