@@ -305,7 +305,12 @@ def missing_backward_rules(op) -> list:
     name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
     packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
     backward = getattr(packet, "default", None) if packet is not None else None
-    return [backward] if backward is not None and not _has_rule(backward) else []
+    # a rule register_replicated gave it earlier in this process is plait's stand-in, not DTensor's own
+    return [backward] if backward is not None and (backward in _REPLICATED or not _has_rule(backward)) else []
+
+
+_REPLICATED: set = set()
+"""Kernels register_replicated gave a replicated rule in this process (the answer stays the same after it did)."""
 
 
 def register_replicated(call_name: str) -> None:
@@ -319,6 +324,7 @@ def register_replicated(call_name: str) -> None:
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
     for kernel in [op, *missing_backward_rules(op)]:
         register_sharding(kernel)(_replicated_rule(len(kernel._schema.returns)))
+        _REPLICATED.add(kernel)
 
 
 def _replicated_rule(num_outputs: int):
