@@ -305,8 +305,10 @@ def missing_backward_rules(op) -> list:
     name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
     packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
     backward = getattr(packet, "default", None) if packet is not None else None
+    if backward is None or torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
+        return []  # none, or one that decomposes into kernels DTensor has rules for (embedding_backward)
     # a rule register_replicated gave it earlier in this process is plait's stand-in, not DTensor's own
-    return [backward] if backward is not None and (backward in _REPLICATED or not _has_rule(backward)) else []
+    return [backward] if backward in _REPLICATED or not _has_rule(backward) else []
 
 
 _REPLICATED: set = set()
