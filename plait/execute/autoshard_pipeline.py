@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+from plait.operators import batch as batches
 from plait.execute.pipeline import build_schedule
 from plait.errors import ConfigError
 from plait.operators.stages import StageLayout, build_stage, find_layout
@@ -33,7 +34,7 @@ def stage_layout(plan: Plan) -> StageLayout:
     the ones the plan's stages cut."""
     meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
     micro = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
-    layout = find_layout(meta, tuple(t.to("meta") for t in micro))
+    layout = find_layout(meta, batches.positional(batches.to_device(micro, "meta")))
     if layout.blocks_path != plan.operators.blocks:
         raise ConfigError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
                           f"{layout.blocks_path!r}: plan again for this module")
@@ -57,6 +58,7 @@ def pipeline_step(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor
     """One step of the schedule on this data-parallel rank's `batch` (forward only: the schedule's eval); the
     micro-batches' losses (last stage)."""
     losses: list[torch.Tensor] = []
+    batch = batches.positional(batch)  # one tensor: a 1-tuple (stages take the batch positionally)
     named = {str(i): t for i, t in enumerate(batch)}
     run = schedule.eval if forward_only else schedule.step
     # forward and backward interleave: one implicit_replication around both (constants made in forward, RoPE's
@@ -89,7 +91,7 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     from plait.execute.dryrun import CollectiveCounter
 
     with fake_tensor_parallel_mesh(plan.tp) as mesh:
-        batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+        batch = batches.positional(make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32))
         layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}

@@ -117,7 +117,7 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
         if hidden is None:
             out = batches.call(module, batch)
         else:
-            out = module(hidden, **{str(i): t for i, t in enumerate(batch)})
+            out = module(hidden, **{str(i): t for i, t in enumerate(batches.positional(batch))})
         if position == plan.pp - 1:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

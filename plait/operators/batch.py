@@ -91,6 +91,17 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
 
 
+def positional(batch: Any) -> tuple | None:
+    """The batch as the positional arguments a pipeline stage takes (torch.distributed.pipelining hands stages
+    positional and numbered keyword arguments): a tuple or list as a tuple, one tensor as a 1-tuple; None for a dict
+    or another structure, which pipeline stages do not take."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch)
+    return None
+
+
 def rows(batch: Any) -> int:
     return next(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)).shape[0]
 

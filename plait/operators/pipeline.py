@@ -30,6 +30,7 @@ from plait import legality
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
+from plait.operators import batch as batches
 from plait.operators import planner
 from plait.operators.solution import OperatorSharding
 from plait.operators.stages import StageLayout, build_stage, find_layout
@@ -161,9 +162,10 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     gaps (planner.solve); `give_up_above`: a search's best step so far: Dominated, before the stages are solved,
     where no stage split can beat it (`step_lower_bound`)."""
     start = time.perf_counter()
-    if not isinstance(batch, (tuple, list)):
+    if batches.positional(batch) is None:
         raise ConfigError(f"{name}: batches {batch_source!r} return a {type(batch).__name__}; pipeline stages take "
                           f"the batch as a tuple of tensors (return one), or use pp=1")
+    batch = batches.positional(batch)
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)

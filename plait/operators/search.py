@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.operators import batch as batches
 from plait.operators import planner
 from plait.operators.pipeline import Dominated
 from plait.operators.solution import OperatorSharding
@@ -196,7 +197,7 @@ def load_module(model_source: str, batch_source: str, find_blocks: bool = True) 
     module = _Module(model_source, batch_source, model, name, 0, "")
     if not find_blocks:
         return module
-    if not isinstance(module.batch(1), (tuple, list)):  # a dict batch: stages take the batch positionally
+    if batches.positional(module.batch(1)) is None:  # a dict batch: stages take the batch positionally
         module.no_blocks_reason = (f"model {name!r}: batches {batch_source!r} are a "
                                    f"{type(module.batch(1)).__name__}; pipeline stages take the batch as a tuple of "
                                    f"tensors (return one), or use pp=1")

@@ -278,3 +278,21 @@ def test_the_dry_run_of_a_pipeline_issues_each_stage_s_planned_collectives(monke
     plan = auto_plan("split_readers:build", "split_readers:batch", CPU, global_batch=8, tp=2, pp=2, pins=MEGATRON)
     reports = dry_run_module(plan)
     assert [r.collectives for r in reports] == [stage.comm_counts for stage in plan.operators.stages]
+
+
+def test_a_batch_of_one_tensor_pipelines_as_a_one_tuple(tmp_path, monkeypatch):
+    """A batch factory returning one tensor (forward(batch)) is cut into pipeline stages like a tuple of one: planned
+    at pp2 and each stage's first step dry-run."""
+    from plait.execute.module_dryrun import dry_run_module
+
+    (tmp_path / "one_tensor.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))\n"
+        "    def forward(self, x):\n        for b in self.blocks:\n            x = torch.tanh(b(x))\n"
+        "        return x.square().mean()\n"
+        "def build():\n    return Net()\n"
+        "def batch(n, generator):\n    return torch.randn(n, 8, generator=generator)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = auto_plan("one_tensor:build", "one_tensor:batch", CPU, global_batch=8, pp=2)
+    assert plan.pp == 2 and [r.pp_rank for r in dry_run_module(plan)] == [0, 1]
