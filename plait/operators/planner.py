@@ -81,8 +81,6 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     whose Partial gradients autograd adds before DTensor reduces them, price.joins_gradient_sum, share one
     all-reduce: the node's edge to the producer costs it, on a replicated producer only, and its edge to each such
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
-    if oracle is None and axis_size == 1:  # no axis to split over: every call runs whole, nothing to ask DTensor
-        oracle = _WholeOracle()
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
             return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
@@ -210,13 +208,6 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
                  tuple(unsupported), gradient_sums, shares, axis_size)
-
-
-class _WholeOracle:
-    """Strategies on an axis of one rank: each call replicated, its one strategy (no fake process group needed)."""
-
-    def strategies(self, call, uneven: tuple[bool, ...] = ()) -> tuple[list[Strategy], bool]:
-        return [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], True
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:

@@ -128,7 +128,9 @@ class StrategyOracle:
         replicated = Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))
         if missing_backward_rules(call.op):  # its backward would stop the run: replicated, both ways
             return [replicated], False
-        options = [candidate_placements(ref, self.axis_size, uneven=u) for ref, u in zip(call.inputs, uneven)]
+        # over one rank every placement is the whole tensor: ask only whether the op runs replicated at all
+        options = [candidate_placements(ref, self.axis_size, uneven=u) if self.axis_size > 1 else ["R"]
+                   for ref, u in zip(call.inputs, uneven)]
         combos = list(itertools.islice(itertools.product(*options), MAX_COMBINATIONS + 1))
         if len(combos) > MAX_COMBINATIONS:
             combos = [tuple(o if i == j else "R" for j in range(len(options))) for i, opts in enumerate(options)
@@ -306,7 +308,7 @@ def missing_backward_rules(op) -> list:
     packet = getattr(torch.ops.aten, f"{name}_backward", None) if name else None
     backward = getattr(packet, "default", None) if packet is not None else None
     if backward is None or torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "CompositeImplicitAutograd"):
-        return []  # none, or one that decomposes into kernels DTensor has rules for (embedding_backward)
+        return []  # a composite (embedding_backward) decomposes into kernels before DTensor sees it
     # a rule register_replicated gave it earlier in this process is plait's stand-in, not DTensor's own
     return [backward] if backward in _REPLICATED or not _has_rule(backward) else []
 
