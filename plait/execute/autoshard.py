@@ -8,12 +8,16 @@ strategy from its inputs' placements, runs the strategies that were priced, and 
 redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
 Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
 (_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
-tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors). A plan written before
-function_reads redistributes at module boundaries only (its inputs, outputs and param_reads).
+tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors), 0-d parameters and fused
+tables left out. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
+function_reads redistributes at module boundaries only (its inputs, outputs and param_reads). Normalisations read
+their statistics dimensions whole (NormsReadWhole, plait.operators.norms).
 
 The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
 tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
-called as function(batch_size, generator)).
+called as function(batch_size, generator); plait.operators.batch). The run builds on this through
+plait.execute.module_model (the training loop's model) and `check_plan` proves it equal to one process computing
+the same calls (step_calls).
 """
 
 from __future__ import annotations
