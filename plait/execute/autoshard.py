@@ -370,7 +370,8 @@ def reference_steps(plan: Plan, settings: CheckSettings):
     weights."""
     dtype = DTYPES[settings.dtype]
     model = build_module(plan.model.source, seed=settings.seed, dtype=dtype)
-    fused = use_fused_tables(model, plan.operators.fused_tables, settings.lr).parameters(model)
+    tables = use_fused_tables(model, plan.operators.fused_tables, settings.lr)
+    fused = tables.parameters(model)
     trained = [p for p in model.parameters() if p not in fused]
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS,
                                   foreach=False)
@@ -378,7 +379,9 @@ def reference_steps(plan: Plan, settings: CheckSettings):
     for step in range(settings.steps):
         calls = step_calls(plan, make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype))
         loss = sum(batches.call(model, call) for call in calls) / len(calls)
+        tables.defer()  # the fused tables' rows updated once, as the run's step does
         loss.backward()
+        tables.flush()
         losses.append(loss.item())
         if step == 0:
             first = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

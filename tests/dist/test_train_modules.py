@@ -188,3 +188,27 @@ def test_check_proves_a_weight_tied_across_pipeline_stages_summed(tmp_path):
                           cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "EQUAL" in done.stdout
+
+
+def test_check_proves_a_fused_table_under_a_pipeline_of_micro_batches(tmp_path):
+    """plait's Llama on pp2, 1F1B over 4 micro-batches, its token embedding trained by the fused row-wise SGD: the
+    first stage's later forwards run after earlier backwards, so the rows are updated once, at the step's end, from
+    every micro-batch's gradient scaled as the schedule scales the others (1 / micro-batches); before, each backward
+    moved the rows at once and m times too far (DIFFERENT, 1e-4 AdamW steps)."""
+    from plait.operators.planner import auto_plan
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        plan = auto_plan("decoders:llama", "decoders:tokens", CLUSTER_PRESETS["local-cpu"], global_batch=8, pp=2,
+                         num_micro_batches=4, table_optimizer="sgd")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    assert plan.operators.fused_tables == {"model.tok_embeddings.weight": "sgd"} and plan.num_micro_batches == 4
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "2"],
+                          capture_output=True, text=True, env={**os.environ, "PLAIT_OMP_THREADS": "1"},
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "EQUAL" in done.stdout
