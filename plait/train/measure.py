@@ -342,10 +342,13 @@ def _less_wait(record: RankRecord, ranks: list[RankRecord]) -> RankRecord:
 
 def predicted_segment(plan: Any) -> Segment:
     """A segment for `plan` with the cost model's prediction and no timings yet."""
-    if plan.operators is not None:  # priced per operator: one figure, the forward and backward with their
-        step = plan.predicted.step_time_s if plan.predicted else 0.0  # collectives (inside the module: compute)
-        return Segment(plan=plan.to_dict(), predicted=Parts(step=step, compute=step, waiting=0.0, optimizer=0.0),
-                       predicted_rank_compute=[step] * plan.pp, ranks=[])
+    if plan.operators is not None:  # priced per operator (plait.operators.search.step_parts: compute, tp_comm,
+        step = plan.predicted.step_time_s if plan.predicted else 0.0  # dp_comm, bubble), or one figure (older plans)
+        parts = dict(plan.predicted.step_time_parts) if plan.predicted else {}
+        predicted = Parts.of_prediction(step, parts) if parts else Parts(step=step, compute=step, waiting=0.0,
+                                                                            optimizer=0.0)
+        return Segment(plan=plan.to_dict(), predicted=predicted, predicted_rank_compute=[predicted.compute] * plan.pp,
+                       ranks=[])
     from plait.cost import predict
 
     prediction = predict(plan.replace(predicted=None))
