@@ -165,8 +165,9 @@ def _launch(args: argparse.Namespace) -> int:
     if plan.operators is not None:  # a plan whose first step would crash stops here, in one line
         import sys
 
-        from plait.execute.module_dryrun import dry_run_module, samples_note
+        from plait.execute.module_dryrun import dry_run_module, refuse_off_cpu, samples_note
 
+        refuse_off_cpu(plan)
         dry_run_module(plan)
         note = samples_note(plan)
         if note:

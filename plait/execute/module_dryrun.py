@@ -146,6 +146,15 @@ class _nothing:
         return False
 
 
+def refuse_off_cpu(plan: Plan) -> None:
+    """ConfigError in one line for a per-operator plan of accelerators: its executor builds CPU meshes over gloo
+    (plait.execute.autoshard.build_mesh), so such a plan is planned and priced, not run, here."""
+    if plan.cluster.device_type != "cpu":
+        raise ConfigError(f"the plan is for {plan.cluster.name} ({plan.cluster.device_type}); per-operator plans run "
+                          f"on CPU ranks (gloo) only: plan for a CPU cluster (--cluster local-cpu) to train or check "
+                          f"this module here")
+
+
 def samples_note(plan: Plan) -> str | None:
     """A line for a module whose loss is not a mean over its samples (an in-batch softmax, batch statistics), when
     the plan's calls see fewer samples than the step (data parallelism, micro-batches): how many each call sees.

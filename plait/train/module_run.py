@@ -194,7 +194,7 @@ def _micro_batch(pins: dict, degrees: dict, devices: int, global_batch: int) -> 
 def check_module_run(config: Any, plan: Any) -> None:
     """Before any rank starts: the batch factories answer (batch_size, generator) with tensors of that many rows,
     and the plan's first step builds and runs on this machine (plait.execute.module_dryrun)."""
-    from plait.execute.module_dryrun import dry_run_module, samples_note
+    from plait.execute.module_dryrun import dry_run_module, refuse_off_cpu, samples_note
     from plait.operators import batch as batches
 
     import torch
@@ -210,6 +210,7 @@ def check_module_run(config: Any, plan: Any) -> None:
         if config.plan.devices not in (None, plan.num_devices):
             raise ConfigError(f"plan.devices = {config.plan.devices} but plan.file {config.plan.file!r} is for "
                               f"{plan.num_devices} devices ({plan.degrees.describe()}); unset plan.devices or re-plan")
+    refuse_off_cpu(plan)
     batches.draw(config.data.batch, plan.micro_batch, torch.Generator().manual_seed(0))
     if config.eval.every:
         batches.draw(config.eval.batch, plan.micro_batch, torch.Generator().manual_seed(0))

@@ -296,3 +296,14 @@ def test_a_batch_of_one_tensor_pipelines_as_a_one_tuple(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     plan = auto_plan("one_tensor:build", "one_tensor:batch", CPU, global_batch=8, pp=2)
     assert plan.pp == 2 and [r.pp_rank for r in dry_run_module(plan)] == [0, 1]
+
+
+def test_a_per_operator_plan_of_accelerators_is_refused_before_any_rank(tmp_path, capsys):
+    """The per-operator executor builds CPU meshes over gloo: a plan for GPUs is planned and priced, and refused in
+    one line by `plait check` (and `plait train`) rather than started."""
+    from plait.spec.clusters import CLUSTER_PRESETS as PRESETS
+
+    plan = auto_plan("run_graph:build", "run_graph:batch", PRESETS["a100-40g"], global_batch=8, tp=2)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    code, err = _cli(["check", "--plan", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "run on CPU ranks (gloo) only" in err, err
