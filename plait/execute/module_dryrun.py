@@ -146,6 +146,24 @@ class _nothing:
         return False
 
 
+def runnable(plans: list, limit: int | None = None) -> tuple[list, list[str]]:
+    """(the first `limit` of `plans` whose first step dry-runs, in their order; why each one skipped did not), so a
+    ranking emits no plan that would crash; ConfigError (the first plan's reason) when none does."""
+    kept, refused = [], []
+    for plan in plans:
+        if limit is not None and len(kept) >= limit:
+            break
+        try:
+            dry_run_module(plan)
+        except ConfigError as e:
+            refused.append(str(e))
+            continue
+        kept.append(plan)
+    if not kept and refused:
+        raise ConfigError(refused[0])
+    return kept, refused
+
+
 def refuse_off_cpu(plan: Plan) -> None:
     """ConfigError in one line for a per-operator plan of accelerators: its executor builds CPU meshes over gloo
     (plait.execute.autoshard.build_mesh), so such a plan is planned and priced, not run, here."""

@@ -175,7 +175,12 @@ def _plan_from_pins(config: Any, num_devices: int | None) -> Any:
                     degrees=DegreePins(micro_batch=micro_batch, schedule=pins.get("schedule"), **degrees),
                     pins=pins.get("place") or None, memory_limit=budget * 2**20 if budget else None,
                     table_optimizer=pins.get("table_optimizer"))
-    return result.plans[0]
+    from plait.execute.module_dryrun import runnable
+
+    [best], failed = runnable(list(result.plans), 1)  # the best plan whose first step runs
+    for reason in failed:
+        print(f"plait train: note: a faster plan was left out: {reason}", file=sys.stderr, flush=True)
+    return best
 
 
 def _micro_batch(pins: dict, degrees: dict, devices: int, global_batch: int) -> int | None:
@@ -214,7 +219,8 @@ def check_module_run(config: Any, plan: Any) -> None:
     batches.draw(config.data.batch, plan.micro_batch, torch.Generator().manual_seed(0))
     if config.eval.every:
         batches.draw(config.eval.batch, plan.micro_batch, torch.Generator().manual_seed(0))
-    dry_run_module(plan)
+    if config.plan.file != "auto":  # a plan of the search was dry-run as it was chosen (_plan_from_pins)
+        dry_run_module(plan)
     note = samples_note(plan)
     if note:
         print(f"plait train: note: {note}", file=sys.stderr, flush=True)

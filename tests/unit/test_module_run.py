@@ -307,3 +307,18 @@ def test_a_per_operator_plan_of_accelerators_is_refused_before_any_rank(tmp_path
     (tmp_path / "plan.json").write_text(plan.to_json())
     code, err = _cli(["check", "--plan", str(tmp_path / "plan.json")], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "run on CPU ranks (gloo) only" in err, err
+
+
+def test_a_ranking_emits_only_plans_whose_first_step_runs():
+    """A plan that would crash (here a 0-d parameter placed split, by hand) is left out of what a search emits, with
+    its reason; the next plan is taken (plait train) or written (plait plan --json); none runnable: refused."""
+    from plait.errors import ConfigError
+    from plait.execute.module_dryrun import runnable
+
+    good = auto_plan("run_two_tower:build_small", "run_two_tower:batch", CPU, global_batch=8, tp=2)
+    bad = good.replace(operators=dataclasses.replace(good.operators,
+                                                     params={**good.operators.params, "logit_scale": "S0"}))
+    kept, refused = runnable([bad, good], 1)
+    assert kept == [good] and len(refused) == 1 and "cannot run the plan" in refused[0]
+    with pytest.raises(ConfigError, match="cannot run the plan"):
+        runnable([bad])
