@@ -71,10 +71,11 @@ def check_boundary_pins(pins: dict[str, str], layout: StageLayout, stage_blocks:
     """A pin on a block whose output crosses to the next stage must be R: hidden states travel whole."""
     for blocks in stage_blocks[:-1]:
         name = f"{layout.blocks_path}.{blocks.stop - 1}"
-        if pins.get(name, "R") != "R":
-            raise ConfigError(f"pin {name!r} = {pins[name]!r}: that block's output is the hidden states pipeline "
-                              f"stage {stage_blocks.index(blocks)} sends to the next, which travel replicated; pin R, "
-                              f"drop the pin, or cut the stages elsewhere (layers_per_stage)")
+        if pins.get(name, "R") != "R":  # this cut only: another split or no pipeline may hold the pin
+            raise planner.PinRefused(
+                f"pin {name!r} = {pins[name]!r}: that block's output is the hidden states pipeline stage "
+                f"{stage_blocks.index(blocks)} sends to the next, which travel replicated; pin R, drop the pin, or cut "
+                f"the stages elsewhere (layers_per_stage)")
 
 
 def _block_of(name: str, layout: StageLayout) -> int | None:
@@ -84,12 +85,10 @@ def _block_of(name: str, layout: StageLayout) -> int | None:
     return int(name[len(prefix):].split(".", 1)[0])
 
 
-def part_times(built: planner.Built, choice: tuple[int, ...], layout: StageLayout) -> tuple[float, np.ndarray, float]:
-    """(before the blocks, per block, after the blocks): seconds per micro-batch of the whole module's solution,
-    without the data-parallel synchronisation (once a step). Each node counts where its call or parameter lives,
-    each edge with its consumer (a gradient-sum node's with its producer)."""
-    problem = built.problem
-    where = [None] * problem.num_nodes  # -1 before, i block i, num_blocks after
+def node_parts(built: planner.Built, layout: StageLayout) -> list[int | None]:
+    """Per node of the whole module's problem, where it lives: -1 before the blocks, i in block i, num_blocks after
+    them; None for the batch, constants and the problem's own nodes."""
+    where: list[int | None] = [None] * built.problem.num_nodes
     first_block = min((c.index for c in built.graph.calls if _block_of(c.module, layout) is not None), default=0)
     for call in built.graph.calls:
         block = _block_of(call.module, layout)
@@ -99,6 +98,34 @@ def part_times(built: planner.Built, choice: tuple[int, ...], layout: StageLayou
         block = _block_of(name, layout)
         before = any(name == p or name.startswith(p + ".") for p in layout.pre)
         where[built.value_node[ref.value]] = block if block is not None else (-1 if before else layout.num_blocks)
+    return where
+
+
+def stage_memory_lower_bound(whole: planner.Built, layout: StageLayout, ranges: list[range],
+                             flight: np.ndarray) -> tuple[int, float]:
+    """(the stage, its bytes) of the stage no placement fits in fewer bytes: each stage's parameters and
+    activations (those of every micro-batch it holds) at the least any placement allowed needs, from the whole
+    module's problem (the first stage holds what runs before the blocks, the last what runs after). A stage's own
+    problem holds these nodes and more, so its least memory is no lower."""
+    problem = whole.problem
+    where = node_parts(whole, layout)
+    calls = set(whole.call_node.values())
+    least = [float(m[a].min()) for m, a in zip(problem.node_memory, problem.allowed)]
+    worst = (0, 0.0)
+    for s, blocks in enumerate(ranges):
+        held = set(blocks) | ({-1} if s == 0 else set()) | ({layout.num_blocks} if s == len(ranges) - 1 else set())
+        total = sum(least[i] * (flight[s] if i in calls else 1) for i, w in enumerate(where) if w in held)
+        if total > worst[1]:
+            worst = (s, total)
+    return worst
+
+
+def part_times(built: planner.Built, choice: tuple[int, ...], layout: StageLayout) -> tuple[float, np.ndarray, float]:
+    """(before the blocks, per block, after the blocks): seconds per micro-batch of the whole module's solution,
+    without the data-parallel synchronisation (once a step). Each node counts where its call or parameter lives,
+    each edge with its consumer (a gradient-sum node's with its producer)."""
+    problem = built.problem
+    where = node_parts(built, layout)
     sums = set(built.gradient_sums.values())
     times = np.zeros(layout.num_blocks + 2)  # [before, blocks..., after]
     params = {built.value_node[ref.value] for ref in built.graph.params.values()}
@@ -180,6 +207,13 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     ranges = [range(sum(split[:s]), sum(split[:s + 1])) for s in range(settings.pp)]
     check_boundary_pins(pins, layout, ranges)
     flight = _in_flight(settings, dp, tp, batch[0].shape[0])
+    limit = memory_limit if memory_limit is not None else cluster.memory_bytes
+    stage, needs = stage_memory_lower_bound(whole, layout, ranges, flight)
+    if needs > limit:  # before any stage is captured: a stage that cannot fit
+        raise planner.DoesNotFit(f"no placement fits {limit / 2**20:.2f} MiB per device"
+                                 + (f" with pins {pins}" if pins else "") + f": pipeline stage {stage} of "
+                                 f"{settings.pp} (blocks {ranges[stage].start}-{ranges[stage].stop - 1}) needs at "
+                                 f"least {needs / 2**20:.2f} MiB", needs)
     norms = planner.batch_norms_to_synchronise(model, dp)
     stages, syncs, hidden = [], [], None
     for s, blocks in enumerate(ranges):

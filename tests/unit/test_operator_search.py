@@ -254,3 +254,27 @@ def test_a_forward_without_a_loss_or_a_factory_without_a_generator_is_refused_in
                      "--global-batch", "8", "--seq-len", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "\n" not in err, err
+
+
+def test_a_stages_memory_bound_never_exceeds_what_its_solve_needs():
+    """plait.operators.pipeline.stage_memory_lower_bound refuses a pipeline shape before its stages are captured;
+    it must never refuse one that fits: on the Mixer at pp2 (4 micro-batches) each stage's least memory from the
+    whole module's problem is at most the stage's planned peak, and a budget just above the planned peak plans."""
+    import torch
+
+    from plait.operators import pipeline, planner
+    from plait.operators.stages import find_layout
+
+    plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2, num_micro_batches=4)
+    with torch.device("meta"):
+        model = __import__("mixer").build()
+    batch = planner.meta_batch("mixer:batch", plan.micro_batch)
+    whole = planner.build_problem(planner.capture(model, batch), 2, 1, CPU, math.inf)
+    settings = pipeline.PipelineSettings(2, 4)
+    ranges = [plan.stage_layers(s) for s in range(2)]
+    flight = pipeline._in_flight(settings, 1, 2, plan.micro_batch)
+    stage, needs = pipeline.stage_memory_lower_bound(whole, find_layout(model, batch), ranges, flight)
+    assert 0 < needs <= plan.operators.stages[stage].peak_memory_bytes
+    fits = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2, num_micro_batches=4,
+                     memory_limit=plan.predicted.peak_memory_bytes * 1.001)
+    assert fits.predicted.peak_memory_bytes <= plan.predicted.peak_memory_bytes * 1.001
