@@ -1,7 +1,8 @@
 """A per-operator plan trains through the one launcher and loop (plait.train.loop): what a decoder's run does, a
-module of any shape does. Three launches of small modules (examples/auto/run_*.py): sinks, validation, bf16,
-restarts and the full state dict in one; resume and reshard across plans and world sizes; `plait check` of an
-in-batch softmax compared like with like, from a folder that does not hold the module."""
+module of any shape does. Small modules (examples/auto/run_*.py, tests/tied_stages.py), six launches: sinks,
+validation, bf16, restarts and the full state dict in one; resume and reshard across plans and world sizes (two);
+`plait check` of an in-batch softmax compared like with like (uneven rows, from a folder that does not hold the
+module), of a weight tied across pipeline stages, and of a fused table under a pipeline of micro-batches."""
 
 from __future__ import annotations
 
