@@ -1,5 +1,6 @@
 """Reading a user's text file (config, plan, model, cluster): one place that turns what can go wrong -- a
-folder, no permission, bytes that are not UTF-8, nothing in it -- into one ConfigError naming the file."""
+folder, no permission, bytes that are not UTF-8, nothing in it -- into one ConfigError naming the file; and making
+a user's folder of Python modules importable (no torch here: the launcher reads its inputs before ranks start)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def read_text(path: str | os.PathLike, what: str, allow_empty: bool = False) -> 
     if not text.strip() and not allow_empty:
         raise ConfigError(f"{what} {str(file)!r} is empty")
     return text
+
+
+def add_import_folder(folder: str) -> None:
+    """Make `folder` importable here and in every process this one starts (PYTHONPATH is inherited)."""
+    import sys
+
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *parts])

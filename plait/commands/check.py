@@ -103,7 +103,10 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
     if plan.operators is None:  # a per-operator plan's placements were checked by its solver, not these rules
         legality.check(plan.island_plan())  # across islands: what each island runs
     else:
+        from plait.models.factory import use_import_roots
+
         plan.operators.check_stages(plan.pp)
+        use_import_roots(plan.operators.import_paths)  # the module and batches, from any working directory
     if size_limit and plan.model.num_params > MAX_CHECK_PARAMS:
         raise PlaitError(
             f"model {plan.model.name!r} has {plan.model.num_params / 1e6:,.0f}M parameters, too big to check on "
@@ -116,8 +119,7 @@ def _load(args: argparse.Namespace, size_limit: bool = True):
 def _dry_run(args: argparse.Namespace) -> int:
     plan = _load(args, size_limit=False)  # before torch is imported: a malformed plan is refused at once
     if plan.operators is not None:
-        raise ConfigError(f"--dry-run does not build per-operator plans yet; run `plait check --plan {args.plan}` "
-                          "without it (the plan's placements are shown by `plait plan --batch ...`)")
+        return _dry_run_module(plan, args)
     from plait.execute.dryrun import dry_run
     from plait.report.console import output_console
     from plait.report.tables import dry_run_table
@@ -135,10 +137,49 @@ def _dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry_run_module(plan, args: argparse.Namespace) -> int:
+    """A per-operator plan's first step, on the first rank of every pipeline stage, in this process
+    (plait.execute.module_dryrun)."""
+    from rich.table import Table
+
+    from plait.execute.module_dryrun import dry_run_module
+    from plait.report.console import output_console
+
+    reports = dry_run_module(plan)
+    console = output_console()
+    table = Table(title=f"plait check --dry-run: {plan.describe()} per operator ({plan.operators.describe()})")
+    for column in ("pipeline rank", "rank", "parameters", "local MiB", "whole MiB", "collectives of a micro-batch",
+                   "tensors"):
+        table.add_column(column, justify="right")
+    for r in reports:
+        table.add_row(str(r.pp_rank), str(r.rank), str(r.params), f"{r.local_bytes / 2**20:.2f}",
+                      f"{r.full_bytes / 2**20:.2f}", ", ".join(f"{k} {v}" for k, v in sorted(r.collectives.items()))
+                      or "none", r.device)
+    console.print(table)
+    console.print(f"[green]BUILDS[/green]: {plan.describe()} on {plan.num_devices:,} ranks (the executor's construction "
+                  f"and one micro-batch's forward and backward, per pipeline rank, under a fake process group)")
+    if args.json_out:
+        write_text(args.json_out, json.dumps({"plan": plan.describe(), "builds": True, "ranks": [
+            {"pp_rank": r.pp_rank, "rank": r.rank, "params": r.params, "local_bytes": r.local_bytes,
+             "full_bytes": r.full_bytes, "collectives": r.collectives, "tensors": r.device} for r in reports]},
+            indent=2))
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from plait.launch import run_local
 
     plan = _load(args)
+    if plan.operators is not None:  # a plan whose first step would crash stops here, in one line
+        import sys
+
+        from plait.execute.module_dryrun import dry_run_module, refuse_off_cpu, samples_note
+
+        refuse_off_cpu(plan)
+        dry_run_module(plan)
+        note = samples_note(plan)
+        if note:
+            print(f"plait check: note: {note}", file=sys.stderr, flush=True)
     if args.nproc is not None and args.nproc != plan.num_devices:
         raise ConfigError(f"--nproc {args.nproc} does not match the plan's {plan.degrees.describe()} = "
                           f"{plan.num_devices} devices; drop --nproc or plan for {args.nproc}")

@@ -100,10 +100,19 @@ def plan_operators(args: argparse.Namespace) -> int:
                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer,
                     allow_cross_node_tp=bool(getattr(args, "allow_cross_node_tp", False)))
     print_search(result, args.top, devices, cluster)
+    from plait.execute.module_dryrun import samples_note
+
+    note = samples_note(result.plans[0])  # a loss over a call's own samples: how dp and micro-batches cut them
+    if note:
+        print(f"plait plan: note: {note}", file=sys.stderr)
     if args.json:
+        from plait.execute.module_dryrun import runnable
         from plait.outputs import write_text
 
-        document = {"plans": [plan.to_dict() for plan in result.plans[:args.top]],
+        written, failed = runnable(list(result.plans), args.top)  # a plan whose first step would crash: never written
+        for reason in failed:
+            print(f"plait plan: left out: {reason}", file=sys.stderr)
+        document = {"plans": [plan.to_dict() for plan in written],
                     "search": {"candidates_evaluated": result.candidates_evaluated, "seconds": result.seconds}}
         write_text(args.json, json.dumps(document, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -98,13 +98,6 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if args.fresh:
         start_fresh(config, resuming=args.resume or args.start_over, under_torchrun=in_torchrun())
-    if config.data.batch is not None:  # a module that returns its loss, planned per operator
-        from plait.train.auto import launch_per_operator, run_auto
-
-        if in_torchrun():
-            run_auto(config)
-            return 0
-        return launch_per_operator(args.config, config, overrides, nproc=args.nproc, timeout_s=args.timeout)
     if config.islands.island >= 0:  # one island of a run across islands (plait/train/island_loop.py)
         return _island(args.config, config, overrides)
     if in_torchrun():
@@ -188,6 +181,7 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     from plait.train.fault import check_fault
     from plait.train.hooks import checkpointer_class
     from plait.train.documents import check_packing, with_document_len
+    from plait.train.module_run import check_module_run, is_module_run
     from plait.train.resolve import check_data, check_devices, check_outputs, resolve_model, write_plan
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
@@ -202,15 +196,24 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     check_devices(plan)
     check_launch(config, plan)
     check_fault(plan.num_devices, config.train.steps)
-    check_data(config, resolve_model(config.model))
-    check_packing(config, plan)
+    if is_module_run(config):  # its batch factories, and the plan's first step dry-run here
+        check_module_run(config, plan)
+    else:
+        check_data(config, resolve_model(config.model))
+        check_packing(config, plan)
     plan_path = write_plan(plan, config.log.dir).resolve()
     console = Console(stderr=True)
-    console.print(f"[bold]plait train[/]: {plan.describe()} on {plan.num_devices} local processes; "
+    placed = f" per operator ({plan.operators.describe()})" if plan.operators is not None else ""
+    console.print(f"[bold]plait train[/]: {plan.describe()}{placed} on {plan.num_devices} local processes; "
                   f"logs in {config.log.dir}", highlight=False, soft_wrap=True)
     note = uncalibrated_note(plan)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
+    if plan.operators is not None and plan.operators.replicated_ops:  # priced so, named here
+        ops = plan.operators.replicated_ops
+        console.print(f"plait train: note: {len(ops)} operator(s) have no DTensor rule and run replicated, as priced: "
+                      f"{', '.join(ops[:6])}{', ...' if len(ops) > 6 else ''} (add a rule with register_sharding)",
+                      highlight=False, soft_wrap=True)
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides + [f'plan.file="{plan_path}"']:
         argv += ["--set", item]

@@ -8,12 +8,16 @@ strategy from its inputs' placements, runs the strategies that were priced, and 
 redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
 Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
 (_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
-tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors). A plan written before
-function_reads redistributes at module boundaries only (its inputs, outputs and param_reads).
+tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors), 0-d parameters and fused
+tables left out. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
+function_reads redistributes at module boundaries only (its inputs, outputs and param_reads). Normalisations read
+their statistics dimensions whole (NormsReadWhole, plait.operators.norms).
 
 The model is a user's `package.module:factory` returning an nn.Module whose forward takes the batch factory's
 tensors and returns the loss; batches come from the factory named in the plan (`package.module:function`,
-called as function(batch_size, generator)).
+called as function(batch_size, generator); plait.operators.batch). The run builds on this through
+plait.execute.module_model (the training loop's model) and `check_plan` proves it equal to one process computing
+the same calls (step_calls).
 """
 
 from __future__ import annotations
@@ -29,47 +33,36 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from plait.torch_internals import tree_flatten, tree_map_only, tree_unflatten
+from plait.torch_internals import tree_flatten, tree_map, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
-from plait.errors import ConfigError
-from plait.models.factory import load_factory
+from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
-from plait.execute.parallelize import clip_grad_norm
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.tables import FusedTables
+from plait.operators import batch as batches
+from plait.operators import norms
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
 from plait.operators.solution import OperatorSharding
 from plait.plan import Plan
 
 
-def load_callable(source: str, what: str) -> Callable:
-    """`package.module:function` -> the function (plait.models.factory.load_factory's rules and errors)."""
-    return load_factory(source)
-
-
 def build_module(source: str, *, seed: int, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """The user's module with the seed's initial weights (every rank and the reference build the same)."""
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = load_callable(source, "model")()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    model = build_factory_module(source, device)
     return model.to(dtype) if device != "meta" else model
 
 
-def make_batch(source: str, batch_size: int, seed: int, step: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The global batch of `step`: the factory's tensors, floats cast to the run's dtype."""
-    generator = torch.Generator().manual_seed(seed * 100_003 + step)
-    batch = load_callable(source, "batch")(batch_size, generator)
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+def make_batch(source: str, batch_size: int, seed: int, step: int, dtype: torch.dtype):
+    """The global batch of `step`: the factory's tensors, floats cast to the run's dtype (plait.operators.batch)."""
+    return batches.step_batch(source, batch_size, seed, step, dtype)
 
 
-def dp_slice(batch: tuple[torch.Tensor, ...], dp: int, dp_rank: int) -> tuple[torch.Tensor, ...]:
-    return tuple(t.chunk(dp, dim=0)[dp_rank] for t in batch)
+def dp_slice(batch, dp: int, dp_rank: int):
+    return batches.split(batch, dp, dp_rank)
 
 
 def build_mesh(plan: Plan) -> DeviceMesh:
@@ -80,17 +73,22 @@ def build_mesh(plan: Plan) -> DeviceMesh:
 
 
 def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: float = 0.0,
-                            sharding: OperatorSharding | None = None, caller_replicates: bool = False) -> nn.Module:
+                            sharding: OperatorSharding | None = None, caller_replicates: bool = False,
+                            data_parallel: bool = True) -> nn.Module:
     """Parameters to their planned placements, module outputs redistributed as planned, the batch in and the loss
     out replicated; then fully_shard over dp when dp > 1. Fused tables (plan.operators.fused_tables) update their
     rows in the lookup's backward at `lr` (model.fused_tables.lr, which a training loop sets each step) and stay
     out of fully_shard. `sharding`: a pipeline stage's own (plan.operators.stages[k]) for that stage's module.
     `caller_replicates`: the caller runs forward and backward inside one implicit_replication (a pipeline schedule
-    interleaves them; the context does not nest: leaving an inner one turns it off for the outer)."""
+    interleaves them; the context does not nest: leaving an inner one turns it off for the outer).
+    `data_parallel=False` stops before fully_shard (shard_over_dp then applies it: a dry run on meta traces the
+    step in between, as fully_shard cannot run on meta parameters)."""
     sharding = sharding or plan.operators
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
-    fused = use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
+    use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
+    if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
+        return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
     by_function = bool(sharding.function_reads)
@@ -109,12 +107,28 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
                                                if by_function else None, not caller_replicates)
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh), with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+    return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
+
+
+def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
+    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp and fully_shard over
+    it, the fused tables and 0-d parameters left out."""
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
-        fully_shard(model, mesh=mesh["dp"], ignored_params=fused.parameters(model) or None)
+        kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
+        fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None)
     return model
+
+
+def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:
+    """Parameters fully_shard cannot shard (0-d ones: CLIP's logit scale) stay whole on every data-parallel rank,
+    marked `dp_replicated`: the step averages their gradients over dp (plait.execute.module_model)."""
+    kept = {p for p in model.parameters() if p.dim() == 0}
+    for param in kept:
+        param.dp_replicated = True
+    return kept
 
 
 def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None) -> FusedTables:
@@ -173,6 +187,21 @@ class PlannedReads(TorchFunctionMode):
             return out
         inputs = [a for a in flat if isinstance(a, DTensor)]
         return tree_map_only(DTensor, lambda t: _summed_gradient(t, inputs), out)
+
+
+class NormsReadWhole(TorchFunctionMode):
+    """A normalisation (F.group_norm, F.layer_norm, F.batch_norm, F.rms_norm) whose input is split along a
+    dimension its statistics span reads it replicated, redistributed here, above autograd (plait.operators.norms:
+    the planner prices the same). Left to DTensor's dispatch, GroupNorm's backward fails on a channel-split input."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dims = norms.function_statistics_dims(func, args, kwargs)
+        first = args[0] if args else None
+        if dims is not None and isinstance(first, DTensor) and any(
+                p.is_shard() and p.dim in dims for p in first.placements):
+            args = (first.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim), *args[1:])
+        return func(*args, **kwargs)
 
 
 def _read_as(value: DTensor, mesh: DeviceMesh, placement) -> DTensor:
@@ -240,7 +269,7 @@ def _with_constants_replicated(forward: Callable, planned: PlannedReads | None =
     the caller holds implicit_replication around it."""
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with implicit_replication() if replicate else nullcontext():
+        with implicit_replication() if replicate else nullcontext(), NormsReadWhole():
             if planned is None:
                 return forward(*args, **kwargs)
             planned.start()
@@ -288,7 +317,7 @@ def _replicate_inputs(mesh: DeviceMesh) -> Callable:
         return a
 
     def hook(module, args, kwargs):
-        return tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
+        return tree_map(replicated, (args, kwargs))
     return hook
 
 
@@ -296,53 +325,82 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def mean_over_dp(loss: torch.Tensor, dp: int, dp_group=None) -> float:
-    """A step's loss: the mean of the data-parallel ranks' losses, each the mean over as many samples (collective
-    over `dp_group` when dp > 1)."""
-    value = loss.detach().clone()
-    if dp > 1:
-        dist.all_reduce(value, group=dp_group)
-        value /= dp
-    return value.item()
-
-
-def train_steps(model: nn.Module, plan: Plan, settings: CheckSettings, dp_rank: int = 0, dp: int = 1,
-                dp_group=None, clip: Callable | None = None
-                ) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """K AdamW steps; (losses averaged over dp, gradient norms before clipping, first gradients, final parameters),
-    full tensors. With settings.max_norm each step clips by `clip(parameters, max_norm)` (torch's
-    clip_grad_norm_ by default: one process's)."""
-    dtype = DTYPES[settings.dtype]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                  foreach=False)
-    clip = clip or torch.nn.utils.clip_grad_norm_
-    losses, norms, first = [], [], {}
-    for step in range(settings.steps):
-        batch = make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype)
-        loss = model(*dp_slice(batch, dp, dp_rank))
-        with implicit_replication():  # the backward of a constant made in forward (RoPE's tables) meets DTensors too
-            loss.backward()
-        losses.append(mean_over_dp(loss, dp, dp_group))
-        if step == 0:
-            first = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        if settings.max_norm is not None:
-            norms.append(float(clip(list(model.parameters()), settings.max_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    return losses, norms, first, params
+CHECK_BETAS = (0.9, 0.999)
+"""AdamW's betas on both sides of `plait check` (torch's defaults)."""
 
 
 def run_parallel(plan: Plan, settings: CheckSettings):
-    if plan.pp > 1:
-        from plait.execute.autoshard_pipeline import run_pipeline
+    """K AdamW steps of `plan` on its ranks through the run's own model (plait.execute.module_model); (losses,
+    gradient norms before clipping, first gradients, final parameters), full tensors of every stage on every
+    rank."""
+    from plait.execute.module_model import parallelize_module
 
-        return run_pipeline(plan, settings)
-    mesh = build_mesh(plan)
-    model = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    model = apply_operator_sharding(model, plan, mesh, settings.lr)
-    return train_steps(model, plan, settings, mesh["dp"].get_local_rank(), plan.dp, mesh["dp"].get_group(),
-                       clip=clip_grad_norm)
+    dtype = DTYPES[settings.dtype]
+    model = parallelize_module(plan, seed=settings.seed, dtype=dtype, lr=settings.lr)
+    optimizer = model.make_optimizer(lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS)
+    losses, norms, first = [], [], {}
+    for step in range(settings.steps):
+        batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
+                         plan.dp, model.dp_rank)
+        losses.append(model.train_step(batch))
+        if step == 0:
+            first = _every_stage(plan, {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        if settings.max_norm is not None:
+            norms.append(model.clip_grad_norm_(settings.max_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms, first, _every_stage(plan, {n: _full(p) for n, p in model.named_parameters()})
+
+
+def _every_stage(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's full tensors on every rank (the models plait checks are small)."""
+    tensors = {n: t.detach().clone() for n, t in tensors.items()}
+    if plan.pp == 1:
+        return tensors
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors)
+    return {n: t for part in parts for n, t in part.items()}
+
+
+def reference_steps(plan: Plan, settings: CheckSettings):
+    """The same K steps on one process, like with like: each step's loss is the mean of the module's loss over the
+    step's calls (dp x micro-batches, each on its rows, as the ranks call it), every call's forward before the one
+    backward, so a loss over the batch's own samples (an in-batch softmax's negatives, BatchNorm's statistics)
+    sees on one process the samples it sees on the ranks (step_calls), and fused tables update from the step's
+    weights."""
+    dtype = DTYPES[settings.dtype]
+    model = build_module(plan.model.source, seed=settings.seed, dtype=dtype)
+    tables = use_fused_tables(model, plan.operators.fused_tables, settings.lr)
+    fused = tables.parameters(model)
+    trained = [p for p in model.parameters() if p not in fused]
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay, betas=CHECK_BETAS,
+                                  foreach=False)
+    losses, norms, first = [], [], {}
+    for step in range(settings.steps):
+        calls = step_calls(plan, make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype))
+        loss = sum(batches.call(model, call) for call in calls) / len(calls)
+        tables.defer()  # the fused tables' rows updated once, as the run's step does
+        loss.backward()
+        tables.flush()
+        losses.append(loss.item())
+        if step == 0:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if settings.max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trained, settings.max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def step_calls(plan: Plan, batch) -> list:
+    """The samples each forward of a step sees, as one process runs them: each data-parallel rank's share of the
+    batch cut into the plan's micro-batches (dp x micro-batches calls); where the plan synchronises BatchNorm over
+    dp, micro-batch i of every data-parallel rank together (m calls: the statistics span the dp ranks)."""
+    dp, m = plan.dp, plan.num_micro_batches
+    shares = [batches.split(batch, dp, r) for r in range(dp)]
+    if plan.operators.synchronised_norms and dp > 1:
+        return [batches.concat([batches.split(share, m, i) for share in shares]) for i in range(m)]
+    return [batches.split(share, m, i) for share in shares for i in range(m)]
 
 
 def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
@@ -350,9 +408,7 @@ def check_plan(plan: Plan, settings: CheckSettings) -> CheckResult | None:
     losses, norms, grads, params = run_parallel(plan, settings)
     if dist.get_rank() != 0:
         return None
-    reference = build_module(plan.model.source, seed=settings.seed, dtype=DTYPES[settings.dtype])
-    use_fused_tables(reference, plan.operators.fused_tables, settings.lr)
-    ref_losses, ref_norms, ref_grads, ref_params = train_steps(reference, plan, settings)
+    ref_losses, ref_norms, ref_grads, ref_params = reference_steps(plan, settings)
     floor = 1e-6 * math.sqrt(sum(g.double().norm().item() ** 2 for g in ref_grads.values()))
     grad_diffs = {n: ((grads[n].double() - g.double()).norm().item() / max(g.double().norm().item(), floor))
                   if n in grads else math.inf for n, g in ref_grads.items()}
@@ -388,7 +444,7 @@ def step_collectives(plan: Plan) -> tuple[float, dict[str, int], int]:
         batch = make_batch(plan.operators.batch, plan.train.global_batch, 0, 0, torch.float32)
         counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
-            loss = model(*batch)
+            loss = batches.call(model, batch)
             with implicit_replication():  # the backward of a constant made in forward (RoPE's tables)
                 loss.backward()
         return counter.nbytes, counter.counts, debug.get_total_counts()

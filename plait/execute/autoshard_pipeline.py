@@ -15,10 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-from plait.execute.autoshard import (DTYPES, _full, apply_operator_sharding, build_mesh, build_module, dp_slice,
-                                     fake_tensor_parallel_mesh, make_batch, mean_over_dp)
-from plait.execute.equivalence import CheckSettings
-from plait.execute.parallelize import clip_grad_norm
+from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+from plait.operators import batch as batches
 from plait.execute.pipeline import build_schedule
 from plait.errors import ConfigError
 from plait.operators.stages import StageLayout, build_stage, find_layout
@@ -36,7 +34,7 @@ def stage_layout(plan: Plan) -> StageLayout:
     the ones the plan's stages cut."""
     meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
     micro = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
-    layout = find_layout(meta, tuple(t.to("meta") for t in micro))
+    layout = find_layout(meta, batches.positional(batches.to_device(micro, "meta")))
     if layout.blocks_path != plan.operators.blocks:
         raise ConfigError(f"the plan's stages cut {plan.operators.blocks!r}, the module's blocks are "
                           f"{layout.blocks_path!r}: plan again for this module")
@@ -50,69 +48,39 @@ def build_pipeline_stage(plan: Plan, mesh, *, seed: int, dtype: torch.dtype, lr:
     model = build_module(plan.model.source, seed=seed, dtype=dtype)
     stage = build_stage(model, layout, plan.stage_layers(position), first=position == 0, last=position == plan.pp - 1)
     stage = apply_operator_sharding(stage, plan, mesh, lr, plan.operators.stages[position], caller_replicates=True)
+    stage.tied_parameters = layout.tied  # copies on several stages: their gradients summed (module_model)
     schedule = build_schedule(plan, [position], [stage], mesh["pp"], torch.device("cpu"), _loss_is_output)
     return position, stage, schedule
 
 
-def pipeline_step(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """One step of the schedule on this data-parallel rank's `batch`; the micro-batches' losses (last stage)."""
+def pipeline_step(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...], forward_only: bool = False
+                  ) -> list[torch.Tensor]:
+    """One step of the schedule on this data-parallel rank's `batch` (forward only: the schedule's eval); the
+    micro-batches' losses (last stage)."""
     losses: list[torch.Tensor] = []
+    batch = batches.positional(batch)  # one tensor: a 1-tuple (stages take the batch positionally)
     named = {str(i): t for i, t in enumerate(batch)}
+    run = schedule.eval if forward_only else schedule.step
     # forward and backward interleave: one implicit_replication around both (constants made in forward, RoPE's
     # tables, meet DTensors in the backward too)
     with implicit_replication():
         if position == 0:
-            schedule.step(*batch, losses=losses)
+            run(*batch, losses=losses)
         elif position == plan.pp - 1:
-            schedule.step(target=torch.zeros(batch[0].shape[0]), losses=losses, return_outputs=False, **named)
+            run(target=torch.zeros(batch[0].shape[0]), losses=losses, return_outputs=False, **named)
         else:
-            schedule.step(**named)
+            run(**named)
     return losses
 
 
-def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...], mesh) -> torch.Tensor:
+def pipeline_losses(schedule, plan: Plan, position: int, batch: tuple[torch.Tensor, ...], mesh,
+                    forward_only: bool = False) -> torch.Tensor:
     """One step on this data-parallel rank's `batch`; the step's loss (the mean of its micro-batches', from the last
     stage) on every stage."""
-    micro = pipeline_step(schedule, plan, position, batch)
+    micro = pipeline_step(schedule, plan, position, batch, forward_only)
     value = torch.stack([m.detach().double() for m in micro]).mean() if micro else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(value, group=mesh["pp"].get_group())  # the last stage's loss to every stage
     return value
-
-
-def run_pipeline(plan: Plan, settings: CheckSettings):
-    """K AdamW steps of the pipeline; (losses averaged over dp, gradient norms before clipping (with
-    settings.max_norm: over every stage, plait.execute.parallelize.clip_grad_norm), first gradients, final
-    parameters), full tensors of every stage on every rank."""
-    dtype = DTYPES[settings.dtype]
-    mesh = build_mesh(plan)
-    position, stage, schedule = build_pipeline_stage(plan, mesh, seed=settings.seed, dtype=dtype, lr=settings.lr)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                  foreach=False)
-    dp_rank = mesh["dp"].get_local_rank()
-    losses, norms, first = [], [], {}
-    for step in range(settings.steps):
-        batch = dp_slice(make_batch(plan.operators.batch, plan.train.global_batch, settings.seed, step, dtype),
-                         plan.dp, dp_rank)
-        losses.append(mean_over_dp(pipeline_losses(schedule, plan, position, batch, mesh), plan.dp,
-                                   mesh["dp"].get_group()))
-        if step == 0:
-            first = _gathered({n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None})
-        if settings.max_norm is not None:
-            norms.append(clip_grad_norm(stage.parameters(), settings.max_norm, mesh["pp"].get_group()).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    params = _gathered({n: _full(p) for n, p in stage.named_parameters()})
-    return losses, norms, first, params
-
-
-def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every stage's full tensors on every rank (the models plait checks are small)."""
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {n: t.detach().clone() for n, t in tensors.items()})
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
 
 
 def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
@@ -123,7 +91,7 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
     from plait.execute.dryrun import CollectiveCounter
 
     with fake_tensor_parallel_mesh(plan.tp) as mesh:
-        batch = make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32)
+        batch = batches.positional(make_batch(plan.operators.batch, plan.micro_batch, 0, 0, torch.float32))
         layout = stage_layout(plan)
         model = build_module(plan.model.source, seed=0, dtype=torch.float32)
         named = {str(i): t for i, t in enumerate(batch)}

@@ -2,8 +2,9 @@
 
 The legality rules first (plait.legality); then, for one rank of every pipeline stage, the executor's
 real construction in this one process: a `fake` process group of the plan's world size (torch builds
-meshes of any size on it), the model built on `meta` by its adapter, the pipeline split, tensor
-parallelism, activation checkpointing and fully_shard -- the very functions `parallelize` runs. One
+meshes of any size on it), the model built on `meta` by its adapter, the pipeline split, then
+`parallelize`'s own shard_stage (tensor parallelism, activation checkpointing, fully_shard: one order for
+both). A per-operator plan's dry run is plait.execute.module_dryrun. One
 micro-batch's forward and backward through the tensor-parallel stage is traced on `meta` under
 `CollectiveCounter`, which counts the collectives DTensor issues; what fully_shard, DDP and the pipeline
 schedule add is one message per unit per step (or per micro-batch) and is counted from the plan.
@@ -149,15 +150,10 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
     (a ConfigError) for a plan that breaks a rule, and whatever the executor raises for one it cannot build."""
     from plait.torch_internals import FakeStore
 
-    from plait.execute.context import apply_cp
-    from plait.execute.expert import apply_experts
-    from plait.execute.mesh import build_mesh, data_mesh, forget_meshes
-    from plait.execute.data import apply_fully_shard
-    from plait.execute.parallelize import default_dtype
+    from plait.execute.mesh import build_mesh, forget_meshes
+    from plait.execute.parallelize import default_dtype, shard_stage
     from plait.execute.pipeline import split_model
-    from plait.execute.recompute import apply_ac
     from plait.execute.state import plain_named_parameters
-    from plait.execute.tensor import apply_tp
     from plait.models import adapter_for
 
     legality.check(plan)
@@ -173,18 +169,15 @@ def dry_run(plan: Plan, pp_ranks: list[int] | None = None) -> list[StageReport]:
             mesh = build_mesh(plan.degrees, "cpu")
             with default_dtype(dtype):
                 stage_ids, parts = split_model(adapter, adapter.build_adapted("meta"), plan, pp_rank)
-            for part in parts:  # as shard_stage does before fully_shard (traced in between)
-                if plan.cp > 1:
-                    apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)
-                if plan.tp > 1:
-                    apply_tp(part, mesh["tp"], sequence_parallel=plan.sequence_parallel)
-                if plan.model.num_experts:
-                    apply_experts(part, mesh, sequence_parallel=plan.sequence_parallel)
-                apply_ac(part, plan.recompute[pp_rank])
             report = StageReport(pp_rank=pp_rank, rank=rank, stages=stage_ids,
                                  blocks=[i for part in parts for i in part.block_ids])
-            report.collectives.update(_trace_tensor_parallel(plan, parts, pp_rank))
-            parts = [apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, expert_mesh=mesh["edp_cp"]) for part in parts]
+
+            def trace(part, report=report, pp_rank=pp_rank) -> None:  # the stage's TP collectives, before fully_shard
+                for name, n in _trace_tensor_parallel(plan, [part], pp_rank).items():
+                    report.collectives[name] = report.collectives.get(name, 0) + n
+
+            # the executor's own order of techniques (parallelize.shard_stage), traced in between
+            parts = [shard_stage(part, plan, mesh, pp_rank, None, before_data_parallel=trace) for part in parts]
             for part in parts:
                 for name, param in plain_named_parameters(part):
                     local = param.to_local() if hasattr(param, "to_local") else param

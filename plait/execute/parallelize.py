@@ -475,8 +475,10 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     return ParallelModel(plan, adapter, mesh, parts, stage_ids, device, mixed, pipeline_buffers)
 
 
-def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None) -> nn.Module:
-    """Steps 4-6 of the order above, on one meta Stage (also what `plait check --dry-run` builds)."""
+def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None,
+                before_data_parallel=None) -> nn.Module:
+    """Steps 4-6 of the order above, on one meta Stage; `plait check --dry-run` builds with this very function,
+    tracing the stage in `before_data_parallel(part)` (after tensor parallelism and recompute, before fully_shard)."""
     frozen = {name for name, param in part.named_parameters() if not param.requires_grad}
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)
@@ -488,6 +490,8 @@ def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: 
     for name, param in part.named_parameters():
         param.requires_grad_(name not in frozen)
     apply_ac(part, plan.recompute[pp_rank])
+    if before_data_parallel is not None:
+        before_data_parallel(part)
     policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else None
     return apply_fully_shard(part, data_mesh(mesh), plan.dp_mode, policy, expert_mesh=mesh["edp_cp"])
 

@@ -44,6 +44,26 @@ class FusedTables:
         """id(table module) -> its optimizer."""
         self.accumulators: dict[int, torch.Tensor] = {}
         """id(table module) -> row-wise Adagrad's accumulator of this rank's rows (made at the first update)."""
+        self.pending: dict[int, tuple] | None = None
+        """While a step defers (`defer` .. `flush`): id(table module) -> (weight, module, this rank's local ids and
+        gradient rows of each lookup's backward so far)."""
+
+    def defer(self) -> None:
+        """Hold the row updates of the lookups' backwards until `flush`: a step of several micro-batches (a pipeline
+        schedule interleaves their forwards and backwards) then updates the rows once, from the gradients of every
+        micro-batch, as one process's step over the same calls does (every forward before the backward); without
+        it, a later micro-batch's forward read rows an earlier one's backward had moved."""
+        self.pending = {}
+
+    def flush(self, scale: float = 1.0) -> None:
+        """Apply the held updates: per table (in the order the tables were routed), every lookup's rows at once, their
+        gradients times `scale` (a pipeline schedule scales the other gradients by 1 / micro-batches after the
+        backward: scale_grads)."""
+        pending, self.pending = self.pending, None
+        order = list(self.optimizers)
+        for key in sorted(pending or {}, key=order.index):
+            weight, module, local, placement, ids, grads = pending[key]
+            _apply_rows(weight, local, placement, torch.cat(ids), torch.cat(grads) * scale, self, module)
 
     def apply(self, model: nn.Module, fused: dict[str, str]) -> None:
         """Route every nn.Embedding whose weight `fused` names through the fused lookup."""
@@ -89,10 +109,19 @@ class _FusedLookup(torch.autograd.Function):
 def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, tables: FusedTables,
                  module: nn.Module) -> None:
     """The table's optimizer on this rank's shard: all rows of its columns (split by columns), its rows (split by
-    rows), or the whole table."""
+    rows), or the whole table; held for FusedTables.flush while the step defers."""
     local, placement, ids, grad = _local_view(weight, ids, grad)
-    dim = local.shape[1]
-    ids, grad = ids.reshape(-1), grad.reshape(-1, dim)
+    ids, grad = ids.reshape(-1), grad.reshape(-1, local.shape[1])
+    if tables.pending is not None:
+        held = tables.pending.setdefault(id(module), (weight, module, local, placement, [], []))
+        held[4].append(ids)
+        held[5].append(grad)
+        return
+    _apply_rows(weight, local, placement, ids, grad, tables, module)
+
+
+def _apply_rows(weight: torch.Tensor, local: torch.Tensor, placement, ids: torch.Tensor, grad: torch.Tensor,
+                tables: FusedTables, module: nn.Module) -> None:
     if tables.dp_group is not None and dist.get_world_size(tables.dp_group) > 1:
         ids, grad = _gather(ids, tables.dp_group), _gather(grad, tables.dp_group)
         grad = grad / dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average

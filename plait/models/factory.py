@@ -38,7 +38,10 @@ def load_factory(source: str):
     if not module_name or not attr:
         raise ConfigError(f"model {source!r} must look like 'module:package.module:factory'")
     try:
-        module = importlib.import_module(module_name)
+        # as Python imports it: a caller's torch.device("meta") (or any torch function mode) must not reach the
+        # module's top level, whose tensors (a fixed projection, a mask) are real and stay where the file puts them
+        with torch._C.DisableTorchFunction():
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"model {source!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
     factory = getattr(module, attr, None)
@@ -47,11 +50,55 @@ def load_factory(source: str):
     return factory
 
 
-def build_user_model(source: str, device: str | torch.device = "meta") -> nn.Module:
+def import_roots(*sources: str) -> tuple[str, ...]:
+    """The folders the modules of `sources` ("package.module:function", imported already) were imported from: the
+    folder holding each top-level package or module, left out when it is inside Python's own installation
+    (site-packages: importable anywhere). A plan records them (OperatorSharding.import_paths) so that `plait check`
+    and `plait train` import the same files from any working directory."""
+    import os
+    import sys
+
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    roots: list[str] = []
+    for source in sources:
+        top = source.removeprefix("module:").partition(":")[0].split(".")[0]
+        module = sys.modules.get(top)
+        where = getattr(module, "__file__", None)
+        if not where:
+            continue
+        folder = os.path.dirname(os.path.realpath(where))
+        if os.path.basename(where).startswith("__init__."):  # a package: the folder above it
+            folder = os.path.dirname(folder)
+        if not any(folder == p or folder.startswith(p + os.sep) for p in installed) and folder not in roots:
+            roots.append(folder)
+    return tuple(roots)
+
+
+def use_import_roots(roots: tuple[str, ...]) -> None:
+    """The folders a plan recorded (import_roots), importable here and in the ranks; a folder that is not on this
+    machine is left out (PYTHONPATH may hold the module there)."""
+    import os
+
+    from plait.inputs import add_import_folder
+
+    for folder in roots:
+        if os.path.isdir(folder):
+            add_import_folder(folder)
+
+
+def build_factory_module(source: str, device: str | torch.device = "meta") -> nn.Module:
+    """The module `source`'s factory returns, its parameters and buffers made on `device` (only the factory call
+    runs under torch.device(device): the file itself is imported as Python imports it, see load_factory)."""
+    factory = load_factory(source)
     with torch.device(device):
-        model = load_factory(source)()
+        model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def build_user_model(source: str, device: str | torch.device = "meta") -> nn.Module:
+    model = build_factory_module(source, device)
     missing = [name for name in ("embed", "head") if not callable(getattr(model, name, None))]
     if missing or _blocks_path(model) is None:
         raise ConfigError(f"model {source!r}: a module:factory model needs `blocks` (an nn.ModuleList), `embed(tokens)` "

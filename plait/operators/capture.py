@@ -17,8 +17,9 @@ kernel on meta when CPU would, so the plan prices what the run executes (its rul
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -107,6 +108,8 @@ class Graph:
     grad_inputs: set[int] = field(default_factory=set)
     """Value ids of batch inputs a gradient flows back to (a pipeline stage's received hidden states: its tensor
     requires grad)."""
+    returned: str = ""
+    """What the forward returned (capture._returned): "a scalar loss", or a shape or type."""
     functions: list[Function] = field(default_factory=list)
     """The forward's torch-level calls (F.linear, torch.cat, Tensor.__matmul__, ...) in order: where the executor
     redistributes each argument to the placement the plan's strategy reads it in (plait.execute.autoshard), above
@@ -252,9 +255,41 @@ def _flops(func, args, kwargs, out) -> float:
     return float(formula(*args, **kwargs, out_val=out))  # the registry's wrapper reads the shapes
 
 
-def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
-    """The forward of `model` on `batch` (both on meta), call by call. The model's forward returns its loss (a
-    scalar tensor) or a tensor whose placement the plan leaves replicated."""
+class _ConstantsOnMeta(TorchDispatchMode):
+    """A call that mixes meta tensors with real ones (a tensor the module's file made at import, a fixed projection
+    or adjacency) runs on meta, the real ones entering as meta tensors of the same shape, stride and dtype: meta and
+    real tensors do not mix in most operators. A call on real tensors alone runs as it is (CPU stand-ins,
+    _AttentionAsCpuRuns)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {a.device.type for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        if "meta" not in devices or devices == {"meta"}:
+            return func(*args, **kwargs)
+
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "meta":
+                return t
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        args, kwargs = tree_map(lambda a: to_meta(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def forward_on_meta() -> Iterator[None]:
+    """A module's forward on meta as it runs on a device: tensors it makes itself without a device
+    (torch.arange(n), torch.ones(...)) are made on meta, and real tensors it reads (module-level constants) enter
+    as meta ones (_ConstantsOnMeta). For every pass plait runs a module on meta (capture, pipeline layouts)."""
+    with torch.device("meta"), _ConstantsOnMeta():
+        yield
+
+
+def capture(model: nn.Module, batch: Any) -> Graph:
+    """The forward of `model` on `batch` (both on meta; a batch as plait.operators.batch takes it), call by call.
+    The model's forward returns its loss (a scalar tensor) or a tensor whose placement the plan leaves
+    replicated."""
+    from plait.operators import batch as batches
+
     graph = Graph()
     refs: dict[int, TensorRef] = {}
     modules: list[str] = []
@@ -263,7 +298,8 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
         graph.params[name] = recorder.new_ref(param, "param", name)
     for name, buffer in model.named_buffers():
         graph.buffers[name] = recorder.new_ref(buffer, "buffer", name)
-    for i, tensor in enumerate(batch):
+    leaves, _ = batches.flat(batch)
+    for i, tensor in enumerate(t for t in leaves if isinstance(t, torch.Tensor)):
         ref = recorder.new_ref(tensor, "input", f"input{i}")
         if tensor.requires_grad:
             graph.grad_inputs.add(ref.value)
@@ -273,16 +309,35 @@ def capture(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Graph:
         hooks.append(module.register_forward_hook(_output_hook(name, modules, graph, refs)))
     kept = _Kept()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack), _AttentionAsCpuRuns(), recorder, \
-                _Functions(recorder):
-            out = model(*batch)
+        # the recorder sees a constant's real tensor (its id stays one value); the call then runs on meta
+        with forward_on_meta(), torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack), \
+                _AttentionAsCpuRuns(), recorder, _Functions(recorder):
+            out = batches.call(model, batch)
     finally:
         for hook in hooks:
             hook.remove()
     first = out[0] if isinstance(out, (tuple, list)) else out
     graph.output = refs.get(id(first))
+    graph.returned = _returned(out)
     kept.mark(graph, recorder)
     return graph
+
+
+def _returned(out: Any) -> str:
+    """What a forward returned, as a refusal names it: "a scalar loss", or its shape or type."""
+    if isinstance(out, torch.Tensor):
+        return "a scalar loss" if out.numel() == 1 and out.is_floating_point() else f"a tensor of shape {list(out.shape)}"
+    return f"a {type(out).__name__}"
+
+
+def check_loss(graph: Graph, what: str) -> None:
+    """ConfigError in one line unless the captured forward (a whole module, not a pipeline stage) returned its
+    loss: one floating-point number, what a step differentiates."""
+    from plait.errors import ConfigError
+
+    if graph.returned != "a scalar loss":
+        raise ConfigError(f"{what}: its forward returned {graph.returned}, not a scalar loss; a module "
+                          f"planned per operator returns its loss (a 0-d tensor) from forward(batch)")
 
 
 class _Kept:

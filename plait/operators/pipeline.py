@@ -30,6 +30,7 @@ from plait import legality
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
+from plait.operators import batch as batches
 from plait.operators import planner
 from plait.operators.solution import OperatorSharding
 from plait.operators.stages import StageLayout, build_stage, find_layout
@@ -188,11 +189,16 @@ def plan_pipeline(model: nn.Module, batch: tuple[torch.Tensor, ...], settings: P
     gaps (planner.solve); `give_up_above`: a search's best step so far: Dominated, before the stages are solved,
     where no stage split can beat it (`step_lower_bound`)."""
     start = time.perf_counter()
+    if batches.positional(batch) is None:
+        raise ConfigError(f"{name}: batches {batch_source!r} return a {type(batch).__name__}; pipeline stages take "
+                          f"the batch as a tuple of tensors (return one), or use pp=1")
+    batch = batches.positional(batch)
     layout = find_layout(model, batch, name)
     check_settings(settings, layout)
     fused = planner.fused_tables(model, table_optimizer)
     # the whole module is solved for its parts' times only: a stage holds a part of it, so no memory limit here
-    whole = planner.build_problem(planner.captured(model, batch, graphs), tp, dp, cluster, math.inf, fused=fused)
+    whole = planner.build_problem(planner.captured_loss(model, batch, graphs, batch_source), tp, dp, cluster, math.inf,
+                                  fused=fused)
     planner.apply_pins(whole, pins)
     solution = planner.solve_or_refuse(whole, solver, pins, fused, model, prove=False)
     if give_up_above is not None and step_lower_bound(whole, solution, settings) > give_up_above:

@@ -24,7 +24,7 @@ from torch import nn
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
-from plait.operators.capture import Graph, TensorRef, capture
+from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
@@ -380,10 +380,21 @@ def captured(model: nn.Module, inputs: tuple[torch.Tensor, ...], graphs: dict | 
     nothing else) when given."""
     if graphs is None:
         return capture(model, inputs)
-    key = (key, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs))
+    from plait.operators import batch as batches
+
+    leaves = [t for t in batches.flat(inputs)[0] if isinstance(t, torch.Tensor)]  # a dict batch, nested ones
+    key = (key, batches.flat(inputs)[1], tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves))
     if key not in graphs:
         graphs[key] = capture(model, inputs)
     return graphs[key]
+
+
+def captured_loss(model: nn.Module, batch, graphs: dict | None, batch_source: str) -> Graph:
+    """The whole module's capture (`captured`); ConfigError in one line when its forward does not return a scalar
+    loss."""
+    graph = captured(model, batch, graphs)
+    check_loss(graph, f"model {type(model).__name__} (batches {batch_source!r})")
+    return graph
 
 
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
@@ -396,8 +407,7 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
-    graph = captured(model, batch, graphs)
-    check_returns_loss(graph, model)
+    graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
@@ -648,27 +658,9 @@ def zero_stage(dp: int) -> int:
 def meta_batch(batch_source: str, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The factory's batch at `batch_size`, moved to meta for capture (the factory runs once on CPU: batches are
     small next to the model)."""
-    from plait.models.factory import load_factory
+    from plait.operators import batch as batches
 
-    import inspect
-
-    factory = load_factory(batch_source)
-    try:
-        inspect.signature(factory).bind(batch_size, torch.Generator())
-    except (TypeError, ValueError):
-        raise ConfigError(f"batch factory {batch_source!r} must take (batch_size, generator) and return the forward's "
-                          f"tensors") from None
-    batch = factory(batch_size, torch.Generator().manual_seed(0))
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    return tuple(t.to("meta") for t in batch)
-
-
-def check_returns_loss(graph: Graph, model: nn.Module) -> None:
-    """ConfigError in one line unless the captured forward returned a scalar tensor (the loss a plan trains)."""
-    if graph.output is None or graph.output.shape != ():
-        got = "no tensor it computed" if graph.output is None else f"a tensor of shape {list(graph.output.shape)}"
-        raise ConfigError(f"{type(model).__name__}'s forward returned {got}; a per-operator plan trains a module whose "
-                          f"forward takes the batch and returns its scalar loss")
+    return batches.to_device(batches.draw(batch_source, batch_size, torch.Generator().manual_seed(0)), "meta")
 
 
 def auto_plan(model_source: str, batch_source: str, cluster: ClusterSpec, *, global_batch: int, dp: int = 1,

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.operators import batch as batches
 from plait.operators import planner
 from plait.operators.pipeline import Dominated
 from plait.operators.solution import OperatorSharding
@@ -188,16 +189,18 @@ class _Module:
 def load_module(model_source: str, batch_source: str, find_blocks: bool = True) -> _Module:
     """The module on meta; with `find_blocks`, its repeated blocks counted (plait.operators.stages.find_layout),
     or why it has none to pipeline."""
-    from plait.models.factory import load_factory
+    from plait.models.factory import build_factory_module
     from plait.operators.stages import find_layout
 
-    with torch.device("meta"):
-        model = load_factory(model_source)()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model {model_source!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    model = build_factory_module(model_source, "meta")  # the file imported as Python imports it, the model on meta
     name = model_source.removeprefix("module:").split(":")[0].rsplit(".", 1)[-1]
     module = _Module(model_source, batch_source, model, name, 0, "")
     if not find_blocks:
+        return module
+    if batches.positional(module.batch(1)) is None:  # a dict batch: stages take the batch positionally
+        module.no_blocks_reason = (f"model {name!r}: batches {batch_source!r} are a "
+                                   f"{type(module.batch(1)).__name__}; pipeline stages take the batch as a tuple of "
+                                   f"tensors (return one), or use pp=1")
         return module
     try:
         module.num_blocks = find_layout(model, module.batch(1), f"model {name!r}").num_blocks
@@ -211,6 +214,7 @@ def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_ba
                layers_per_stage: tuple[int, ...] = (), prove: bool = True, give_up_above: float | None = None):
     """The Plan of one shape (planner.DoesNotFit or planner.PinRefused where it cannot hold; pipeline.Dominated
     where a pipeline cannot beat `give_up_above`). `prove`: the solves' proven gaps (planner.solve)."""
+    from plait.models.factory import import_roots
     from plait.plan import Plan, Prediction
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.model import BlockCost
@@ -241,6 +245,8 @@ def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_ba
                             peak_memory_bytes=ops.peak_memory_bytes, memory_parts=dict(ops.memory_parts),
                             memory_per_stage=tuple(st.peak_memory_bytes for st in ops.stages),
                             bubble_fraction=bubble)
+    # where the module and its batches come from: plait check and plait train find them from any folder
+    ops = dataclasses.replace(ops, import_paths=import_roots(module.source, module.batch_source))
     return Plan.of(dp=shape.dp, tp=shape.tp, pp=shape.pp, model=spec,
                    train=TrainSpec(global_batch=global_batch, seq_len=1, precision="fp32"),
                    cluster=cluster.with_devices(shape.dp * shape.tp * shape.pp), micro_batch=micro_batch,

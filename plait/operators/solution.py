@@ -89,6 +89,9 @@ class OperatorSharding:
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+    import_paths: tuple[str, ...] = ()
+    """The folders the module and the batch factory were imported from when planned (outside Python's own
+    installation): `plait check` and `plait train` import them from there, from any working directory."""
     blocks: str = ""
     """Under a pipeline (pp > 1): the module path of the repeated blocks the stages are cut between
     (plait.operators.stages); the blocks of each stage are the Plan's (Plan.stage_layers)."""

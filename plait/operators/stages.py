@@ -31,12 +31,22 @@ from plait.torch_internals import DisableTorchFunction, tree_flatten, tree_map
 
 from plait.errors import ConfigError
 from plait.models.adapter import get_module, set_module
+from plait.operators import batch as batches
+from plait.operators.capture import forward_on_meta
 
 
 class _Stop(Exception):
     def __init__(self, hidden: Any) -> None:
         super().__init__()
         self.hidden = hidden
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter several parts hold (names in part order: before the blocks, the blocks, after them)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class StageLayout:
     """Whether a block returns a tuple whose first item is the hidden states."""
     pre_outputs: dict[str, Any] = field(default_factory=dict, compare=False)
     """Pre module -> what it returned on meta (shapes for the stand-ins)."""
+    tied: tuple[TiedParameter, ...] = field(default=(), compare=False)
+    """Parameters held by several parts (the stages holding them sum their gradients every step)."""
 
 
 def find_blocks(model: nn.Module, name: str = "the model") -> str:
@@ -132,8 +144,8 @@ def find_layout(model: nn.Module, batch: tuple[torch.Tensor, ...], name: str = "
         hooks.append(module.register_forward_hook(lambda m, a, out, p=path: outputs.setdefault(p, out)))
     uses = _Uses({id(model.get_parameter(p)): p for p in bare})
     try:
-        with uses:
-            model(*batch)
+        with uses, forward_on_meta():
+            batches.call(model, batch)
     except _Stop:
         pass
     finally:
@@ -144,20 +156,21 @@ def find_layout(model: nn.Module, batch: tuple[torch.Tensor, ...], name: str = "
                           f"it to; use pp=1")
     pre = tuple(dict.fromkeys(entered)) + tuple(p for p in bare if p in uses.used)
     post = tuple(p for p in (*modules, *bare) if p not in pre)
-    _refuse_ties_across_stages(model, blocks_path, pre, post, name)
     return StageLayout(blocks_path, len(container), pre, post, tuple_out[0],
-                       {p: outputs[p] for p in pre if p in outputs})
+                       {p: outputs[p] for p in pre if p in outputs}, _ties_across_parts(model, blocks_path, pre, post))
 
 
-def _refuse_ties_across_stages(model: nn.Module, blocks_path: str, pre: tuple[str, ...], post: tuple[str, ...],
-                               name: str) -> None:
-    """ConfigError when one parameter is held by parts that may sit on different stages (an output layer tied to the
-    embedding, blocks sharing weights): each stage would train its own copy, their gradients never summed."""
+def _ties_across_parts(model: nn.Module, blocks_path: str, pre: tuple[str, ...], post: tuple[str, ...]
+                       ) -> tuple[TiedParameter, ...]:
+    """Parameters held by more than one part that may sit on different stages (an output layer tied to the
+    embedding, blocks sharing weights): each stage trains its own copy, and the executor sums their gradients
+    across the stages every step (plait.execute.module_model.TiedAcrossStages), so the copies stay one parameter."""
     parts = {path: "before the blocks" for path in pre} | {path: "after the blocks" for path in post}
     container = get_module(model, blocks_path)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else range(len(container))
     parts |= {f"{blocks_path}.{key}": f"block {i}" for i, key in enumerate(keys)}
     holders: dict[int, dict[str, str]] = {}
+    params: dict[int, nn.Parameter] = {}
     for path, part in parts.items():
         owner_path, _, leaf = path.rpartition(".")
         owner = get_module(model, owner_path) if owner_path else model
@@ -167,10 +180,9 @@ def _refuse_ties_across_stages(model: nn.Module, blocks_path: str, pre: tuple[st
             held = [(f"{path}.{n}", p) for n, p in get_module(model, path).named_parameters(remove_duplicate=False)]
         for param_name, param in held:
             holders.setdefault(id(param), {}).setdefault(part, param_name)
-    for found in holders.values():
-        if len(found) > 1:
-            raise ConfigError(f"{name} ties {' and '.join(found.values())} (one parameter, {' and '.join(found)}): "
-                              f"pipeline stages would each train their own copy; use pp=1, or untie them")
+            params[id(param)] = param
+    return tuple(TiedParameter(tuple(found.values()), tuple(params[key].shape))
+                 for key, found in holders.items() if len(found) > 1)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from plait.operators import norms
 from plait.operators.capture import OpCall, TensorRef
 from plait.torch_internals import (DTensorSpec, OpSchema, RuntimeSchemaInfo, TensorMeta,
                                    dispatch_has_kernel_for_dispatch_key, sharding_propagator, tree_flatten, tree_map)
@@ -90,6 +91,14 @@ ANSWERS: dict[tuple, tuple[list[Strategy], bool]] = {}
 """DTensor's answers, by (axis size, rules held, operator, arguments): the strategies depend on nothing else."""
 
 
+def _whole_statistics(call: OpCall, found: list[Strategy], has_rule: bool) -> tuple[list[Strategy], bool]:
+    """A normalisation reads its input whole along the dimensions its statistics span (plait.operators.norms, the
+    executor's rule too): strategies that read them split are left out (all replicated if none is left)."""
+    dims = norms.aten_statistics_dims(call.op.__name__.split(".")[0], call.args)
+    kept = [s for s in found if not norms.reads_split_statistics(dims, s.inputs[0])] if dims is not None else found
+    return kept or [Strategy(("R",) * len(call.inputs), ("R",) * len(call.outputs))], has_rule
+
+
 class StrategyOracle:
     """DTensor's answers for one mesh axis size, cached by (op, arguments)."""
 
@@ -107,7 +116,7 @@ class StrategyOracle:
         uneven = tuple(uneven) or (False,) * len(call.inputs)
         key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs), uneven)
         if key not in ANSWERS:
-            ANSWERS[key] = self._ask(call, uneven)
+            ANSWERS[key] = _whole_statistics(call, *self._ask(call, uneven))
         return ANSWERS[key]
 
     def _ask(self, call: OpCall, uneven: tuple[bool, ...]) -> tuple[list[Strategy], bool]:

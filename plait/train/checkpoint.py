@@ -646,8 +646,11 @@ def check_compatible(meta: dict[str, Any], plan: Any, directory: Path) -> None:
     """Refuse a checkpoint of another model (its weights cannot be loaded, only mis-loaded)."""
     if not isinstance(meta.get("plan"), dict) or not isinstance(meta["plan"].get("model"), dict):
         raise ConfigError(f"checkpoint {directory}: {META} names no model; it was not written by this plait")
-    saved = {k: v for k, v in meta["plan"]["model"].items() if k not in NOT_THE_MODULE}
-    current = {k: v for k, v in json.loads(plan.to_json())["model"].items() if k not in NOT_THE_MODULE}
+    # a per-operator plan's module is its factory (the rest of its spec is the plan's account: layers per stage)
+    keys = ("source",) if plan.operators is not None else None
+    saved = {k: v for k, v in meta["plan"]["model"].items() if k not in NOT_THE_MODULE and (keys is None or k in keys)}
+    current = {k: v for k, v in json.loads(plan.to_json())["model"].items()
+               if k not in NOT_THE_MODULE and (keys is None or k in keys)}
     diff = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
     if diff:
         key = diff[0]

@@ -13,7 +13,7 @@
                  export_hf = "runs/x/hf"          # a Hugging Face folder written at the end
     [log]        dir = "runs/x", every = 10, tensorboard = false, wandb = "off"   # or "offline" / "online"
     [eval]       every = 0, fraction = 0.05 (or path = "val.txt", or split = "validation"), batches = 4,
-                 keep_best = false
+                 keep_best = false   # a per-operator run (data.batch = "pkg.mod:batch"): batch = "pkg.mod:held_out"
 
 Every key has a default except none: an empty file trains tiny-gpt on the shipped text.
 Unknown keys and wrong types raise ConfigError naming the key and the keys that exist.
@@ -111,7 +111,7 @@ class DataConfig:
     """Where tokenized files are kept, keyed by the file's content and the tokenizer; None: <log.dir>/tokens."""
     batch: str | None = None
     """A per-operator run's batch factory, "package.module:function" (function(batch_size, generator) -> the
-    tensors model.module's forward takes; it returns the loss): no tokens, plait.train.auto."""
+    tensors model.module's forward takes; it returns the loss): no tokens, plait.train.module_run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,14 +279,19 @@ class EvalConfig:
     keep_best: bool = False
     """Also save a checkpoint whenever the validation loss is the lowest so far, in <checkpoint.dir>/best (one
     kept); needs checkpoint.dir."""
+    batch: str | None = None
+    """A per-operator run's held-out batches (data.batch set): a batch factory "package.module:function" of your
+    held-out data, or data.batch's own factory, then drawn on generator seeds training never draws
+    (plait.operators.batch.held_out_step). The loss is the module's own."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.batches <= 0:
             raise ValueError(f"every={self.every} must be >= 0 and batches={self.batches} > 0")
         if not 0 <= self.fraction < 1:
             raise ValueError(f"fraction={self.fraction} must lie in [0, 1), e.g. 0.05")
-        if self.every and not self.fraction and not self.path and not self.split:
-            raise ValueError(f"every={self.every} needs held-out tokens: set fraction (e.g. 0.05), path or split")
+        if self.every and not self.fraction and not self.path and not self.split and not self.batch:
+            raise ValueError(f"every={self.every} needs held-out data: set fraction (e.g. 0.05), path or split (a "
+                             "per-operator run: batch)")
         if self.fraction and (self.path or self.split):
             other = f"path={self.path!r}" if self.path else f"split={self.split!r}"
             raise ValueError(f"fraction={self.fraction} and {other} are both set; keep one")

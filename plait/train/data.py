@@ -648,6 +648,10 @@ class BatchLoader:
         return LoaderPosition(epoch=position.epoch + 1, step_in_epoch=0)
 
     # -- resume --
+    def rewind(self) -> None:
+        """Back to the first batch (validation reads the same held-out batches every time)."""
+        self.position = LoaderPosition()
+
     def state_dict(self) -> dict[str, int]:
         """Enough to continue exactly here, under any data-parallel layout with the same batch and seed."""
         return {"epoch": self.position.epoch, "step_in_epoch": self.position.step_in_epoch,

@@ -25,11 +25,17 @@ class Evaluator:
     def __init__(self, config: Any, plan: Any, model: Any) -> None:
         self.config = config
         self.every = config.eval.every
-        dp_mesh = model.mesh["dp"]
-        self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
-                                  seq_len=config.train.seq_len, seed=config.train.seed,
-                                  dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(),
-                                  packing=packing_for(config, plan.model))
+        self.module_run = plan.operators is not None
+        if self.module_run:  # a module's held-out batches (eval.batch)
+            from plait.train.module_run import module_loader
+
+            self.loader = module_loader(config, plan, model, held_out=True)
+        else:
+            dp_mesh = model.mesh["dp"]
+            self.loader = BatchLoader(_rank_eval_tokens(config, plan), global_batch=config.train.global_batch,
+                                      seq_len=config.train.seq_len, seed=config.train.seed,
+                                      dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(),
+                                      packing=packing_for(config, plan.model))
         self.batches = min(config.eval.batches, self.loader.steps_per_epoch)
 
     def for_model(self, plan: Any, model: Any) -> "Evaluator":
@@ -40,7 +46,15 @@ class Evaluator:
         return self.every > 0 and (final or step % self.every == 0)
 
     def loss(self, model: Any) -> float:
-        """The token mean of the loss over the held-out batches' trained tokens, as a step's (collective)."""
+        """The token mean of the loss over the held-out batches' trained tokens, as a step's; a module's own loss
+        averaged over its held-out batches (collective)."""
+        mean = self._module_loss(model) if self.module_run else self._token_loss(model)
+        # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
+        agreed = torch.tensor([mean], dtype=torch.float64, device=model.device)
+        dist.broadcast(agreed, src=0)
+        return agreed.item()
+
+    def _token_loss(self, model: Any) -> float:
         self.loader.position = LoaderPosition()
         total, tokens = 0.0, 0
         for _ in range(self.batches):
@@ -48,10 +62,11 @@ class Evaluator:
             loss = model.eval_loss(rows.tokens, rows.targets, rows.positions)
             total += loss * model.step_loss.tokens  # each batch's mean over its trained tokens, counted by them
             tokens += model.step_loss.tokens
-        # rank 0's value for everyone: whether to save the best checkpoint (a collective) is one decision
-        agreed = torch.tensor([total / max(tokens, 1)], dtype=torch.float64, device=model.device)
-        dist.broadcast(agreed, src=0)
-        return agreed.item()
+        return total / max(tokens, 1)
+
+    def _module_loss(self, model: Any) -> float:
+        self.loader.rewind()
+        return sum(model.eval_loss(*self.loader.next_batch()) for _ in range(self.batches)) / self.batches
 
     def after_step(self, state: Any, sinks: Any, final: bool) -> float | None:
         """Evaluate when due, log it, and keep the best checkpoint when asked; returns the loss (None if not due)."""

@@ -106,13 +106,22 @@ def _build(config: Config, plan: Plan, device: torch.device, weights: Any = None
     `weights`: a Hugging Face folder to load instead of the seed's initialisation (the run's first build)."""
     from plait.execute import parallelize
 
-    model = parallelize(plan, seed=config.train.seed, device=device, weights=weights)
+    if plan.operators is not None:  # a module of any shape, placed per operator
+        from plait.execute.module_model import parallelize_module
+
+        model = parallelize_module(plan, seed=config.train.seed, device=device, lr=config.optimizer.lr)
+    else:
+        model = parallelize(plan, seed=config.train.seed, device=device, weights=weights)
     opt = config.optimizer
     optimizer = model.make_optimizer(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
     return model, optimizer, _loader(config, plan, model)
 
 
 def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
+    if plan.operators is not None:  # the module's own batches (plait.train.module_run)
+        from plait.train.module_run import module_loader
+
+        return module_loader(config, plan, model)
     tokens = rank_tokens(config, plan.model)
     dp_mesh = model.mesh["dp"]
     return BatchLoader(tokens, global_batch=config.train.global_batch, seq_len=config.train.seq_len,
@@ -121,6 +130,11 @@ def _loader(config: Config, plan: Plan, model: Any) -> BatchLoader:
 
 
 def _throughput(plan: Plan) -> Throughput:
+    if plan.operators is not None:  # samples, not tokens; the module's own FLOPs
+        from plait.execute.module_model import flops_per_step
+
+        return Throughput(tokens_per_step=plan.train.global_batch, flops_per_step=flops_per_step(plan),
+                          peak_flops_total=plan.num_devices * plan.cluster.peak_flops)
     tokens = plan.train.global_batch * plan.train.seq_len
     return Throughput(tokens_per_step=tokens,
                       flops_per_step=tokens * model_flops_per_token(plan.model, plan.train.seq_len),
@@ -160,17 +174,25 @@ def _steps(state: TrainState, hooks: Any, metrics: RunSinks, measured: RunMeasur
     return losses
 
 
+def _next_batch(loader: Any, device: torch.device) -> tuple:
+    """train_step's arguments: a token loader's (tokens, targets, document positions), or a module's own batch."""
+    if isinstance(loader, BatchLoader):
+        rows = loader.next_rows()
+        return rows.tokens.to(device), rows.targets.to(device), rows.positions
+    return loader.next_batch()
+
+
 def _one_step(state: TrainState, throughput: Throughput, device: torch.device, measured: RunMeasurements,
               elapsed_s: float) -> StepMetrics:
     config = state.config
     lr = lr_at(state.step, config.optimizer, state.schedule_span())
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    rows = state.loader.next_rows()
+    batch = _next_batch(state.loader, device)
     began, began_cpu, began_queued = time.perf_counter(), time.process_time(), queued_seconds()
     state.optimizer.zero_grad(set_to_none=True)
     forward = time.perf_counter()
-    loss = state.model.train_step(rows.tokens.to(device), rows.targets.to(device), rows.positions)
+    loss = state.model.train_step(*batch)
     trained, trained_queued = time.perf_counter(), queued_seconds()
     grad_norm = state.model.clip_grad_norm_(config.optimizer.clip) if config.optimizer.clip > 0 else None
     state.optimizer.step()
@@ -198,7 +220,9 @@ def _report_measured(segments: list, log_dir: Path) -> None:
         return
     write_measured(log_dir, segments)
     print_comparison(segments)
-    advice = calibration_advice(segments, log_dir, dist.get_world_size())
+    # the advice fits the decoder cost model's terms (plait tune --from-run), which a per-operator plan is not priced by
+    per_operator = any(segment.plan.get("operators") for segment in segments)
+    advice = None if per_operator else calibration_advice(segments, log_dir, dist.get_world_size())
     if advice:
         print(f"plait: note: {advice}", file=sys.stderr, flush=True)
 

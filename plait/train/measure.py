@@ -69,7 +69,8 @@ class StepClock:
         self._handles: list[Any] = []
         for part in model_parts:
             stage = getattr(part, "module", part)  # a DistributedDataParallel wraps the Stage
-            blocks = list(stage.stage_blocks().values())
+            # a per-operator plan's module has no Stage's blocks: its backward ends at its received input
+            blocks = list(stage.stage_blocks().values()) if hasattr(stage, "stage_blocks") else []
             self._handles.append(stage.register_forward_pre_hook(self._forward_start, prepend=True))
             self._handles.append(stage.register_forward_hook(self._forward_end))
             if blocks:  # the gradient reaching block 0's input: every layer of the stage is done
@@ -341,6 +342,13 @@ def _less_wait(record: RankRecord, ranks: list[RankRecord]) -> RankRecord:
 
 def predicted_segment(plan: Any) -> Segment:
     """A segment for `plan` with the cost model's prediction and no timings yet."""
+    if plan.operators is not None:  # priced per operator (plait.operators.search.step_parts: compute, tp_comm,
+        step = plan.predicted.step_time_s if plan.predicted else 0.0  # dp_comm, bubble), or one figure (older plans)
+        parts = dict(plan.predicted.step_time_parts) if plan.predicted else {}
+        predicted = Parts.of_prediction(step, parts) if parts else Parts(step=step, compute=step, waiting=0.0,
+                                                                            optimizer=0.0)
+        return Segment(plan=plan.to_dict(), predicted=predicted, predicted_rank_compute=[predicted.compute] * plan.pp,
+                       ranks=[])
     from plait.cost import predict
 
     prediction = predict(plan.replace(predicted=None))

@@ -141,21 +141,21 @@ def position_limit(folder: Path) -> tuple[str, int] | None:
 
 def import_path(folder: str) -> None:
     """Make `folder` importable here and in every rank this process starts (PYTHONPATH is inherited)."""
-    import os
-    import sys
+    from plait.inputs import add_import_folder
 
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
         raise ConfigError(f"model.path {folder!r} is not a folder; give the folder your model's module is in")
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(path) not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *parts])
+    add_import_folder(str(path))
 
 
 def resolve_plan(config: Config, num_devices: int | None = None) -> Plan:
     """The plan this run follows: read from [plan] file, or searched for [plan] cluster ("auto")."""
+    from plait.train.module_run import check_module_config, is_module_run, plan_module_run
+
+    check_module_config(config)
+    if is_module_run(config):  # a module of any shape, placed per operator
+        return plan_module_run(config, num_devices)
     model = resolve_model(config.model)
     if config.plan.file == "auto":
         plan = auto_plan(config, model, num_devices)

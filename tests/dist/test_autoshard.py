@@ -1,6 +1,7 @@
 """Per-operator sharding end to end: plans of modules that are not decoders, `plait check` on their ranks (DLRM
 dp2 x tp2: tensor-parallel placements from the solver, fully_shard over dp, a fused table; ResNet dp2: BatchNorm
-synchronised over dp), EQUAL to one process. (The other examples' runs on 2 and 4 ranks are in docs/any-module.md; two
+synchronised over dp), EQUAL to one process. (`plait train` of per-operator plans: tests/dist/test_train_modules.py;
+the other examples' runs on 2 and 4 ranks are in docs/any-module.md; two
 launches here keep the suite's time.)"""
 
 from __future__ import annotations
@@ -51,33 +52,3 @@ def check_equal(plan, tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "EQUAL" in done.stdout
-
-
-def test_plait_train_runs_a_per_operator_plan_with_its_own_batches_loss_and_checkpoints(tmp_path):
-    """examples/auto/train-dlrm.toml on 2 ranks: planned per operator at launch, the module's own batches and
-    the loss it returns, logged per step, checkpointed; step 1's loss is one process's on the same batch."""
-    import json
-
-    import torch
-
-    from plait.execute.autoshard import build_module, make_batch
-
-    root = EXAMPLES.parents[1]
-    env = {**os.environ, "PLAIT_OMP_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "plait", "train", str(EXAMPLES / "train-dlrm.toml"),
-                           "--set", "train.steps=4", "--set", "checkpoint.every=2",
-                           "--set", f'log.dir="{tmp_path}"', "--set", f'checkpoint.dir="{tmp_path / "ckpt"}"'],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in rows)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000002", "step_000004"]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["operators"]["fused_tables"] == {"table.weight": "sgd"} and plan["degrees"]["tp"] == 2
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        model = build_module("dlrm:build", seed=0, dtype=torch.float32)
-        first = model(*make_batch("dlrm:batch", 16, 0, 0, torch.float32)).item()
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    assert abs(rows[0]["loss"] - first) < 1e-5 * abs(first)
