@@ -98,6 +98,9 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     if args.fresh:
         start_fresh(config, resuming=args.resume or args.start_over, under_torchrun=in_torchrun())
+    from plait.train.module_run import check_module_config
+
+    check_module_config(config)  # what a per-operator run cannot honour, before anything is started
     if config.islands.island >= 0:  # one island of a run across islands (plait/train/island_loop.py)
         return _island(args.config, config, overrides)
     if in_torchrun():
@@ -186,7 +189,8 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
 
     check_outputs(config)  # log.dir, checkpoint.dir: before anything is planned or started
     checkpointer_class(config)  # refuses e.g. resume without a checkpoint dir, before ranks start
-    config = with_document_len(config, resolve_model(config.model))  # the data's documents, which the plan prices
+    if not is_module_run(config):  # a decoder's data documents, which the plan prices
+        config = with_document_len(config, resolve_model(config.model))
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
     if plan.islands is not None:  # every island on this machine, each a torchft replica group
         from plait.train.island_loop import launch_islands, with_config_h

@@ -58,7 +58,7 @@ def dry_run_module(plan: Plan) -> list[ModuleStageReport]:
 
 
 def _stages(plan: Plan) -> list[ModuleStageReport]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from plait.torch_internals import FakeStore
 
     from plait.execute.autoshard import make_batch
     from plait.execute.mesh import forget_meshes

@@ -29,6 +29,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, norm_parameters, register, tied_parameters
+from plait.torch_internals import DisableTorchFunction
 
 
 def load_factory(source: str):
@@ -40,7 +41,7 @@ def load_factory(source: str):
     try:
         # as Python imports it: a caller's torch.device("meta") (or any torch function mode) must not reach the
         # module's top level, whose tensors (a fixed projection, a mask) are real and stay where the file puts them
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"model {source!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from plait.errors import ConfigError
+from plait.torch_internals import tree_flatten, tree_map_only, tree_unflatten
 
 
 def draw(source: str, batch_size: int, generator: torch.Generator) -> Any:

@@ -65,6 +65,17 @@ MODULE_RUN_KEYS: dict[str, str] = {
     "eval.fraction": "holds out a fraction of token data; a per-operator run's held-out batches come from "
                      "eval.batch: use that",
     "eval.path": "names held-out token data; a per-operator run's held-out batches come from eval.batch: use that",
+    "eval.split": "names a split of held-out token data; a per-operator run's held-out batches come from eval.batch: "
+                  "use that",
+    "model.lora": "adds LoRA adapters to a decoder's blocks; a per-operator run trains every parameter of the "
+                  "module: unset it",
+    "data.packing": _TOKENS,
+    "optimizer.schedule_steps": ACTS,
+    "train.document_len": "is the mean document length of token data, which a per-operator run has none of: unset it",
+    "checkpoint.export_adapter": "writes a peft adapter folder of a LoRA run on a Hugging Face class: unset it",
+    **{f"islands.{key}": "trains across islands of a cluster, which a per-operator run does not: unset it"
+       for key in ("outer_lr", "outer_momentum", "nesterov", "inner_steps", "lighthouse", "max_restarts",
+                   "timeout_s", "island")},
 }
 """Every config key under a per-operator run (data.batch set): ACTS, or why a value other than its default is
 refused. A test walks every key of plait.train.config.Config against this table."""

@@ -120,7 +120,11 @@ REFUSED_VALUES = {
     "model.weights": '"pretrained"', "data.source": '"text"', "data.path": '"x.txt"', "data.dtype": '"uint16"',
     "data.text_key": '"body"', "data.split": '"validation"', "data.chat": "true", "data.tokenizer": '"byte"',
     "data.cache_dir": '"cache"', "train.seq_len": "64", "plan.adapt": "true", "checkpoint.export_hf": '"hf"',
-    "eval.fraction": "0.05", "eval.path": '"val.txt"',
+    "eval.fraction": "0.05", "eval.path": '"val.txt"', "eval.split": '"validation"',
+    "model.lora": '{rank = 4, targets = ["fc"]}', "data.packing": '"padded"', "train.document_len": "128",
+    "checkpoint.export_adapter": '"adapter"', "islands.outer_lr": "0.5", "islands.outer_momentum": "0.5",
+    "islands.nesterov": "false", "islands.inner_steps": "4", "islands.lighthouse": '"localhost:1"',
+    "islands.max_restarts": "1", "islands.timeout_s": "10.0", "islands.island": "0",
 }
 """A value other than the default for every key MODULE_RUN_KEYS refuses."""
 
