@@ -25,7 +25,7 @@ def run_on_ranks(args: argparse.Namespace, worker: Callable[[argparse.Namespace]
     if args.worker:
         worker(args)
         return 0
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     argv = [os.path.abspath(script), "--worker", *extra, *sys.argv[1:]]
     return run_local(nproc or args.nproc, argv, module=None, timeout_s=timeout_s)

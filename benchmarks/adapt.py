@@ -1,5 +1,5 @@
 """Does `plait train --adapt` find its way around a slow rank? On 4 local ranks with rank 3 throttled by a stated
-factor (PLAIT_THROTTLE, plait/execute/throttle.py: every block of that rank takes FACTOR times as long):
+factor (PLAIT_THROTTLE, plait/runtime/throttle.py: every block of that rank takes FACTOR times as long):
 
 * **even**: the plan the planner makes for 4 equal ranks, trained without adaptation: its measured step;
 * **adapted**: the same run with --adapt: the step after plait switched plans (and the switch's step and cost);
@@ -104,7 +104,7 @@ def candidates(even: dict, adapted: dict, factor: float) -> list:
 
 
 def time_candidates(plans: list, root: Path) -> list:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
     from plait.profile.tune import read_results, write_plans
 
     plans_file, results_file = root / "candidates.json", root / "timed.json"

@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from plait.execute import batch_for_step
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
 
     rank, _ = init_distributed("gloo")
     loops = {}

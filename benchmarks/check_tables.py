@@ -178,7 +178,7 @@ def _memory_row(label: str, plan) -> list[str]:  # noqa: ANN001
 
 def render_gpt3_memory() -> list[list[str]]:
     """GPT-3 175B as Korthikanti et al. ran it, priced by the tree: the "now" row of its memory table."""
-    from plait.cost.published import MegatronRow, megatron_plan
+    from published import MegatronRow, megatron_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
     plan = megatron_plan(MegatronRow(175.0, 96, 12288, 96, 8, 8, 64, 64, 0.0), CLUSTER_PRESETS["a100-80g"])
@@ -187,7 +187,7 @@ def render_gpt3_memory() -> list[list[str]]:
 
 def render_llama2_13b_memory() -> list[list[str]]:
     """torchtitan's Llama 2 13B FSDP row on 64 A100s, priced by the tree."""
-    from plait.cost.published_2024 import TORCHTITAN_A100_ROWS, torchtitan_plan
+    from published_2024 import TORCHTITAN_A100_ROWS, torchtitan_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
     row = next(r for r in TORCHTITAN_A100_ROWS if r.model == "llama2-13b")

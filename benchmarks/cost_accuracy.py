@@ -7,7 +7,7 @@ The torchtitan and Mixtral runs are priced twice: from the preset and from the m
     python benchmarks/cost_accuracy.py            # every table, with the presets' constants
     python benchmarks/cost_accuracy.py --fit      # redo the grid searches of the fitted Efficiency constants
 
-Rows and how they are priced: plait/cost/published.py (sections 1-3) and plait/cost/published_2024.py
+Rows and how they are priced: benchmarks/published.py (sections 1-3) and benchmarks/published_2024.py
 (section 6). Tolerances (TOLERANCES): tests/unit/test_cost_accuracy.py holds them.
 """
 
@@ -24,9 +24,9 @@ from plait.cost import predict
 from plait.cost.layout import Setting
 from plait.cost.memory import model_state_bytes
 from plait.cost.model import CLASS_ACTIVATIONS, predict_layout
-from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
+from published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_chunks,
                                   megatron_plan, predicted_layer_ms, predicted_tflops)
-from plait.cost.published_2024 import (MEGATRON_H100_ROWS, MEGATRON_MIXTRAL, TORCHTITAN_A100_ROWS,
+from published_2024 import (MEGATRON_H100_ROWS, MEGATRON_MIXTRAL, TORCHTITAN_A100_ROWS,
                                        TORCHTITAN_H100_ROWS, megatron_h100_flops, megatron_h100_plan,
                                        megatron_h100_tflops, megatron_moe_prediction, published_config,
                                        torchtitan_prediction)

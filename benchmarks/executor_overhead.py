@@ -137,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
     from plait.train.data import BatchLoader, load_tokens
 
     rank, world = init_distributed("gloo")

@@ -94,7 +94,7 @@ def resolve_device(requested: str) -> str:
 
 def start_world(device: str) -> None:
     """One process as a torchrun world of 1 (what parallelize needs): NCCL on CUDA, gloo on CPU."""
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,7 +137,7 @@ def release(device: str) -> None:
 
 def precision_models(device: str, quick: bool, folder: Path) -> list[ModelSpec]:
     """plait's reference decoder and a Hugging Face Llama from a local config, small enough to train in seconds."""
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.spec.load import load_model
 
     if quick or device == "cpu":

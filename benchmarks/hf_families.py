@@ -228,7 +228,7 @@ def admit(directory: Path, plan: str) -> dict[str, Any] | None:
 def worker(cases_file: Path, results: Path) -> None:
     import torch.distributed as dist
 
-    from plait.launch import init_distributed, shutdown_distributed
+    from plait.runtime.launch import init_distributed, shutdown_distributed
 
     init_distributed(timeout_s=120)
     rank = dist.get_rank()
@@ -290,7 +290,7 @@ def _done(results: Path) -> dict[tuple[str, str], dict]:
 
 
 def _launch(cases: list[dict], results: Path, work: Path, timeout_s: float) -> int:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     cases_file = work / f"cases-{os.getpid()}-{id(cases)}.jsonl"
     cases_file.write_text("".join(json.dumps(c) + "\n" for c in cases))

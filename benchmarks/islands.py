@@ -2,7 +2,7 @@
 
 Two islands of two CPU processes each (examples/clusters/islands-local.yaml: the figures inside an island are this
 machine's quick profile, `plait profile --quick --nproc 4`, cached), the link between them emulated at --bandwidth
-and --latency (plait holds every exchange for the time the link gives it: plait/execute/throttle.py's rule, in
+and --latency (plait holds every exchange for the time the link gives it: plait/runtime/throttle.py's rule, in
 plait/train/islands.py). For each model (the demo's tiny-gpt, and tiny-llama), plait plans the islands (the
 inner plan, and DiLoCo's H: the smallest that hides its exchange, or --inner-steps), then `plait train` runs
 
@@ -82,7 +82,7 @@ def cluster_of(args: argparse.Namespace):
     base = load_cluster(CLUSTER)
     if not args.no_profile:
         from plait.profile.cache import cached_profile, machine_key, profile_path
-        from plait.train.calibration import quick_profile
+        from plait.profile.quick import quick_profile
 
         key = machine_key(RANKS)
         path = cached_profile(key)

@@ -81,7 +81,7 @@ def feasible_plans(model_name: str, cluster: ClusterSpec, train: TrainSpec, npro
 
 def time_all(plans: list[Plan], nproc: int, args: argparse.Namespace, folder: Path) -> list[Measured]:
     """All plans, --rounds times over, in one launch; each plan's steps of every round pooled."""
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     plans_file, results_file = folder / f"plans-{nproc}.json", folder / f"results-{nproc}.json"
     write_plans(plans * args.rounds, plans_file)

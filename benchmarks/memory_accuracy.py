@@ -243,7 +243,7 @@ def buffers_table(rows: list[dict]) -> Table:
 
 def measure(plans: list[Plan], nproc: int) -> list[list[dict]]:
     """Run the plans on `nproc` local ranks; per plan, each rank's peak (plait.profile.peak_memory)."""
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
     from plait.profile.tune import write_plans
 
     with tempfile.TemporaryDirectory(prefix="plait-memory-") as folder:

@@ -1,6 +1,6 @@
 """Does planning for a mixed cluster pay, measured? CPU processes stand in for examples/clusters/mixed-local.yaml,
 one per core (`--nproc`, 2 by default): the first half is the "fast" group, the second half the "slow" one,
-throttled to `--factor` (2) times their compute time (plait/execute/throttle.py: a sleep after each block's
+throttled to `--factor` (2) times their compute time (plait/runtime/throttle.py: a sleep after each block's
 forward and backward as long as (factor - 1) times it).
 
 One process per core matters: with more processes than cores, a sleeping slow rank hands its core to a fast one,
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from plait.cost import predict
     from plait.execute import batch_for_step, dp_shard, parallelize
-    from plait.launch import init_distributed, shutdown_distributed
+    from plait.runtime.launch import init_distributed, shutdown_distributed
 
     rank, _ = init_distributed("gloo")
     chosen = plans(args)

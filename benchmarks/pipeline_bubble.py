@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     from plait import legality
     from plait.errors import ConfigError
     from plait.execute import parallelize
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
 
     # The first stage's inputs are token ids: its backward pre-hook fires at the output grads, as wanted.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=8, help="copies of the text in the JSON-lines file")
     args = parser.parse_args()
 
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
     from plait.train.data import cached_tokens, load_tokenizer, shipped_text_path
 
     root = Path(tempfile.mkdtemp(prefix="plait-token-cache-"))

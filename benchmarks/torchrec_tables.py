@@ -1,7 +1,7 @@
 """plait's per-operator placements of embedding tables against TorchRec's EmbeddingShardingPlanner on the same
 tables, world sizes and per-device budgets.
 
-The tables are examples/auto/dlrm_tables.py's five (100,003, 25,013, 4,099, 1,009 and 97 rows of 32 floats; row
+The tables are examples/operators/dlrm_tables.py's five (100,003, 25,013, 4,099, 1,009 and 97 rows of 32 floats; row
 counts no degree divides), trained by row-wise Adagrad on both sides (TorchRec's fused default, plait's
 `--table-optimizer rowwise_adagrad`). Each world size is planned with an unlimited budget and with one the largest
 table does not fit whole (BUDGET_MIB per device):
@@ -18,7 +18,7 @@ TorchRec is not a dependency of plait: fetch it beside the shared environment, n
 
     pip download torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 --no-deps -d /tmp/trec
     (cd /tmp/trec && mkdir site && cd site && for w in ../*.whl; do python -m zipfile -e $w .; done)
-    OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto:/tmp/trec/site python benchmarks/torchrec_tables.py
+    OMP_NUM_THREADS=1 PYTHONPATH=.:examples/operators:/tmp/trec/site python benchmarks/torchrec_tables.py
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def torchrec_tables(world: int, budget_mib: float | None) -> tuple[dict[str, tup
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from dlrm_tables import DIM, TABLES  # examples/auto
+    from dlrm_tables import DIM, TABLES  # examples/operators
 
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     configs = [EmbeddingBagConfig(name=f"table{i}", embedding_dim=DIM, num_embeddings=rows,

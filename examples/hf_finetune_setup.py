@@ -24,7 +24,7 @@ MODEL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden
 
 
 def build(root: Path) -> None:
-    from plait.models.hf_tiny import train_tokenizer, write_tiny_checkpoint
+    from plait.hf.tiny import train_tokenizer, write_tiny_checkpoint
     from plait.train.data import shipped_text_path
 
     base = root / "base"

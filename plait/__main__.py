@@ -1,7 +1,7 @@
 import sys
 
 from plait.cli import main
-from plait.launch import exit_rank, in_torchrun
+from plait.runtime.launch import exit_rank, in_torchrun
 
 code = main()
 if in_torchrun():

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from plait.errors import Interrupted, PlaitError
-from plait.launch import is_local_worker, note_failure, quiet_worker_interrupts
+from plait.runtime.launch import is_local_worker, note_failure, quiet_worker_interrupts
 
 COMMANDS: dict[str, str] = {
     "plan": "rank parallel plans for a model on a cluster (cost model + search)",

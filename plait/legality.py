@@ -121,24 +121,24 @@ UNPLACED = "unplaced"
 """ModelSpec.tp_plan's mark of a module with parameters a class's tensor-parallel plan places nowhere."""
 NO_TENSOR_PLAN = "(none)"
 """ModelSpec.tp_plan's one entry for a Hugging Face class that declares no tensor-parallel plan and whose layers
-plait cannot split itself (plait.models.hf_tensor_plan); its value says why."""
+plait cannot split itself (plait.hf.tensor_plan); its value says why."""
 PLAIT_STYLE = "plait:"
-"""Prefix of a style plait wrote for a class that declares none (GPT-2: plait.models.hf.WRITTEN_TP_PLANS)."""
+"""Prefix of a style plait wrote for a class that declares none (GPT-2: plait.hf.adapter.WRITTEN_TP_PLANS)."""
 HF_EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
-"""transformers' expert-parallel styles plait runs (plait/execute/hf_experts.py): the experts' weights split by
+"""transformers' expert-parallel styles plait runs (plait/hf/expert_parallel.py): the experts' weights split by
 expert, the tokens dispatched to them."""
 
 
 def under_class_experts(plan: dict[str, str]) -> set[str]:
     """The patterns of a class's tensor plan inside its experts module (style moe_tp_experts): the experts' own
-    weights, which plait splits itself, Megatron's way, whatever the plan names them (plait/execute/hf_experts.py)."""
+    weights, which plait splits itself, Megatron's way, whatever the plan names them (plait/hf/expert_parallel.py)."""
     experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
     return {pattern for pattern in plan if any(pattern.startswith(e + ".") for e in experts)}
 
 
 def under_replicated_modules(plan: dict[str, str]) -> set[str]:
     """The patterns of a tensor plan inside a module plait runs whole on every tensor rank (style
-    plait:replicate_module, plait.models.hf_flow; a class's "all_reduce"): the class's placements there are not
+    plait:replicate_module, plait.hf.flow; a class's "all_reduce"): the class's placements there are not
     applied."""
     roots = [pattern for pattern, style in plan.items()
              if style == PLAIT_STYLE + "replicate_module" or HF_TP_STYLES.get(style) == "replicate_module"]
@@ -177,7 +177,7 @@ def sequence_problems(model: "ModelSpec", seq_len: int, tp: int, sequence_parall
         out.append(Violation("seq-len-fits-positions", f"seq_len={seq_len} exceeds {model.name}'s max_seq_len="
                              f"{model.max_seq_len} (a learned position table); use seq_len <= {model.max_seq_len}"))
     if model.sliding_window and seq_len > model.sliding_window and not model.source.startswith("hf:"):
-        # a Hugging Face class builds its own window masks (plait.models.hf); plait's decoders have no window
+        # a Hugging Face class builds its own window masks (plait.hf.adapter); plait's decoders have no window
         out.append(Violation("seq-len-within-window", f"seq_len={seq_len} exceeds {model.name}'s sliding_window="
                              f"{model.sliding_window}; this model's attention in plait is causal over the whole "
                              f"sequence, which equals a window only up to its length: use seq_len <= "

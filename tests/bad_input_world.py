@@ -3,7 +3,7 @@ into, and how each case is judged.
 
 A temporary folder holds a tiny model, a plan for it, a text, a cluster file and a checkpoint directory a
 config resumes from (`CKPT`, with its digest taken once). A case runs a real entry point -- mostly the CLI in
-this process, with `plait.launch.run_local` replaced by a stub so valid input ends at `Launched` instead of
+this process, with `plait.runtime.launch.run_local` replaced by a stub so valid input ends at `Launched` instead of
 training -- and must end in exit code 2 with exactly one line on stderr (`plait <command>: error: ...`),
 naming the value, with no traceback, and the checkpoint directories byte for byte as they were.
 
@@ -134,16 +134,16 @@ def _stub_run_local(*args: Any, **kwargs: Any) -> int:
 
 def run_cli(argv: list[str]) -> tuple[int, str]:
     """`plait <argv>` in this process: (exit code, stderr); raises Launched for valid input."""
-    import plait.launch
+    import plait.runtime.launch
     from plait.cli import main
 
-    saved, plait.launch.run_local = plait.launch.run_local, _stub_run_local
+    saved, plait.runtime.launch.run_local = plait.runtime.launch.run_local, _stub_run_local
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = main(argv)
     finally:
-        plait.launch.run_local = saved
+        plait.runtime.launch.run_local = saved
     return code, err.getvalue()
 
 

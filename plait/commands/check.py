@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from plait.launch import in_torchrun
+    from plait.runtime.launch import in_torchrun
 
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be at least 1")
@@ -167,7 +167,7 @@ def _dry_run_module(plan, args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     plan = _load(args)
     if plan.operators is not None:  # a plan whose first step would crash stops here, in one line
@@ -215,7 +215,7 @@ def _worker_argv(args: argparse.Namespace, result_file: Path) -> list[str]:
 
 def _worker(args: argparse.Namespace) -> int:
     from plait.execute.equivalence import CheckSettings, check_plan
-    from plait.launch import ending_together, init_distributed
+    from plait.runtime.launch import ending_together, init_distributed
 
     plan = _load(args)
     if plan.islands is not None:
@@ -223,7 +223,7 @@ def _worker(args: argparse.Namespace) -> int:
 
         return island_worker(args, plan)
     if plan.operators is not None:
-        from plait.execute.autoshard import check_plan
+        from plait.execute.operators import check_plan
     init_distributed(timeout_s=args.timeout)
     settings = CheckSettings(steps=args.steps, seed=args.seed, lr=args.lr, max_norm=args.clip, dtype=args.dtype,
                              chat=args.chat)

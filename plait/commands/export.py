@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--adapter writes a LoRA run's adapters, but {str(step_dir)!r} is a checkpoint of a run "
                           f"without [model] lora; leave --adapter out to export its weights")
     else:
-        from plait.execute.hf_checkpoint import export_checkpoint
+        from plait.hf.checkpoint import export_checkpoint
 
         export_checkpoint(step_dir, out, model_dir, tokenizer_dir, _tied(meta, model_dir), max_shard_bytes=max_bytes)
     files = sorted(p.name for p in out.iterdir())

@@ -127,7 +127,7 @@ def end_ids(generator: Generator) -> frozenset[int]:
 def chat_template_tokenizer(tokenizer: Any, required: bool = True) -> Any:
     """transformers' tokenizer of a Hugging Face tokenizer folder with a chat template; None when it has none and it
     is not `required` (--chat requires one)."""
-    from plait.tokenizer_files import has_chat_template
+    from plait.hf.tokenizer_files import has_chat_template
 
     folder = getattr(tokenizer, "folder", None)
     if folder is None or not has_chat_template(folder):

@@ -61,7 +61,7 @@ def _worker(args: argparse.Namespace, out: Path) -> int:
     """One rank of the profile: measure with every other rank; rank 0 fits and writes the file."""
     import torch.distributed as dist
 
-    from plait.launch import ending_together
+    from plait.runtime.launch import ending_together
     from plait.profile.runner import ProfileOptions
 
     _init_distributed(args.timeout)
@@ -112,22 +112,22 @@ def profile_and_write(options: "ProfileOptions", out: Path, *, name: str = "", s
     return path
 
 
-# ---- launching (plait.launch, imported late: add_arguments must stay cheap) -------------------------
+# ---- launching (plait.runtime.launch, imported late: add_arguments must stay cheap) -------------------------
 
 def _in_torchrun() -> bool:
-    from plait.launch import in_torchrun
+    from plait.runtime.launch import in_torchrun
 
     return in_torchrun()
 
 
 def _init_distributed(timeout_s: float) -> None:
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
 
     init_distributed(timeout_s=timeout_s)
 
 
 def _run_local(nproc: int, argv: list[str], timeout_s: float) -> int:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     return run_local(nproc, argv, timeout_s=timeout_s)
 
@@ -135,7 +135,7 @@ def _run_local(nproc: int, argv: list[str], timeout_s: float) -> int:
 def _default_nproc() -> int:
     import torch
 
-    from plait.launch import usable_cores
+    from plait.runtime.launch import usable_cores
 
     if torch.cuda.is_available():
         return torch.cuda.device_count()

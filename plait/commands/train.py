@@ -91,7 +91,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from plait.launch import in_torchrun
+    from plait.runtime.launch import in_torchrun
     from plait.train.config import load_config
 
     overrides = overrides_of(args)
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _island(config_path: str, config, overrides: list[str]) -> int:
-    from plait.launch import in_torchrun
+    from plait.runtime.launch import in_torchrun
     from plait.train.island_loop import island_launcher, run_island, with_config_h
     from plait.train.resolve import resolve_plan
 
@@ -144,7 +144,7 @@ def _on_quick_profile(config, overrides: list[str], nproc: int | None):
     the same cluster, so a restart that re-plans plans on it too)."""
     import sys
 
-    from plait.train.calibration import with_quick_profile
+    from plait.profile.quick import with_quick_profile
     from plait.train.config import toml_value
     from plait.train.resolve import DEFAULT_DEVICES
 
@@ -178,10 +178,10 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
     """Check everything here, then run `plait train` on the plan's ranks; returns their exit code."""
     from rich.console import Console
 
-    from plait.launch import run_local
-    from plait.train.calibration import uncalibrated_note
+    from plait.runtime.launch import run_local
+    from plait.profile.quick import uncalibrated_note
     from plait.train.checkpoint import check_launch, plan_for_launch
-    from plait.train.fault import check_fault
+    from plait.runtime.faults import check_fault
     from plait.train.hooks import checkpointer_class
     from plait.train.documents import check_packing, with_document_len
     from plait.train.module_run import check_module_run, is_module_run

@@ -18,7 +18,7 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
   sharded; each call's floating outputs that autograd saves for the backward (the capture's saved_tensors_hooks;
   a view of a saved tensor counted once), over the axis when sharded; and, beside them at the peak, the largest
   output autograd does not save (whole: a transient). Over dp > 1 the executor's fully_shard holds its 4
-  copies over dp, and, as one unit on the whole module (plait.execute.autoshard), the gathered weights from the
+  copies over dp, and, as one unit on the whole module (plait.execute.operators), the gathered weights from the
   forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
   unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
 * Data-parallel synchronisation (fully_shard, one unit on the whole module): one all-gather of the weights before
@@ -42,7 +42,7 @@ BACKWARD_FLOPS = 2.0
 ADAMW_COPIES = 4
 """Parameter, gradient and AdamW's two moments."""
 FUSED_TABLE_COPIES = 1
-"""An embedding table under a fused row-wise SGD (plait.execute.tables): its weights alone."""
+"""An embedding table under a fused row-wise SGD (plait.execute.embedding_tables): its weights alone."""
 
 
 def fused_table_copies(optimizer: str, ref: "TensorRef") -> float:

@@ -1,10 +1,10 @@
 """The executor: apply a Plan to the plan's model (through its adapter, plait.models) on torch.distributed,
 with PyTorch's own parts.
 
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
     from plait.execute import parallelize
 
-    init_distributed()                       # under torchrun, or plait.launch.run_local
+    init_distributed()                       # under torchrun, or plait.runtime.launch.run_local
     pm = parallelize(plan, seed=0)           # ParallelModel: this rank's stage(s), sharded
     opt = pm.make_optimizer(lr=1e-3)
     loss = pm.train_step(tokens, targets)    # this dp rank's share of the global batch

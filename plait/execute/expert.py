@@ -101,7 +101,7 @@ def apply_experts(stage: nn.Module, meshes, *, sequence_parallel: bool) -> None:
             if tp > 1:
                 moe.enter = _copy_to_tensor_ranks(meshes["tp"])
                 moe.leave = _reduce_from_tensor_ranks(meshes["tp"], Shard(1) if sequence_parallel else Replicate())
-    from plait.execute.hf_experts import apply_class_experts  # transformers' own experts modules
+    from plait.hf.expert_parallel import apply_class_experts  # transformers' own experts modules
 
     apply_class_experts(stage, meshes, names, modules)
     stage.expert_params, stage.expert_modules = names, modules

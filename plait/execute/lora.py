@@ -35,7 +35,7 @@ class LoraParallel(ParallelStyle):
         self.base = base
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from plait.execute.hf_replicate import ReplicatedModule
+        from plait.hf.replicate import ReplicatedModule
 
         if isinstance(self.base, ReplicatedModule):  # whole on every rank, its subtree (the adapters) with it
             return self.base._apply(module, device_mesh)

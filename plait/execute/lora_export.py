@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait.execute.hf_checkpoint import (DEFAULT_SHARD_BYTES, ShardWriter, _copy_tokenizer, prepare_export_dir,
+from plait.hf.checkpoint import (DEFAULT_SHARD_BYTES, ShardWriter, _copy_tokenizer, prepare_export_dir,
                                          publish, weight_files)
 from plait.models.lora import adapted_modules, adapted_weight, is_adapter, peft_names
 from plait.spec.lora import Lora
@@ -45,7 +45,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 def export_merged(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """`model` (a ParallelModel with LoRA adapters) as a plain Hugging Face folder, its adapters merged (collective;
-    the layout of plait.execute.hf_checkpoint.export_hf)."""
+    the layout of plait.hf.checkpoint.export_hf)."""
     out = Path(out_dir)
     if dist.get_rank() == 0:
         prepare_export_dir(out)
@@ -132,7 +132,7 @@ def base_tensors(spec, meta: dict, source_dir: Path, names: list[tuple[str, tupl
     `names`: (name, shape) of the base's parameters (default: the model's, built on meta)."""
     from safetensors import safe_open
 
-    from plait.execute.hf_checkpoint import _stored_name
+    from plait.hf.checkpoint import _stored_name
     from plait.models import adapter_for
 
     adapter = adapter_for(spec)

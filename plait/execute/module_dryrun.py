@@ -4,8 +4,8 @@
 
 For the first rank of every pipeline stage, under a `fake` process group of the plan's world size (collectives
 move nothing and cost nothing; torch builds meshes of any size on it), the executor's own construction
-(plait.execute.autoshard.apply_operator_sharding: placements, planned reads, fully_shard over dp; a stage cut as
-plait.execute.autoshard_pipeline cuts it) and one micro-batch's forward and backward through it. A module of up to
+(plait.execute.operators.apply_operator_sharding: placements, planned reads, fully_shard over dp; a stage cut as
+plait.execute.operators_pipeline cuts it) and one micro-batch's forward and backward through it. A module of up to
 REAL_BYTES runs on real CPU tensors, so every kernel's own checks run (GroupNorm's backward on a channel-split
 input, an embedding's ids); a larger one on `meta` (shapes, placements and the executor's rules only).
 """
@@ -60,7 +60,7 @@ def dry_run_module(plan: Plan) -> list[ModuleStageReport]:
 def _stages(plan: Plan) -> list[ModuleStageReport]:
     from plait.torch_internals import FakeStore
 
-    from plait.execute.autoshard import make_batch
+    from plait.execute.operators import make_batch
     from plait.execute.mesh import forget_meshes
     from plait.operators import batch as batches
 
@@ -82,7 +82,7 @@ def _stages(plan: Plan) -> list[ModuleStageReport]:
 
 
 def _module_bytes(plan: Plan) -> float:
-    from plait.execute.autoshard import build_module
+    from plait.execute.operators import build_module
 
     meta = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")
     return sum(p.numel() * p.element_size() for p in meta.parameters())
@@ -92,7 +92,7 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module, shard_over_dp
+    from plait.execute.operators import apply_operator_sharding, build_mesh, build_module, shard_over_dp
     from plait.execute.dryrun import CollectiveCounter
     from plait.operators import batch as batches
     from plait.operators.capture import forward_on_meta
@@ -101,7 +101,7 @@ def _stage_step(plan: Plan, position: int, rank: int, batch, hidden, device: str
     module = build_module(plan.model.source, seed=0, dtype=torch.float32, device=device)
     sharding = None
     if plan.pp > 1:
-        from plait.execute.autoshard_pipeline import stage_layout
+        from plait.execute.operators_pipeline import stage_layout
         from plait.operators.stages import build_stage
 
         module = build_stage(module, stage_layout(plan), plan.stage_layers(position), first=position == 0,
@@ -166,7 +166,7 @@ def runnable(plans: list, limit: int | None = None) -> tuple[list, list[str]]:
 
 def refuse_off_cpu(plan: Plan) -> None:
     """ConfigError in one line for a per-operator plan of accelerators: its executor builds CPU meshes over gloo
-    (plait.execute.autoshard.build_mesh), so such a plan is planned and priced, not run, here."""
+    (plait.execute.operators.build_mesh), so such a plan is planned and priced, not run, here."""
     if plan.cluster.device_type != "cpu":
         raise ConfigError(f"the plan is for {plan.cluster.name} ({plan.cluster.device_type}); per-operator plans run "
                           f"on CPU ranks (gloo) only: plan for a CPU cluster (--cluster local-cpu) to train or check "
@@ -179,7 +179,7 @@ def samples_note(plan: Plan) -> str | None:
     Told by running the forward (one process, no gradients) on one call's samples and on its two halves (apart by
     more than float32's rounding);
     None for a loss that is a mean over samples, a call of one sample, or a module beyond REAL_BYTES (not run)."""
-    from plait.execute.autoshard import build_module, make_batch
+    from plait.execute.operators import build_module, make_batch
     from plait.operators import batch as batches
 
     calls = plan.dp * plan.num_micro_batches

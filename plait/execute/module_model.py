@@ -4,12 +4,12 @@ training loop, validation, checkpoints and the run's measurements read of a mode
 
 The module is the user's (`package.module:factory`, its forward takes the batch factory's tensors and returns the
 loss, plait.operators.batch). Built with the seed's weights on every rank, placed by
-plait.execute.autoshard.apply_operator_sharding (tensor-parallel placements, then fully_shard over dp), or, under a
-pipeline, cut into this rank's stage and run by the plan's schedule (plait.execute.autoshard_pipeline).
+plait.execute.operators.apply_operator_sharding (tensor-parallel placements, then fully_shard over dp), or, under a
+pipeline, cut into this rank's stage and run by the plan's schedule (plait.execute.operators_pipeline).
 
 A step's loss is the mean of the module's loss over the step's calls: each data-parallel rank's share of the batch
 split into the plan's micro-batches, one forward per micro-batch, as `plait check`'s one process computes it
-(plait.execute.autoshard.check_plan): a loss over the batch's own samples (an in-batch softmax) sees a
+(plait.execute.operators.check_plan): a loss over the batch's own samples (an in-batch softmax) sees a
 micro-batch's samples, on one process as on many.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
-from plait.execute.autoshard import apply_operator_sharding, build_mesh, build_module
+from plait.execute.operators import apply_operator_sharding, build_mesh, build_module
 from plait.execute.parallelize import clip_grad_norm
 from plait.operators import batch as batches
 from plait.plan import Plan
@@ -124,7 +124,7 @@ class ModuleModel:
         return total
 
     def _pipeline(self, batch: Any, forward_only: bool = False) -> torch.Tensor:
-        from plait.execute.autoshard_pipeline import pipeline_losses
+        from plait.execute.operators_pipeline import pipeline_losses
 
         return pipeline_losses(self.schedule, self.plan, self.position, batch, self.mesh, forward_only=forward_only)
 
@@ -239,7 +239,7 @@ def parallelize_module(plan: Plan, *, seed: int = 0, device: str | torch.device 
     mixed = _mixed_precision(plan, device)
     mesh = build_mesh(plan)
     if plan.pp > 1:
-        from plait.execute.autoshard_pipeline import build_pipeline_stage
+        from plait.execute.operators_pipeline import build_pipeline_stage
 
         position, module, schedule = build_pipeline_stage(plan, mesh, seed=seed, dtype=dtype, lr=lr)
         return ModuleModel(plan, mesh, module, device, mixed, schedule, position, dtype)
@@ -254,7 +254,7 @@ def flops_per_step(plan: Plan) -> float:
     batch) times 3 (forward and backward), over every micro-batch of the global batch. What MFU counts."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from plait.execute.autoshard import build_module, make_batch
+    from plait.execute.operators import build_module, make_batch
     from plait.operators.capture import forward_on_meta
 
     module = build_module(plan.model.source, seed=0, dtype=torch.float32, device="meta")

@@ -47,14 +47,14 @@ from plait.execute.context import ContextParallelAttention, apply_cp, cp_positio
 from plait.execute.expert import apply_experts
 from plait.execute.lora import adapter_names
 from plait.execute.mesh import Meshes, build_mesh, data_mesh, device_type_of, pipeline_position, rank_order
-from plait.execute.throttle import apply_throttle, planned_throttle
+from plait.runtime.throttle import apply_throttle, planned_throttle
 from plait.execute.pipeline import build_schedule, split_model
 from plait.execute.recompute import apply_ac
 from plait.execute.step_loss import StepLoss
 from plait.execute.state import gather_full_state_dict, load_full_state_dict, plain_named_parameters
 from plait.execute.tensor import apply_tp
 from plait.execute.tied import ReplicatedGradients, TiedGradients
-from plait.launch import in_torchrun, init_distributed
+from plait.runtime.launch import in_torchrun, init_distributed
 from plait.models import ModelAdapter, adapter_for, initial_state_dict
 from plait.models.moe import set_aux_scale
 from plait.plan import Plan
@@ -440,9 +440,9 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
                 pipeline_buffers: str = "pool") -> ParallelModel:
     """Build this rank's share of `plan.model`, parallelized as `plan` says, starting from the
     single-process initial weights for `seed` (or `initial_state`, full tensors, or the Hugging Face checkpoint
-    in the directory `weights`, each rank reading only its own shards: plait/execute/hf_checkpoint.py).
+    in the directory `weights`, each rank reading only its own shards: plait/hf/checkpoint.py).
 
-    Needs torch.distributed initialized (plait.launch.init_distributed; done here with `timeout_s`
+    Needs torch.distributed initialized (plait.runtime.launch.init_distributed; done here with `timeout_s`
     when running under torchrun and not yet done) with world size == plan.num_devices. Refuses with
     ConfigError (plait.legality), before any work, a plan that cannot run. `device` defaults to this
     rank's accelerator, or CPU; `precision` overrides the plan's ("fp32" forces full precision, as
@@ -451,8 +451,8 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
     for the benchmarks' before-and-after)."""
     if not dist.is_initialized():
         if not in_torchrun():
-            raise ConfigError("torch.distributed is not initialized; run under torchrun or plait.launch.run_local, "
-                              "or call plait.launch.init_distributed() first")
+            raise ConfigError("torch.distributed is not initialized; run under torchrun or plait.runtime.launch.run_local, "
+                              "or call plait.runtime.launch.init_distributed() first")
         init_distributed(timeout_s=timeout_s)
     legality.check(plan, dist.get_world_size())
     device = torch.device(device) if device is not None else _default_device()
@@ -505,7 +505,7 @@ def _materialize(part: nn.Module, adapter: ModelAdapter, plan: Plan, seed: int, 
     if not names:
         return
     if weights is not None:
-        from plait.execute.hf_checkpoint import load_hf_weights
+        from plait.hf.checkpoint import load_hf_weights
 
         load_hf_weights([part], adapter.tied, weights)  # the base; LoRA adapters start from the seed
         names = adapter_names(names)

@@ -274,14 +274,14 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return GatherSequence() if sequence_parallel else None
     if name == "replicate":  # inside a block: a router, an MLA q_a_proj; run on local values (no DTensor rule needed
         # for its ops: Inkling's router takes log_sigmoid), on the input as it comes
-        from plait.execute.hf_replicate import ReplicatedModule
+        from plait.hf.replicate import ReplicatedModule
 
         return ReplicatedModule(sequence_parallel=False)
     if name == "sharded_input":
         return ShardedInputParallel()
     if name == "replicate_module":  # a module the class's plan leaves unplaced, whole on every rank (":Class": only
         # where it is of that class: layer_style)
-        from plait.execute.hf_replicate import ReplicatedModule
+        from plait.hf.replicate import ReplicatedModule
 
         return ReplicatedModule(sequence_parallel)
     if name == "mla_kv_a":
@@ -289,8 +289,8 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
     if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)
         return None
     if name == "moe_block":  # a pattern the class's dense layers share with its MoE blocks (their "mlp")
-        from plait.execute.hf_experts import MoeBlockParallel
-        from plait.models.hf_experts import class_experts
+        from plait.hf.expert_parallel import MoeBlockParallel
+        from plait.hf.experts import class_experts
 
         if class_experts(module):
             return MoeBlockParallel(sequence_parallel)
@@ -349,7 +349,7 @@ def layer_style(pattern: str, style: str, block: nn.Module, block_plan: dict[str
     the plan places nothing of (AFMoE's first layer) runs whole ("replicate_module"); "replicate_module:Class" on a
     module of another class (a hybrid's full attention, where its linear attention is replicated: MiniMax) is what
     it would be without the mark (a gathered parent of its column-wise children, or nothing)."""
-    from plait.models.hf_flow import whole_module
+    from plait.hf.flow import whole_module
 
     def inside(parent_only: bool) -> list[str]:
         return [p for p, s in block_plan.items() if p.startswith(pattern + ".") and get_module(block, p) is not None
@@ -365,7 +365,7 @@ def layer_style(pattern: str, style: str, block: nn.Module, block_plan: dict[str
 
 def _moe_blocks(block: nn.Module, block_plan: dict[str, str]) -> list[str]:
     """The paths of `block`'s modules of style "moe_block" that hold experts of a transformers class."""
-    from plait.models.hf_experts import class_experts
+    from plait.hf.experts import class_experts
 
     return [path for path, style in block_plan.items() if style == "moe_block"
             and (module := get_module(block, path)) is not None and class_experts(module)]

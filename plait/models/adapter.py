@@ -15,7 +15,7 @@ An adapter describes one family of decoder-only models without changing their co
 * ``loss(logits, targets)``; ``selective(block)``: what "selective" recompute checkpoints in a block.
 
 Adapters: plait's reference decoders (plait.models.reference_adapter), Hugging Face causal LMs
-(plait.models.hf) and a user's own module (plait.models.factory). `adapter_for(spec)` picks one from
+(plait.hf.adapter) and a user's own module (plait.models.factory). `adapter_for(spec)` picks one from
 `ModelSpec.source`.
 """
 
@@ -48,7 +48,7 @@ STYLES = {
     "gather_input": "under sequence parallelism, gather the module's hidden-state input over the sequence",
     "experts": "mixture-of-experts experts: split over ep (and their inner width over tp)",
     "moe_block": "a module holding a transformers class's experts: activations whole inside it, the sequence "
-                 "gathered at its input and sliced at its output under SP (plait/execute/hf_experts.py)",
+                 "gathered at its input and sliced at its output under SP (plait/hf/expert_parallel.py)",
     "replicate": "kept whole on every tensor rank (parameters replicated), run on local values on its input as it "
                  "comes: exact where that input is whole and the same on every rank (its gradients then are too)",
     "replicate_module": "a module and all it holds whole on every tensor rank, run on local values (no collective "
@@ -302,6 +302,6 @@ def adapter_for(spec: ModelSpec) -> ModelAdapter:
     if kind not in _ADAPTERS:
         import importlib
 
-        importlib.import_module({"plait": "plait.models.reference_adapter", "hf": "plait.models.hf",
+        importlib.import_module({"plait": "plait.models.reference_adapter", "hf": "plait.hf.adapter",
                                  "module": "plait.models.factory"}[kind])
     return _ADAPTERS[kind](spec)

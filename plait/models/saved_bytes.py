@@ -115,7 +115,7 @@ class _Provenance(TorchDispatchMode):
             if _key(t) not in seen:  # an alias keeps what its input is
                 self.alive.append(t)
                 (self.weights if from_weights else self.created).add(_key(t))
-        # transformers' experts measured in their batched form (plait.models.hf_spec.experts_batched): a bmm against
+        # transformers' experts measured in their batched form (plait.hf.spec.experts_batched): a bmm against
         # gathered expert weights stands for the run's loop of one linear per expert, whose GEMMs the policy counts
         batched_experts = func is torch.ops.aten.bmm.default and any(_key(t) in self.weights for t in floats)
         self._selective(func, outputs, floats, batched_experts)

@@ -112,7 +112,7 @@ class Graph:
     """What the forward returned (capture._returned): "a scalar loss", or a shape or type."""
     functions: list[Function] = field(default_factory=list)
     """The forward's torch-level calls (F.linear, torch.cat, Tensor.__matmul__, ...) in order: where the executor
-    redistributes each argument to the placement the plan's strategy reads it in (plait.execute.autoshard), above
+    redistributes each argument to the placement the plan's strategy reads it in (plait.execute.operators), above
     autograd, so the backward carries each redistribution's gradient as the cost model prices it."""
 
 

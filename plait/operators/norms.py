@@ -1,7 +1,7 @@
 """Normalisations over split dimensions: which dimensions of its input a normalisation's statistics span, so that
 a plan never computes them over one rank's share. One rule for the planner (a strategy that reads such a dimension
 split is left out: the norm reads its input whole, and the gather is priced) and the executor (a split input is
-made whole above autograd before the call, plait.execute.autoshard.NormsReadWhole: left to DTensor, GroupNorm's
+made whole above autograd before the call, plait.execute.operators.NormsReadWhole: left to DTensor, GroupNorm's
 backward on a channel-split input fails, `Expected dY.numel() == N * C * HxW`).
 
 * GroupNorm: a group's channels and every spatial position (dims 1..n-1); the batch may stay split.

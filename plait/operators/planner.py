@@ -74,7 +74,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                   ) -> Built:
     """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
-    (plait.execute.tables).
+    (plait.execute.embedding_tables).
 
     A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
     strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
@@ -244,7 +244,7 @@ def needs_gradient(graph: Graph) -> set[int]:
 def _enforced_reads(graph: Graph) -> dict[int, int]:
     """Value id -> the call whose read of it the executor enforces: a module's output, a module's first argument,
     a parameter or a buffer is redistributed by a hook to the placement its first consumer reads it in
-    (plait.execute.autoshard; describe() writes those placements), so a redistribution planned there happens there."""
+    (plait.execute.operators; describe() writes those placements), so a redistribution planned there happens there."""
     boundary = {ref.value for ref in (*graph.module_outputs.values(), *graph.module_inputs.values(),
                                       *graph.params.values(), *graph.buffers.values())}
     first: dict[int, int] = {}
@@ -651,7 +651,7 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
 
 def zero_stage(dp: int) -> int:
     """The ZeRO stage of a per-operator plan: its data parallelism rides on fully_shard (ZeRO-3) whenever there is
-    more than one data-parallel rank (plait.execute.autoshard.apply_operator_sharding)."""
+    more than one data-parallel rank (plait.execute.operators.apply_operator_sharding)."""
     return 3 if dp > 1 else 0
 
 

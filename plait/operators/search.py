@@ -18,7 +18,7 @@ What the search does not vary, and why:
   (--schedule gpipe). Interleaved and zero-bubble schedules need several stages per pipeline rank or split
   backwards, which per-operator stages do not run: a pin of one is refused in one line.
 * Without a pipeline, one micro-batch per step (the executor runs each data-parallel rank's share at once).
-* The data-parallel carrier: fully_shard over dp, one unit on the whole module (plait.execute.autoshard; priced
+* The data-parallel carrier: fully_shard over dp, one unit on the whole module (plait.execute.operators; priced
   as it runs, plait.cost.operators).
 
 When no shape fits, the error names the smallest per-device budget that fits one (each shape's least memory: the

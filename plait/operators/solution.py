@@ -1,5 +1,5 @@
 """OperatorSharding: the per-operator plan, a field of the Plan (plan.operators), pure data that round-trips
-through JSON. The executor (plait.execute.autoshard) reads `params` and `outputs`; the rest is the planner's
+through JSON. The executor (plait.execute.operators) reads `params` and `outputs`; the rest is the planner's
 account of why (shown by `plait plan`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")
-"""Fused row-wise optimizers for embedding tables (plait.execute.tables runs them; the planner prices them): SGD,
+"""Fused row-wise optimizers for embedding tables (plait.execute.embedding_tables runs them; the planner prices them): SGD,
 and row-wise Adagrad (one accumulator per row, as TorchRec's and FBGEMM's EXACT_ROWWISE_ADAGRAD)."""
 
 
@@ -49,7 +49,7 @@ class OperatorSharding:
     and `param_reads`."""
     fused_tables: dict[str, str] = field(default_factory=dict)
     """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
-    no gradient, no optimizer state, kept whole over dp (plait.execute.tables)."""
+    no gradient, no optimizer state, kept whole over dp (plait.execute.embedding_tables)."""
     synchronised_norms: tuple[str, ...] = ()
     """BatchNorm modules whose training statistics are summed over the data-parallel ranks (plait.execute.batchnorm):
     every BatchNorm when dp > 1; the tensor-parallel ranks see the whole micro-batch already."""

@@ -1,5 +1,5 @@
 """Pipeline stages of a module whose forward returns its loss (per-operator plans): the module's own forward, run
-with the repeated blocks a stage does not hold stood in for, as plait.models.hf_structure runs a Hugging Face class's
+with the repeated blocks a stage does not hold stood in for, as plait.hf.structure runs a Hugging Face class's
 forward around its layers.
 
 * `find_layout(model, batch)`: the repeated blocks (the one ModuleList or ModuleDict of identical blocks: same class,

@@ -1,5 +1,5 @@
 """A decoder's own tensor plan as a candidate of the per-operator program: Megatron's pattern as its class declares
-it (a Hugging Face class's `base_model_tp_plan`, read by plait.models.hf.tensor_plan_of; plait's reference
+it (a Hugging Face class's `base_model_tp_plan`, read by plait.hf.adapter.tensor_plan_of; plait's reference
 Transformer's, plait.models.reference_adapter.ReferenceAdapter.tp_plan), turned into placement pins: a
 column-parallel projection's weight split by rows (S0, its bias too), a row-parallel one's by columns (S1).
 
@@ -32,7 +32,7 @@ def _block_patterns(model: nn.Module) -> tuple[str, dict[str, str]] | None:
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "base_model_tp_plan", None) and \
                 hasattr(module, "base_model_prefix"):
-            from plait.models.hf import tensor_plan_of
+            from plait.hf.adapter import tensor_plan_of
 
             plan = {k.split("*.", 1)[1]: _style(v) for k, v in tensor_plan_of(config).items() if "*." in k}
             blocks = next((name for name, _ in module.named_modules() if name.endswith("layers")), None)
@@ -43,7 +43,7 @@ def _block_patterns(model: nn.Module) -> tuple[str, dict[str, str]] | None:
 
 def _style(spelled: str) -> str:
     """"colwise", "plait:colwise_packed:3" -> the style's name ("colwise", "colwise_packed")."""
-    from plait.models.hf import PLAIT_STYLE
+    from plait.hf.adapter import PLAIT_STYLE
 
     return spelled.removeprefix(PLAIT_STYLE).split(":")[0]
 

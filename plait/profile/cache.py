@@ -50,7 +50,7 @@ def machine_key(nproc: int) -> MachineKey:
     import torch
 
     from plait.cli import version
-    from plait.launch import rank_threads, usable_cores
+    from plait.runtime.launch import rank_threads, usable_cores
 
     return MachineKey(host=socket.gethostname(), cpu_model=cpu_model(), cores=usable_cores(),
                       torch_version=torch.__version__, plait_version=version(), nproc=nproc,

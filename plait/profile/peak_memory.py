@@ -222,7 +222,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="JSON file rank 0 writes the peaks to")
     args = parser.parse_args(argv)
 
-    from plait.launch import ending_together, init_distributed
+    from plait.runtime.launch import ending_together, init_distributed
     from plait.profile.tune import read_plans
 
     rank, _ = init_distributed()
@@ -235,6 +235,6 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from plait.launch import exit_rank
+    from plait.runtime.launch import exit_rank
 
     exit_rank(worker_main())

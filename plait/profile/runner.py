@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from plait.launch import usable_cores
+from plait.runtime.launch import usable_cores
 from plait.profile import collectives, devices
 from plait.profile.calibrate import GEMM_NAMES, HostSample, Measurements
 from plait.profile.collectives import GroupSet, Level, Topology

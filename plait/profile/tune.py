@@ -243,7 +243,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
-    from plait.launch import ending_together, init_distributed
+    from plait.runtime.launch import ending_together, init_distributed
 
     rank, _ = init_distributed(timeout_s=args.timeout)
     plans = read_plans(args.plans)
@@ -262,6 +262,6 @@ def _printer(total: int) -> Callable[[int, Plan], None]:
 
 
 if __name__ == "__main__":
-    from plait.launch import exit_rank
+    from plait.runtime.launch import exit_rank
 
     exit_rank(worker_main())

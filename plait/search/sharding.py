@@ -466,8 +466,8 @@ def _improve_pairs(problem, masked, neighbours, choice: list[int], sweeps: int) 
 
 
 WINDOW = 100
-"""Nodes re-solved together by the window moves. Measured on the decoders, examples/auto and Llama 3 8B's graph
-(benchmarks/auto_shard.py): 40 leaves the decoders 6-15% above the program, as the old region moves did, and 80
+"""Nodes re-solved together by the window moves. Measured on the decoders, examples/operators and Llama 3 8B's graph
+(benchmarks/per_operator.py): 40 leaves the decoders 6-15% above the program, as the old region moves did, and 80
 up to 7%: a window must hold a whole attention block (about 60 operators from the projections in to the
 projection out, with their parameters) for the move onto heads to pay; 100 reaches the program's optimum on every
 benchmark model."""

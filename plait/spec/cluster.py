@@ -116,7 +116,7 @@ class DeviceGroup:
     """Between this group's nodes; None: the cluster's inter_node."""
     slowdown: float = 1.0
     """Emulation only (a CPU machine standing in for a mixed cluster): the executor throttles this group's ranks to
-    this many times their compute time (plait/execute/throttle.py). 1 on real hardware."""
+    this many times their compute time (plait/runtime/throttle.py). 1 on real hardware."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) or self.num_devices <= 0:
@@ -140,7 +140,7 @@ class Islands:
     (all its devices together) can push to the others."""
     emulate: bool = False
     """Emulation only (one machine standing in for islands): the executor holds each exchange over the link for
-    the time `link` gives it (plait/execute/throttle.py's LinkThrottle). False on real links."""
+    the time `link` gives it (plait/runtime/throttle.py's LinkThrottle). False on real links."""
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 2:

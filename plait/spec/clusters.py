@@ -19,14 +19,14 @@ Published step times barely separate ``matmul`` from ``overhead`` (a layer's tim
 same ratio prices whole layers alike.
 
 A100 (both memory sizes: same chip): fitted jointly on all 10 rows of Narayanan et al. 2021,
-Table 1 (TFLOP/s per GPU, priced as plait.cost.published describes) and the 5 rows of one
+Table 1 (TFLOP/s per GPU, priced as published describes) and the 5 rows of one
 22B-model layer's forward/backward time from Korthikanti et al. 2022, minimizing the worst
 error relative to the tolerance (10% and 15%): ``matmul`` 0.82, ``matmul_half_dim`` 800,
 ``overhead`` 0.30 (2021's unfused softmax and dropout). `python benchmarks/cost_accuracy.py --fit` redoes
 every grid search; the result: worst 6.1% on Megatron rows, 9.5% on the 22B layer rows.
 
 H100 SXM (``h100-80g``, 700 W): fitted by the same grid search on the five rows of Megatron-LM's H100
-weak-scaling table (docs/published-runs.md, section 6.1; priced as plait.cost.published_2024 describes):
+weak-scaling table (docs/published-runs.md, section 6.1; priced as published_2024 describes):
 ``matmul`` 0.76, ``matmul_half_dim`` 1600, ``overhead`` 0.0; worst error 8.7% (tolerance 10%). The larger
 half-width than the A100's is the known need of H100 GEMMs for larger shapes to saturate; no overhead is
 left once Transformer Engine's fused kernels run the non-GEMM work (within the valley above).
@@ -54,7 +54,7 @@ measured). `python benchmarks/gpu_refit.py --held-out` refits them and gives, pe
 in-sample / leave-one-shape-out / fitted on the other GPU kind only: H200 4.5% / 4.5% / 5.4%, H100 runs 4.5% /
 5.5% / 8.3% and 4.4% / 5.3% / 9.2% (saved: benchmarks/results/gpu_refit.txt; tests/unit/test_gpu_refit.py keeps
 the shipped figures within 2% of their refit). Published runs of other software (Megatron-LM's, torchtitan's) are
-priced without them (`plait.cost.published.their_software`).
+priced without them (`published.their_software`).
 
 Optimizer bandwidth (``memory_balance``), refit by the same command from each kind's rows (the median measured over
 predicted optimizer step): the H200's AdamW step runs at 3.20 TB/s, 67% of its 4.8 TB/s datasheet (balance 309);

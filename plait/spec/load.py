@@ -6,10 +6,10 @@ Accepted model inputs:
 * a plait model file (YAML or JSON) holding ModelSpec fields, optionally ``preset: NAME`` to
   start from a preset and override some fields;
 * a Hugging Face ``config.json`` of any causal LM the installed transformers knows, read offline (no network, no
-  weights): its blocks measured on ``meta`` from the class itself (plait.models.hf_spec), the shape fields from
+  weights): its blocks measured on ``meta`` from the class itself (plait.hf.spec), the shape fields from
   the cost model's closed forms where the family has them (Llama-like -> arch "llama"; GPT-2 -> arch "gpt"), read
   generically from the config otherwise. Mixture-of-experts classes run as they are too, their experts included
-  (plait/execute/hf_experts.py); Mixtral's and Qwen3-MoE's shape fields come from the closed forms.
+  (plait/hf/expert_parallel.py); Mixtral's and Qwen3-MoE's shape fields come from the closed forms.
 
 Accepted cluster inputs: a preset name from plait.spec.clusters.CLUSTER_PRESETS, or a YAML/JSON
 file holding ClusterSpec fields (optionally ``preset: NAME`` plus overrides). Sizes may be plain
@@ -37,7 +37,7 @@ from plait.spec.train import TrainSpec
 
 FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
-# Hugging Face model types plait runs (plait.models.hf), and the class names that imply them.
+# Hugging Face model types plait runs (plait.hf.adapter), and the class names that imply them.
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 HF_MOE_TYPES = ("mixtral", "qwen3_moe")
 """Mixture-of-experts types the closed forms describe (a config.json alone, model_from_hf_config, is planned as
@@ -45,7 +45,7 @@ plait's reference MoE decoder of the same shape: top-k routing renormalized over
 directory runs the class itself."""
 HF_GPT_TYPES = ("gpt2",)
 HF_CLOSED_FORM_TYPES = HF_LLAMA_TYPES + HF_GPT_TYPES + HF_MOE_TYPES
-"""Families whose ModelSpec fields the cost model's closed forms describe (plait.models.hf_spec measures the rest)."""
+"""Families whose ModelSpec fields the cost model's closed forms describe (plait.hf.spec measures the rest)."""
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -253,7 +253,7 @@ def _hf_model_type(config: Mapping[str, Any], where: str) -> str:
 
 
 def _hf_spec(path: Path, data: Mapping[str, Any]) -> ModelSpec:
-    """A Hugging Face model directory's ModelSpec: its blocks measured on meta (plait.models.hf_spec)."""
+    """A Hugging Face model directory's ModelSpec: its blocks measured on meta (plait.hf.spec)."""
     where = str(path)
     model_type = _hf_model_type(data, where)
     name, source = _hf_name(path, data), "hf:" + str(path.resolve().parent)
@@ -274,7 +274,7 @@ def _hf_spec(path: Path, data: Mapping[str, Any]) -> ModelSpec:
             if "not supported" not in str(error):
                 raise
             closed = None
-    from plait.models.hf_spec import hf_model_spec
+    from plait.hf.spec import hf_model_spec
 
     return hf_model_spec(path.parent, name=name, closed_form=closed)
 

@@ -104,7 +104,7 @@ class BlockCost:
     """Of `flops_per_token`, the routed experts' (k experts per token): what the router's imbalance stretches."""
     replicated_params: int = 0
     """Of `params`, those of modules tensor parallelism keeps whole on every rank (a Hugging Face class's attention
-    its plan leaves unplaced: plait.models.hf_flow's replicate_module): held and updated whole by every tensor rank."""
+    its plan leaves unplaced: plait.hf.flow's replicate_module): held and updated whole by every tensor rank."""
     replicated_flops_per_token: float = 0.0
     """Of `flops_per_token`, those of the modules `replicated_params` belong to: computed whole by every tensor rank."""
     replicated_attention_flops_per_token: float = 0.0

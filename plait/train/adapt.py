@@ -22,7 +22,7 @@ Every WINDOW_STEPS steps (after WARMUP_STEPS of each plan) every rank's timings 
 
 Every decision is logged with its reason and figures: a line on rank 0's stderr and LOG_DIR/adapt.jsonl.
 At most MAX_SWITCHES switches per run. A slow rank is emulated on one machine with PLAIT_THROTTLE
-(plait/execute/throttle.py), which follows the global rank whatever the plan.
+(plait/runtime/throttle.py), which follows the global rank whatever the plan.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.spec.model import NOT_THE_MODULE
-from plait.train.fault import maybe_inject, planned_fault
+from plait.runtime.faults import maybe_inject, planned_fault
 
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
@@ -357,7 +357,7 @@ def warn(message: str) -> None:
 
 def restart_count() -> int:
     """How many times torchrun / the elastic agent has restarted this job's workers (the same on every machine)."""
-    from plait.launch import restart_round
+    from plait.runtime.launch import restart_round
 
     return restart_round()
 
@@ -376,7 +376,7 @@ class Checkpointer:
         self.every = config.checkpoint.every
         self.keep = config.checkpoint.keep
         self.last_saved: int | None = None
-        self.fault = planned_fault()  # PLAIT_FAULT, for crash-recovery tests (plait.train.fault)
+        self.fault = planned_fault()  # PLAIT_FAULT, for crash-recovery tests (plait.runtime.faults)
 
     def wants_resume(self) -> bool:
         return bool(self.config.checkpoint.resume) or restart_count() > 0
@@ -384,7 +384,7 @@ class Checkpointer:
     def resume(self, state: Any) -> None:
         import torch.distributed as dist
 
-        from plait.launch import is_local_worker
+        from plait.runtime.launch import is_local_worker
 
         if not self.wants_resume():
             check_fresh_dir(self.root)
@@ -498,14 +498,14 @@ def save_checkpoint(root: str | Path, state: Any, *, keep: int = 0, fault: Any =
                     extra: Any = None) -> Path:
     """Save `state` (plait.train.hooks.TrainState) as ``root/step_NNNNNN`` atomically (collective).
 
-    `fault` (plait.train.fault) may interrupt the save half-way, after the shards are written and before
+    `fault` (plait.runtime.faults) may interrupt the save half-way, after the shards are written and before
     the manifest: the moment a Ctrl-C would cost the most. `extra(folder)`, where given, writes more of this
     rank's state into the checkpoint's folder before the manifest covers it (a run across islands: its outer
     optimizer, plait/train/island_loop.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from plait.launch import note_progress
+    from plait.runtime.launch import note_progress
 
     root = Path(root)
     rank = dist.get_rank()
@@ -700,7 +700,7 @@ def export_at_end(state: Any) -> Path | None:
     tokenizer the data was tokenized with."""
     import torch.distributed as dist
 
-    from plait.execute.hf_checkpoint import export_hf
+    from plait.hf.checkpoint import export_hf
 
     config = state.config
     tokenizer = config.data.tokenizer if config.data.tokenizer not in (None, "byte") else None

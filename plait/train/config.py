@@ -60,7 +60,7 @@ class ModelConfig:
     weights: Literal["seed", "pretrained"] = "seed"
     """The initial weights: "seed" (drawn from train.seed), or "pretrained": the Hugging Face checkpoint in the
     folder of `file` (model.safetensors, or shards listed by model.safetensors.index.json), each rank reading
-    only its own slices (plait.execute.hf_checkpoint)."""
+    only its own slices (plait.hf.checkpoint)."""
     lora: Lora | None = None
     """Train low-rank adapters on the frozen model instead of every weight: {rank, alpha, targets, dropout}
     (plait.spec.lora; docs/lora.md), e.g. {rank = 16, alpha = 32, targets = ["q_proj", "v_proj"]}."""
@@ -204,7 +204,7 @@ class PlanConfig:
     """Pins passed to the search with "auto", e.g. {tp = 2, schedule = "1f1b"}."""
     profile: bool = True
     """With file = "auto" and cluster = "local-cpu": plan on a quick profile of this machine instead, measured once per
-    machine and rank count and cached (plait/train/calibration.py); false: plan on the preset (`--no-profile`)."""
+    machine and rank count and cached (plait/profile/quick.py); false: plan on the preset (`--no-profile`)."""
     adapt: bool = False
     """Re-plan from the run's own timings (a straggler, a step far off its prediction) and switch plans where it
     pays, exactly as a resume does (plait/train/adapt.py); `plait train --adapt`."""
@@ -354,7 +354,7 @@ INPUT_PATHS = (("model", "file"), ("model", "path"), ("data", "path"), ("data", 
 directory (where the examples' paths, written from the repository root, are); outputs (log.dir, checkpoint.dir,
 ...) and --set values stay relative to the working directory."""
 INPUT_WORDS = {("plan", "file"): ("auto",), ("data", "tokenizer"): ("byte",)}
-"""Values of an input key that are words, not paths: never looked up next to the config file (examples/auto is a
+"""Values of an input key that are words, not paths: never looked up next to the config file (examples/operators is a
 folder, and `file = "auto"` in examples/hf-finetune.toml still means "plan here")."""
 
 

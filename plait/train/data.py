@@ -19,7 +19,7 @@ only (by default the model folder's, for a Hugging Face model). A text is tokeni
 tokenizer would (its post-processor adds a BOS token where it says so), and documents are packed into one
 stream with the tokenizer's EOS token between them. The result is kept in a cache (``[data] cache_dir``,
 default ``<log.dir>/tokens``) under a key made of the file's content hash and the tokenizer's identity (every
-tokenizer file, the chat template included: plait.tokenizer_files), and for chat data the masking rule, so a run
+tokenizer file, the chat template included: plait.hf.tokenizer_files), and for chat data the masking rule, so a run
 tokenizes a file once and a changed file, tokenizer or template is tokenized again. Raw bytes need no
 cache: the byte tokenizer reads a text file as it is.
 
@@ -119,7 +119,7 @@ class HFTokenizer:
     def _digest(self) -> str:
         """Every tokenizer file (the chat template included: it decides a conversation's tokens and masks), and
         the EOS id, which config.json may give."""
-        from plait.tokenizer_files import tokenizer_files
+        from plait.hf.tokenizer_files import tokenizer_files
 
         digest = hashlib.sha256()
         for name in tokenizer_files(self.folder):
@@ -374,7 +374,7 @@ def read_documents(file: Path, source: str, text_key: str = "text", split: str =
                    split_key: str = "data.split") -> Iterator[str]:
     """The documents of a text file (the whole file) or a JSON-lines file (one per line; blank lines skipped)."""
     if source == "hf":
-        from plait.train.hf_data import dataset_documents
+        from plait.hf.data import dataset_documents
 
         yield from dataset_documents(file, text_key, split, split_key)
         return
@@ -509,7 +509,7 @@ def cached_tokens(file: Path, source: str, tokenizer: Tokenizer, cache_dir: str 
 def _pack_chat(file: Path, source: str, tokenizer: Tokenizer, key: str, split: str, split_key: str
                ) -> tuple[np.ndarray, int]:
     from plait.train.chat import chat_tokenizer, json_conversations, pack_conversations
-    from plait.train.hf_data import dataset_values
+    from plait.hf.data import dataset_values
 
     conversations = json_conversations(file, key) if source == "jsonl" else dataset_values(file, key, split,
                                                                                               split_key)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import ConfigError
-from plait.launch import restart_round
+from plait.runtime.launch import restart_round
 from plait.plan import Plan
 
 OUTER_DIR = "outer"
@@ -67,7 +67,7 @@ def check_island_plan(plan: Plan) -> None:
 def launch_islands(config_path: str | None, config: Any, overrides: list[str], plan: Plan, *,
                    timeout_s: float | None) -> int:
     """Start the lighthouse (or check the one named) and one launcher per island; wait for them."""
-    from plait.train.fault import check_fault
+    from plait.runtime.faults import check_fault
     from plait.train.islands_launch import check_lighthouse, start_islands
     from plait.train.resolve import write_plan
 
@@ -143,7 +143,7 @@ def check_island_checkpoints(config: Any, count: int) -> None:
 
 def island_launcher(config_path: str | None, config: Any, overrides: list[str], plan: Plan) -> int:
     """One island's launcher: its ranks, restarted after a failure so that the island rejoins the others."""
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     argv = ["train"] + ([config_path] if config_path else [])
     for item in overrides:
@@ -153,7 +153,7 @@ def island_launcher(config_path: str | None, config: Any, overrides: list[str], 
 
 # ---- a rank ----------------------------------------------------------------------------------------------
 def run_island(config: Any, plan: Plan) -> None:
-    from plait.launch import ending_together, init_distributed
+    from plait.runtime.launch import ending_together, init_distributed
     from plait.train.loop import DIST_TIMEOUT_S
 
     inner = plan.island_plan()
@@ -217,7 +217,7 @@ class IslandRun:
                                    "started": self.started_at, "island": self.island})
 
     def train(self) -> None:
-        from plait.train.fault import maybe_inject, planned_fault
+        from plait.runtime.faults import maybe_inject, planned_fault
         from plait.train.metrics import MetricsLog
 
         config, state = self.config, self.state

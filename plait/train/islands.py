@@ -20,7 +20,7 @@ local shards with the same shards of the other islands. What it needs is that ev
 
 Pseudo-gradients in bf16 travel as bf16 (cast before the all-reduce, back after); int8 needs torchft's quantized
 all-reduce (triton, CUDA) and is refused elsewhere before ranks start. With the cluster's islands.emulate, every
-exchange is held for the time the islands' link gives it (plait.execute.throttle.LinkThrottle), so one machine
+exchange is held for the time the islands' link gives it (plait.runtime.throttle.LinkThrottle), so one machine
 shows what a slow link costs.
 """
 
@@ -181,7 +181,7 @@ def _round_store(timeout: timedelta) -> tuple[str, int]:
     """A store of this round of the island's ranks alone, hosted by its rank 0, for torchft's Manager: the agent's
     store (MASTER_ADDR) outlives a round, and after a restart the Manager's other ranks would read the dead round's
     manager address there and wait for it (measured: 'failed to connect ... within timeout of 30s')."""
-    from plait.launch import _host_name
+    from plait.runtime.launch import _host_name
 
     box: list = [None]
     if dist.get_rank() == 0:

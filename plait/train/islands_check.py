@@ -80,7 +80,7 @@ def island_argv(args: argparse.Namespace, island: int, folder: Path) -> list[str
 
 def island_launcher(args: argparse.Namespace, plan: Plan) -> int:
     """An island's own launcher: its ranks, on this machine."""
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     argv = island_argv(args, args.island, Path(args.result_file).parent)
     return run_local(plan.island_plan().num_devices, argv, timeout_s=args.timeout)
@@ -93,7 +93,7 @@ def island_worker(args: argparse.Namespace, plan: Plan) -> int:
     from plait.execute.batches import batch_for_step, dp_shard
     from plait.execute.equivalence import DTYPES
     from plait.execute.parallelize import parallelize
-    from plait.launch import ending_together, init_distributed
+    from plait.runtime.launch import ending_together, init_distributed
     from plait.train.islands import IslandExchange, OuterSettings
 
     inner = plan.island_plan()

@@ -4,7 +4,7 @@ The parent (`plait train` or `plait check` outside torchrun) checks everything, 
 (islands.lighthouse = "local") or checks that the one named answers (a multi-node run points every island at the
 same one; an unreachable one is one line and exit 2 before any rank starts), holds a TCPStore where the islands
 meet before their first step, and starts one `python -m plait ...` per island, each of which starts that island's
-ranks with plait's own launcher (plait.launch.run_local, which restarts them after a failure up to
+ranks with plait's own launcher (plait.runtime.launch.run_local, which restarts them after a failure up to
 islands.max_restarts times: the island rejoins and takes the weights from a peer). The parent waits for all and
 returns the first failing island's exit code.
 """

@@ -1,6 +1,6 @@
 """The training loop one rank runs: plan -> parallel model -> optimizer -> steps -> metrics and plot.
 
-Every rank runs `run(config)` under torchrun (or `plait.launch.run_local`). Rank 0 alone
+Every rank runs `run(config)` under torchrun (or `plait.runtime.launch.run_local`). Rank 0 alone
 writes metrics.jsonl, draws the progress bar and the loss plot; every rank takes part in the
 collectives (train step, gradient clipping, the final full state dict).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.launch import note_progress
+from plait.runtime.launch import note_progress
 from plait.plan import Plan
 from plait.train.chat import unanswered_note
 from plait.train.checkpoint import export_at_end, pretrained_dir
@@ -33,7 +33,7 @@ from plait.train.measure import (
 from plait.train.evaluate import Evaluator
 from plait.train.metrics import ProgressDisplay, StepMetrics, Throughput, model_flops_per_token
 from plait.train.sinks import RunSinks
-from plait.train.fault import maybe_inject, planned_fault
+from plait.runtime.faults import maybe_inject, planned_fault
 from plait.train.resolve import check_outputs, plan_for_world, write_plan
 
 DIST_TIMEOUT_S = float(os.environ.get("PLAIT_DIST_TIMEOUT_S", "300"))
@@ -54,7 +54,7 @@ class RunResult:
 
 def run(config: Config) -> RunResult:
     """Train as one rank of the plan's world (the process group is started here if needed)."""
-    from plait.launch import ending_together, init_distributed, restart_round
+    from plait.runtime.launch import ending_together, init_distributed, restart_round
 
     check_outputs(config)  # under a bare torchrun no launcher has checked them
     world = int(os.environ["WORLD_SIZE"])
@@ -149,7 +149,7 @@ def _steps(state: TrainState, hooks: Any, metrics: RunSinks, measured: RunMeasur
     losses: list[float] = []
     start = time.perf_counter()
     rank = dist.get_rank()
-    fault = planned_fault()  # PLAIT_FAULT (plait.train.fault): fires with or without checkpoints
+    fault = planned_fault()  # PLAIT_FAULT (plait.runtime.faults): fires with or without checkpoints
     with ProgressDisplay(total, enabled=rank == 0 and config.log.progress, every=config.log.every,
                          max_seconds=config.train.max_seconds) as progress:
         while state.step < total:

@@ -7,7 +7,7 @@ Each rank times, cheaply (a few clock reads per stage and micro-batch), four thi
   input, or at the stage input), over every micro-batch. The layers, the embedding and output layer,
   recompute, and the tensor-parallel collectives and fully_shard gathers that run inside the layers are in it
   (they cannot be told apart without a profiler); the throttle of an emulated slow rank too
-  (plait/execute/throttle.py). The zero-bubble schedules compute weight gradients apart, after this window: there
+  (plait/runtime/throttle.py). The zero-bubble schedules compute weight gradients apart, after this window: there
   compute reads low;
 * **waiting**: the rest of the forward-backward call (ParallelModel.train_step): the pipeline's bubble and
   transfers, the data-parallel communication backward did not hide, the loss (forward and backward: it runs

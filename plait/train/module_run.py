@@ -3,7 +3,7 @@ through the one launcher and loop every plan trains with (plait.commands.train, 
 validation, time limits, restarts, resume and resharding, bf16, the end table and measured.json.
 
     [model] module = "dlrm:build"            # an nn.Module whose forward takes the batch and returns the loss
-            path = "examples/auto"           # where to import it from
+            path = "examples/operators"           # where to import it from
     [data]  batch = "dlrm:batch"             # batch(batch_size, generator) -> the forward's tensors
     [eval]  every = 10, batch = "dlrm:batch" # held-out batches: a factory of its own, or data.batch's own on
                                              # generator seeds training never draws

@@ -48,7 +48,7 @@ def _resolve_base_model(config: ModelConfig) -> ModelSpec:
     return load_model(config.source)
 
 
-# What plait.execute.hf_checkpoint reads (named here too: this module runs in the launcher, without torch).
+# What plait.hf.checkpoint reads (named here too: this module runs in the launcher, without torch).
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 

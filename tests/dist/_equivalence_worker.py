@@ -1,6 +1,6 @@
 """Worker for tests/dist: runs every case of one world size in one launch, writes JSON on rank 0.
 
-Usage (via plait.launch.run_local or torchrun): python tests/dist/_equivalence_worker.py WORLD OUT.json [CASE ...]"""
+Usage (via plait.runtime.launch.run_local or torchrun): python tests/dist/_equivalence_worker.py WORLD OUT.json [CASE ...]"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 from equivalence_cases import CLIP, cases_for, make_plan  # noqa: E402
 from plait.execute.equivalence import CheckSettings, check_plan  # noqa: E402
-from plait.launch import init_distributed, shutdown_distributed  # noqa: E402
+from plait.runtime.launch import init_distributed, shutdown_distributed  # noqa: E402
 
 parallelize_module = sys.modules["plait.execute.parallelize"]  # the module (plait.execute exports the function)
 

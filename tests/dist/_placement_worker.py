@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from plait.execute import parallelize
 from plait.execute.mesh import pipeline_position
-from plait.launch import init_distributed, shutdown_distributed
+from plait.runtime.launch import init_distributed, shutdown_distributed
 from plait.profile.tune import read_plans
 
 plan_file, out = sys.argv[1], sys.argv[2]

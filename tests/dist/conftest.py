@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.launch import run_local
+from plait.runtime.launch import run_local
 
 WORKER = Path(__file__).parent / "_equivalence_worker.py"
 EXAMPLE_MODULES = Path(__file__).parents[2] / "examples" / "custom"  # the module:factory example's package
@@ -18,7 +18,7 @@ LAUNCH_TIMEOUT_S = 900
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """config.json of a tiny model of every Hugging Face family plait runs (written locally, nothing downloaded)."""
-    from plait.models.hf_tiny import FAMILIES, WINDOWED_CONFIGS, write_tiny_config
+    from plait.hf.tiny import FAMILIES, WINDOWED_CONFIGS, write_tiny_config
 
     root = tmp_path_factory.mktemp("hf")
     for family in (*FAMILIES, *WINDOWED_CONFIGS):

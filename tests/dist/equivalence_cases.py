@@ -3,7 +3,7 @@
 Tiny models (4 layers, hidden 32, seq 16) so that one launch per world size runs every case in a few seconds
 each on a 2-core machine. A case is the keyword arguments of a Plan plus its model: plait's reference
 decoder of a tiny spec ("gpt", "llama", or "gpt-tied") or a tiny Hugging Face model ("hf:llama", "hf:gpt2", ...,
-written by plait.models.hf_tiny into PLAIT_TEST_HF_DIR). `clip` turns on gradient clipping (at a norm below
+written by plait.hf.tiny into PLAIT_TEST_HF_DIR). `clip` turns on gradient clipping (at a norm below
 the real one, so clipping acts) to prove the global norm across shards. Every case is judged by the same
 verdict as `plait check` (plait.execute.equivalence.Tolerance)."""
 
@@ -13,7 +13,7 @@ import functools
 import os
 from pathlib import Path
 
-from plait.models.hf_tiny import FAMILIES
+from plait.hf.tiny import FAMILIES
 from plait.plan import Plan
 from plait.spec import ModelSpec, TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS

@@ -80,7 +80,7 @@ def run_item(root: Path, run: str, plan: str, *, resume_from: Path | None = None
 
 
 def launch(root: Path, world: int, items: list[dict]) -> None:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     script = root / f"script-{world}.json"
     script.write_text(json.dumps([i for i in items if i["world"] == world]))
@@ -166,7 +166,7 @@ def test_checkpoints_are_complete_and_pruned(runs: Path) -> None:
 def worker(script: Path) -> None:
     import torch.distributed as dist
 
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
     from plait.train import loop
     from plait.train.config import config_from_dict
     from plait.train.resolve import resolve_plan

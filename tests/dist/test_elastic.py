@@ -2,7 +2,7 @@
 rendezvous on 127.0.0.1): 2 + 2 ranks, a tiny GPT, a few steps, every wait bounded.
 
 * A rank killed (PLAIT_FAULT) under `--max-restarts 1`: both agents start their workers again, the rounds
-  are kept apart (plait.launch._round_store), they resume from the last checkpoint and finish with exit 0
+  are kept apart (plait.runtime.launch._round_store), they resume from the last checkpoint and finish with exit 0
   and the losses of a run that was never interrupted.
 * `--nnodes 1:2` and one agent killed for good (the agent and its workers, as a lost machine): the
   survivor's restarted workers re-plan for the 2 ranks left (plan "auto") and finish from the checkpoint,

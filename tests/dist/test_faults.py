@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.launch import FAILURE_DIR_ENV, lost_a_peer, run_local
+from plait.runtime.launch import FAILURE_DIR_ENV, lost_a_peer, run_local
 
 pytestmark = pytest.mark.dist
 
@@ -23,7 +23,7 @@ def test_dead_rank_stops_the_others_and_is_named(tmp_path, capfd):
     script = tmp_path / "dies.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from plait.launch import init_distributed
+        from plait.runtime.launch import init_distributed
         rank, world = init_distributed(timeout_s=600)  # longer than the launch deadline below
         dist.barrier()
         if rank == 1:
@@ -42,7 +42,7 @@ def test_killed_rank_is_named_before_the_peers_that_lost_it(tmp_path, capfd):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent("""
         import os, signal, time, torch, torch.distributed as dist
-        from plait.launch import init_distributed
+        from plait.runtime.launch import init_distributed
         rank, world = init_distributed(timeout_s=600)
         dist.barrier()
         if rank == 0:
@@ -68,7 +68,7 @@ def test_a_rank_failing_while_its_peers_wait_at_the_exit_barrier_is_named(tmp_pa
     script = tmp_path / "fails_last.py"
     script.write_text(textwrap.dedent("""
         import torch.distributed as dist
-        from plait.launch import ending_together, init_distributed
+        from plait.runtime.launch import ending_together, init_distributed
         rank, world = init_distributed(timeout_s=600)
         with ending_together():
             dist.barrier()
@@ -90,7 +90,7 @@ def test_a_rank_killed_during_a_checkpoint_save_is_named(tmp_path, capfd):
     script.write_text(textwrap.dedent("""
         import os, signal, sys, torch, torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from plait.launch import ending_together, init_distributed
+        from plait.runtime.launch import ending_together, init_distributed
 
         class DiesWhileWriting(dcp.FileSystemWriter):
             def write_data(self, plan, planner):
@@ -121,7 +121,7 @@ def test_a_rank_that_lost_a_peer_skips_the_interpreter_teardown(tmp_path):
     script = tmp_path / "survivor.py"
     script.write_text(textwrap.dedent("""
         import atexit, os, signal, sys, torch, torch.distributed as dist
-        import plait.launch as launch
+        import plait.runtime.launch as launch
         launch.STOP_WAIT_S = 0.5  # no launcher here to stop the survivor
         atexit.register(lambda: print("teardown ran", file=sys.stderr, flush=True))
         rank, world = launch.init_distributed(timeout_s=600)

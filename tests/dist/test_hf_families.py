@@ -6,7 +6,7 @@ parallelism; Phi-3 (fused q|k|v and gate|up projections) under pp2; Gemma 2 (sof
 class's own eager attention) under pp2; MiniCPM3 (latent attention: q_a_proj, which its plan leaves unplaced,
 replicated; kv_a_proj_with_mqa's rotary part's gradient summed) under tp2; MiniMax (lightning attention its plan
 leaves unplaced, run whole on every rank in its linear layers, the full attention split in the others) under tp2;
-StableLM (no tensor-parallel plan of its own: plait's, derived from its plain projections, plait.models.hf_tensor_plan)
+StableLM (no tensor-parallel plan of its own: plait's, derived from its plain projections, plait.hf.tensor_plan)
 under tp2 with sequence parallelism. And a refusal: Gemma 2 under ep2 has no experts, OLMo 2's tensor plan under a
 style plait does not run would be refused before any rank starts (benchmarks/hf_families.admit)."""
 

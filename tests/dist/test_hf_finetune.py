@@ -46,7 +46,7 @@ TRAINED = {"A": "pp2-tp2", "C": "fsdp4"}  # run -> plan; C resumes A's step-2 ch
 
 # ---- building the runs (pytest side) ----------------------------------------------------------
 def build_checkpoints(root: Path) -> None:
-    from plait.models.hf_tiny import train_tokenizer, write_tiny_checkpoint
+    from plait.hf.tiny import train_tokenizer, write_tiny_checkpoint
     from plait.train.data import shipped_text_path
 
     text = shipped_text_path().read_text(encoding="utf-8")[:60_000]
@@ -100,7 +100,7 @@ def model_items(root: Path) -> list[dict]:
 
 
 def launch(root: Path, world: int, items: list[dict]) -> None:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     script = root / f"script-{world}.json"
     script.write_text(json.dumps([i for i in items if i["world"] == world]))
@@ -299,7 +299,7 @@ def run_load(item: dict) -> None:
 def worker(script: Path) -> None:
     import torch.distributed as dist
 
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
     from plait.train import loop
     from plait.train.config import config_from_dict
     from plait.train.resolve import resolve_plan

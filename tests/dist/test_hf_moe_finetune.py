@@ -30,7 +30,7 @@ def build(root: Path) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     from transformers.utils import logging
 
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
     from plait.train.data import shipped_text_path
 
     logging.disable_progress_bar()

@@ -1,6 +1,6 @@
 """LoRA on gloo ranks: `plait check` EQUAL under every kind of plan, training, resume and the two exports.
 
-Built here, nothing downloaded: a tiny Llama checkpoint with a BPE tokenizer (plait.models.hf_tiny), adapters on
+Built here, nothing downloaded: a tiny Llama checkpoint with a BPE tokenizer (plait.hf.tiny), adapters on
 five of its seven projections (column- and row-wise ones).
 
 * check: dp2 (DDP), FSDP2 (ZeRO-3), tp2 with sequence parallelism and pp2 (1F1B), each from the pretrained base,
@@ -40,7 +40,7 @@ TRAINED = {"A": dict(tp=2, micro_batch=4), "B": dict(dp=2, zero=3, micro_batch=2
 
 # ---- building the runs (pytest side) ----------------------------------------------------------
 def build_base(root: Path) -> None:
-    from plait.models.hf_tiny import train_tokenizer, write_tiny_checkpoint
+    from plait.hf.tiny import train_tokenizer, write_tiny_checkpoint
     from plait.train.data import shipped_text_path
 
     text = shipped_text_path().read_text(encoding="utf-8")[:40_000]
@@ -90,7 +90,7 @@ def train_config(root: Path, run: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> Iterator[Path]:
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     root = Path(tempfile.mkdtemp(prefix="plait-lora-"))  # not under pytest's basetemp (other pytest runs prune it)
     try:
@@ -244,7 +244,7 @@ def run_check(item: dict) -> None:
 def worker(script: Path) -> None:
     import torch.distributed as dist
 
-    from plait.launch import init_distributed
+    from plait.runtime.launch import init_distributed
     from plait.train import loop
     from plait.train.config import config_from_dict
     from plait.train.resolve import resolve_plan

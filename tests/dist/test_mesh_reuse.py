@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from plait.launch import run_local
+from plait.runtime.launch import run_local
 
 pytestmark = pytest.mark.dist
 
@@ -18,7 +18,7 @@ def test_meshes_are_shared_by_shape_and_threads_stay_bounded(tmp_path):
         import os
         from plait.axes import Degrees
         from plait.execute.mesh import build_mesh
-        from plait.launch import init_distributed, shutdown_distributed
+        from plait.runtime.launch import init_distributed, shutdown_distributed
         init_distributed(timeout_s=120)
         dp2, tp2 = Degrees(dp=2), Degrees(tp=2)
         first = build_mesh(dp2, "cpu")

@@ -42,7 +42,7 @@ def test_a_mixed_cluster_plan_runs_as_one_process_would(tmp_path):
     # and each group's processes run its stage: the slow group's ranks (2, 3) hold pipeline position 0 and the
     # first stage, throttled; torch numbers a process group's members in global-rank order, so this needs the
     # executor's own position (plait.execute.pipeline.PlacedStage), not the group's numbering
-    from plait.launch import run_local
+    from plait.runtime.launch import run_local
 
     out = tmp_path / "placement.json"
     os.environ["PLAIT_OMP_THREADS"] = "1"

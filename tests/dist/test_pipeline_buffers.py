@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from plait.launch import run_local
+from plait.runtime.launch import run_local
 
 pytestmark = pytest.mark.dist
 
@@ -21,7 +21,7 @@ WORKER = textwrap.dedent("""
     import torch.distributed as dist
     from plait.execute import parallelize
     from plait.execute.batches import batch_for_step
-    from plait.launch import init_distributed, shutdown_distributed
+    from plait.runtime.launch import init_distributed, shutdown_distributed
     from plait.plan import Plan
     from plait.spec import ModelSpec, TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS

@@ -1,4 +1,4 @@
-"""Fused row-wise Adagrad on ranks (plait.execute.tables): DLRM on dp2 x tp2 with its table split by columns, each
+"""Fused row-wise Adagrad on ranks (plait.execute.embedding_tables): DLRM on dp2 x tp2 with its table split by columns, each
 row's sum of squares all-reduced over the tensor-parallel ranks and the touched rows exchanged over dp, EQUAL to
 one process running the same optimizer on the whole table (one launch of 4 ranks)."""
 
@@ -15,7 +15,7 @@ from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 pytestmark = pytest.mark.dist
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 def test_check_proves_rowwise_adagrad_on_a_column_split_table_equal(tmp_path, monkeypatch):

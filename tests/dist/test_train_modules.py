@@ -1,5 +1,5 @@
 """A per-operator plan trains through the one launcher and loop (plait.train.loop): what a decoder's run does, a
-module of any shape does. Small modules (examples/auto/run_*.py, tests/tied_stages.py), six launches: sinks,
+module of any shape does. Small modules (examples/operators/run_*.py, tests/tied_stages.py), six launches: sinks,
 validation, bf16, restarts and the full state dict in one; resume and reshard across plans and world sizes (two);
 `plait check` of an in-batch softmax compared like with like (uneven rows, from a folder that does not hold the
 module), of a weight tied across pipeline stages, and of a fused table under a pipeline of micro-batches."""
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.dist
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 ROOT = EXAMPLES.parents[1]
 
 
@@ -35,7 +35,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _one_process_loss(model: str, batch: str, rows: int, calls: int, bf16: bool) -> float:
     """Step 1's loss on one process: the mean of the module's loss over the step's calls (dp x micro-batches)."""
-    from plait.execute.autoshard import build_module, make_batch
+    from plait.execute.operators import build_module, make_batch
     from plait.operators import batch as batches
 
     sys.path.insert(0, str(EXAMPLES))

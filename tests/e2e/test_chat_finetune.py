@@ -36,7 +36,7 @@ def chatml_tokenizer(folder: Path, texts: list[str]) -> Path:
     transformers (chat_template.jinja)."""
     from transformers import AutoTokenizer
 
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
 
     train_tokenizer(texts, 300, folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -55,7 +55,7 @@ def plait(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
-    from plait.models.hf_tiny import write_tiny_checkpoint
+    from plait.hf.tiny import write_tiny_checkpoint
     from plait.train.config import toml_text
 
     root = tmp_path_factory.mktemp("chat")

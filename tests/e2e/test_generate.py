@@ -31,7 +31,7 @@ def train(config: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    from plait.models.hf_tiny import train_tokenizer, write_tiny_checkpoint
+    from plait.hf.tiny import train_tokenizer, write_tiny_checkpoint
     from plait.spec.load import load_model
     from plait.train.config import toml_text
     from plait.train.data import shipped_text_path

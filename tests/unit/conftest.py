@@ -30,10 +30,10 @@ class Launched(Exception):
 @pytest.fixture
 def no_launch(monkeypatch) -> type[Launched]:
     """The local launcher raises Launched instead of starting ranks; the fixture's value is that exception."""
-    import plait.launch
+    import plait.runtime.launch
 
     def stub(*args, **kwargs):
         raise Launched()
 
-    monkeypatch.setattr(plait.launch, "run_local", stub)
+    monkeypatch.setattr(plait.runtime.launch, "run_local", stub)
     return Launched

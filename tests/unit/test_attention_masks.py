@@ -10,7 +10,7 @@ import torch
 
 from plait import legality
 from plait.models import adapter_for
-from plait.models.hf_tiny import WINDOWED_CONFIGS, write_tiny_config
+from plait.hf.tiny import WINDOWED_CONFIGS, write_tiny_config
 from plait.plan import Plan
 from plait.spec import TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -102,7 +102,7 @@ def test_packed_documents_each_give_their_own_logits(tmp_path, family, monkeypat
     """Three documents in one row, positions restarting at each: every document's logits are those of it alone (its
     attention stays within it; learned positions (GPT-2) and rotary ones restart; a window inside each document).
     Llama's layers are handed the position ids, so they attend document by document (plait.models.windows)."""
-    import plait.models.hf as hf_module
+    import plait.hf.adapter as hf_module
 
     by_document = []
     real = hf_module.attention_by_document

@@ -12,7 +12,7 @@ from plait.train.checkpoint import (
     MANIFEST, check_fresh_dir, complete_dirs, latest_complete, prune, publish, remove_stale_tmp, step_dir, tmp_dir,
     verify, write_manifest,
 )
-from plait.train.fault import Fault, maybe_inject, parse_fault
+from plait.runtime.faults import Fault, maybe_inject, parse_fault
 
 
 def fake_checkpoint(root: Path, step: int, *, publish_it: bool = True) -> Path:

@@ -82,8 +82,8 @@ def tracked_bytes(directory: Path, seq: int, precision: str) -> float:
     """Bytes a forward of the class's first layer on CPU leaves held, as MemTracker counts them: its output and
     (under autocast) the weights' cached 16-bit copies left out; the rotary tables its model hands it made outside,
     its input inside (as benchmarks/memory_accuracy.py counts a stack of blocks)."""
-    from plait.models.hf import HFAdapter
-    from plait.models.hf_structure import around_layers
+    from plait.hf.adapter import HFAdapter
+    from plait.hf.structure import around_layers
 
     torch.manual_seed(0)
     adapter = HFAdapter(ModelSpec(name="tiny", source=f"hf:{directory}", num_layers=1, hidden_size=1, num_heads=1,
@@ -152,11 +152,11 @@ def test_cpu_sdpa_takes_the_kernel_the_measurement_takes():
 @pytest.mark.parametrize("precision", ["fp32", "16bit"])
 def test_experts_measured_batched_keep_what_the_eager_loop_saves(precision, tmp_path):
     """transformers' experts are measured in their batched form on meta (the eager loop needs real routing) and
-    corrected to the eager loop the run takes (plait.models.hf_spec._eager_loop_bytes); on a scaled-down Mixtral run
+    corrected to the eager loop the run takes (plait.hf.spec._eager_loop_bytes); on a scaled-down Mixtral run
     for real on CPU, the eager loop's saved tensors (each storage once, weights and the model's tables left out) are
     the bytes priced, to the byte."""
-    from plait.models.hf import HFAdapter
-    from plait.models.hf_structure import around_layers
+    from plait.hf.adapter import HFAdapter
+    from plait.hf.structure import around_layers
 
     directory = tiny_config("mixtral-8x7b", tmp_path)
     model = load_model(str(directory))

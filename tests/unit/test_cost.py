@@ -13,7 +13,7 @@ from plait.cost.compute import layer_flops, model_flops_per_step
 from plait.cost.layout import Setting
 from plait.plan import Layout
 from plait.cost.memory import in_flight, model_state_bytes, rank_memory
-from plait.cost.published import ZERO_PSI, ZERO_ROWS
+from published import ZERO_PSI, ZERO_ROWS
 from plait.spec.clusters import CLUSTER_PRESETS
 from plait.spec.models import MODEL_PRESETS
 

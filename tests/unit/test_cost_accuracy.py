@@ -3,10 +3,10 @@
 
 import pytest
 
-from plait.cost.published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_plan,
+from published import (LAYER_22B_ROWS, MEGATRON_ROWS, ZERO_PSI, ZERO_ROWS, megatron_plan,
                                   predicted_layer_ms, predicted_tflops)
 from plait.cost.memory import model_state_bytes
-from plait.cost.published_2024 import (MEGATRON_H100_ROWS, TORCHTITAN_A100_ROWS, TORCHTITAN_H100_ROWS,
+from published_2024 import (MEGATRON_H100_ROWS, TORCHTITAN_A100_ROWS, TORCHTITAN_H100_ROWS,
                                        megatron_h100_tflops, torchtitan_prediction)
 from plait.spec import TrainSpec
 from plait.spec.clusters import CLUSTER_PRESETS
@@ -89,7 +89,7 @@ def test_megatron_mixtral_says_the_assumed_router_imbalance_is_pessimistic():
     """Megatron-Core's Mixtral 8x7B on 64 H100s (TP1 EP8 PP4, 468 TFLOP/s): priced as published, at the assumed
     router_imbalance 1.25 plait predicts less than the run reached, in both readings of its "VP 8"; a balanced
     router's pricing brackets it. Not a fit: the run's router balance is not published."""
-    from plait.cost.published_2024 import MEGATRON_MIXTRAL, megatron_moe_plan, megatron_moe_prediction
+    from published_2024 import MEGATRON_MIXTRAL, megatron_moe_plan, megatron_moe_prediction
 
     plan = megatron_moe_plan(MEGATRON_MIXTRAL, H100, 1, 1.25)
     assert (plan.dp, plan.tp, plan.pp, plan.ep, plan.num_micro_batches) == (16, 1, 4, 8, 16)
@@ -107,7 +107,7 @@ def test_torchtitan_rows_priced_alike_from_their_config_json(row):
     class measured on meta): throughput and peak memory agree within 5%, the class's own activations beyond the
     reference layer set apart (plait.cost.model.CLASS_ACTIVATIONS; torchtitan's model keeps what plait's does)."""
     from plait.cost.model import CLASS_ACTIVATIONS
-    from plait.cost.published_2024 import published_config
+    from published_2024 import published_config
     from plait.spec.load import load_model
 
     cluster = A100 if row in TORCHTITAN_A100_ROWS else H100_500W
@@ -121,7 +121,7 @@ def test_torchtitan_rows_priced_alike_from_their_config_json(row):
 def test_megatron_mixtral_priced_alike_from_its_config_json():
     """Megatron-Core's Mixtral row from Mixtral's config.json: the same throughput within 5% in both readings of its
     "VP 8" (no recompute: its memory is the class's, whose experts keep what the eager loop keeps)."""
-    from plait.cost.published_2024 import MEGATRON_MIXTRAL, megatron_moe_prediction, published_config
+    from published_2024 import MEGATRON_MIXTRAL, megatron_moe_prediction, published_config
     from plait.spec.load import load_model
 
     model = load_model(published_config(MEGATRON_MIXTRAL.config))

@@ -126,7 +126,7 @@ def test_user_text_file(tmp_path):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """A byte-level BPE tokenizer trained here (nothing downloaded): ids 0 <s> (prepended), 1 </s>."""
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
     from plait.train.data import shipped_text_path
 
     text = shipped_text_path().read_text(encoding="utf-8")[:30_000]
@@ -276,7 +276,7 @@ def test_tokenizer_and_model_vocabularies_must_fit(tmp_path, tokenizer_dir):
 def test_a_hugging_face_model_defaults_to_its_own_tokenizer(tmp_path, tokenizer_dir):
     import shutil
 
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.spec.load import load_model
     from plait.train.data import load_tokenizer, training_tokens
 

@@ -24,7 +24,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
 
     folder = train_tokenizer([" ".join(DOCS) * 20, "Shakespeare Around 1600 Who wrote Hamlet When Be brief"], 300,
                              tmp_path_factory.mktemp("tok"))
@@ -84,7 +84,7 @@ def test_chat_mode_trains_on_the_assistant_tokens_only(tmp_path: Path, tokenizer
 
 
 def test_chat_mode_needs_a_chat_template(tmp_path: Path, tokenizer_dir) -> None:
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
 
     plain = train_tokenizer(DOCS, 280, tmp_path / "plain")
     path = tmp_path / "chat.jsonl"

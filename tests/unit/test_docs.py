@@ -42,7 +42,7 @@ def pages() -> list[Path]:
 
 
 def expand(path: str) -> list[str]:
-    """`examples/auto/{mlp,vit}.py` -> both paths."""
+    """`examples/operators/{mlp,vit}.py` -> both paths."""
     match = re.search(r"\{([^{}]*)\}", path)
     if not match:
         return [path]

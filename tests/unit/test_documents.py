@@ -78,7 +78,7 @@ def test_chat_flags_and_document_flags_live_together():
 
 
 def test_documents_are_refused_for_a_model_that_attends_across_them(tmp_path):
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.spec.load import load_model
     from plait.spec.models import MODEL_PRESETS
     from plait.train.config import config_from_dict
@@ -99,7 +99,7 @@ def test_documents_are_refused_for_a_model_that_attends_across_them(tmp_path):
 
 def test_context_parallelism_keeps_documents_apart_only_where_the_attention_sees_positions(tmp_path, monkeypatch):
     from plait.models import adapter_for
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.plan import Plan
     from plait.spec import TrainSpec
     from plait.spec.clusters import CLUSTER_PRESETS
@@ -117,7 +117,7 @@ def test_context_parallelism_keeps_documents_apart_only_where_the_attention_sees
     check_packing(config, plan.replace(model=blind))
     with pytest.raises(ConfigError, match='data.packing = "documents"'):
         check_packing(config_from_dict({"data": {"packing": "documents"}}), plan.replace(model=blind))
-    from plait.models.hf import HFAdapter
+    from plait.hf.adapter import HFAdapter
 
     monkeypatch.setattr(HFAdapter, "attention_sees_positions", False)  # a class that keeps them from its attention
     with pytest.raises(ConfigError, match="cp=2: .*not handed its tokens' positions") as refused:

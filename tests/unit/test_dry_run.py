@@ -109,7 +109,7 @@ def test_hugging_face_tensor_parallel_plan_traces_its_collectives(family, tmp_pa
     """A Hugging Face stage runs the class's forward around stub layers; torch's CommDebugMode lost track of its
     modules there (IndexError). The dry run counts the collectives without module tracking."""
     from plait import Plan
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.spec.load import load_model
 
     model = load_model(str(write_tiny_config(family, tmp_path / family)))

@@ -16,7 +16,7 @@ from plait.errors import ConfigError
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint (config.json, model.safetensors), built here."""
-    from plait.models.hf_tiny import write_tiny_checkpoint
+    from plait.hf.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("hf") / "llama", seed=0)
 

@@ -1,4 +1,4 @@
-"""Fused row-wise table optimizers (plait.execute.tables) in one process: row-wise Adagrad against its formula with
+"""Fused row-wise table optimizers (plait.execute.embedding_tables) in one process: row-wise Adagrad against its formula with
 repeated ids, and the planner's price of its accumulators."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from plait.cost import operators as price
-from plait.execute.tables import ADAGRAD_EPS, FusedTables
+from plait.execute.embedding_tables import ADAGRAD_EPS, FusedTables
 from plait.operators.capture import TensorRef
 
 

@@ -70,7 +70,7 @@ def test_the_optimizer_step_runs_at_the_presets_memory_bandwidth():
 
 
 def test_every_gpu_preset_carries_plaits_host_time_and_its_bandwidth_but_published_runs_do_not():
-    from plait.cost.published import their_software
+    from published import their_software
     from plait.spec.clusters import GPU_HOST
 
     assert CPU.host == HostOverheads() and CPU.efficiency.memory_balance == 0.0
@@ -82,7 +82,7 @@ def test_every_gpu_preset_carries_plaits_host_time_and_its_bandwidth_but_publish
 
 
 def test_cuda_ranks_default_to_expandable_segments_unless_the_user_chose(monkeypatch):
-    from plait.launch import cuda_allocator_defaults
+    from plait.runtime.launch import cuda_allocator_defaults
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     cuda_allocator_defaults()

@@ -9,8 +9,8 @@ import torch
 
 from plait.errors import ConfigError
 from plait.models import adapter_for
-from plait.models.hf_structure import discover
-from plait.models.hf_tiny import write_tiny_config
+from plait.hf.structure import discover
+from plait.hf.tiny import write_tiny_config
 from plait.models.stage import build_stage
 from plait.spec.load import load_model
 

@@ -1,5 +1,5 @@
 """A tensor-parallel plan for Hugging Face classes that declare none, derived from their layers
-(plait.models.hf_tensor_plan): StableLM's plain projections split column-wise in and row-wise out (its tp2 run is
+(plait.hf.tensor_plan): StableLM's plain projections split column-wise in and row-wise out (its tp2 run is
 EQUAL to one process: tests/dist/test_hf_families.py); a fused q|k|v projection (Bloom), a module per head
 (StableLM's qk_layernorm) and projections in the layer itself (BioGPT) are refused naming the family and why, and
 a pinned tp says so in one sentence."""
@@ -18,8 +18,8 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
 
 
 def derived(folder: Path):
-    from plait.models.hf import HFAdapter
-    from plait.models.hf_tensor_plan import Heads, derived_tensor_plan
+    from plait.hf.adapter import HFAdapter
+    from plait.hf.tensor_plan import Heads, derived_tensor_plan
     from plait.spec import ModelSpec
 
     probe = HFAdapter(ModelSpec(name=folder.name, source=f"hf:{folder}", num_layers=1, hidden_size=1, num_heads=1,

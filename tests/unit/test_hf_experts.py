@@ -1,4 +1,4 @@
-"""transformers' own experts, read from the class (plait.models.hf_experts), refused or admitted by legality, and their
+"""transformers' own experts, read from the class (plait.hf.experts), refused or admitted by legality, and their
 checkpoint tensors fused as transformers fuses them. Pure: models built on meta, no process group."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def meta_model(model_type: str, **overrides):
 
 
 def test_the_experts_and_their_moe_block_are_read_from_the_module_tree():
-    from plait.models.hf_experts import MOE_BLOCK, MOE_REPLICATE, class_experts, moe_tensor_styles
+    from plait.hf.experts import MOE_BLOCK, MOE_REPLICATE, class_experts, moe_tensor_styles
 
     block = meta_model("qwen2_moe", shared_expert_intermediate_size=16).model.layers[0]
     assert [path for path, _ in class_experts(block)] == ["mlp.experts"]
@@ -45,7 +45,7 @@ def test_the_experts_and_their_moe_block_are_read_from_the_module_tree():
      {"gate_up_proj": 1, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": 1}),
 ])
 def test_which_dimension_each_parallelism_splits(model_type, shapes, inner, hidden, packed):
-    from plait.models.hf_experts import class_experts, hidden_dim, inner_dim, packed_parts
+    from plait.hf.experts import class_experts, hidden_dim, inner_dim, packed_parts
 
     overrides = {"intermediate_size": 16} if model_type == "gpt_oss" else {}
     (_, experts), *_ = class_experts(meta_model(model_type, **overrides).model.layers[0])
@@ -103,7 +103,7 @@ def test_what_plait_cannot_split_is_refused_naming_the_rule(qwen3_moe, ep_plan, 
 def test_experts_saved_one_by_one_are_fused_as_transformers_fuses_them(qwen3_moe):
     from safetensors import safe_open
 
-    from plait.execute.hf_checkpoint import _stacked_experts, weight_files
+    from plait.hf.checkpoint import _stacked_experts, weight_files
 
     directory, model, _ = qwen3_moe
     files = weight_files(directory)
@@ -147,7 +147,7 @@ def test_the_planner_prices_the_class_experts_as_plait_prices_its_own(qwen3_moe)
 
 def test_layers_of_one_class_with_and_without_experts_are_measured_apart():
     """DeepSeek-V3's first layers hold a dense MLP, the others experts, in one class: each measured as it is."""
-    from plait.models.hf_spec import _layer_kind
+    from plait.hf.spec import _layer_kind
 
     model = meta_model("deepseek_v3", n_routed_experts=4, first_k_dense_replace=1, num_hidden_layers=3, n_group=1,
                        topk_group=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8,

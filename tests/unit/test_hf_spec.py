@@ -1,4 +1,4 @@
-"""The ModelSpec of a Hugging Face class, measured on meta (plait.models.hf_spec), against the closed forms the cost
+"""The ModelSpec of a Hugging Face class, measured on meta (plait.hf.spec), against the closed forms the cost
 model prices plait's own families with: real-size Llama-2-7B, Qwen2-0.5B, GPT-2 and a Gemma-2B-shaped config."""
 
 from __future__ import annotations

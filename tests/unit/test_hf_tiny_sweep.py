@@ -141,7 +141,7 @@ class _Hybrid(nn.Module):
 
 
 def test_a_module_outside_any_gathered_parent_runs_whole_where_exact():
-    from plait.models.hf_flow import unplaced_styles
+    from plait.hf.flow import unplaced_styles
 
     styles = {"mlp.up": "colwise", "mlp.down": "rowwise"}
     found = unplaced_styles(_Hybrid(), styles, lambda b: b(torch.zeros(1, 4, 4, requires_grad=True)), "unplaced")
@@ -153,7 +153,7 @@ def test_a_module_outside_any_gathered_parent_runs_whole_where_exact():
 
 
 def test_unplaced_modules_replicated_only_where_exact():
-    from plait.models.hf_flow import unplaced_styles
+    from plait.hf.flow import unplaced_styles
 
     styles = {"mlp.up": "colwise", "mlp.gate": "colwise", "mlp.down": "rowwise"}
     found = unplaced_styles(_Toy(), styles, lambda block: block(torch.zeros(2, 4, requires_grad=True)), "unplaced")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from plait.launch import _report_failure
+from plait.runtime.launch import _report_failure
 
 PEER = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:18614"
 
@@ -54,7 +54,7 @@ def test_a_rank_stopped_on_its_way_out_after_its_own_error_is_the_cause(capsys):
 
 
 def test_stopped_ranks_that_lost_a_peer_are_left_out(capsys):
-    """Ranks that lost a peer wait for the launcher to stop them (plait.launch._wait_to_be_stopped)."""
+    """Ranks that lost a peer wait for the launcher to stop them (plait.runtime.launch._wait_to_be_stopped)."""
     err = report(capsys, failure(r0=(-15, "SIGTERM"), r1=(-9, "SIGKILL"), r2=(-15, "SIGTERM")),
                  {0: {"time_ns": 20, "error": PEER}, 2: {"time_ns": 30, "error": PEER}})
     assert err.splitlines() == ["plait: rank 1 failed (signal SIGKILL)", "plait: the other ranks were stopped"]
@@ -64,7 +64,7 @@ def test_a_rank_notes_its_first_failure_only(tmp_path, monkeypatch):
     """ending_together notes the error before the group ends; the CLI or the excepthook meet it again later."""
     import json
 
-    import plait.launch as launch
+    import plait.runtime.launch as launch
 
     monkeypatch.setenv(launch.FAILURE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")

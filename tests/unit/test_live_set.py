@@ -10,7 +10,7 @@ from torch import nn
 
 from plait.cost import predict
 from plait.cost.live_set import LiveBuffers, live_buffers, peak_buffers, with_receives
-from plait.cost.published import MegatronRow, megatron_plan
+from published import MegatronRow, megatron_plan
 from plait.cost.schedule import stage_rank
 from plait.plan import Plan
 from plait.spec import ModelSpec, TrainSpec

@@ -79,7 +79,7 @@ def test_llama2_config_matches_preset():
     preset = MODEL_PRESETS["llama2-7b"]
     assert spec.arch == "llama" and spec.name == "Llama-2-7b-hf"
     assert spec.source == "hf:" + str((EXAMPLES / "hf/llama-2-7b").resolve())  # the executor runs the HF class
-    # the shapes are the preset's; the blocks are measured from the class on meta (plait.models.hf_spec)
+    # the shapes are the preset's; the blocks are measured from the class on meta (plait.hf.spec)
     assert spec.replace(name=preset.name, source="plait", blocks=(), pre_params=None, post_params=None,
                         tp_plan={}) == preset
     assert spec.num_params == pytest.approx(preset.num_params, rel=1e-3)

@@ -19,7 +19,7 @@ MODEL_PARAMS = 8_030_261_248  # Llama 3 8B
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    from plait.models.hf_tiny import write_tiny_checkpoint
+    from plait.hf.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("lora") / "llama"
     write_tiny_checkpoint("llama", root, seed=1, vocab_size=320)

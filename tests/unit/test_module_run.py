@@ -16,7 +16,7 @@ import torch
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 CPU = CLUSTER_PRESETS["local-cpu"]
 
 
@@ -82,7 +82,7 @@ def test_a_normalisation_reads_its_statistics_dimensions_whole():
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.execute.autoshard import NormsReadWhole
+    from plait.execute.operators import NormsReadWhole
     from plait.operators import norms
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -226,7 +226,7 @@ def test_a_fused_table_split_by_uneven_rows_updates_the_rows_its_shard_holds(row
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.execute.tables import _first_row
+    from plait.execute.embedding_tables import _first_row
 
     firsts = []
     for rank in range(ranks):

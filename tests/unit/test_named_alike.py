@@ -1,5 +1,5 @@
 """A model is priced the same whichever way it is named: the published config.json of every family plait has closed
-forms for (its class measured on meta, plait.models.hf_spec) against its preset, or plait's reference decoder of the
+forms for (its class measured on meta, plait.hf.spec) against its preset, or plait's reference decoder of the
 config's shape where there is no preset, pinned alike. Peak memory and step time agree within 5% at 2K to 128K
 tokens, under each recompute mode, alone and under tp, cp and pp, in both precisions the executor runs on GPUs
 (fully_shard's 16-bit parameters; autocast over DDP's fp32 ones), once the bytes the class keeps beyond the

@@ -18,11 +18,11 @@ from plait.plan import Plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 SEARCHED = {"mlp": (2, 4, 8), "vit": (2, 4), "mixer": (2, 4), "resnet": (2, 4, 8), "dlrm": (2, 4, 8),
             "dual_encoder": (2, 4)}
-"""examples/auto's modules the free-against-pinned test plans, and on how many devices (ViT and the Mixer, whose
-blocks pipeline, at 8 devices too in benchmarks/auto_shard.py --search, with the zoo's U-Net, graph network and
+"""examples/operators's modules the free-against-pinned test plans, and on how many devices (ViT and the Mixer, whose
+blocks pipeline, at 8 devices too in benchmarks/per_operator.py --search, with the zoo's U-Net, graph network and
 DLRM of several tables: each new micro-batch size asks DTensor its strategies again, seconds a shape)."""
 BUDGET_MIB = {"dlrm": 2.3, "dual_encoder": 40.0}
 """Budgets some shapes do not fit: the tables' (their fused SGD keeps their weights alone)."""
@@ -141,7 +141,7 @@ def test_a_table_no_degree_divides_splits_by_rows_and_the_executor_moves_what_wa
     import torch
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.operators import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
     from plait.execute.dryrun import CollectiveCounter
 
     plan = auto_plan("dual_encoder:build", "dual_encoder:batch", CPU, global_batch=8, tp=2, table_optimizer="sgd",
@@ -198,7 +198,7 @@ def test_an_operator_whose_backward_has_no_rule_runs_replicated_both_ways():
     import torch
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.operators import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
     from plait.execute.dryrun import CollectiveCounter
     from plait.operators.strategies import missing_backward_rules
 

@@ -25,7 +25,7 @@ from plait.operators.planner import apply_pins, auto_plan, build_problem, plan_m
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +161,7 @@ class ThreeReaders(nn.Module):
 def test_the_gradient_of_a_value_three_split_readers_share_is_all_reduced_once():
     """Autograd adds the three Partial gradients of the replicated input before DTensor reduces them: one backward
     all-reduce for the value, not one per reading projection (price.joins_gradient_sum), in the plan's cost and its
-    counts; the count is the one the executor's run makes (the examples' ViT, benchmarks/auto_shard.py)."""
+    counts; the count is the one the executor's run makes (the examples' ViT, benchmarks/per_operator.py)."""
     with torch.device("meta"):
         model = ThreeReaders()
     x = torch.empty(4, 64, 256, device="meta")

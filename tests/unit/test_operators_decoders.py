@@ -20,7 +20,7 @@ from plait.operators.strategies import strategy_oracle
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
 

@@ -19,7 +19,7 @@ from plait.plan import Plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 CPU = CLUSTER_PRESETS["local-cpu"]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +159,7 @@ def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
     """The Mixer at pp2 x tp2, every stage built as its pipeline rank builds it and chained on a fake process group:
     each stage's forward meets every torch-level call its plan redistributes, and issues the collectives its plan
     priced, byte for byte."""
-    from plait.execute.autoshard_pipeline import stage_collectives
+    from plait.execute.operators_pipeline import stage_collectives
 
     plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2)
     measured = stage_collectives(plan)
@@ -170,12 +170,12 @@ def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
 
 
 def test_the_executor_finds_the_blocks_the_plan_cut_once_for_every_stage_and_refuses_others():
-    """plait.execute.autoshard_pipeline.stage_layout, which a pipeline rank and the stage collectives' count both
+    """plait.execute.operators_pipeline.stage_layout, which a pipeline rank and the stage collectives' count both
     build their stages from: the repeated blocks and the parts around them the planner found for this module, and a
     ConfigError naming both paths for a plan whose stages cut other blocks."""
     import dataclasses
 
-    from plait.execute.autoshard_pipeline import stage_layout
+    from plait.execute.operators_pipeline import stage_layout
 
     plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, pp=2)
     layout = stage_layout(plan)

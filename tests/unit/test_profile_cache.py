@@ -12,7 +12,7 @@ from plait.commands.train import overrides_of
 from plait.profile.cache import CACHE_ENV, MachineKey, cache_dir, cached_profile, machine_key, profile_path
 from plait.profile.clusterfile import read_cluster_file, write_cluster_file
 from plait.spec.load import load_cluster
-from plait.train.calibration import NO_PROFILE_ENV, with_quick_profile
+from plait.profile.quick import NO_PROFILE_ENV, with_quick_profile
 from plait.train.config import load_config
 
 KEY = MachineKey(host="box", cpu_model="Some CPU", cores=2.0, torch_version="2.13.0", plait_version="0.1",

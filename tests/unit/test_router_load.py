@@ -160,7 +160,7 @@ def test_a_measured_router_balance_changes_the_next_plan(tmp_path, capsys):
 
 
 def test_tune_and_adapt_price_a_moe_plan_with_the_balance_its_run_measured(tmp_path, capsys):
-    from plait.commands.tune import run_observations
+    from plait.profile.tuning import run_observations
     from plait.train.adapt import with_measured_router
 
     plan, segment = _moe_run(tmp_path, "tiny-moe", {2: 1.3, 4: 1.7})

@@ -64,7 +64,7 @@ def train_cli(tmp_path: Path, model_dir: Path, capsys, *, seq_len: int = 16, tok
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"])
 def test_seq_len_past_the_position_limit_is_refused_for_every_family(tmp_path: Path, family: str, capsys) -> None:
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
 
     model_dir = write_tiny_config(family, tmp_path / family)  # 64 positions
     code, lines = train_cli(tmp_path, model_dir, capsys, seq_len=128, tokenizer="byte")
@@ -72,7 +72,7 @@ def test_seq_len_past_the_position_limit_is_refused_for_every_family(tmp_path: P
 
 
 def test_a_model_folder_without_a_tokenizer_is_refused_naming_byte(tmp_path: Path, capsys, no_launch) -> None:
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
 
     model_dir = write_tiny_config("llama", tmp_path / "llama", vocab_size=256)
     code, lines = train_cli(tmp_path, model_dir, capsys)
@@ -96,7 +96,7 @@ def test_input_paths_resolve_next_to_the_config_file_first(tmp_path: Path, monke
 
 
 def test_words_and_presets_are_not_paths_even_where_a_file_of_that_name_sits_beside_the_config(tmp_path: Path) -> None:
-    """examples/auto is a folder beside examples/*.toml: `file = "auto"` must still mean "plan here"."""
+    """examples/operators is a folder beside examples/*.toml: `file = "auto"` must still mean "plan here"."""
     for name in ("auto", "byte", "local-cpu"):
         (tmp_path / name).mkdir()
     (tmp_path / "run.toml").write_text('[plan]\nfile = "auto"\ncluster = "local-cpu"\n[data]\ntokenizer = "byte"\n')

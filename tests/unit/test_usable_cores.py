@@ -1,4 +1,4 @@
-"""The cores this process may use (plait.launch.usable_cores): its CPU affinity (taskset, a cgroup's cpuset, Slurm's
+"""The cores this process may use (plait.runtime.launch.usable_cores): its CPU affinity (taskset, a cgroup's cpuset, Slurm's
 binding), capped by a cgroup CPU quota. The local ranks' threads, `plait profile`'s default rank count and the
 profile's oversubscription all ask it, so a process bound to fewer cores than the machine has does not run more
 threads than it has cores."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.launch import threads_per_rank, usable_cores
+from plait.runtime.launch import threads_per_rank, usable_cores
 
 REPO = Path(__file__).resolve().parents[2]
 NO_QUOTA = Path("/nonexistent/cpu.max")
@@ -43,7 +43,7 @@ def test_a_process_bound_to_one_core_runs_one_thread_per_rank_and_profiles_one_r
     profile`'s default --nproc and the machine key of the quick profile's cache all see one core, whatever
     os.cpu_count() says."""
     code = ("import json, os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-            "from plait.launch import threads_per_rank, usable_cores\n"
+            "from plait.runtime.launch import threads_per_rank, usable_cores\n"
             "from plait.commands.profile import _default_nproc\n"
             "from plait.profile.cache import machine_key\n"
             "print(json.dumps([usable_cores(), threads_per_rank(1), _default_nproc(), machine_key(1).cores,"

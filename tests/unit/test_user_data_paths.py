@@ -32,7 +32,7 @@ def chatml_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer with ChatML's special turn markers, saved by transformers (chat_template.jinja)."""
     from transformers import AutoTokenizer
 
-    from plait.models.hf_tiny import train_tokenizer
+    from plait.hf.tiny import train_tokenizer
 
     folder = train_tokenizer([" ".join(TRAIN_DOCS + VALIDATION_DOCS)], 300, tmp_path_factory.mktemp("chatml"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -129,8 +129,8 @@ def test_the_cache_key_holds_the_chat_template_and_the_masking_rule(tmp_path: Pa
 def test_an_export_copies_every_file_of_the_tokenizer_trained_with(tmp_path: Path, chatml_dir: Path) -> None:
     import shutil
 
-    from plait.execute.hf_checkpoint import _copy_tokenizer
-    from plait.tokenizer_files import tokenizer_files
+    from plait.hf.checkpoint import _copy_tokenizer
+    from plait.hf.tokenizer_files import tokenizer_files
 
     tokenizer = shutil.copytree(chatml_dir, tmp_path / "tokenizer")
     (tokenizer / "additional_chat_templates").mkdir()
@@ -225,7 +225,7 @@ def test_generation_stops_at_the_end_of_turn_and_at_stop_strings(chatml_dir: Pat
 
 def test_plait_plan_refuses_a_seq_len_past_the_position_limit_as_train_does(tmp_path: Path, capsys) -> None:
     from plait.cli import main
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
 
     model_dir = write_tiny_config("llama", tmp_path / "llama")  # max_position_embeddings = 64
     args = ["plan", "--model", str(model_dir), "--cluster", "local-cpu", "--devices", "2", "--global-batch", "4"]

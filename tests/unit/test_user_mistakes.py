@@ -221,7 +221,7 @@ def test_loss_plot_never_runs_back_in_time(tmp_path):
 def _tune_plans(nproc: int = 2) -> tuple[list, object]:
     import argparse
 
-    from plait.commands.tune import candidate_plans, resolve_cluster
+    from plait.profile.tuning import candidate_plans, resolve_cluster
 
     cluster = resolve_cluster(None, nproc)
     args = argparse.Namespace(model="tiny-gpt", global_batch=8, seq_len=128, top=4)
@@ -232,7 +232,7 @@ def _tune_plans(nproc: int = 2) -> tuple[list, object]:
 def test_tune_cannot_write_an_efficiency_above_one_or_a_negative_bandwidth(seed, tmp_path, capsys):
     """Noisy timings (steps 0.05x to 5x what the cost model predicts, some absurdly fast) through `plait tune`'s
     fitting and writing: the file it writes, if any, holds figures a machine can have."""
-    from plait.commands.tune import _predicted, report_and_write
+    from plait.profile.tuning import _predicted, report_and_write
     from plait.profile.clusterfile import read_cluster_file
     from plait.profile.tune import Measured
 
@@ -292,7 +292,7 @@ def test_a_datasheet_peak_caps_the_fit_and_says_so():
 
 def test_tune_refuses_a_fit_that_explains_nothing(tmp_path, capsys, monkeypatch):
     import plait.profile.terms as calibrate
-    from plait.commands.tune import report_and_write
+    from plait.profile.tuning import report_and_write
     from plait.profile.tune import Measured
 
     plans, cluster = _tune_plans()
@@ -330,7 +330,7 @@ def test_profile_peak_is_never_below_a_measured_rate():
 
 # ---- the launcher's summary ------------------------------------------------------------------------
 def test_a_hung_rank_is_named_not_the_one_that_waited(capsys):
-    from plait.launch import _report_failure
+    from plait.runtime.launch import _report_failure
 
     def info(code, sig):
         return SimpleNamespace(exitcode=code, signal_name=lambda: sig)
@@ -346,7 +346,7 @@ def test_a_hung_rank_is_named_not_the_one_that_waited(capsys):
 
 
 def test_a_lost_peer_is_one_essential_line():
-    from plait.launch import essential_line
+    from plait.runtime.launch import essential_line
 
     error = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
                          "by peer [127.0.0.1]:7090. This is typically caused by a remote worker crashing.")

@@ -12,7 +12,7 @@ import shlex
 import pytest
 from rich.console import Console
 
-from plait.commands.tune import run_observations
+from plait.profile.tuning import run_observations
 from plait.plan import Plan
 from plait.profile.terms import fit_terms, predicted_time, refusal, term_value, with_term_value
 from plait.spec import TrainSpec

@@ -68,7 +68,7 @@ def test_packed_documents_are_priced_over_their_own_squares():
 def test_plait_train_prices_the_mean_document_of_its_data(tmp_path):
     import json
 
-    from plait.models.hf_tiny import write_tiny_config
+    from plait.hf.tiny import write_tiny_config
     from plait.spec.load import load_model
     from plait.train.config import config_from_dict
     from plait.train.documents import with_document_len

@@ -7,7 +7,7 @@ it `_is_expert_parallel` and gives it one calling convention: `experts(hidden [T
 top_k_weights [T, k]) -> [T, h]`, each token's k experts weighted and summed. Its parent module (the "MoE block":
 router, experts, shared experts) is what the decoder layer calls.
 
-What follows from that, for the executor (plait/execute/hf_experts.py) and the ModelSpec (plait/models/hf_spec.py):
+What follows from that, for the executor (plait/hf/expert_parallel.py) and the ModelSpec (plait/hf/spec.py):
 
 * expert parallelism splits the first dimension (E) of every weight over the ep ranks;
 * tensor parallelism splits each expert's inner width I as Megatron splits an MLP: gate|up by columns (each half on

@@ -11,10 +11,10 @@ import pytest
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
-from test_autoshard import check_equal  # tests/dist is on sys.path (pytest's default import mode)
+from test_operator_plans import check_equal  # tests/dist is on sys.path (pytest's default import mode)
 
 pytestmark = pytest.mark.dist
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 def test_check_proves_the_automatic_llama_plan_equal(tmp_path, monkeypatch):

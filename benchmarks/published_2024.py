@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cost.model import predict
-from plait.cost.published import their_software
+from published import their_software
 from plait.plan import Plan, Prediction
 from plait.spec import ClusterSpec, ModelSpec, TrainSpec
 from plait.spec.models import MODEL_PRESETS
@@ -128,7 +128,7 @@ def published_config(name: str) -> str:
     """The path of a published config.json folder of the repository (examples/hf/`name`)."""
     from pathlib import Path
 
-    return str(Path(__file__).resolve().parents[2] / "examples" / "hf" / name)
+    return str(Path(__file__).resolve().parents[1] / "examples" / "hf" / name)
 
 
 def torchtitan_plan(row: TorchtitanRow, cluster: ClusterSpec, recompute: str | None = None,

@@ -1,4 +1,4 @@
-"""Which files of a folder make up its Hugging Face tokenizer: what an export copies (plait.execute.hf_checkpoint)
+"""Which files of a folder make up its Hugging Face tokenizer: what an export copies (plait.hf.checkpoint)
 and what the token cache's key hashes (plait.train.data.HFTokenizer.identity), so that the two never disagree.
 
 transformers 5 writes a tokenizer as ``tokenizer.json``, ``tokenizer_config.json``, the chat template as

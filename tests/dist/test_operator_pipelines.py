@@ -11,10 +11,10 @@ import pytest
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
-from test_autoshard import check_equal  # tests/dist is on sys.path (pytest's default import mode)
+from test_operator_plans import check_equal  # tests/dist is on sys.path (pytest's default import mode)
 
 pytestmark = pytest.mark.dist
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 def test_check_proves_a_transformers_llama_cut_in_two_stages_equal(tmp_path, monkeypatch):
@@ -35,7 +35,7 @@ def test_check_proves_pipeline_stages_with_tensor_parallel_placements_equal(tmp_
 
 
 def test_plait_train_runs_a_per_operator_pipeline_and_resumes_it(tmp_path):
-    """examples/auto/train-vit-pp.toml on 2 ranks: the ViT cut into two stages at launch, trained with its own
+    """examples/operators/train-vit-pp.toml on 2 ranks: the ViT cut into two stages at launch, trained with its own
     batches and loss, both stages checkpointed; step 1's loss is one process's on the same batch, and a resumed run
     goes on from the last checkpoint."""
     import json
@@ -45,7 +45,7 @@ def test_plait_train_runs_a_per_operator_pipeline_and_resumes_it(tmp_path):
 
     import torch
 
-    from plait.execute.autoshard import build_module, make_batch
+    from plait.execute.operators import build_module, make_batch
 
     env = {**os.environ, "PLAIT_OMP_THREADS": "1"}
     args = [sys.executable, "-m", "plait", "train", str(EXAMPLES / "train-vit-pp.toml"), "--set", "train.steps=4",

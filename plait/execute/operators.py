@@ -40,7 +40,7 @@ from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
 from plait.execute.batchnorm import synchronise_batch_norms
-from plait.execute.tables import FusedTables
+from plait.execute.embedding_tables import FusedTables
 from plait.operators import batch as batches
 from plait.operators import norms
 from plait.operators.capture import FunctionKeys

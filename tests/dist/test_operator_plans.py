@@ -17,7 +17,7 @@ from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 pytestmark = pytest.mark.dist
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 def test_check_proves_the_split_fused_table_equal_under_fully_shard(tmp_path, monkeypatch):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from plait.execute.autoshard import step_collectives
+from plait.execute.operators import step_collectives
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "auto"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_readers_partial_gradients_are_summed_then_reduced_once():
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.execute.autoshard import PlannedReads
+    from plait.execute.operators import PlannedReads
     from plait.execute.dryrun import CollectiveCounter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -112,7 +112,7 @@ def test_the_fused_lookup_updates_rows_as_dense_sgd_does():
     gradient of nn.Embedding followed by SGD; the table keeps no gradient."""
     import torch
 
-    from plait.execute.tables import FusedTables
+    from plait.execute.embedding_tables import FusedTables
 
     torch.manual_seed(0)
     dense, fused = torch.nn.Embedding(50, 6).double(), torch.nn.Embedding(50, 6).double()
@@ -159,7 +159,7 @@ def test_a_pending_sum_read_into_split_work_has_its_gradient_reduced_where_the_p
     reduce-scattered its gradient (2 all_reduce + 2 all_gather + 1 reduce_scatter, 6x the bytes; 5.7x at pp1). The
     second stage's first linear reads the hidden states it received: their Partial gradient is reduced once, where
     DTensor.from_local made them replicated (its backward), as that stage's plan prices."""
-    from plait.execute.autoshard_pipeline import stage_collectives
+    from plait.execute.operators_pipeline import stage_collectives
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     from split_readers import MEGATRON
@@ -176,7 +176,7 @@ def test_the_fake_tensor_parallel_mesh_leaves_no_process_group_behind():
     error inside included (a group left behind would make the next count's init_process_group fail)."""
     import torch.distributed as dist
 
-    from plait.execute.autoshard import fake_tensor_parallel_mesh
+    from plait.execute.operators import fake_tensor_parallel_mesh
 
     with pytest.raises(RuntimeError, match="inside"):
         with fake_tensor_parallel_mesh(4) as mesh:

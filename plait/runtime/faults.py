@@ -12,7 +12,7 @@ from the newest complete checkpoint. Kinds:
   that step's checkpoint save when one is due (shards written, no manifest yet), else after the step.
 
 The run need not checkpoint for a fault to fire (`plait train` checks the spec before ranks start).
-A fault fires only in the job's first round of workers (plait.launch.restart_round() = 0, the same on every
+A fault fires only in the job's first round of workers (plait.runtime.launch.restart_round() = 0, the same on every
 machine), so the restarted job runs through. Without PLAIT_FAULT nothing here does anything.
 """
 
@@ -48,7 +48,7 @@ def parse_fault(text: str) -> Fault:
 
 def planned_fault() -> Fault | None:
     text = os.environ.get(ENV)
-    from plait.launch import restart_round
+    from plait.runtime.launch import restart_round
 
     if not text or restart_round() > 0:
         return None

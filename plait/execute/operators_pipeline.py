@@ -1,6 +1,6 @@
 """Run a per-operator plan's pipeline (plan.operators.stages): each pipeline rank builds its stage of the module
 (plait.operators.stages.build_stage, the blocks Plan.stage_layers gives it), applies that stage's own per-operator
-placements over its tensor-parallel axis and fully_shard over dp (plait.execute.autoshard.apply_operator_sharding),
+placements over its tensor-parallel axis and fully_shard over dp (plait.execute.operators.apply_operator_sharding),
 and runs the plan's schedule with torch.distributed.pipelining (plait.execute.pipeline.build_schedule, as plait's
 other pipelines). Hidden states travel between stages whole (replicated on tp); every stage is handed the
 micro-batch's batch tensors as keyword arguments (torch's schedules pass keyword arguments to every stage), since
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+from plait.execute.operators import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
 from plait.operators import batch as batches
 from plait.execute.pipeline import build_schedule
 from plait.errors import ConfigError

@@ -12,7 +12,7 @@ per head (StableLM's qk_layernorm: a rank would apply head 0's norm to its first
 The plan is then proven on meta: a copy of the layer with every projection narrowed to one tensor rank's share and
 its attention's head counts divided (`divide_head_counts`, which the executor applies to the real layers too) must
 run and return the layer's output shape. What it cannot prove is refused before any rank starts, naming why
-(plait.legality's tp-needs-class-plan); what it proves is then checked by plait.models.hf_flow like any class plan,
+(plait.legality's tp-needs-class-plan); what it proves is then checked by plait.hf.flow like any class plan,
 and `plait check` compares it with one process.
 """
 
@@ -51,8 +51,8 @@ def derived_tensor_plan(adapter: Any, heads: Heads) -> tuple[dict[str, str], str
     """({"layers.*.self_attn.q_proj": "plait:colwise", ...}, None) for a class whose layers split as the module
     docstring says, else ({}, why not)."""
     from plait.legality import PLAIT_STYLE
-    from plait.models.hf_experts import class_experts
-    from plait.models.hf_spec import block_caller
+    from plait.hf.experts import class_experts
+    from plait.hf.spec import block_caller
 
     blocks = adapter.meta_model.get_submodule(adapter.blocks_path)
     block, leaf = blocks[0], adapter.blocks_path.rsplit(".", 1)[-1]

@@ -1,7 +1,7 @@
 """The ModelSpec of a Hugging Face causal LM, measured on `meta` from the class itself (no weights, no compute).
 
 Each decoder layer is run on meta under FlopCounterMode with exactly what the class passes it (rotary tables,
-masks: plait.models.hf_structure.around_layers), at two sequence lengths (plait.models.measure): FLOPs per
+masks: plait.hf.structure.around_layers), at two sequence lengths (plait.models.measure): FLOPs per
 token, FLOPs per token and position (attention), parameters and the bytes saved for backward. Layers alike (same
 class, same entry of the config's ``layer_types``) are measured once. The shapes legality needs (heads, kv-heads,
 widths, vocabulary, experts) are read from the config. For the families the cost model has closed forms for
@@ -134,7 +134,7 @@ WHOLE_STYLES = ("replicate", "replicate_module")
 def replicated_paths(tp_plan: dict[str, str]) -> tuple[str, ...]:
     """Block-relative paths of the modules a tensor plan keeps whole on every tensor rank (priced as such:
     BlockCost.replicated_*), each with ":Class" where only the layers whose module is of that class replicate it
-    (plait.models.hf_flow.whole_module)."""
+    (plait.hf.flow.whole_module)."""
     from plait.legality import HF_TP_STYLES, PLAIT_STYLE
 
     out = []
@@ -169,7 +169,7 @@ def _layer_arguments(*args, **kwargs):
     layers left out and hidden states handed in. A class whose layers take inputs computed from the token ids
     (Gemma 3n's and Gemma 4's per-layer embeddings) or hand values on to the next layer (GLM-MoE-DSA's top-k
     indices) fails here: plait's stages pass on hidden states only."""
-    from plait.models.hf_structure import around_layers
+    from plait.hf.structure import around_layers
 
     try:
         return around_layers(*args, **kwargs)
@@ -197,7 +197,7 @@ def experts_batched(model: nn.Module):
 def _measure_one(adapter, config, index: int, block: nn.Module, hidden: int, call, measured: dict,
                  replicated: tuple[str, ...] = ()) -> BlockCost:
     """Layer `index` measured, or the measurement of an earlier layer of its kind."""
-    from plait.models.hf_flow import whole_module
+    from plait.hf.flow import whole_module
     from plait.models.measure import measure_block
 
     kind = _layer_kind(config, index, block)
@@ -230,7 +230,7 @@ def _with_experts(cost: BlockCost, block: nn.Module, config: Any) -> BlockCost:
     router's imbalance (plait.cost.compute.expert_flops)."""
     import dataclasses
 
-    from plait.models.hf_experts import class_experts
+    from plait.hf.experts import class_experts
 
     experts = [module for _, module in class_experts(block)]
     if not experts:
@@ -249,7 +249,7 @@ its routing weight, each gathered per expert (scaled-down Mixtral on CPU, tests/
 
 def _eager_loop_bytes(cost: BlockCost, slots: int, hidden: int) -> dict[str, float]:
     """The measured bytes per token corrected from the batched form measured on meta to the eager loop over routed
-    experts the run takes (plait.models.hf: `_experts_implementation = "eager"`): per slot it also keeps its weighted
+    experts the run takes (plait.hf.adapter: `_experts_implementation = "eager"`): per slot it also keeps its weighted
     output (h, in the compute dtype; under autocast the batched form kept as much in its own casts) and
     EAGER_SLOT_BYTES."""
     fields = {"activation_bytes_per_token": 4, "half_activation_bytes_per_token": 2,
@@ -261,15 +261,15 @@ def _eager_loop_bytes(cost: BlockCost, slots: int, hidden: int) -> dict[str, flo
 def unplaced_modules(blocks: nn.ModuleList, tp_plan: dict[str, str], call=None, hidden: int = 0) -> dict[str, str]:
     """Modules of the blocks holding parameters the tensor-parallel plan places nowhere, each with the style it can
     run under. Inside a MoE block activations are whole, so what the plan leaves there (the router) is kept whole
-    (plait.models.hf_experts.moe_tensor_styles). Elsewhere ({pattern: "plait:replicate" | "plait:sharded_input" |
-    UNPLACED}) plait.models.hf_flow finds which is exact from one forward on meta, with `call` from block_caller;
+    (plait.hf.experts.moe_tensor_styles). Elsewhere ({pattern: "plait:replicate" | "plait:sharded_input" |
+    UNPLACED}) plait.hf.flow finds which is exact from one forward on meta, with `call` from block_caller;
     an UNPLACED one could see part of its input and keep a partial gradient nobody sums, so legality refuses tp.
     Norms are taken as placed: the block's own ones (over the whole hidden states) get plait's "norm" style, and a
     class's plan marks a norm over sharded heads (replicated_with_grad_allreduce), so an unmarked one reads whole
     (gathered) projections (OLMo 2's q_norm after colwise_gather_output)."""
     from plait.legality import PLAIT_STYLE, UNPLACED
-    from plait.models.hf_experts import MOE_BLOCK, moe_tensor_styles
-    from plait.models.hf_flow import REPLICATE_MODULE, unplaced_styles
+    from plait.hf.experts import MOE_BLOCK, moe_tensor_styles
+    from plait.hf.flow import REPLICATE_MODULE, unplaced_styles
 
     leaf = next((pattern.split(".*.", 1)[0] for pattern in tp_plan if ".*." in pattern), "layers")
     placed = [pattern.split("*.", 1)[-1] for pattern in tp_plan]
@@ -306,7 +306,7 @@ def _replicated_in_every_layer(path: str, blocks, found_by_block: list[dict[str,
     of another class the plan places inside (a hybrid's full attention: MiniMax), which keeps its own styles;
     UNPLACED otherwise."""
     from plait.legality import PLAIT_STYLE, UNPLACED
-    from plait.models.hf_flow import REPLICATE_MODULE
+    from plait.hf.flow import REPLICATE_MODULE
 
     def placed_inside(block: nn.Module) -> bool:
         return any(p.startswith(path + ".") and get_module(block, p) is not None for p in styles)
@@ -329,9 +329,9 @@ def _no_run(module: nn.Module):
 
 def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
     """The block entries of a class's expert-parallel plan ("layers.*.mlp.experts" -> "ep_dispatch_experts"); a
-    dispatch onto a module that is no transformers experts module (plait.models.hf_experts) is written as that
+    dispatch onto a module that is no transformers experts module (plait.hf.experts) is written as that
     reason, which legality refuses."""
-    from plait.models.hf_experts import is_class_experts
+    from plait.hf.experts import is_class_experts
 
     plan = {k: v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items() if ".*." in k}
     for pattern, style in plan.items():
@@ -343,10 +343,10 @@ def expert_plan_of(config: Any, blocks: nn.ModuleList) -> dict[str, str]:
 
 
 def derived_plan(adapter, fields: dict[str, Any]) -> dict[str, str]:
-    """The tensor plan plait derives for a class that declares none (plait.models.hf_tensor_plan), or the one entry
+    """The tensor plan plait derives for a class that declares none (plait.hf.tensor_plan), or the one entry
     NO_TENSOR_PLAN saying why there is none, which legality names when tp > 1 is asked for. `fields`: the model's
     shapes (ModelSpec fields)."""
-    from plait.models.hf_tensor_plan import Heads, derived_tensor_plan
+    from plait.hf.tensor_plan import Heads, derived_tensor_plan
 
     try:
         plan, why = derived_tensor_plan(adapter, Heads.of(fields))
@@ -360,7 +360,7 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
 
     `closed_form`: ModelSpec fields from the cost model's formulas for this family (shapes and features), used
     instead of the generic reading of the config where given."""
-    from plait.models.hf import HFAdapter, tensor_plan_of
+    from plait.hf.adapter import HFAdapter, tensor_plan_of
 
     source = "hf:" + str(Path(directory).resolve())
     # the adapter reads only the source of its spec until it runs
@@ -377,7 +377,7 @@ def hf_model_spec(directory: str | Path, *, name: str, closed_form: dict[str, An
     tp_plan = tensor_plan_of(config) or derived_plan(probe, fields)
     layers = get_module(model, structure.blocks_path)
     if tp_plan and NO_TENSOR_PLAN not in tp_plan:
-        from plait.models.hf_tensor_plan import DERIVED_STYLES
+        from plait.hf.tensor_plan import DERIVED_STYLES
 
         flow_styles = {k: v.removeprefix(PLAIT_STYLE) if v in DERIVED_STYLES else v for k, v in tp_plan.items()}
         tp_plan.update(unplaced_modules(layers, flow_styles, block_caller(probe), int(config.hidden_size)))

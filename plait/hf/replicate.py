@@ -1,5 +1,5 @@
 """A module of a Hugging Face block run whole on every tensor rank (style "replicate_module": an attention or
-linear-attention layer the class's tensor-parallel plan leaves unplaced; why it is exact: plait.models.hf_flow).
+linear-attention layer the class's tensor-parallel plan leaves unplaced; why it is exact: plait.hf.flow).
 
 Its parameters, its whole subtree's, become replicated DTensors (so FSDP, the optimizer and clipping see one kind
 of parameter), but it runs on their local values: every rank computes the same thing on the same whole input, so
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from plait.models.hf_flow import hidden_input
+from plait.hf.flow import hidden_input
 
 
 def _gathered(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

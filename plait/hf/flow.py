@@ -17,7 +17,7 @@ outputs. A module whose parameters the plan places nowhere is then
   rotary part, or its input is split some other way): legality's ``tp-places-parameters`` refuses tp.
 
 Under sequence parallelism a module sees the whole sequence only inside a parent that gathers it (one with a
-column-wise child: plait.models.hf.HFAdapter.tp_plan's "gather_input") and whose output goes back to sequence
+column-wise child: plait.hf.adapter.HFAdapter.tp_plan's "gather_input") and whose output goes back to sequence
 slices through a row-wise child. A module outside such a parent (an attention or linear-attention layer the plan
 leaves whole or only partly placed: DeepSeek-V3's MLA, Qwen3-Next's gated delta net) is run by its *root*, the
 block's child holding it, as ``replicate_module``: the root's parameters (its whole subtree's) whole on every rank,
@@ -48,7 +48,7 @@ ROW_SINKS = ("rowwise",)
 UNDERSTOOD = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
               "mla_kv_a_proj", "moe_block")
 """The styles whose boundaries the walk knows ("moe_block": a MoE block, whole in and whole out, whose inside
-plait.models.hf_experts places); a block whose plan holds another proves nothing."""
+plait.hf.experts places); a block whose plan holds another proves nothing."""
 REPLICATE_MODULE = "replicate_module"
 """The style of a block's child run whole on every tensor rank, its class's placements inside it dropped."""
 
@@ -186,7 +186,7 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
     except Exception:  # a block that does not run on meta: nothing is proven
         return {path: unplaced for path in candidates}
     region = sharded_region(flow, styles)
-    # a norm nested in the block is taken to read whole projections (plait.models.hf_spec.unplaced_modules) unless
+    # a norm nested in the block is taken to read whole projections (plait.hf.spec.unplaced_modules) unless
     # it reads a column-wise output (_nested_norm_style)
     out = {}
     for path in norms:
@@ -216,7 +216,7 @@ def unplaced_styles(block: nn.Module, styles: dict[str, str], run: Callable[[nn.
 
 def _replicable(block: nn.Module, root: str, flow: dict[str, tuple], region: set, gathered: set[str]) -> bool:
     """Whether the block's child `root` can run whole on every tensor rank (REPLICATE_MODULE; the module docstring)."""
-    from plait.models.hf_experts import class_experts
+    from plait.hf.experts import class_experts
 
     if root in gathered or root not in flow or "" not in flow or class_experts(block.get_submodule(root)):
         return False

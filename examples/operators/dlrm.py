@@ -1,7 +1,7 @@
 """A small DLRM-style recommender: dense features through a bottom MLP, sparse features looked up in an
 embedding table, their pairwise dot products, a top MLP, binary cross-entropy. Its table (4 MiB) is the model's
 memory: plan it with a per-device budget the whole table does not fit (README, "Any module"), and the solver
-splits it. With `--table-optimizer sgd` the table trains by a fused row-wise SGD (plait.execute.tables): a rank
+splits it. With `--table-optimizer sgd` the table trains by a fused row-wise SGD (plait.execute.embedding_tables): a rank
 holds its share of the weights alone, so on 8 ranks the table is 5.3x a rank's 0.75 MiB budget.
 
     build() -> the module; forward(dense, sparse, clicks) returns the loss.

@@ -1,5 +1,5 @@
 """Expert and tensor parallelism of transformers' own experts modules, run as the class wrote them (what they are:
-plait.models.hf_experts). The checkpoint's tensors stay the class's: nothing is mapped onto plait's MoE.
+plait.hf.experts). The checkpoint's tensors stay the class's: nothing is mapped onto plait's MoE.
 
 * Weights: DTensors on the ("ep", "tp") mesh, as plait's own experts (plait/execute/expert.py): Shard(0) over ep
   (rank j of an ep group holds experts j·E/ep ...), each expert's inner width over tp (gate|up each split on its own,
@@ -15,7 +15,7 @@ plait.models.hf_experts). The checkpoint's tensors stay the class's: nothing is 
 * The class's forward sees this rank's local weights (`to_local` views, whose gradients land in the DTensors) and
   `num_experts` = its local count for the call only; the module keeps the global count (RouterLoad reads it).
 * The router and the other modules of a MoE block the class's tensor plan places nowhere run whole on every tensor
-  rank (plait.models.hf_experts.MOE_REPLICATE); under sequence parallelism the MoE block gathers the sequence at
+  rank (plait.hf.experts.MOE_REPLICATE); under sequence parallelism the MoE block gathers the sequence at
   its input and hands on its slice of the (whole) output.
 """
 
@@ -33,7 +33,7 @@ from plait.torch_internals import StridedShard
 
 from plait.execute.expert import ExpertParallelDispatch, _copy_to_tensor_ranks, _reduce_from_tensor_ranks
 from plait.execute.tensor import GatherSequence
-from plait.models.hf_experts import class_experts, hidden_dim, inner_dim, packed_parts
+from plait.hf.experts import class_experts, hidden_dim, inner_dim, packed_parts
 
 
 @contextlib.contextmanager

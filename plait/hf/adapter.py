@@ -1,6 +1,6 @@
 """The Hugging Face adapter: any transformers causal LM, run unchanged (ModelSpec.source = "hf:<model dir>").
 
-No family is written here. From the class (plait.models.hf_structure): the decoder layers (named by its
+No family is written here. From the class (plait.hf.structure): the decoder layers (named by its
 ``base_model_pp_plan``, or its one ModuleList of identical blocks), the modules before and after them, tied
 parameters, norms; each pipeline stage runs the class's own forward around its layers (so embedding scales,
 learned positions, rotary tables, soft-capped logits are the class's); the tensor-parallel plan is its
@@ -42,9 +42,9 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.legality import HF_TP_STYLES, PLAIT_STYLE, under_class_experts, under_replicated_modules
 from plait.models.adapter import ModelAdapter, StageContext, TensorPlan, get_module, is_norm_module, register
-from plait.models.hf_experts import moe_tensor_styles
-from plait.models.hf_flow import whole_module
-from plait.models.hf_structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
+from plait.hf.experts import moe_tensor_styles
+from plait.hf.flow import whole_module
+from plait.hf.structure import (Structure, around_layers, causal_mask, discover, reference_buffers,
                                       untrained_parameters)
 from plait.models.windows import (attention_by_document, banded_attention, layer_window, runs_banded,
                                   runs_by_document)
@@ -245,7 +245,7 @@ class HFAdapter(ModelAdapter):
         """Parameters the loss never reaches (a multimodal class's image and audio encoders in a text-only forward;
         a sparse-attention indexer, whose top-k selection passes no gradient): frozen, as they would get no
         gradient anyway; data parallelism would otherwise wait for their gradients forever."""
-        from plait.models.hf_spec import untrained_block_parameters
+        from plait.hf.spec import untrained_block_parameters
 
         return untrained_parameters(self.meta_model, self.structure) | untrained_block_parameters(self)
 
@@ -292,7 +292,7 @@ class HFAdapter(ModelAdapter):
         """Whether the class's layers fail without a mask and run with a 4-D causal one (DeepSeek-V3.2-style sparse
         attention, whose indexer reads the mask itself): then plait hands its forward one. Others get none, and
         attention runs SDPA's causal path."""
-        from plait.models.hf_spec import block_caller, experts_batched
+        from plait.hf.spec import block_caller, experts_batched
 
         block = get_module(self.meta_model, self.blocks_path)[0]
         x = torch.zeros(1, 8, int(self.hf_config().hidden_size), device="meta")
@@ -314,7 +314,7 @@ class HFAdapter(ModelAdapter):
     def attention_sees_positions(self) -> bool:
         """Whether the class hands its attention function the position ids, which context parallelism's attention
         needs to keep packed documents apart: its first layer run on meta around a stand-in that records them."""
-        from plait.models.hf_spec import block_caller, experts_batched
+        from plait.hf.spec import block_caller, experts_batched
 
         seen: list[bool] = []
 
@@ -391,7 +391,7 @@ class HFAdapter(ModelAdapter):
             raise ConfigError(f"{self.family} declares no tensor-parallel plan (base_model_tp_plan); use tp=1")
         blocks_leaf = self.blocks_path.rsplit(".", 1)[-1]
         block: dict[str, str] = {}
-        # the experts' own weights: plait/execute/hf_experts.py; what a replicated module holds runs whole with it
+        # the experts' own weights: plait/hf/expert_parallel.py; what a replicated module holds runs whole with it
         inside_experts = under_class_experts(plan) | under_replicated_modules(plan)
         for pattern, style in plan.items():
             if pattern in inside_experts:
@@ -482,7 +482,7 @@ class HFAdapter(ModelAdapter):
                 if hasattr(attention, "num_key_value_groups"):
                     attention.num_key_value_groups = self.spec.num_heads // tp
         if self.derives_tensor_plan:  # the forward reads head counts its rank's projections no longer hold
-            from plait.models.hf_tensor_plan import Heads, divide_head_counts
+            from plait.hf.tensor_plan import Heads, divide_head_counts
 
             divide_head_counts(block, Heads.of(self.spec), tp)
         for path in WRITTEN_TP_PLANS.get(self.family, {}).get("divided_by_tp", ()):
@@ -493,7 +493,7 @@ class HFAdapter(ModelAdapter):
     @functools.cached_property
     def derives_tensor_plan(self) -> bool:
         """Whether tensor parallelism runs the plan plait derived from the class's layers (it declares none)."""
-        from plait.models.hf_tensor_plan import DERIVED_STYLES
+        from plait.hf.tensor_plan import DERIVED_STYLES
 
         return not tensor_plan_of(self.hf_config()) and any(
             style in DERIVED_STYLES for style in (self.spec.tp_plan or {}).values())
@@ -501,8 +501,8 @@ class HFAdapter(ModelAdapter):
     @property
     def replicated_modules(self) -> tuple[str, ...]:
         """Block-relative entries ("path" or "path:Class") of the modules run whole on every tensor rank
-        (plait.models.hf_flow's replicate_module)."""
-        mark = PLAIT_STYLE + "replicate_module"  # or mark:Class (plait.models.hf_flow.whole_module)
+        (plait.hf.flow's replicate_module)."""
+        mark = PLAIT_STYLE + "replicate_module"  # or mark:Class (plait.hf.flow.whole_module)
         return tuple(pattern.split("*.", 1)[-1] + style.removeprefix(mark)
                      for pattern, style in (self.spec.tp_plan or {}).items() if style.startswith(mark))
 

@@ -1,4 +1,4 @@
-"""Per-operator sharding on the non-decoder examples (examples/auto): solve time, the heuristic's gap to the
+"""Per-operator sharding on the non-decoder examples (examples/operators): solve time, the heuristic's gap to the
 program, predicted step against data parallelism alone, and the communication the executor issues against what
 the plan predicted.
 
@@ -9,7 +9,7 @@ For each model and mesh (tp = 2, 4, 8 ranks, dp = 1; planned only: 64 and 512 de
 * predicted: the plan's step time (per micro-batch, forward + backward + data-parallel sync) against the same
   work under data parallelism alone over every device (plait.operators.planner.data_parallel_time);
 * measured bytes (meshes up to 8 only): one forward and backward of the plan through the executor
-  (plait.execute.autoshard.step_collectives: apply_operator_sharding on rank 0 of a fake process group of the
+  (plait.execute.operators.step_collectives: apply_operator_sharding on rank 0 of a fake process group of the
   mesh's size), every collective DTensor issues, explicit or inside its op dispatch, counted with its bytes (the
   whole tensor a collective produces or reduces; a shard for all-to-all, as the plan counts them); against the
   plan's comm_bytes (target within 10%). The fake group moves no data, so this measures what the executor asks
@@ -20,14 +20,14 @@ The DLRM model is planned under a per-device memory budget its replicated table 
 the budget on 2, 4 and 8 ranks; DLRM_BUDGET_MIB), its table trained by the fused row-wise SGD: the solver must
 split the table.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=.:examples/auto .venv/bin/python benchmarks/auto_shard.py [--models vit,dlrm]
+    OMP_NUM_THREADS=1 PYTHONPATH=.:examples/operators .venv/bin/python benchmarks/per_operator.py [--models vit,dlrm]
 
 `--pp N` prints the pipeline table instead (pipeline_table): the models with repeated blocks (ViT, Mixer, both
 Llamas) cut into N stages, planned and measured per stage; `--decoders --pp N` plans Llama 3 8B's shape with N
 stages (pipeline_8b_table).
 
 `--decoders` prints the decoders' table instead (decoders_table): plait's reference Llama and a Hugging Face
-Llama (examples/auto/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, the
+Llama (examples/operators/decoders.py) at tp2 and tp4, the automatic plan against Megatron's pattern pinned, the
 automatic plan's measured bytes against predicted (as above), and
 Llama 3 8B's shape (32 layers, sequence 8192) planned only on 64 and 512 devices (dp8 x tp8, dp64 x tp8):
 capture, build and solve seconds with the repeated block solved once, next to a fixed reference computation timed
@@ -47,14 +47,14 @@ MEASURED_TP = (2, 4, 8)
 PLANNED = ((8, 8), (64, 8))
 """(dp, tp) meshes planned without a run: 64 and 512 devices."""
 DLRM_BUDGET_MIB = {2: 2.3, 4: 1.2, 8: 0.75}
-"""Per-device budget by tp: the 4 MiB table (examples/auto/dlrm.py) is 1.7x, 3.3x and 5.3x of it. Its lookup
-trains with the fused row-wise SGD (plait.execute.tables), so a rank holds its share of the weights alone; a table
+"""Per-device budget by tp: the 4 MiB table (examples/operators/dlrm.py) is 1.7x, 3.3x and 5.3x of it. Its lookup
+trains with the fused row-wise SGD (plait.execute.embedding_tables), so a rank holds its share of the weights alone; a table
 at 4x a rank's budget needs more than 4 ranks to hold it at all."""
 GLOBAL_BATCH = 8
 
 
 def table_bytes() -> float:
-    from dlrm import DIM, ROWS  # examples/auto, on PYTHONPATH
+    from dlrm import DIM, ROWS  # examples/operators, on PYTHONPATH
 
     return ROWS * DIM * 4.0
 
@@ -75,7 +75,7 @@ def solve(model: str, dp: int, tp: int, solver: str):
 
 
 def measure(plan) -> tuple[float, dict[str, int], int]:
-    from plait.execute.autoshard import step_collectives
+    from plait.execute.operators import step_collectives
 
     return step_collectives(plan)
 
@@ -200,7 +200,7 @@ def llama_8b_table(full_program: bool) -> None:
 
 
 PIPELINE_MODELS = ("vit", "mixer", "llama", "hf_llama")
-"""The models with repeated blocks (examples/auto): the ones a pipeline can cut."""
+"""The models with repeated blocks (examples/operators): the ones a pipeline can cut."""
 PIPELINE_MEASURED_TP = (1, 2)
 PIPELINE_PLANNED = ((4, 8), (32, 8))
 """(dp, tp) meshes planned without a run under the pipeline: 64 and 512 devices at pp2."""
@@ -218,11 +218,11 @@ def pipeline_table(pp: int, models: list[str]) -> None:
     step and bubble from the cost model's schedule simulator, against the same devices without a pipeline (its
     ranks data-parallel instead) and against data parallelism alone; measured bytes (dp = 1): every stage built as
     its pipeline rank builds it, one micro-batch through the chain on a fake process group of tp ranks
-    (plait.execute.autoshard_pipeline.stage_collectives), summed over the stages, against the stages' comm_bytes."""
+    (plait.execute.operators_pipeline.stage_collectives), summed over the stages, against the stages' comm_bytes."""
     from rich.console import Console
     from rich.table import Table
 
-    from plait.execute.autoshard_pipeline import stage_collectives
+    from plait.execute.operators_pipeline import stage_collectives
     from plait.operators.planner import auto_plan
     from plait.spec.clusters import CLUSTER_PRESETS
 
@@ -294,7 +294,7 @@ def pipeline_8b_table(pp: int) -> None:
 
 
 ZOO = ("dual_encoder", "unet", "gnn", "dlrm_tables")
-"""Module kinds beyond the first examples (examples/auto): a dual encoder with a scalar parameter and odd tables, a
+"""Module kinds beyond the first examples (examples/operators): a dual encoder with a scalar parameter and odd tables, a
 U-Net with GroupNorm, a graph network, a DLRM of several tables of odd sizes."""
 ZOO_LOCAL = (2, 4, 8)
 """Devices the zoo is searched on with local-cpu, measured (bytes) and checked (EQUAL, --check: 2 devices)."""
@@ -315,16 +315,16 @@ def zoo_budget(model: str) -> float | None:
 def measured_bytes(plan) -> tuple[float, dict[str, int]]:
     """What the executor asks the tensor-parallel axis to carry in one micro-batch's forward and backward of `plan`
     (one data-parallel replica: dp set to 1, the micro-batch as the batch), on a fake process group (no ranks): the
-    pipeline's stages chained (plait.execute.autoshard_pipeline.stage_collectives), or the module with every
+    pipeline's stages chained (plait.execute.operators_pipeline.stage_collectives), or the module with every
     collective counted (plait.execute.dryrun.CollectiveCounter)."""
     import torch
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from plait.execute.autoshard import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
+    from plait.execute.operators import apply_operator_sharding, build_module, fake_tensor_parallel_mesh, make_batch
     from plait.execute.dryrun import CollectiveCounter
 
     if plan.pp > 1:
-        from plait.execute.autoshard_pipeline import stage_collectives
+        from plait.execute.operators_pipeline import stage_collectives
 
         replica = dataclasses.replace(plan.train, global_batch=plan.micro_batch * plan.num_micro_batches)
         stages = stage_collectives(plan.replace(dp=1, train=replica))
@@ -494,7 +494,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="per-operator sharding on examples/auto (local-cpu cluster model; machine shared)")
+    table = Table(title="per-operator sharding on examples/operators (local-cpu cluster model; machine shared)")
     for column in ("model", "mesh", "solve s", "split params", "peak MiB", "predicted ms", "dp-only ms", "speedup",
                    "heuristic gap", "predicted bytes", "measured bytes", "bytes error", "collectives"):
         table.add_column(column, justify="left" if column in ("model", "mesh", "collectives") else "right")

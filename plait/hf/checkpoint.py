@@ -47,7 +47,7 @@ SINGLE = "model.safetensors"
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Hugging Face's customary largest shard file (save_pretrained's max_shard_size of transformers 4: "5GB")."""
 MODEL_FILES = ("generation_config.json",)
-"""Files of the model folder an export copies besides config.json (the tokenizer's: plait.tokenizer_files)."""
+"""Files of the model folder an export copies besides config.json (the tokenizer's: plait.hf.tokenizer_files)."""
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:
@@ -213,7 +213,7 @@ def _write_config(source: Path, out: Path, dtype: torch.dtype) -> None:
 def _copy_tokenizer(source: Path, out: Path, tokenizer_dir: Path | None) -> None:
     """The model folder's generation config, and every file of the tokenizer trained with (the chat template
     included): `tokenizer_dir`'s when the run named one, else the model folder's, never a mix of the two."""
-    from plait.tokenizer_files import tokenizer_files
+    from plait.hf.tokenizer_files import tokenizer_files
 
     for name in MODEL_FILES:
         if (source / name).is_file() and source.resolve() != out.resolve():

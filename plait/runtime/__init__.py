@@ -1,0 +1,1 @@
+"""Running ranks: launching them (torchrun, local agents), faults, throttled links and restarts."""
