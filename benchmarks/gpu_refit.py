@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", action="store_true", help="in-sample vs held-out errors (slower: a fit per "
                                                                 "shape and per GPU kind)")
     parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 where a shipped constant lies more than {CHECK_WITHIN:.0%} from its refit")
+                        help=f"exit 1 where a shipped constant lies more than {CHECK_WITHIN * 100:.0f}%% from its refit")
     args = parser.parse_args(argv)
     folders = args.runs if args.runs else sorted(p.parent for p in RESULTS.glob("*/gpu_check.json"))
     try:

@@ -7,10 +7,10 @@
   (the adapters under peft's names), which `peft.PeftModel.from_pretrained(base, folder)` loads onto the base
   ([checkpoint] export_adapter, `plait export --adapter`).
 
-From a live parallel model (collective, at the end of a run) the merged folder streams like plait.execute.
-hf_checkpoint.export_hf, one full tensor at a time; from a checkpoint (`plait export`, one process), which holds the
-adapters alone (plait.train.checkpoint), the base comes from where the run started: the model folder's safetensors
-([model] weights = "pretrained") or the seed's initial weights.
+From a live parallel model (collective, at the end of a run) the merged folder streams like
+plait.hf.checkpoint.export_hf, one full tensor at a time; from a checkpoint (`plait export`, one process), which
+holds the adapters alone (plait.train.checkpoint), the base comes from where the run started: the model folder's
+safetensors ([model] weights = "pretrained") or the seed's initial weights.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class ModuleModel:
         if self.optimizer is not None:
             self.fused.lr = self.optimizer.param_groups[0]["lr"]
         batch = batches.to_device(batch, self.device)
-        self.fused.defer()  # the step's row updates at once, after every micro-batch's backward (tables.py)
+        self.fused.defer()  # the step's row updates at once, after every micro-batch's backward (embedding_tables.py)
         with self._compute():
             local = self._pipeline(batch) if self.schedule is not None else self._accumulate(batch)
         # a schedule divides the other gradients by the micro-batches after its backward (scale_grads): these too

@@ -10,8 +10,9 @@ The order (torchtitan's), and why:
    cuts this rank's virtual stages out of it (uneven, as the plan says), each a Stage that keeps the
    single-process names (pipeline.py). Done first so everything below runs per stage, on a module whose
    parameters are this stage's.
-4. **apply_tp** per stage: the adapter's tensor plan as ParallelStyles; SP, vocab-parallel embedding,
-   loss-parallel output (tensor.py); LoRA adapters placed with their projections (lora.py). Before AC so
+4. **apply_cp** per stage (context.py: the sequence split and key/value exchange), then **apply_tp**: the
+   adapter's tensor plan as ParallelStyles; SP, vocab-parallel embedding, loss-parallel output (tensor.py); LoRA
+   adapters placed with their projections (lora.py); then **apply_experts** over ep (expert.py). Before AC so
    that the recomputed region contains the TP collectives, and before FSDP because fully_shard shards the
    TP-sharded DTensors further (2-D).
 5. **apply_ac** per stage with the plan's mode for this pipeline rank (recompute.py): wraps whole
@@ -477,8 +478,9 @@ def parallelize(plan: Plan, *, seed: int = 0, device: str | torch.device | None 
 
 def shard_stage(part: nn.Module, plan: Plan, mesh: Meshes, pp_rank: int, mixed: torch.dtype | None,
                 before_data_parallel=None) -> nn.Module:
-    """Steps 4-6 of the order above, on one meta Stage; `plait check --dry-run` builds with this very function,
-    tracing the stage in `before_data_parallel(part)` (after tensor parallelism and recompute, before fully_shard)."""
+    """Steps 4-6 of the order above up to fully_shard (materializing is the caller's), on one meta Stage; `plait
+    check --dry-run` builds with this very function, tracing the stage in `before_data_parallel(part)` (after tensor
+    parallelism and recompute, before fully_shard)."""
     frozen = {name for name, param in part.named_parameters() if not param.requires_grad}
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], plan.train.seq_len, plan.context_parallel)

@@ -286,7 +286,7 @@ def block_style(style: str, module: nn.Module, sequence_parallel: bool) -> Paral
         return ReplicatedModule(sequence_parallel)
     if name == "mla_kv_a":
         return LatentKeyValueParallel(int(arg))
-    if name == "experts":  # split over ep and tp with their MoE layer (plait/execute/expert.py, hf_experts.py)
+    if name == "experts":  # split over ep and tp with their MoE layer (execute/expert.py, hf/expert_parallel.py)
         return None
     if name == "moe_block":  # a pattern the class's dense layers share with its MoE blocks (their "mlp")
         from plait.hf.expert_parallel import MoeBlockParallel

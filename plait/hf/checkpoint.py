@@ -176,7 +176,7 @@ class ShardWriter:
 
 def prepare_export_dir(out: Path) -> None:
     """Create `out`, and remove the weight files of an earlier export there (the caller has the user's consent:
-    plait.outputs.export_dir), so that no stale shard or index outlives this export."""
+    plait.outputs.filled_dir), so that no stale shard or index outlives this export."""
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), *out.glob(".*.safetensors"), out / INDEX]:
         old.unlink(missing_ok=True)

@@ -140,7 +140,7 @@ class Islands:
     (all its devices together) can push to the others."""
     emulate: bool = False
     """Emulation only (one machine standing in for islands): the executor holds each exchange over the link for
-    the time `link` gives it (plait/runtime/throttle.py's LinkThrottle). False on real links."""
+    the time `link` gives it (plait/train/islands.py's _LinkWork). False on real links."""
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 2:

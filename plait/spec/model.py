@@ -19,7 +19,7 @@ learned positions) and "llama" (swiglu, rmsnorm, no biases, rope). Blocks may di
 module measured on ``meta``): ``blocks`` then holds each block's measured cost, and the cost model
 prices them one by one.
 
-``source`` says which model adapter builds the module the executor runs (plait.models.adapters):
+``source`` says which model adapter builds the module the executor runs (plait.models.adapter):
 "plait" (plait's reference decoder for this spec), "hf:<dir>" (a Hugging Face model directory or
 config.json) or "module:<package.module:factory>" (a user's own module). The planner's spec and the
 executor's module come from the same source, so the cost model prices what runs.

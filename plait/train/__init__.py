@@ -7,7 +7,7 @@
 * loop.py     -- parallelize the plan, AdamW + warm-up/cosine, clip, steps, metrics, loss plot;
 * metrics.py  -- model FLOPs, tokens/s and MFU, metrics.jsonl, the rank-0 progress bar;
 * hooks.py    -- where checkpoints plug into the loop (TrainState, resume / after_step);
-* checkpoint.py, fault.py -- checkpoints, exact resume, resharding, Hugging Face weights in and out, injected
-                 faults;
+* checkpoint.py -- checkpoints, exact resume, resharding (Hugging Face weights in and out: plait.hf.checkpoint;
+                 injected faults: plait.runtime.faults);
 * sample.py   -- text generation from the full weights in one process (the demo's sample).
 """

@@ -20,7 +20,7 @@ local shards with the same shards of the other islands. What it needs is that ev
 
 Pseudo-gradients in bf16 travel as bf16 (cast before the all-reduce, back after); int8 needs torchft's quantized
 all-reduce (triton, CUDA) and is refused elsewhere before ranks start. With the cluster's islands.emulate, every
-exchange is held for the time the islands' link gives it (plait.runtime.throttle.LinkThrottle), so one machine
+exchange is held for the time the islands' link gives it (_LinkWork below), so one machine
 shows what a slow link costs.
 """
 

@@ -22,7 +22,7 @@ from plait.runtime.launch import note_progress
 from plait.plan import Plan
 from plait.train.chat import unanswered_note
 from plait.train.checkpoint import export_at_end, pretrained_dir
-from plait.train.config import Config, lr_at  # noqa: F401  (lr_at: plait.train.auto imports it from here)
+from plait.train.config import Config, lr_at  # noqa: F401  (lr_at: plait.train.island_loop imports it)
 from plait.train.data import BatchLoader, rank_tokens
 from plait.train.documents import packing_for
 from plait.train.hooks import TrainState, make_checkpoint_hooks
