@@ -187,8 +187,8 @@ def _launch(args: argparse.Namespace) -> int:
         from plait.train.islands_check import island_launcher, launch_check
 
         if args.island is not None:
-            return island_launcher(args, plan)
-        result = launch_check(args, plan)
+            return island_launcher(args, plan, _worker_argv)
+        result = launch_check(args, plan, _worker_argv)
         return _report(plan, {**result.to_dict(), "failures": result.failures(_tolerance(args))}, args)
     with tempfile.TemporaryDirectory(prefix="plait-check-") as tmp:
         result_file = Path(tmp) / "result.json"

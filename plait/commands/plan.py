@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from plait.plan import RECOMPUTE_MODES, SCHEDULES
+from plait.plan import ISLAND_METHODS, RECOMPUTE_MODES, SCHEDULES
 from plait.commands import load_ratio, positive_float, positive_int
 from plait.errors import ConfigError
 
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sequence parallelism over the tensor group")
     pins.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor groups span nodes")
     isl = parser.add_argument_group("islands (a cluster file with `islands:`; docs/islands.md)")
-    isl.add_argument("--island-method", choices=("sync", "diloco"),
+    isl.add_argument("--island-method", choices=ISLAND_METHODS,
                      help="how islands talk: synchronous data parallelism over the slow link, or DiLoCo")
     isl.add_argument("--inner-steps", type=int, metavar="H", help="DiLoCo's inner steps between outer steps")
     isl.add_argument("--fragments", type=int, metavar="F", help="streaming DiLoCo: model parts exchanged in turn")
@@ -97,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     isl.add_argument("--overlap", type=int, metavar="T",
                      help="inner steps each exchange runs under before it is applied (streaming DiLoCo's tau)")
     how = parser.add_argument_group("search")
+    # plait.search.solvers.SOLVER_NAMES, spelt here so that parsing imports no search (a test holds them equal)
     how.add_argument("--solver", choices=("exact", "dichotomy", "learned", "auto"), default="auto",
                      help="how the space is searched: exact (the cost model's optimum), dichotomy (bisection over "
                           "the micro-batch size, CSIMD), learned (a network trained offline proposes), auto "

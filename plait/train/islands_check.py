@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from plait.errors import ConfigError, PlaitError
 from plait.plan import Plan
 
 ISLAND_RESULT = "island{}.pt"
+WorkerArgv = Callable[[argparse.Namespace, Path], list[str]]
+"""The check command's arguments for one rank writing its result to a file (plait.commands.check._worker_argv)."""
 
 
 def refuse_unequal(plan: Plan, args: argparse.Namespace) -> None:
@@ -40,8 +42,9 @@ def refuse_unequal(plan: Plan, args: argparse.Namespace) -> None:
                           "average; check DiLoCo plans without it (sync plans clip the average)")
 
 
-def launch_check(args: argparse.Namespace, plan: Plan) -> Any:
-    """Start the lighthouse and the islands, run the reference here: the CheckResult of the comparison."""
+def launch_check(args: argparse.Namespace, plan: Plan, worker_argv: WorkerArgv) -> Any:
+    """Start the lighthouse and the islands, run the reference here: the CheckResult of the comparison.
+    `worker_argv(args, result_file)`: the check command's own arguments for a rank (plait.commands.check)."""
     import torch
 
     from plait.execute.equivalence import CheckSettings, ParallelRun, compare
@@ -50,7 +53,7 @@ def launch_check(args: argparse.Namespace, plan: Plan) -> Any:
     refuse_unequal(plan, args)
     with tempfile.TemporaryDirectory(prefix="plait-check-islands-") as tmp, start_islands() as islands:
         for island in range(plan.islands.count):
-            islands.start(island, island_argv(args, island, Path(tmp)))
+            islands.start(island, island_argv(args, island, Path(tmp), worker_argv))
         code = islands.wait(args.timeout)
         if code != 0:
             raise PlaitError(f"the islands' run of {plan.describe()!r} failed (exit code {code}); see the ranks' "
@@ -71,18 +74,16 @@ def inner_optimizer(plan: Plan) -> str:
     return "sgd" if plan.islands.method == "diloco" else "adamw"
 
 
-def island_argv(args: argparse.Namespace, island: int, folder: Path) -> list[str]:
-    from plait.commands.check import _worker_argv
-
-    return _worker_argv(args, folder / ISLAND_RESULT.format(island)) + ["--island", str(island),
-                                                                         "--timeout", repr(args.timeout)]
+def island_argv(args: argparse.Namespace, island: int, folder: Path, worker_argv: WorkerArgv) -> list[str]:
+    return worker_argv(args, folder / ISLAND_RESULT.format(island)) + ["--island", str(island),
+                                                                        "--timeout", repr(args.timeout)]
 
 
-def island_launcher(args: argparse.Namespace, plan: Plan) -> int:
+def island_launcher(args: argparse.Namespace, plan: Plan, worker_argv: WorkerArgv) -> int:
     """An island's own launcher: its ranks, on this machine."""
     from plait.runtime.launch import run_local
 
-    argv = island_argv(args, args.island, Path(args.result_file).parent)
+    argv = island_argv(args, args.island, Path(args.result_file).parent, worker_argv)
     return run_local(plan.island_plan().num_devices, argv, timeout_s=args.timeout)
 
 

@@ -315,3 +315,17 @@ def test_nothing_fits_a_mixed_cluster_names_the_fullest_rank_against_its_groups_
     assert "mixed cluster mixed (h100 4 x 80 GiB, a100 4 x 20 GiB)" in message
     with pytest.raises(ConfigError, match="num_devices=16: mixed cluster mixed is planned whole"):
         plan_with_stats("gpt-7.5b", cluster, train, num_devices=16)
+
+
+def test_plait_plan_offers_every_solver_and_no_other():
+    """`plait plan --solver` lists its choices without importing the search (the CLI stays quick to start); they
+    are the solvers plait.search.solvers runs."""
+    import argparse
+
+    from plait.commands.plan import add_arguments
+    from plait.search.solvers import SOLVER_NAMES
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    solver = next(a for a in parser._actions if "--solver" in a.option_strings)
+    assert tuple(solver.choices) == SOLVER_NAMES
