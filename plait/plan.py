@@ -502,24 +502,21 @@ class Plan(OnAxes):
             raise ConfigError(f"{where}: {e}") from None
 
 
-@dataclass(frozen=True, kw_only=True)
-class _PlanFile(Layout):
-    """A plan file as written: the layout's fields and the plan's own side by side (what `Plan.from_dict` reads,
-    so that every key is checked, and named, at the top level where the file has it)."""
+def _plan_from_file(self) -> Plan:
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    layout = Layout(**{name: fields.pop(name) for name in LAYOUT_FIELDS})
+    return Plan(layout=layout, **fields)
 
-    recompute: tuple[Recompute, ...] = ()
-    layers_per_stage: tuple[int, ...] = ()
-    model: ModelSpec
-    train: TrainSpec
-    cluster: ClusterSpec
-    predicted: Prediction | None = None
-    operators: OperatorSharding | None = None
-    islands: IslandPlan | None = None
 
-    def plan(self) -> Plan:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        layout = Layout(**{name: fields.pop(name) for name in LAYOUT_FIELDS})
-        return Plan(layout=layout, **fields)
+_PlanFile = dataclasses.make_dataclass(
+    "_PlanFile",
+    [(f.name, f.type, dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING else
+      dataclasses.field()) for f in dataclasses.fields(Plan) if f.name != "layout"],
+    bases=(Layout,), frozen=True, kw_only=True,
+    namespace={"__module__": __name__, "plan": _plan_from_file,
+               "__doc__": "A plan file as written: the layout's fields and the plan's own side by side, made from "
+                          "the Plan's fields (what `Plan.from_dict` reads, so that every key is checked, and named, "
+                          "at the top level where the file has it)."})
 
 
 def _as_plan_file(data: Any) -> Any:

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from plait.hf.checkpoint import (DEFAULT_SHARD_BYTES, ShardWriter, _copy_tokenizer, prepare_export_dir,
-                                         publish, weight_files)
+from plait.hf.checkpoint import (DEFAULT_SHARD_BYTES, ShardWriter, _copy_tokenizer, export_stage_tensors,
+                                 full_tensor, prepare_export_dir, publish, weight_files)
 from plait.models.lora import adapted_modules, adapted_weight, is_adapter, peft_names
 from plait.spec.lora import Lora
 
@@ -37,49 +36,32 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: Lora) ->
     return (weight.double() + (b.double() @ a.double()) * lora.scale).to(weight.dtype)
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
-
-
 # ---- from a live parallel model (collective) -------------------------------------------------------------------
 def export_merged(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """`model` (a ParallelModel with LoRA adapters) as a plain Hugging Face folder, its adapters merged (collective;
-    the layout of plait.hf.checkpoint.export_hf)."""
-    out = Path(out_dir)
-    if dist.get_rank() == 0:
-        prepare_export_dir(out)
-    dist.barrier()
+    the layout and writer of plait.hf.checkpoint.export_hf)."""
     lora = model.plan.model.lora
     params = dict(model.named_parameters())
-    leader = model.mesh["dp_cp"].get_local_rank() == 0 and model.mesh["tp"].get_local_rank() == 0
-    writer = ShardWriter(out, f"stage{model.pp_rank:05d}", max_shard_bytes)
-    dtype = None
-    for name in sorted(params):
-        if is_adapter(name) or name in model.adapter.tied:
-            continue
-        full = _full(params[name])  # collective over the stage: every rank walks the same names
-        a_name = name.removesuffix(".weight") + ".lora_A.weight"
-        if a_name in params:
-            full = merge(full, _full(params[a_name]), _full(params[a_name.replace("lora_A", "lora_B")]), lora)
-        dtype = full.dtype
-        if leader:
-            writer.add(name, full)
-    written = writer.close() if leader else []
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (model.pp_rank, written, dtype))
-    if dist.get_rank() == 0:
-        ordered = [entry for _, entries, _ in sorted(gathered, key=lambda g: g[0]) for entry in entries]
-        dtype = next(d for _, _, d in gathered if d is not None)
-        publish(out, ordered, Path(source_dir), Path(tokenizer_dir) if tokenizer_dir else None, dtype)
-    dist.barrier()
-    return out
+
+    def merged():
+        for name in sorted(params):
+            if is_adapter(name) or name in model.adapter.tied:
+                continue
+            full = full_tensor(params[name])  # collective over the stage: every rank walks the same names
+            a_name = name.removesuffix(".weight") + ".lora_A.weight"
+            if a_name in params:
+                full = merge(full, full_tensor(params[a_name]), full_tensor(params[a_name.replace("lora_A", "lora_B")]),
+                             lora)
+            yield name, full
+
+    return export_stage_tensors(model, merged(), out_dir, source_dir, tokenizer_dir, max_shard_bytes=max_shard_bytes)
 
 
 def export_adapter(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir: str | Path | None = None
                    ) -> Path:
     """`model`'s adapters as peft's adapter folder (collective; rank 0 writes)."""
-    local = {name: _full(param).cpu().clone() for name, param in sorted(model.named_parameters()) if is_adapter(name)}
+    local = {name: full_tensor(param).cpu().clone() for name, param in sorted(model.named_parameters()) if is_adapter(name)}
     if model.plan.pp > 1:
         pieces: list = [None] * model.plan.pp
         dist.all_gather_object(pieces, local, group=model.mesh["pp"].get_group())

@@ -31,6 +31,7 @@ import json
 import math
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -230,6 +231,26 @@ def export_hf(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir:
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` (a ParallelModel of a Hugging Face model) to `out_dir` in Hugging Face's layout (collective).
     `source_dir` holds the model's config.json (and tokenizer files); `tokenizer_dir` the tokenizer trained with."""
+    def tensors():
+        for name, param in sorted(model.named_parameters()):
+            if name in model.adapter.tied:  # a tied model's output layer is the embedding: written once, as HF does
+                continue
+            yield name, full_tensor(param)
+
+    return export_stage_tensors(model, tensors(), out_dir, source_dir, tokenizer_dir, max_shard_bytes=max_shard_bytes)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter: a collective over its mesh for a DTensor."""
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def export_stage_tensors(model, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
+                         source_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the whole tensors this pipeline stage yields (every rank of the stage walks the same names: gathering
+    them is collective) as safetensors shards, one writer per stage, then rank 0 publishes the folder: the index,
+    config.json and the tokenizer's files (collective)."""
     out = Path(out_dir)
     rank = dist.get_rank()
     if rank == 0:
@@ -238,10 +259,7 @@ def export_hf(model, out_dir: str | Path, source_dir: str | Path, tokenizer_dir:
     leader = model.mesh["dp_cp"].get_local_rank() == 0 and model.mesh["tp"].get_local_rank() == 0
     writer = ShardWriter(out, f"stage{model.pp_rank:05d}", max_shard_bytes)
     dtype = None
-    for name, param in sorted(model.named_parameters()):
-        if name in model.adapter.tied:  # the output layer of a tied model is the embedding: written once, as HF does
-            continue
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()  # collective over the stage
+    for name, full in tensors:
         dtype = full.dtype
         if leader:
             writer.add(name, full)
