@@ -193,7 +193,10 @@ def launch(config_path: str | None, config, overrides: list[str], *, nproc: int 
         config = with_document_len(config, resolve_model(config.model))
     plan = plan_for_launch(config, nproc)  # resolve_plan, or a new plan when resuming on another world size
     if plan.islands is not None:  # every island on this machine, each a torchft replica group
+        from plait.extras import require
         from plait.train.island_loop import launch_islands, with_config_h
+
+        require("islands", f"a plan across {plan.islands.count} islands", "plan for one island")
 
         check_data(config, resolve_model(config.model))
         return launch_islands(config_path, config, overrides, with_config_h(plan, config), timeout_s=timeout_s)

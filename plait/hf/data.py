@@ -45,11 +45,10 @@ def _datasets() -> Any:
     # Local files only: the library must not ask the Hub for anything (set before its first import).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError("data.source = \"hf\" needs the 'datasets' package, which is not installed; "
-                          "pip install 'plait[datasets]'") from None
+    from plait.extras import require
+
+    require("datasets", 'data.source = "hf"')
+    import datasets
 
     datasets.disable_progress_bars()
     return datasets

@@ -223,14 +223,12 @@ def relaxation_bound(problem: ShardingProblem, time_limit: float = 60.0) -> floa
 def _milp(problem: ShardingProblem, time_limit: float, relax: bool = False) -> tuple[tuple[int, ...], float, dict]:
     """(choice, proven lower bound, stats with HiGHS's status). `relax`: the LP relaxation (its optimum is the
     bound; the choice is its largest value per node, not necessarily feasible)."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_array
-    except ImportError:
-        from plait.errors import ConfigError
+    from plait.extras import require
 
-        raise ConfigError("per-operator sharding's integer program needs scipy (pip install 'plait[auto]'), or "
-                          "use the propagation heuristic (--operator-solver propagation)") from None
+    require("auto", "per-operator sharding's integer program", "use the propagation heuristic "
+            "(--operator-solver propagation)")
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
 
     sizes = [len(c) for c in problem.node_cost]
     x_start = np.concatenate([[0], np.cumsum(sizes)])

@@ -138,6 +138,9 @@ class _LinkWork:
 def make_manager(plan: Plan, island: int, model_state: Callable[[], dict], load_state: Callable[[dict], None],
                  counter: LinkCounter, timeout_s: float) -> Any:
     """This rank's torchft Manager, its all-reduce sending `plan.islands.precision` over the (emulated) link."""
+    from plait.extras import require
+
+    require("islands", f"a plan across {plan.islands.count} islands", "plan for one island")
     quiet_torchft()
     from torchft import Manager, ProcessGroupGloo
     from torchft.process_group import ProcessGroupNCCL

@@ -328,6 +328,10 @@ def check_outputs(config: Config) -> None:
 
     output_dir(config.log.dir, "log.dir")
     check_sinks(config.log)
+    if config.checkpoint.export_adapter is not None:
+        from plait.extras import require
+
+        require("lora", "checkpoint.export_adapter", "export the merged model (checkpoint.export) instead")
     if config.eval.keep_best and config.checkpoint.dir is None:
         raise ConfigError("eval.keep_best=true saves the best checkpoint under checkpoint.dir: set checkpoint.dir")
     if config.checkpoint.dir is not None:

@@ -14,18 +14,16 @@ names a sink whose library is missing is refused before any rank starts (`check_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from plait.errors import ConfigError
 from plait.train.metrics import MetricsLog, StepMetrics
 
 TENSORBOARD_DIR = "tensorboard"
 EVAL_FILE = "eval.jsonl"
-_EXTRAS = {"tensorboard": ("tensorboard", "log.tensorboard = true"), "wandb": ("wandb", "log.wandb")}
+_KEYS = {"tensorboard": "log.tensorboard = true", "wandb": "log.wandb"}
 
 
 def wanted_sinks(log: Any) -> list[str]:
@@ -35,11 +33,10 @@ def wanted_sinks(log: Any) -> list[str]:
 
 def check_sinks(log: Any) -> None:
     """Refuse, in one line, a sink whose library is not installed (before ranks start, not at step 0)."""
+    from plait.extras import require
+
     for name in wanted_sinks(log):
-        module, key = _EXTRAS[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{key} needs the {module!r} package, which is not installed; "
-                              f"pip install 'plait[{name}]', or turn the sink off")
+        require(name, _KEYS[name], "turn the sink off")
 
 
 class Sink(Protocol):
