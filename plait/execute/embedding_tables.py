@@ -12,6 +12,12 @@ placed it. The planner prices it so (plait.cost.operators.fused_table_copies) wh
   holds some columns: the row's sum of squares is all-reduced over the tensor-parallel ranks (one float a row), so
   every split updates as one process does.
 
+A table placed table-wise ("T<rank>", plait.operators.table_wise) lives whole on one rank of the tensor-parallel
+axis, its owner, as a plain tensor (the others hold no copy and no parameter: a checkpoint holds it as the owner
+saves it, whole, and any plan reads it back); every rank makes the lookup's call, the owner on the table, the others on
+meta, and the owner broadcasts the rows to the axis, where the ranks hold the same ids; the backward updates the
+owner's rows alone (`gather_table_wise` brings the table to every rank where a whole copy is needed).
+
 Over data-parallel ranks each rank's touched rows and their gradients are all-gathered (the row-wise exchange,
 kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
 table is left out of fully_shard. The accumulators are kept beside the table on each rank (not in a checkpoint).
@@ -40,6 +46,9 @@ class FusedTables:
         self.dp_group = dp_group
         self.eps = eps
         self.modules: list[str] = []
+        self.table_wise: dict[str, tuple[int, object]] = {}
+        """Table module name -> (its owner's rank on the tensor-parallel axis, that axis's mesh), for tables placed
+        table-wise."""
         self.optimizers: dict[int, str] = {}
         """id(table module) -> its optimizer."""
         self.accumulators: dict[int, torch.Tensor] = {}
@@ -65,27 +74,95 @@ class FusedTables:
             weight, module, local, placement, ids, grads = pending[key]
             _apply_rows(weight, local, placement, torch.cat(ids), torch.cat(grads) * scale, self, module)
 
-    def apply(self, model: nn.Module, fused: dict[str, str]) -> None:
-        """Route every nn.Embedding whose weight `fused` names through the fused lookup."""
-        for name, module in model.named_modules():
+    def apply(self, model: nn.Module, fused: dict[str, str], table_wise: dict[str, int] | None = None,
+              mesh=None) -> None:
+        """Route every nn.Embedding whose weight `fused` names through the fused lookup; those `table_wise` names
+        (weight -> owner rank on the tensor-parallel `mesh`) through the table-wise one, kept on their owner."""
+        table_wise = table_wise or {}
+        for name, module in list(model.named_modules()):
             weight = f"{name}.weight" if name else "weight"
             if weight not in fused:
                 continue
             if not isinstance(module, nn.Embedding) or fused[weight] not in OPTIMIZERS:
                 raise ValueError(f"fused table {weight!r}: only nn.Embedding with {', '.join(OPTIMIZERS)} runs fused "
                                  f"(got {type(module).__name__}, {fused[weight]!r})")
-            module.forward = _fused_forward(module, self)
+            if weight in table_wise:
+                self._place_table_wise(name, module, table_wise[weight], mesh)
+            else:
+                module.forward = _fused_forward(module, self)
             self.modules.append(name)
             self.optimizers[id(module)] = fused[weight]
 
     def parameters(self, model: nn.Module) -> set[nn.Parameter]:
-        return {model.get_submodule(name).weight for name in self.modules}
+        return {w for name in self.modules if (w := model.get_submodule(name).weight) is not None}
+
+    def _place_table_wise(self, name: str, module: nn.Embedding, owner: int, mesh) -> None:
+        self.table_wise[name] = (owner, mesh)
+        module.forward = _table_wise_forward(module, self, owner, mesh)
+        if mesh.get_local_rank() != owner:  # no copy here: not a parameter of this rank's module
+            module.register_parameter("weight", None)
+
+    def gather_table_wise(self, model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Collective over each table's tensor-parallel ranks: {weight name: the whole table} of every table-wise
+        table, on every rank (from its owner), for what needs the whole model in one place (a check, an export)."""
+        found = {}
+        for name, (owner, mesh) in self.table_wise.items():
+            module = model.get_submodule(name)
+            held = module.weight
+            table = held.detach().clone() if held is not None else torch.empty(
+                module.num_embeddings, module.embedding_dim, dtype=module.anchor.dtype)
+            dist.broadcast(table, group=mesh.get_group(), group_src=owner)
+            found[f"{prefix}{name}.weight"] = table
+        return found
 
 
 def _fused_forward(module: nn.Embedding, tables: FusedTables):
     def forward(ids: torch.Tensor) -> torch.Tensor:
         return _FusedLookup.apply(ids, module.weight, module, tables)
     return forward
+
+
+def _table_wise_forward(module: nn.Embedding, tables: FusedTables, owner: int, mesh):
+    # a leaf every rank's lookup takes, so each rank's backward runs (its collectives are every rank's)
+    weight = module.weight
+    module.anchor = torch.zeros(0, dtype=weight.dtype, requires_grad=True)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        held = module.weight if module.weight is not None else module.anchor
+        return _TableWiseLookup.apply(ids, held, module, tables, owner, mesh)
+    return forward
+
+
+class _TableWiseLookup(torch.autograd.Function):
+    """The owner's lookup, its rows broadcast over the tensor-parallel axis (a replicated DTensor); backward: the
+    rows' gradients made whole (a pending sum reduced) and the owner's table updated as a whole fused table's."""
+
+    @staticmethod
+    def forward(ctx, ids, held, module, tables, owner, mesh):
+        if isinstance(ids, DTensor):
+            ids = ids.redistribute(ids.device_mesh, [Replicate()] * ids.device_mesh.ndim).to_local()
+        mine = mesh.get_local_rank() == owner
+        shape = (module.num_embeddings, module.embedding_dim)
+        # every rank makes the lookup's call (the plan's calls are counted by name and shapes); only the owner's
+        # reads a table
+        table = held if mine else torch.empty(shape, dtype=held.dtype, device="meta")
+        rows = F.embedding(ids if mine else ids.to("meta"), table, module.padding_idx, module.max_norm,
+                           module.norm_type, module.scale_grad_by_freq, module.sparse)
+        if not mine:
+            rows = torch.empty(rows.shape, dtype=held.dtype, device=ids.device)
+        dist.broadcast(rows, group=mesh.get_group(), group_src=owner)
+        ctx.save_for_backward(ids)
+        ctx.module, ctx.tables, ctx.mine, ctx.held = module, tables, mine, held
+        return DTensor.from_local(rows, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        if isinstance(grad_out, DTensor):
+            grad_out = grad_out.redistribute(grad_out.device_mesh, [Replicate()]).to_local()
+        if ctx.mine:
+            _update_rows(ctx.held, ids, grad_out, ctx.tables, ctx.module)
+        return None, None, None, None, None, None
 
 
 class _FusedLookup(torch.autograd.Function):

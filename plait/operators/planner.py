@@ -26,6 +26,7 @@ from plait.cost import operators as price
 from plait.errors import ConfigError
 from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
+from plait.operators import table_wise
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
@@ -63,6 +64,8 @@ class Built:
     was taken of)."""
     axis_size: int = 0
     """The tensor-parallel degree the problem was built for."""
+    fused: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The fused tables' optimizers (build_problem's `fused`)."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -113,6 +116,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         placed = value.kind in ("param", "buffer") and axis_size > 1
         options = candidate_placements(value.ref, axis_size, partial=False, uneven=value.kind == "param") \
             if placed else ["R"]
+        if value.kind == "param" and table_wise.offered(graph, value.name, fused, axis_size):
+            options.append(table_wise.TABLE_WISE)
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
@@ -120,10 +125,13 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             rows = sum(out.nbytes for out in lookups)
             count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
             optimizer = fused[value.name]
-            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group, optimizer, count,
-                                                      group) for p in options])
-            memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
-                optimizer, value.ref)) for p in options])
+            # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
+            # here, the ranks' real shares after the solve (plait.operators.table_wise)
+            costs.append([price.fused_table_sync_time(rows, "R" if p == table_wise.TABLE_WISE else p, axis_size, dp,
+                                                      cluster, dp_group, optimizer, count, group) for p in options])
+            memory.append([table_wise.table_bytes(value.ref, optimizer) / axis_size if p == table_wise.TABLE_WISE
+                           else price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
+                               optimizer, value.ref)) for p in options])
         elif value.kind == "param":
             costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
@@ -159,6 +167,9 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
+                if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
+                    matrix[a, b] = table_wise.edge_seconds(dst, grad, _out_bytes(nodes[consumer]), group, cluster)
+                    continue
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
                 matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
                     (0.0 if runs else price.UNRUNNABLE_S)
@@ -207,7 +218,11 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size)
+                 tuple(unsupported), gradient_sums, shares, axis_size, fused)
+
+
+def _out_bytes(node: _Node) -> float:
+    return float(node.call.outputs[0].nbytes) if node.call is not None else 0.0
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -278,7 +293,8 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
         node, index = _pinned_node(built, name, placement)
         if built.axis_size == 1:  # over one rank every placement is the whole tensor: any pin holds
             continue
-        keep = np.array([s.outputs[index] == placement for s in built.nodes[node].strategies])
+        wanted = table_wise.check_pin(name, placement, built.axis_size, built.fused)  # "T1": a "T" and its rank
+        keep = np.array([s.outputs[index] == wanted for s in built.nodes[node].strategies])
         if not keep.any():
             options = sorted({s.outputs[index] for s in built.nodes[node].strategies})
             raise PinRefused(f"pin {name!r} = {placement!r}: its shape cannot take that placement over "
@@ -293,8 +309,10 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
 def pinned_ref(graph: Graph, name: str, placement: str) -> TensorRef:
     """The tensor a pin names (a parameter, a buffer, a module's output); ConfigError in one line for a pin naming
     nothing or no placement."""
-    if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
-        raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
+    if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()) \
+            and not table_wise.is_table_wise(placement):
+        raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P, S<dim> (S0, S1, ...) or, for a fused "
+                          f"embedding table, T (table-wise) or T<rank>")
     ref = graph.params.get(name) or graph.buffers.get(name) or graph.module_outputs.get(name)
     if ref is None:
         known = list(graph.params)[:4] + list(graph.module_outputs)[:4]
@@ -459,8 +477,8 @@ def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict
     """`solve`, or DoesNotFit (a ConfigError) in one line when no placement fits the problem's memory limit (naming
     the limit, what the smallest placement needs, the pins, and a fused table optimizer where the module has
     embedding tables without one)."""
-    try:
-        solution = solve(built, solver, prove=prove)
+    try:  # table-wise tables bin-packed onto the ranks: the fullest must fit too
+        solution = table_wise.solve_packed(lambda b: solve(b, solver, prove=prove), built, built.fused, pins)
     except sharding.Infeasible as e:
         reason = str(e)
     else:
@@ -530,7 +548,11 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         dst, grad = strategy.inputs[k], price.gradient_placement(strategy.inputs, k)
-        seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)
+        if src == table_wise.TABLE_WISE:
+            fwd, bwd = table_wise.lookup_exchange(_out_bytes(built.nodes[consumer]), group, cluster), price.NONE
+            seconds = fwd.seconds
+        else:
+            seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)
         root = built.gradient_shares.get(ref.value)
         if root is not None and choice[built.gradient_sums[root]] == 1 and price.joins_gradient_sum(src, dst, grad):
             if root in summed:  # the value's one all-reduce is its first such reader's
@@ -553,15 +575,16 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm_s=float(sum(s for s, _ in per_call.get(node, []))),
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
-    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
-                            param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
-                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
-                            comm_bytes=total_bytes, comm_counts=counts,
-                            peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
-                            solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
-                            solver_status=solution.status, proven_gap=solution.gap,
-                            memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
-                            costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+    described = OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
+                                 param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
+                                 step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
+                                 comm_bytes=total_bytes, comm_counts=counts,
+                                 peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
+                                 solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
+                                 solver_status=solution.status, proven_gap=solution.gap,
+                                 memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
+                                 costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+    return table_wise.name_owners(described, *table_wise.packing(built, choice, built.fused, pins))
 
 
 def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:

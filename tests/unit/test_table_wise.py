@@ -1,0 +1,80 @@
+"""Table-wise placement of embedding tables (plait.operators.table_wise): the bin-packing, the search choosing it and
+packing equal tables one a rank where the budget holds one table a rank, its price, and pins that cannot hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.operators import table_wise
+from plait.operators.planner import auto_plan
+from plait.spec.clusters import CLUSTER_PRESETS
+
+TESTS = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _tables_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def _plan(tp: int, budget_mib: float | None, pins=None, optimizer: str | None = "rowwise_adagrad"):
+    return auto_plan("equal_tables:build", "equal_tables:batch", CLUSTER_PRESETS["h100-80g"], global_batch=8 * tp,
+                     tp=tp, table_optimizer=optimizer, memory_limit=budget_mib and budget_mib * MIB,
+                     pins=pins).operators
+
+
+def _tables(ops) -> list[str]:
+    return [p for name, p in ops.params.items() if name.startswith("tables.")]
+
+
+def test_packing_puts_the_largest_first_on_the_least_loaded_rank_and_keeps_pinned_owners():
+    owners, loads = table_wise.pack({"a": (8.0, 1.0), "b": (5.0, 1.0), "c": (4.0, 1.0), "d": (3.0, 1.0)}, 2)
+    assert owners == {"a": 0, "b": 1, "c": 1, "d": 0} and loads == [11.0, 9.0]
+    owners, loads = table_wise.pack({"a": (8.0, 1.0), "b": (5.0, 1.0)}, 2, pinned={"b": 0})
+    assert owners == {"b": 0, "a": 1} and loads == [5.0, 8.0]
+
+
+def test_the_search_places_equal_tables_one_a_rank_where_the_budget_holds_one_a_rank():
+    ops = _plan(4, 2.0)
+    assert sorted(_tables(ops)) == ["T0", "T1", "T2", "T3"]
+    assert ops.comm_counts.get("broadcast") == 4  # each lookup's rows from its owner
+    replicated = _plan(4, None)
+    assert _tables(replicated) == ["R"] * 4  # with the memory to spare no lookup pays a collective
+    # a rank holds one whole table (and its accumulators): the plan's peak is that rank's, a quarter of the four
+    from equal_tables import DIM, ROWS
+
+    table = ROWS * DIM * 4 + ROWS * 4  # float32 weights, one float32 accumulator a row
+    assert replicated.peak_memory_bytes - ops.peak_memory_bytes == pytest.approx(3 * table, rel=1e-6)
+
+
+def test_the_fullest_rank_must_fit_the_budget():
+    # two tables pinned on one rank: with a budget that rank cannot take a third, the others go elsewhere
+    ops = _plan(4, 2.6, pins={"tables.0.weight": "T1", "tables.1.weight": "T1"})
+    placements = _tables(ops)
+    assert placements[:2] == ["T1", "T1"] and "T1" not in placements[2:]
+    assert ops.peak_memory_bytes <= 2.6 * MIB
+
+
+@pytest.mark.parametrize("pins, optimizer, message", [
+    ({"tables.0.weight": "T"}, None, "fused table optimizer"),
+    ({"top.0.weight": "T0"}, "sgd", "fused table optimizer"),
+    ({"tables.0.weight": "T5"}, "sgd", "tp=4 has ranks 0-3"),
+])
+def test_a_table_wise_pin_that_cannot_hold_is_refused_in_one_line(pins, optimizer, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        _plan(4, None, pins, optimizer)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_table_no_rank_can_hold_whole_is_not_placed_table_wise_and_the_plan_fits(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
+    # the 100,003-row table (12.2 MiB with its accumulators) over a 10 MiB budget: split; the smaller ones packed
+    ops = auto_plan("dlrm_tables:build", "dlrm_tables:batch", CLUSTER_PRESETS["h100-80g"], global_batch=16, tp=2,
+                    table_optimizer="rowwise_adagrad", memory_limit=10 * MIB).operators
+    assert not table_wise.is_table_wise(ops.params["tables.0.weight"])
+    assert any(table_wise.is_table_wise(p) for p in ops.params.values())
+    assert ops.peak_memory_bytes <= 10 * MIB
