@@ -20,7 +20,9 @@ owner's rows alone (`gather_table_wise` brings the table to every rank where a w
 
 Over data-parallel ranks each rank's touched rows and their gradients are all-gathered (the row-wise exchange,
 kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
-table is left out of fully_shard. The accumulators are kept beside the table on each rank (not in a checkpoint).
+table is left out of fully_shard. The accumulators are kept beside the table on each rank, placed as its rows (split
+with a row split, whole otherwise), and saved in checkpoints (`state_dict`), so a resumed run, under any plan, goes on
+with them.
 """
 
 from __future__ import annotations
@@ -101,6 +103,32 @@ class FusedTables:
         module.forward = _table_wise_forward(module, self, owner, mesh)
         if mesh.get_local_rank() != owner:  # no copy here: not a parameter of this rank's module
             module.register_parameter("weight", None)
+
+    def accumulator(self, key: int, local: torch.Tensor) -> torch.Tensor:
+        """Row-wise Adagrad's accumulator of the table module `key` (id), one float a row of this rank's `local`
+        rows (float32 at least: 16-bit tables; float64 in a check), zeros until its first update."""
+        if key not in self.accumulators:
+            dtype = torch.promote_types(local.dtype, torch.float32)
+            self.accumulators[key] = torch.zeros(local.shape[0], dtype=dtype, device=local.device)
+        return self.accumulators[key]
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """{table weight name: row-wise Adagrad's accumulator} of the tables this rank holds, placed as their rows
+        (a DTensor split by rows where the table is; whole, as the same tensor on every rank holding it, otherwise):
+        a checkpoint saves and loads them in place, under any plan, as it does the weights."""
+        found = {}
+        for name in self.modules:
+            module = model.get_submodule(name)
+            weight = module.weight
+            if self.optimizers[id(module)] != "rowwise_adagrad" or weight is None:
+                continue
+            local = weight._local_tensor if isinstance(weight, DTensor) else weight.data
+            state = self.accumulator(id(module), local)
+            if isinstance(weight, DTensor) and weight.placements[0] == Shard(0):
+                state = DTensor.from_local(state, weight.device_mesh, [Shard(0)], run_check=False,
+                                           shape=(weight.shape[0],), stride=(1,))
+            found[f"{name}.weight" if name else "weight"] = state
+        return found
 
     def gather_table_wise(self, model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
         """Collective over each table's tensor-parallel ranks: {weight name: the whole table} of every table-wise
@@ -226,9 +254,7 @@ def _rowwise_adagrad(local: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor,
     if columns_group is not None:
         dist.all_reduce(squares, group=columns_group)
         width *= dist.get_world_size(columns_group)
-    if key not in tables.accumulators:
-        tables.accumulators[key] = torch.zeros(local.shape[0], dtype=summed.dtype)
-    accumulator = tables.accumulators[key]
+    accumulator = tables.accumulator(key, local)
     accumulator.index_add_(0, rows, squares / width)
     step = summed / (accumulator[rows].sqrt() + tables.eps)[:, None]
     local.index_add_(0, rows, step.to(local.dtype), alpha=-tables.lr)
