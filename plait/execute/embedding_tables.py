@@ -18,8 +18,8 @@ saves it, whole, and any plan reads it back); every rank makes the lookup's call
 meta, and the owner broadcasts the rows to the axis, where the ranks hold the same ids; the backward updates the
 owner's rows alone (`gather_table_wise` brings the table to every rank where a whole copy is needed).
 
-Over data-parallel ranks each rank's touched rows and their gradients are all-gathered (the row-wise exchange,
-kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
+Over data-parallel ranks each rank's distinct touched rows and their summed gradients are all-gathered (the row-wise
+exchange, kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
 table is left out of fully_shard. The accumulators are kept beside the table on each rank, placed as its rows (split
 with a row split, whole otherwise), and saved in checkpoints (`state_dict`), so a resumed run, under any plan, goes on
 with them.
@@ -173,15 +173,19 @@ class _TableWiseLookup(torch.autograd.Function):
         shape = (module.num_embeddings, module.embedding_dim)
         # every rank makes the lookup's call (the plan's calls are counted by name and shapes); only the owner's
         # reads a table
-        table = held if mine else torch.empty(shape, dtype=held.dtype, device="meta")
-        rows = F.embedding(ids if mine else ids.to("meta"), table, module.padding_idx, module.max_norm,
-                           module.norm_type, module.scale_grad_by_freq, module.sparse)
-        if not mine:
-            rows = torch.empty(rows.shape, dtype=held.dtype, device=ids.device)
+        meta = torch.empty(shape, dtype=held.dtype, device="meta")
+        F.embedding(ids.to("meta"), meta, module.padding_idx)  # the plan's call as capture numbered it (on meta)
+        # the distinct rows the ids read, broadcast once each; every rank holds the ids and expands them
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        if mine:
+            with torch._C.DisableTorchFunction():  # the owner's table is a plain tensor: no plan call of its own
+                rows = F.embedding(distinct, held, module.padding_idx, module.max_norm, module.norm_type)
+        else:
+            rows = torch.empty(len(distinct), shape[1], dtype=held.dtype, device=ids.device)
         dist.broadcast(rows, group=mesh.get_group(), group_src=owner)
         ctx.save_for_backward(ids)
         ctx.module, ctx.tables, ctx.mine, ctx.held = module, tables, mine, held
-        return DTensor.from_local(rows, mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(rows[inverse], mesh, [Replicate()], run_check=False)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -228,7 +232,7 @@ def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, ta
 def _apply_rows(weight: torch.Tensor, local: torch.Tensor, placement, ids: torch.Tensor, grad: torch.Tensor,
                 tables: FusedTables, module: nn.Module) -> None:
     if tables.dp_group is not None and dist.get_world_size(tables.dp_group) > 1:
-        ids, grad = _gather(ids, tables.dp_group), _gather(grad, tables.dp_group)
+        ids, grad = _exchange_rows(ids, grad, tables.dp_group)
         grad = grad / dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average
     if isinstance(placement, Shard) and placement.dim == 0:  # this rank holds rows [first, first + len)
         first = _first_row(weight)
@@ -280,6 +284,22 @@ def _first_row(weight: DTensor) -> int:
     rows = weight.shape[0]
     ranks = weight.device_mesh.size(0)
     return min(rows, weight.device_mesh.get_local_rank(0) * -(-rows // ranks))
+
+
+def _exchange_rows(ids: torch.Tensor, grad: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every data-parallel rank's touched rows and their gradients: each rank's distinct rows, a row's gradients
+    summed first (what the planner prices from the ids sample, plait.operators.id_sample), all-gathered, padded to
+    the most rows a rank touched (id -1, dropped after)."""
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    summed = grad.new_zeros(len(rows), grad.shape[1]).index_add_(0, inverse, grad)
+    most = torch.tensor([len(rows)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    pad = int(most.item()) - len(rows)
+    rows = torch.cat([rows, rows.new_full((pad,), -1)])
+    summed = torch.cat([summed, summed.new_zeros(pad, summed.shape[1])])
+    rows, summed = _gather(rows, group), _gather(summed, group)
+    kept = rows >= 0
+    return rows[kept], summed[kept]
 
 
 def _gather(t: torch.Tensor, group) -> torch.Tensor:

@@ -27,6 +27,7 @@ from plait.errors import ConfigError
 from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators import table_wise
+from plait.operators.id_sample import TableSample, rows_by_call, sample_ids
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
@@ -66,6 +67,8 @@ class Built:
     """The tensor-parallel degree the problem was built for."""
     fused: dict[str, str] = dataclasses.field(default_factory=dict)
     """The fused tables' optimizers (build_problem's `fused`)."""
+    read_rows: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Lookup call index -> the distinct rows it reads (the ids sample's)."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -73,11 +76,12 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
-                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset()
-                  ) -> Built:
+                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset(),
+                  sample: TableSample | None = None) -> Built:
     """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
-    (plait.execute.embedding_tables).
+    (plait.execute.embedding_tables); the rows their lookups move counted from `sample` where given (the distinct
+    rows a micro-batch reads, plait.operators.id_sample), else one a id.
 
     A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
     strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
@@ -86,7 +90,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
-            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused, sample)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
     fused = fused if isinstance(fused, dict) else dict.fromkeys(fused, "sgd")
     nodes: list[_Node] = []
@@ -122,8 +126,9 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
             lookups = [out for call in graph.calls if value.ref in call.inputs for out in call.outputs]
-            rows = sum(out.nbytes for out in lookups)
             count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
+            count = sample.touched.get(value.name, count) if sample is not None else count
+            rows = count * value.ref.nbytes / max(1, value.ref.shape[0])  # the distinct rows exchanged over dp
             optimizer = fused[value.name]
             # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
             # here, the ranks' real shares after the solve (plait.operators.table_wise)
@@ -156,6 +161,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
+    read_rows = rows_by_call(sample, graph)
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -168,7 +174,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
-                    matrix[a, b] = table_wise.edge_seconds(dst, grad, _out_bytes(nodes[consumer]), group, cluster)
+                    matrix[a, b] = table_wise.edge_seconds(dst, grad, _rows_bytes(nodes[consumer], read_rows), group,
+                                                           cluster)
                     continue
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
                 matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
@@ -218,11 +225,17 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size, fused)
+                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows)
 
 
-def _out_bytes(node: _Node) -> float:
-    return float(node.call.outputs[0].nbytes) if node.call is not None else 0.0
+def _rows_bytes(node: _Node, read_rows: dict[int, float]) -> float:
+    """Bytes of the rows a table-wise lookup broadcasts: its distinct ids' (the sample's), or one row an id."""
+    if node.call is None:
+        return 0.0
+    out = node.call.outputs[0]
+    if node.call.index in read_rows:
+        return read_rows[node.call.index] * out.shape[-1] * out.dtype.itemsize
+    return float(out.nbytes)
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -426,14 +439,32 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
+    sample = _ids_sample(model, batch, batch_source, fused, graphs)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, sample=sample)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
+                               table_sample=sample.describe() if sample is not None else "",
                                tensor_plan_step_time_s=candidate)
+
+
+def _ids_sample(model: nn.Module, batch, batch_source: str, fused: dict[str, str], graphs: dict | None
+                ) -> TableSample | None:
+    """The fused tables' ids sample at this micro-batch (plait.operators.id_sample), kept in `graphs` by size."""
+    from plait.operators import batch as batches
+
+    if not fused:
+        return None
+    key = ("ids sample", batch_source, batches.rows(batch))
+    if graphs is not None and key in graphs:
+        return graphs[key]
+    sample = sample_ids(model, batch_source, batches.rows(batch), fused)
+    if graphs is not None:
+        graphs[key] = sample
+    return sample
 
 
 def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
@@ -549,7 +580,8 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         dst, grad = strategy.inputs[k], price.gradient_placement(strategy.inputs, k)
         if src == table_wise.TABLE_WISE:
-            fwd, bwd = table_wise.lookup_exchange(_out_bytes(built.nodes[consumer]), group, cluster), price.NONE
+            fwd = table_wise.lookup_exchange(_rows_bytes(built.nodes[consumer], built.read_rows), group, cluster)
+            bwd = price.NONE
             seconds = fwd.seconds
         else:
             seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)

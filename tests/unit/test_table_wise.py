@@ -78,3 +78,39 @@ def test_a_table_no_rank_can_hold_whole_is_not_placed_table_wise_and_the_plan_fi
     assert not table_wise.is_table_wise(ops.params["tables.0.weight"])
     assert any(table_wise.is_table_wise(p) for p in ops.params.values())
     assert ops.peak_memory_bytes <= 10 * MIB
+
+
+def test_the_ids_sample_counts_the_distinct_rows_a_micro_batch_touches_and_their_skew(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
+    from plait.models.factory import build_factory_module
+    from plait.operators.id_sample import sample_ids
+
+    model = build_factory_module("dlrm_tables:build", "meta")
+    sample = sample_ids(model, "dlrm_tables:batch", 8, {f"tables.{t}.weight" for t in range(5)})
+    assert sample.ids == {f"tables.{t}.weight": 32 for t in range(5)}  # 8 samples x 4 ids, one lookup a table
+    assert all(sample.touched[n] <= 32 for n in sample.ids)
+    # the 97-row table under the factory's Zipf-like skew: far fewer distinct rows than ids, a hot row
+    assert sample.touched["tables.4.weight"] < 28 and sample.hottest["tables.4.weight"] > 0.1
+    assert sample.touched["tables.4.weight"] < sample.touched["tables.0.weight"]
+    assert "4 sample batches of dlrm_tables:batch" in sample.describe()
+
+
+def test_a_table_wise_lookup_is_priced_and_run_by_the_distinct_rows_it_reads(monkeypatch):
+    import torch
+
+    from plait.execute.operators import make_batch, step_collectives
+
+    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
+    from dlrm_tables import DIM
+
+    pins = {**{f"tables.{t}.weight": "R" for t in range(4)}, "tables.4.weight": "T"}
+    plan = auto_plan("dlrm_tables:build", "dlrm_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, tp=2,
+                     table_optimizer="sgd", pins=pins)
+    ops = plan.operators
+    assert ops.comm_counts == {"broadcast": 1} and "dlrm_tables:batch" in ops.table_sample
+    row = DIM * 4
+    assert ops.comm_bytes < 32 * row  # fewer than one row an id: the sample's distinct rows
+    issued, counts, _ = step_collectives(plan)
+    ids = make_batch("dlrm_tables:batch", 8, 0, 0, torch.float32)[1][:, 4]
+    assert counts == {"broadcast": 1} and issued == len(torch.unique(ids)) * row
+    assert abs(ops.comm_bytes - issued) <= 0.25 * issued  # the sample's mean against this batch's
