@@ -1,5 +1,5 @@
-"""A recommender of four embedding tables of one size (row counts no degree divides), each feature's ids summed,
-and a small top MLP: with a budget every rank fits one table of, not all four, the per-operator search places them
+"""A recommender of four embedding tables of one size (row counts no degree divides), nn.EmbeddingBag summing each
+feature's ids (plait.models.embedding_bags runs them as a lookup and a pooling), and a small top MLP: with a budget every rank fits one table of, not all four, the per-operator search places them
 table-wise, one a rank (tests of table-wise placement, plait.operators.table_wise)."""
 
 import torch
@@ -12,11 +12,11 @@ TABLES, ROWS, DIM, IDS = 4, 4_001, 64, 3
 class EqualTables(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(nn.Embedding(ROWS, DIM) for _ in range(TABLES))
+        self.tables = nn.ModuleList(nn.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(TABLES))
         self.top = nn.Sequential(nn.Linear(TABLES * DIM, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, ids: torch.Tensor, clicks: torch.Tensor) -> torch.Tensor:
-        pooled = [torch.tanh(table(ids[:, t]).sum(dim=1)) for t, table in enumerate(self.tables)]
+        pooled = [torch.tanh(table(ids[:, t])) for t, table in enumerate(self.tables)]
         return F.binary_cross_entropy_with_logits(self.top(torch.cat(pooled, dim=1)).squeeze(1), clicks)
 
 

@@ -88,19 +88,21 @@ class FusedTables:
             if not isinstance(module, nn.Embedding) or fused[weight] not in OPTIMIZERS:
                 raise ValueError(f"fused table {weight!r}: only nn.Embedding with {', '.join(OPTIMIZERS)} runs fused "
                                  f"(got {type(module).__name__}, {fused[weight]!r})")
+            # a pooled bag (plait.models.embedding_bags) keeps its pooling: its lookup is what runs fused
+            slot = "lookup" if hasattr(module, "lookup") else "forward"
             if weight in table_wise:
-                self._place_table_wise(name, module, table_wise[weight], mesh)
+                self._place_table_wise(name, module, table_wise[weight], mesh, slot)
             else:
-                module.forward = _fused_forward(module, self)
+                setattr(module, slot, _fused_forward(module, self))
             self.modules.append(name)
             self.optimizers[id(module)] = fused[weight]
 
     def parameters(self, model: nn.Module) -> set[nn.Parameter]:
         return {w for name in self.modules if (w := model.get_submodule(name).weight) is not None}
 
-    def _place_table_wise(self, name: str, module: nn.Embedding, owner: int, mesh) -> None:
+    def _place_table_wise(self, name: str, module: nn.Embedding, owner: int, mesh, slot: str = "forward") -> None:
         self.table_wise[name] = (owner, mesh)
-        module.forward = _table_wise_forward(module, self, owner, mesh)
+        setattr(module, slot, _table_wise_forward(module, self, owner, mesh))
         if mesh.get_local_rank() != owner:  # no copy here: not a parameter of this rank's module
             module.register_parameter("weight", None)
 

@@ -114,3 +114,32 @@ def test_a_table_wise_lookup_is_priced_and_run_by_the_distinct_rows_it_reads(mon
     ids = make_batch("dlrm_tables:batch", 8, 0, 0, torch.float32)[1][:, 4]
     assert counts == {"broadcast": 1} and issued == len(torch.unique(ids)) * row
     assert abs(ops.comm_bytes - issued) <= 0.25 * issued  # the sample's mean against this batch's
+
+
+def test_an_embedding_bag_runs_as_a_lookup_and_a_pooling_and_plans_split():
+    import torch
+    from torch import nn
+
+    from plait.models.embedding_bags import PooledEmbedding, pool_embedding_bags
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.sum, holder.mean = nn.EmbeddingBag(50, 8, mode="sum"), nn.EmbeddingBag(50, 8, mode="mean")
+    holder.kept = nn.EmbeddingBag(50, 8, mode="max")  # no lookup-and-pooling form: left as it is
+    ids, weights = torch.randint(0, 50, (6, 4)), torch.rand(6, 4)
+    expected = [holder.sum(ids, per_sample_weights=weights), holder.mean(ids)]
+    weight = holder.sum.weight
+    pool_embedding_bags(holder)
+    assert isinstance(holder.sum, PooledEmbedding) and holder.sum.weight is weight
+    assert type(holder.kept) is nn.EmbeddingBag
+    torch.testing.assert_close(holder.sum(ids, per_sample_weights=weights), expected[0])
+    torch.testing.assert_close(holder.mean(ids), expected[1])
+    # bags' tables (tests/equal_tables.py) planned split by rows, by columns and table-wise; the plan dry-runs
+    from plait.execute.module_dryrun import runnable
+
+    pins = {"tables.0.weight": "S0", "tables.1.weight": "T", "tables.2.weight": "T", "tables.3.weight": "S1"}
+    plan = auto_plan("equal_tables:build", "equal_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, tp=2,
+                     table_optimizer="sgd", pins=pins)
+    assert "embedding_bag" not in " ".join(plan.operators.replicated_ops)
+    written, failed = runnable([plan])
+    assert written and not failed, failed
