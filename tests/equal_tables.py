@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 TABLES, ROWS, DIM, IDS = 4, 4_001, 64, 3
+LARGE_ROWS = 40_001
 
 
 class EqualTables(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, rows: int = ROWS) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(TABLES))
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, DIM, mode="sum") for _ in range(TABLES))
         self.top = nn.Sequential(nn.Linear(TABLES * DIM, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, ids: torch.Tensor, clicks: torch.Tensor) -> torch.Tensor:
@@ -22,6 +23,11 @@ class EqualTables(nn.Module):
 
 def build() -> nn.Module:
     return EqualTables()
+
+
+def build_large() -> nn.Module:
+    """Tables of LARGE_ROWS (10 MiB each): gathering one whole costs more than broadcasting its looked-up rows."""
+    return EqualTables(LARGE_ROWS)
 
 
 def batch(batch_size: int, generator: torch.Generator):

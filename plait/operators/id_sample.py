@@ -131,3 +131,19 @@ def rows_by_call(sample: TableSample | None, graph) -> dict[int, float]:
         if k < len(sample.distinct[name]):
             found[call.index] = sample.distinct[name][k]
     return found
+
+
+def cached_sample(model: nn.Module, batch, batch_source: str, fused: dict[str, str], graphs: dict | None
+                ) -> TableSample | None:
+    """`sample_ids` of the fused tables at the micro-batch `batch`'s size, kept in `graphs` (a search's) by size."""
+    from plait.operators import batch as batches
+
+    if not fused:
+        return None
+    key = ("ids sample", batch_source, batches.rows(batch))
+    if graphs is not None and key in graphs:
+        return graphs[key]
+    sample = sample_ids(model, batch_source, batches.rows(batch), fused)
+    if graphs is not None:
+        graphs[key] = sample
+    return sample

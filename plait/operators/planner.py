@@ -27,7 +27,7 @@ from plait.errors import ConfigError
 from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators import table_wise
-from plait.operators.id_sample import TableSample, rows_by_call, sample_ids
+from plait.operators.id_sample import TableSample, cached_sample, rows_by_call
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
@@ -175,7 +175,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
-                    matrix[a, b] = table_wise.edge_seconds(dst, grad, _rows_bytes(nodes[consumer], read_rows), group,
+                    matrix[a, b] = table_wise.edge_seconds(dst, grad, table_wise.rows_bytes(nodes[consumer], read_rows), group,
                                                            cluster)
                     continue
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts) and not (
@@ -231,16 +231,6 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                  tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows)
 
 
-def _rows_bytes(node: _Node, read_rows: dict[int, float]) -> float:
-    """Bytes of the rows a table-wise lookup broadcasts: its distinct ids' (the sample's), or one row an id."""
-    if node.call is None:
-        return 0.0
-    out = node.call.outputs[0]
-    if node.call.index in read_rows:
-        return read_rows[node.call.index] * out.shape[-1] * out.dtype.itemsize
-    return float(out.nbytes)
-
-
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
     """(view, reader, argument index) for each reading of `value` whose Partial gradient may join its sum: the calls
     that read it, and through a view (one tensor in, one out: F.linear's flattening of its input) read by one call,
@@ -275,9 +265,13 @@ def needs_gradient(graph: Graph) -> set[int]:
 def _enforced_reads(graph: Graph) -> dict[int, int]:
     """Value id -> the call whose read of it the executor enforces: a module's output, a module's first argument,
     a parameter or a buffer is redistributed by a hook to the placement its first consumer reads it in
-    (plait.execute.operators; describe() writes those placements), so a redistribution planned there happens there."""
+    (plait.execute.operators; describe() writes those placements), so a redistribution planned there happens there.
+    So is a lookup's output (a pooled bag's rows, read by its pooling inside the module): the executor redistributes
+    each torch-level call's arguments as planned (PlannedReads), and a row-split lookup's pending sum must be made
+    whole there (see build_problem)."""
     boundary = {ref.value for ref in (*graph.module_outputs.values(), *graph.module_inputs.values(),
                                       *graph.params.values(), *graph.buffers.values())}
+    boundary |= {out.value for call in graph.calls if call.op.__name__ in table_wise.LOOKUP_OPS for out in call.outputs}
     first: dict[int, int] = {}
     for call in graph.calls:
         for ref in call.inputs:
@@ -355,6 +349,8 @@ def repeated_blocks(built: Built) -> list[list[int]]:
     same shapes, and the same parameters (plait.search.sharding.tie)."""
     copies: dict[tuple, list[list[int]]] = {}
     for prefix, members in block_nodes(built).items():
+        if any(name.startswith(prefix + ".") for name in built.fused):  # tables are placed and packed one by one
+            continue
         container = prefix.rsplit(".", 1)[0]
         copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
     classes = []
@@ -404,6 +400,9 @@ def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse
           prove: bool = True) -> sharding.Solution:
     """`prove`: a tied solve's gap against the untied bound (sharding.solve_program)."""
     classes = repeated_blocks(built) if reuse_blocks else None
+    if classes:  # copies that pins set apart (no placement all of them allow) choose apart
+        allowed = built.problem.allowed
+        classes = [c for c in classes if np.logical_and.reduce([allowed[i] for i in c]).any()]
     if solver == "propagation":
         return sharding.solve_propagation(built.problem, classes=classes)
     return sharding.solve_program(built.problem, time_limit, classes, prove)
@@ -442,7 +441,7 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
-    sample = _ids_sample(model, batch, batch_source, fused, graphs)
+    sample = cached_sample(model, batch, batch_source, fused, graphs)
     built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, sample=sample)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
@@ -452,22 +451,6 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
                                table_sample=sample.describe() if sample is not None else "",
                                tensor_plan_step_time_s=candidate)
-
-
-def _ids_sample(model: nn.Module, batch, batch_source: str, fused: dict[str, str], graphs: dict | None
-                ) -> TableSample | None:
-    """The fused tables' ids sample at this micro-batch (plait.operators.id_sample), kept in `graphs` by size."""
-    from plait.operators import batch as batches
-
-    if not fused:
-        return None
-    key = ("ids sample", batch_source, batches.rows(batch))
-    if graphs is not None and key in graphs:
-        return graphs[key]
-    sample = sample_ids(model, batch_source, batches.rows(batch), fused)
-    if graphs is not None:
-        graphs[key] = sample
-    return sample
 
 
 def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
@@ -583,7 +566,8 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         dst, grad = strategy.inputs[k], price.gradient_placement(strategy.inputs, k)
         if src == table_wise.TABLE_WISE:
-            fwd = table_wise.lookup_exchange(_rows_bytes(built.nodes[consumer], built.read_rows), group, cluster)
+            fwd = table_wise.lookup_exchange(table_wise.rows_bytes(built.nodes[consumer], built.read_rows), group,
+                                             cluster)
             bwd = price.NONE
             seconds = fwd.seconds
         else:

@@ -89,6 +89,16 @@ def edge_seconds(dst: str, grad: str, out_bytes: float, group: comm.Group, clust
     return lookup_exchange(out_bytes, group, cluster).seconds
 
 
+def rows_bytes(node, read_rows: dict[int, float]) -> float:
+    """Bytes of the rows a table-wise lookup broadcasts: its distinct ids' (the sample's), or one row an id."""
+    if node.call is None:
+        return 0.0
+    out = node.call.outputs[0]
+    if node.call.index in read_rows:
+        return read_rows[node.call.index] * out.shape[-1] * out.dtype.itemsize
+    return float(out.nbytes)
+
+
 def table_bytes(ref, optimizer: str) -> float:
     """Bytes the owner of a table-wise table holds: the weights (and row-wise Adagrad's accumulators)."""
     return price.parameter_bytes(ref, "R", 1, 1, price.fused_table_copies(optimizer, ref))
@@ -136,49 +146,60 @@ def packing(built, choice, fused: dict[str, str], pins: dict[str, str]) -> tuple
 
 
 def solve_packed(solve, built, fused: dict[str, str], pins: dict[str, str]):
-    """`solve(built)`, and where the bin-packing's fullest rank would not fit the limit, solved again with the
-    imbalance taken off it (up to RESOLVES times), then without table-wise placements (pinned ones excepted)."""
+    """`solve(built)` where its table-wise tables, bin-packed, fit the limit on the fullest rank (the program spreads
+    them evenly, a relaxation: what fits is optimal); else the cheapest of the program solved again with the
+    imbalance taken off the limit (up to RESOLVES times) and solved without table-wise placements (pinned ones
+    excepted), among those that fit."""
     from plait.search import sharding
 
     built = dataclasses.replace(built, problem=dataclasses.replace(built.problem, allowed=_whole_fits(built)))
     problem = built.problem
 
+    def imbalance(solution) -> float:
+        return packing(built, solution.choice, fused, pins)[1]
+
     def fits(solution) -> bool:
-        owners, extra = packing(built, solution.choice, fused, pins)
-        return not owners or sharding.total_memory(problem, solution.choice) + extra <= problem.memory_limit
+        return sharding.total_memory(problem, solution.choice) + imbalance(solution) <= problem.memory_limit
 
     def solved(**change):
-        return solve(dataclasses.replace(built, problem=dataclasses.replace(problem, **change)))
+        try:
+            return solve(dataclasses.replace(built, problem=dataclasses.replace(problem, **change)))
+        except sharding.Infeasible:
+            return None
 
     solution = solve(built)
+    if fits(solution):
+        return solution
+    found = []
     for _ in range(RESOLVES):
-        if fits(solution):
-            return solution
-        tighter = problem.memory_limit - packing(built, solution.choice, fused, pins)[1]
-        try:
-            solution = solved(memory_limit=tighter) if tighter > 0 else None
-        except sharding.Infeasible:
-            solution = None
+        tighter = problem.memory_limit - imbalance(solution)
+        solution = solved(memory_limit=tighter) if tighter > 0 else None
         if solution is None:
             break
-    if solution is not None and fits(solution):
-        return solution
-    return solved(allowed=[a & np.array([s.outputs[:1] != (TABLE_WISE,) for s in node.strategies])
-                           if node.name not in pins else a for a, node in zip(problem.allowed, built.nodes)])
+        if fits(solution):
+            found.append(solution)
+            break
+    whole = solved(allowed=[a & np.array([s.outputs[:1] != (TABLE_WISE,) for s in node.strategies])
+                            if node.name not in pins else a for a, node in zip(problem.allowed, built.nodes)])
+    found += [whole] if whole is not None and fits(whole) else []
+    if not found:
+        raise sharding.Infeasible("no placement fits the memory limit once its table-wise tables are packed onto "
+                                  "their ranks")
+    return min(found, key=lambda s: s.cost)
 
 
 def _whole_fits(built) -> list[np.ndarray]:
     """The program's allowed strategies less table-wise placements of tables whose owner could not hold them beside
-    the least the rest of the plan needs."""
+    the least the rest of the plan needs (the other tables may live elsewhere: counted as nothing)."""
     problem = built.problem
     allowed = [a.copy() for a in problem.allowed]
-    least = [float(m[a].min()) if a.any() else 0.0 for m, a in zip(problem.node_memory, allowed)]
-    for name, ref in built.graph.params.items():
-        node = built.value_node[ref.value]
+    tables = {built.value_node[ref.value]: (name, ref) for name, ref in built.graph.params.items() if name in built.fused}
+    rest = sum(float(m[a].min()) for node, (m, a) in enumerate(zip(problem.node_memory, allowed))
+               if a.any() and node not in tables)
+    for node, (name, ref) in tables.items():
         wise = np.array([s.outputs[:1] == (TABLE_WISE,) for s in built.nodes[node].strategies])
-        if wise.any() and name in built.fused and \
-                sum(least) - least[node] + table_bytes(ref, built.fused[name]) > problem.memory_limit:
-            allowed[node] &= ~wise if (allowed[node] & ~wise).any() else allowed[node]
+        if wise.any() and rest + table_bytes(ref, built.fused[name]) > problem.memory_limit and (allowed[node] & ~wise).any():
+            allowed[node] &= ~wise
     return allowed
 
 
