@@ -195,16 +195,17 @@ def shard_bytes(ref: "TensorRef", placement: str, axis_size: int) -> float:
 
 def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
                           dp_group: comm.Group, optimizer: str = "sgd", lookups: int = 0,
-                          tp_group: comm.Group | None = None) -> float:
+                          tp_group: comm.Group | None = None, tables: int = 1) -> float:
     """Cost of a fused table's update per step: over dp, the all-gather of each rank's distinct looked-up rows and
     their summed gradients (`rows_bytes`; a column split gathers its columns only), padded to the most rows a rank
-    touched, which an all-reduce of one number finds first; under row-wise
-    Adagrad split by columns, the all-reduce over tp of each looked-up row's sum of squares (`lookups` rows, all
-    dp ranks' once gathered), which the row's accumulator needs whole."""
+    touched, which one all-reduce of a number a table finds first for all the step's `tables` (a share of it each);
+    under row-wise Adagrad split by columns, the all-reduce over tp of each looked-up row's sum of squares (`lookups`
+    rows, all dp ranks' once gathered), which the row's accumulator needs whole."""
     seconds = 0.0
     if dp > 1:
         local = rows_bytes / (axis_size if placement == "S1" else 1)
-        seconds += comm.all_reduce(8.0, dp_group, cluster) + comm.all_gather(local * dp, dp_group, cluster)
+        seconds += comm.all_reduce(8.0 * tables, dp_group, cluster) / tables + \
+            comm.all_gather(local * dp, dp_group, cluster)
     if optimizer == "rowwise_adagrad" and placement == "S1" and tp_group is not None and axis_size > 1:
         seconds += comm.all_reduce(4.0 * lookups * max(dp, 1), tp_group, cluster)
     return seconds

@@ -72,9 +72,16 @@ class FusedTables:
         backward: scale_grads)."""
         pending, self.pending = self.pending, None
         order = list(self.optimizers)
-        for key in sorted(pending or {}, key=order.index):
-            weight, module, local, placement, ids, grads = pending[key]
-            _apply_rows(weight, local, placement, torch.cat(ids), torch.cat(grads) * scale, self, module)
+        keys = sorted(pending or {}, key=order.index)
+        rows = [_distinct(torch.cat(pending[k][4]), torch.cat(pending[k][5]) * scale) for k in keys]
+        # the most rows any data-parallel rank touched, of every table at once: one small all-reduce a step
+        most = _most_rows([len(r) for r, _ in rows], self.dp_group) if self._exchanges() and keys else None
+        for i, key in enumerate(keys):
+            weight, module, local, placement = pending[key][:4]
+            _apply_rows(weight, local, placement, *rows[i], self, module, None if most is None else most[i])
+
+    def _exchanges(self) -> bool:
+        return self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
 
     def apply(self, model: nn.Module, fused: dict[str, str], table_wise: dict[str, int] | None = None,
               mesh=None) -> None:
@@ -232,9 +239,10 @@ def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, ta
 
 
 def _apply_rows(weight: torch.Tensor, local: torch.Tensor, placement, ids: torch.Tensor, grad: torch.Tensor,
-                tables: FusedTables, module: nn.Module) -> None:
-    if tables.dp_group is not None and dist.get_world_size(tables.dp_group) > 1:
-        ids, grad = _exchange_rows(ids, grad, tables.dp_group)
+                tables: FusedTables, module: nn.Module, most: int | None = None) -> None:
+    """`most`: the most distinct rows a data-parallel rank holds for this table (found here when not given)."""
+    if tables._exchanges():
+        ids, grad = _exchange_rows(ids, grad, tables.dp_group, most)
         grad = grad / dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average
     if isinstance(placement, Shard) and placement.dim == 0:  # this rank holds rows [first, first + len)
         first = _first_row(weight)
@@ -288,15 +296,26 @@ def _first_row(weight: DTensor) -> int:
     return min(rows, weight.device_mesh.get_local_rank(0) * -(-rows // ranks))
 
 
-def _exchange_rows(ids: torch.Tensor, grad: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _distinct(ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct ids, each one's gradients summed)."""
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    return rows, grad.new_zeros(len(rows), grad.shape[1]).index_add_(0, inverse, grad)
+
+
+def _most_rows(counts: list[int], group) -> list[int]:
+    most = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return most.tolist()
+
+
+def _exchange_rows(ids: torch.Tensor, grad: torch.Tensor, group, most: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every data-parallel rank's touched rows and their gradients: each rank's distinct rows, a row's gradients
     summed first (what the planner prices from the ids sample, plait.operators.id_sample), all-gathered, padded to
-    the most rows a rank touched (id -1, dropped after)."""
-    rows, inverse = torch.unique(ids, return_inverse=True)
-    summed = grad.new_zeros(len(rows), grad.shape[1]).index_add_(0, inverse, grad)
-    most = torch.tensor([len(rows)])
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    pad = int(most.item()) - len(rows)
+    `most`, the most rows a rank touched (found by an all-reduce where not given; id -1, dropped after)."""
+    rows, summed = _distinct(ids, grad)
+    most = _most_rows([len(rows)], group)[0] if most is None else most
+    pad = most - len(rows)
     rows = torch.cat([rows, rows.new_full((pad,), -1)])
     summed = torch.cat([summed, summed.new_zeros(pad, summed.shape[1])])
     rows, summed = _gather(rows, group), _gather(summed, group)

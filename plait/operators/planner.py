@@ -133,7 +133,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
             # here, the ranks' real shares after the solve (plait.operators.table_wise)
             costs.append([price.fused_table_sync_time(rows, "R" if p == table_wise.TABLE_WISE else p, axis_size, dp,
-                                                      cluster, dp_group, optimizer, count, group) for p in options])
+                                                      cluster, dp_group, optimizer, count, group,
+                                                      sum(n in fused for n in graph.params)) for p in options])
             memory.append([table_wise.table_bytes(value.ref, optimizer) / axis_size if p == table_wise.TABLE_WISE
                            else price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
                                optimizer, value.ref)) for p in options])
