@@ -86,10 +86,14 @@ def sample_ids(model: nn.Module, batch_source: str, rows: int, tables: set[str] 
         try:
             with torch.no_grad(), recorder:
                 batch_tools.call(model, batch)
-        except Exception:  # noqa: BLE001 - a forward that cannot run half on meta: what was recorded stands
+        except Exception:  # noqa: BLE001, S110 - a forward that cannot run half on meta: what was recorded stands
             pass
         per_batch.append(recorder.calls)
     return _summarise(per_batch, batch_source, rows) if any(per_batch) else None
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)
 
 
 def _summarise(per_batch: list[list[tuple[str, torch.Tensor]]], source: str, rows: int) -> TableSample:
@@ -108,11 +112,10 @@ def _summarise(per_batch: list[list[tuple[str, torch.Tensor]]], source: str, row
             touched.setdefault(name, []).append(len(counts))
             ids.setdefault(name, []).append(len(every))
             hottest.setdefault(name, []).append(counts.max().item() / max(1, len(every)))
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return TableSample(source=source, batches=len(per_batch), rows=rows,
-                       distinct={n: tuple(mean(col) for col in zip(*calls)) for n, calls in distinct.items()},
-                       touched={n: mean(v) for n, v in touched.items()}, ids={n: mean(v) for n, v in ids.items()},
-                       hottest={n: mean(v) for n, v in hottest.items()})
+                       distinct={n: tuple(_mean(col) for col in zip(*calls)) for n, calls in distinct.items()},
+                       touched={n: _mean(v) for n, v in touched.items()}, ids={n: _mean(v) for n, v in ids.items()},
+                       hottest={n: _mean(v) for n, v in hottest.items()})
 
 
 def rows_by_call(sample: TableSample | None, graph) -> dict[int, float]:

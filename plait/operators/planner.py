@@ -24,10 +24,10 @@ from torch import nn
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
-from plait.operators.capture import Graph, TensorRef, capture, check_loss
-from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators import table_wise
+from plait.operators.capture import Graph, TensorRef, capture, check_loss
 from plait.operators.id_sample import TableSample, cached_sample, rows_by_call
+from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
 from plait.spec.cluster import ClusterSpec
@@ -81,7 +81,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
     (plait.execute.embedding_tables); the rows their lookups move counted from `sample` where given (the distinct
-    rows a micro-batch reads, plait.operators.id_sample), else one a id.
+    rows a micro-batch reads, plait.operators.id_sample), else one row an id.
 
     A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
     strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
@@ -176,8 +176,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
-                    matrix[a, b] = table_wise.edge_seconds(dst, grad, table_wise.rows_bytes(nodes[consumer], read_rows), group,
-                                                           cluster)
+                    rows = table_wise.rows_bytes(nodes[consumer], read_rows)
+                    matrix[a, b] = table_wise.edge_seconds(dst, grad, rows, group, cluster)
                     continue
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts) and not (
                     src == dst == "P" and lookup)  # a row-split lookup's MaskPartial dies in the next op that

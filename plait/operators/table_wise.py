@@ -135,7 +135,7 @@ def packing(built, choice, fused: dict[str, str], pins: dict[str, str]) -> tuple
     if not nodes:
         return {}, 0.0
     tables = {}
-    for name, node in nodes.items():
+    for name in nodes:
         lookups = [c for c in built.graph.calls if built.graph.params[name] in c.inputs]
         seconds = sum(float(built.problem.node_cost[built.call_node[c.index]][choice[built.call_node[c.index]]])
                       for c in lookups)
