@@ -19,8 +19,10 @@ meta, and the owner broadcasts the rows to the axis, where the ranks hold the sa
 owner's rows alone (`gather_table_wise` brings the table to every rank where a whole copy is needed).
 
 Over data-parallel ranks each rank's distinct touched rows and their summed gradients are all-gathered (the row-wise
-exchange, kilobytes), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same update; the
-table is left out of fully_shard. The accumulators are kept beside the table on each rank, placed as its rows (split
+exchange, kilobytes), padded to the most distinct rows a rank touched (one all-reduce of the counts a step, for the
+tables the plan names in `distinct_exchange`, where ids repeat enough to pay for it) or to every id's row (the same
+count on every rank), each scaled by 1 / dp (each rank's loss is its share's mean), so every rank applies the same
+update; the table is left out of fully_shard. The accumulators are kept beside the table on each rank, placed as its rows (split
 with a row split, whole otherwise), and saved in checkpoints (`state_dict`), so a resumed run, under any plan, goes on
 with them.
 """
@@ -48,6 +50,8 @@ class FusedTables:
         self.dp_group = dp_group
         self.eps = eps
         self.modules: list[str] = []
+        self.distinct: set[int] = set()
+        """id(table module) of the tables whose data-parallel exchange sends distinct rows."""
         self.table_wise: dict[str, tuple[int, object]] = {}
         """Table module name -> (its owner's rank on the tensor-parallel axis, that axis's mesh), for tables placed
         table-wise."""
@@ -73,20 +77,26 @@ class FusedTables:
         pending, self.pending = self.pending, None
         order = list(self.optimizers)
         keys = sorted(pending or {}, key=order.index)
-        rows = [_distinct(torch.cat(pending[k][4]), torch.cat(pending[k][5]) * scale) for k in keys]
-        # the most rows any data-parallel rank touched, of every table at once: one small all-reduce a step
-        most = _most_rows([len(r) for r, _ in rows], self.dp_group) if self._exchanges() and keys else None
+        ids = [torch.cat(pending[k][4]) for k in keys]
+        rows = [_distinct(i, torch.cat(pending[k][5]) * scale) for i, k in zip(ids, keys)]
+        slots = [len(i) for i in ids]  # every id's row: the same count on every data-parallel rank
+        counted = [i for i, k in enumerate(keys) if k in self.distinct]
+        if self._exchanges() and counted:  # the most distinct rows a rank touched, every such table at once
+            for i, most in zip(counted, _most_rows([len(rows[i][0]) for i in counted], self.dp_group)):
+                slots[i] = most
         for i, key in enumerate(keys):
             weight, module, local, placement = pending[key][:4]
-            _apply_rows(weight, local, placement, *rows[i], self, module, None if most is None else most[i])
+            _apply_rows(weight, local, placement, *rows[i], self, module, slots[i])
 
     def _exchanges(self) -> bool:
         return self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
 
     def apply(self, model: nn.Module, fused: dict[str, str], table_wise: dict[str, int] | None = None,
-              mesh=None) -> None:
+              mesh=None, distinct: tuple[str, ...] = ()) -> None:
         """Route every nn.Embedding whose weight `fused` names through the fused lookup; those `table_wise` names
-        (weight -> owner rank on the tensor-parallel `mesh`) through the table-wise one, kept on their owner."""
+        (weight -> owner rank on the tensor-parallel `mesh`) through the table-wise one, kept on their owner.
+        `distinct`: the tables whose data-parallel exchange sends distinct rows (OperatorSharding.distinct_exchange);
+        the others send every id's row."""
         table_wise = table_wise or {}
         for name, module in list(model.named_modules()):
             weight = f"{name}.weight" if name else "weight"
@@ -103,6 +113,8 @@ class FusedTables:
                 setattr(module, slot, _fused_forward(module, self))
             self.modules.append(name)
             self.optimizers[id(module)] = fused[weight]
+            if weight in distinct:
+                self.distinct.add(id(module))
 
     def parameters(self, model: nn.Module) -> set[nn.Parameter]:
         return {w for name in self.modules if (w := model.get_submodule(name).weight) is not None}
@@ -240,8 +252,11 @@ def _update_rows(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, ta
 
 def _apply_rows(weight: torch.Tensor, local: torch.Tensor, placement, ids: torch.Tensor, grad: torch.Tensor,
                 tables: FusedTables, module: nn.Module, most: int | None = None) -> None:
-    """`most`: the most distinct rows a data-parallel rank holds for this table (found here when not given)."""
+    """`most`: the rows each data-parallel rank sends for this table, padded (found here when not given: the most
+    distinct rows a rank touched, or every id's)."""
     if tables._exchanges():
+        if most is None and id(module) not in tables.distinct:
+            most = len(ids)
         ids, grad = _exchange_rows(ids, grad, tables.dp_group, most)
         grad = grad / dist.get_world_size(tables.dp_group)  # each rank's loss is its share's mean: average
     if isinstance(placement, Shard) and placement.dim == 0:  # this rank holds rows [first, first + len)
@@ -312,7 +327,8 @@ def _exchange_rows(ids: torch.Tensor, grad: torch.Tensor, group, most: int | Non
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every data-parallel rank's touched rows and their gradients: each rank's distinct rows, a row's gradients
     summed first (what the planner prices from the ids sample, plait.operators.id_sample), all-gathered, padded to
-    `most`, the most rows a rank touched (found by an all-reduce where not given; id -1, dropped after)."""
+    `most` rows a rank (the most distinct rows a rank touched, found by an all-reduce where not given, or every
+    id's; id -1, dropped after)."""
     rows, summed = _distinct(ids, grad)
     most = _most_rows([len(rows)], group)[0] if most is None else most
     pad = most - len(rows)

@@ -87,7 +87,8 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
     owners = {name: table_wise.owner_of(p) for name, p in sharding.params.items() if table_wise.is_table_wise(p)}
-    use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None, owners, tp_mesh)
+    use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None, owners, tp_mesh,
+                     sharding.distinct_exchange)
     if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
         return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
@@ -135,11 +136,12 @@ def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:
 
 
 def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None,
-                     table_wise: dict[str, int] | None = None, tp_mesh: DeviceMesh | None = None) -> FusedTables:
+                     table_wise: dict[str, int] | None = None, tp_mesh: DeviceMesh | None = None,
+                     distinct: tuple[str, ...] = ()) -> FusedTables:
     """Route the plan's fused tables through their fused lookup (the parallel run and one process's alike); those
     placed table-wise (`table_wise`: weight -> owner rank on `tp_mesh`) through the owner's lookup."""
     fused = FusedTables(lr, dp_group)
-    fused.apply(model, tables, table_wise, tp_mesh)
+    fused.apply(model, tables, table_wise, tp_mesh, distinct)
     model.fused_tables = fused
     return fused
 

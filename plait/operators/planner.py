@@ -69,6 +69,8 @@ class Built:
     """The fused tables' optimizers (build_problem's `fused`)."""
     read_rows: dict[int, float] = dataclasses.field(default_factory=dict)
     """Lookup call index -> the distinct rows it reads (the ids sample's)."""
+    distinct_exchange: frozenset[str] = frozenset()
+    """Fused tables whose dp exchange sends distinct rows (price.row_exchange_time)."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -104,6 +106,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             readers.setdefault(ref.value, []).append((call, k))
     gradient_sums: dict[int, int] = {}
     summed_refs: dict[int, TensorRef] = {}
+    distinct: set[str] = set()
 
     def add_gradient_sums(refs) -> None:
         for ref in refs:
@@ -126,15 +129,18 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
             lookups = [out for call in graph.calls if value.ref in call.inputs for out in call.outputs]
-            count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
-            count = sample.touched.get(value.name, count) if sample is not None else count
-            rows = count * value.ref.nbytes / max(1, value.ref.shape[0])  # the distinct rows exchanged over dp
+            ids = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
+            count = sample.touched.get(value.name, ids) if sample is not None else ids
+            row = value.ref.nbytes / max(1, value.ref.shape[0])
+            rows, tables = count * row, sum(n in fused for n in graph.params)  # the distinct rows, exchanged over dp
+            if price.row_exchange_time(rows, ids * row, dp, cluster, dp_group, tables)[1]:
+                distinct.add(value.name)
             optimizer = fused[value.name]
             # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
             # here, the ranks' real shares after the solve (plait.operators.table_wise)
             costs.append([price.fused_table_sync_time(rows, "R" if p == table_wise.TABLE_WISE else p, axis_size, dp,
-                                                      cluster, dp_group, optimizer, count, group,
-                                                      sum(n in fused for n in graph.params)) for p in options])
+                                                      cluster, dp_group, optimizer, count, group, tables,
+                                                      ids * row) for p in options])
             memory.append([table_wise.table_bytes(value.ref, optimizer) / axis_size if p == table_wise.TABLE_WISE
                            else price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
                                optimizer, value.ref)) for p in options])
@@ -229,7 +235,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows)
+                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows, frozenset(distinct))
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -603,7 +609,8 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                  solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
                                  solver_status=solution.status, proven_gap=solution.gap,
                                  memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
-                                 costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+                                 costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported,
+                                 distinct_exchange=tuple(sorted(built.distinct_exchange)))
     return table_wise.name_owners(described, *table_wise.packing(built, choice, built.fused, pins))
 
 

@@ -51,6 +51,10 @@ class OperatorSharding:
     fused_tables: dict[str, str] = field(default_factory=dict)
     """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
     no gradient, no optimizer state, kept whole over dp (plait.execute.embedding_tables)."""
+    distinct_exchange: tuple[str, ...] = ()
+    """Fused tables whose data-parallel exchange sends each rank's distinct rows, their gradients summed (cheaper
+    where ids repeat); the others send every id's row, which needs no count first (plait.cost.operators
+    .row_exchange_time)."""
     table_sample: str = ""
     """Where the fused tables' lookups were priced from: the rows a micro-batch touches and their skew, from a
     sample of the batch factory's batches (plait.operators.id_sample); "" where every id was priced as a row."""

@@ -102,3 +102,22 @@ save_model = true
     assert set(again) == set(weights)
     for name, tensor in weights.items():
         torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_check_proves_the_distinct_row_exchange_equal(tmp_path, monkeypatch):
+    """dp2: each rank's distinct touched rows, their gradients summed, exchanged (padded to the most a rank touched,
+    found by one all-reduce for every table), the plan naming every table for it; EQUAL (one launch of 2 ranks)."""
+    import dataclasses
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    plan = auto_plan("equal_tables:build", "equal_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, dp=2,
+                     table_optimizer="rowwise_adagrad")
+    every = tuple(sorted(plan.operators.fused_tables))
+    plan = plan.replace(operators=dataclasses.replace(plan.operators, distinct_exchange=every))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

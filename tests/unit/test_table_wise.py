@@ -150,3 +150,15 @@ def test_an_embedding_bag_runs_as_a_lookup_and_a_pooling_and_plans_split():
     assert "embedding_bag" not in " ".join(plan.operators.replicated_ops)
     written, failed = runnable([plan])
     assert written and not failed, failed
+
+
+def test_the_row_exchange_sends_distinct_rows_where_ids_repeat_enough_to_pay_for_the_count():
+    from plait.cost import comm
+    from plait.cost.operators import row_exchange_time
+
+    h100 = CLUSTER_PRESETS["h100-80g"]
+    # a hundred ids a row: a fiftieth of the bytes beats the count's all-reduce
+    assert row_exchange_time(1 * MIB, 100 * MIB, 8, h100, comm.Group(8, 8))[1]
+    # ids that barely repeat: the count's latency is not worth a few rows
+    assert not row_exchange_time(30e3, 32e3, 128, h100, comm.Group(128, 8))[1]
+    assert row_exchange_time(1.0, 2.0, 1, h100, comm.Group(1, 8)) == (0.0, False)  # no data parallelism
