@@ -18,11 +18,11 @@ from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 pytestmark = pytest.mark.dist
-TESTS = Path(__file__).resolve().parents[1]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
 
 def test_check_proves_table_wise_tables_equal(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = auto_plan("equal_tables:build", "equal_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, tp=2,
                      table_optimizer="rowwise_adagrad",
                      pins={"tables.0.weight": "T", "tables.1.weight": "T1", "tables.2.weight": "T1",
@@ -32,7 +32,7 @@ def test_check_proves_table_wise_tables_equal(tmp_path, monkeypatch):
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
@@ -59,7 +59,7 @@ def test_rowwise_adagrad_state_and_table_wise_tables_resume_under_another_placem
         path = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}.toml"
         path.write_text(f'''[model]
 module = "equal_tables:build"
-path = "{TESTS}"
+path = "{EXAMPLES}"
 [data]
 batch = "equal_tables:batch"
 [train]
@@ -109,7 +109,7 @@ def test_check_proves_the_distinct_row_exchange_equal(tmp_path, monkeypatch):
     found by one all-reduce for every table), the plan naming every table for it; EQUAL (one launch of 2 ranks)."""
     import dataclasses
 
-    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = auto_plan("equal_tables:build", "equal_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, dp=2,
                      table_optimizer="rowwise_adagrad")
     every = tuple(sorted(plan.operators.fused_tables))
@@ -117,7 +117,7 @@ def test_check_proves_the_distinct_row_exchange_equal(tmp_path, monkeypatch):
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

@@ -13,12 +13,13 @@ from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
 TESTS = Path(__file__).resolve().parents[1]
+EXAMPLES = TESTS.parent / "examples" / "operators"
 MIB = 2**20
 
 
 @pytest.fixture(autouse=True)
 def _tables_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
 
 
 def _plan(tp: int, budget_mib: float | None, pins=None, optimizer: str | None = "rowwise_adagrad",
@@ -73,8 +74,7 @@ def test_a_table_wise_pin_that_cannot_hold_is_refused_in_one_line(pins, optimize
     assert "\n" not in str(refused.value)
 
 
-def test_a_table_no_rank_can_hold_whole_is_not_placed_table_wise_and_the_plan_fits(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
+def test_a_table_no_rank_can_hold_whole_is_not_placed_table_wise_and_the_plan_fits():
     # the 100,003-row table (12.2 MiB with its accumulators) over a 10 MiB budget: split; the smaller ones packed
     ops = auto_plan("dlrm_tables:build", "dlrm_tables:batch", CLUSTER_PRESETS["h100-80g"], global_batch=16, tp=2,
                     table_optimizer="rowwise_adagrad", memory_limit=10 * MIB).operators
@@ -87,8 +87,7 @@ def test_a_table_no_rank_can_hold_whole_is_not_placed_table_wise_and_the_plan_fi
     assert pinned.peak_memory_bytes <= 10 * MIB and ops.step_time_s <= pinned.step_time_s
 
 
-def test_the_ids_sample_counts_the_distinct_rows_a_micro_batch_touches_and_their_skew(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
+def test_the_ids_sample_counts_the_distinct_rows_a_micro_batch_touches_and_their_skew():
     from plait.models.factory import build_factory_module
     from plait.operators.id_sample import sample_ids
 
@@ -102,12 +101,11 @@ def test_the_ids_sample_counts_the_distinct_rows_a_micro_batch_touches_and_their
     assert "4 sample batches of dlrm_tables:batch" in sample.describe()
 
 
-def test_a_table_wise_lookup_is_priced_and_run_by_the_distinct_rows_it_reads(monkeypatch):
+def test_a_table_wise_lookup_is_priced_and_run_by_the_distinct_rows_it_reads():
     import torch
 
     from plait.execute.operators import make_batch, step_collectives
 
-    monkeypatch.syspath_prepend(str(TESTS.parent / "examples" / "operators"))
     from dlrm_tables import DIM
 
     pins = {**{f"tables.{t}.weight": "R" for t in range(4)}, "tables.4.weight": "T"}
@@ -141,7 +139,7 @@ def test_an_embedding_bag_runs_as_a_lookup_and_a_pooling_and_plans_split():
     assert type(holder.kept) is nn.EmbeddingBag
     torch.testing.assert_close(holder.sum(ids, per_sample_weights=weights), expected[0])
     torch.testing.assert_close(holder.mean(ids), expected[1])
-    # bags' tables (tests/equal_tables.py) planned split by rows, by columns and table-wise; the plan dry-runs
+    # bags' tables (examples/operators/equal_tables.py) planned split by rows, by columns and table-wise; the plan dry-runs
     from plait.execute.module_dryrun import runnable
 
     pins = {"tables.0.weight": "S0", "tables.1.weight": "T", "tables.2.weight": "T", "tables.3.weight": "S1"}
