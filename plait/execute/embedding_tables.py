@@ -76,7 +76,7 @@ class FusedTables:
         backward: scale_grads)."""
         pending, self.pending = self.pending, None
         order = list(self.optimizers)
-        keys = sorted(pending or {}, key=order.index)
+        keys = [k for k in sorted(pending or {}, key=order.index) if not _on_meta(pending[k][2])]
         ids = [torch.cat(pending[k][4]) for k in keys]
         rows = [_distinct(i, torch.cat(pending[k][5]) * scale) for i, k in zip(ids, keys)]
         slots = [len(i) for i in ids]  # every id's row: the same count on every data-parallel rank
@@ -197,7 +197,8 @@ class _TableWiseLookup(torch.autograd.Function):
         meta = torch.empty(shape, dtype=held.dtype, device="meta")
         F.embedding(ids.to("meta"), meta, module.padding_idx)  # the plan's call as capture numbered it (on meta)
         # the distinct rows the ids read, broadcast once each; every rank holds the ids and expands them
-        distinct, inverse = torch.unique(ids, return_inverse=True)
+        distinct, inverse = torch.unique(ids, return_inverse=True) if ids.device.type != "meta" else (
+            ids.reshape(-1), torch.arange(ids.numel(), device="meta").reshape(ids.shape))  # a dry run: shapes only
         if mine:
             with torch._C.DisableTorchFunction():  # the owner's table is a plain tensor: no plan call of its own
                 rows = F.embedding(distinct, held, module.padding_idx, module.max_norm, module.norm_type)
@@ -254,6 +255,8 @@ def _apply_rows(weight: torch.Tensor, local: torch.Tensor, placement, ids: torch
                 tables: FusedTables, module: nn.Module, most: int | None = None) -> None:
     """`most`: the rows each data-parallel rank sends for this table, padded (found here when not given: the most
     distinct rows a rank touched, or every id's)."""
+    if _on_meta(local):
+        return
     if tables._exchanges():
         if most is None and id(module) not in tables.distinct:
             most = len(ids)
@@ -309,6 +312,12 @@ def _first_row(weight: DTensor) -> int:
     rows = weight.shape[0]
     ranks = weight.device_mesh.size(0)
     return min(rows, weight.device_mesh.get_local_rank(0) * -(-rows // ranks))
+
+
+def _on_meta(table: torch.Tensor) -> bool:
+    """A table on meta (the dry run of a module too large to build, plait.execute.module_dryrun): its rows hold no
+    values to update, and torch has no meta kernel for the distinct ids an update needs."""
+    return table.device.type == "meta"
 
 
 def _distinct(ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,3 +160,17 @@ def test_the_row_exchange_sends_distinct_rows_where_ids_repeat_enough_to_pay_for
     # ids that barely repeat: the count's latency is not worth a few rows
     assert not row_exchange_time(30e3, 32e3, 128, h100, comm.Group(128, 8))[1]
     assert row_exchange_time(1.0, 2.0, 1, h100, comm.Group(1, 8)) == (0.0, False)  # no data parallelism
+
+
+def test_fused_tables_dry_run_on_meta(monkeypatch):
+    """A module too large to build on CPU is dry-run on meta: its fused tables' updates (row-wise Adagrad's distinct
+    rows, a table-wise lookup's) have no meta kernel and hold no values there; the dry run passes them by, where it
+    refused every such plan before."""
+    from plait.execute import module_dryrun
+
+    monkeypatch.setattr(module_dryrun, "REAL_BYTES", 0)  # every module on meta
+    pins = {"tables.0.weight": "S0", "tables.1.weight": "S1", "tables.2.weight": "T"}
+    plan = auto_plan("dlrm_tables:build", "dlrm_tables:batch", CLUSTER_PRESETS["local-cpu"], global_batch=8, dp=2,
+                     tp=2, table_optimizer="rowwise_adagrad", pins=pins)
+    written, failed = module_dryrun.runnable([plan])
+    assert written and not failed, failed
