@@ -2,9 +2,9 @@
 table far larger than the rest), pooled lookups (several ids per feature, summed), a bottom MLP over dense features,
 pairwise dot products, a top MLP, binary cross-entropy.
 
-The lookups are nn.Embedding summed over each feature's ids, the sum nn.EmbeddingBag(mode="sum") computes: torch
-2.13's DTensor has a rule for embedding (row splits included) but none for embedding_bag, whose tables a plan would
-keep whole (named among the operators run replicated); and plait's fused row-wise optimizers train nn.Embedding.
+The lookups are nn.EmbeddingBag(mode="sum") over each feature's ids: torch 2.13's DTensor has no rule for
+embedding_bag, and plait runs a bag of fixed size as a lookup and a sum (plait.models.embedding_bags), which DTensor
+splits and plait's fused row-wise optimizers train.
 
     build() -> the module; forward(dense, sparse, clicks) returns the loss.
     batch(batch_size, generator) -> (dense [b, DENSE], sparse ids [b, len(TABLES), IDS], clicks [b]); the ids of
@@ -23,7 +23,7 @@ DIM, DENSE, IDS = 32, 13, 4
 class DLRMTables(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(nn.Embedding(rows, DIM) for rows in TABLES)
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, DIM, mode="sum") for rows in TABLES)
         self.bottom = nn.Sequential(nn.Linear(DENSE, 64), nn.ReLU(), nn.Linear(64, DIM))
         features = len(TABLES) + 1
         rows, cols = torch.triu_indices(features, features, offset=1)
@@ -32,7 +32,7 @@ class DLRMTables(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor, clicks: torch.Tensor) -> torch.Tensor:
         d = self.bottom(dense)                                                  # [b, DIM]
-        pooled = [table(sparse[:, t]).sum(dim=1) for t, table in enumerate(self.tables)]  # each [b, DIM]
+        pooled = [table(sparse[:, t]) for t, table in enumerate(self.tables)]  # each [b, DIM]
         features = torch.stack([d, *pooled], dim=1)                             # [b, T+1, DIM]
         dots = (features @ features.transpose(1, 2)).flatten(1)[:, self.pair_index]
         logits = self.top(torch.cat([d, dots], dim=1)).squeeze(1)

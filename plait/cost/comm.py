@@ -93,6 +93,16 @@ def all_to_all(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
     return (k - 1) * intra_latency + (n - k) * inter_latency + max(local, remote)
 
 
+def broadcast(nbytes: float, group: Group, cluster: ClusterSpec) -> float:
+    """Pipelined ring broadcast of a `nbytes` buffer from one member to the others: each link carries the whole
+    buffer once (in chunks, so the n-1 hops overlap), after n-1 latency steps."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    latency, bandwidth = bus(group, cluster, "all_gather")
+    return (n - 1) * latency + nbytes / bandwidth
+
+
 def p2p(nbytes: float, crosses_node: bool, cluster: ClusterSpec) -> float:
     """One point-to-point send of `nbytes` (pipeline activations or gradients)."""
     if nbytes <= 0:

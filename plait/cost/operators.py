@@ -193,17 +193,35 @@ def shard_bytes(ref: "TensorRef", placement: str, axis_size: int) -> float:
     return ref.nbytes / size * -(-size // axis_size) if size else 0.0
 
 
+def row_exchange_time(rows_bytes: float, ids_bytes: float, dp: int, cluster: ClusterSpec, dp_group: comm.Group,
+                      tables: int = 1) -> tuple[float, bool]:
+    """(seconds, whether it sends distinct rows) of a fused table's exchange of its looked-up rows' gradients over
+    dp, the cheaper of: each rank's distinct rows, their gradients summed (`rows_bytes`), padded to the most rows a
+    rank touched, which one all-reduce of a number a table finds first for all the step's `tables` (a share of it
+    each); and every id's row (`ids_bytes`, the same count on every rank: nothing to find). Distinct rows save
+    bytes where ids repeat; the count's all-reduce costs latency (many data-parallel ranks)."""
+    if dp <= 1:
+        return 0.0, False
+    distinct = comm.all_reduce(8.0 * tables, dp_group, cluster) / tables + comm.all_gather(rows_bytes * dp, dp_group,
+                                                                                           cluster)
+    every = comm.all_gather(ids_bytes * dp, dp_group, cluster)
+    return (distinct, True) if distinct < every else (every, False)
+
+
 def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
                           dp_group: comm.Group, optimizer: str = "sgd", lookups: int = 0,
-                          tp_group: comm.Group | None = None) -> float:
-    """Cost of a fused table's update per step: over dp, the all-gather of each rank's looked-up rows' gradients
-    (`rows_bytes`, this micro-batch's lookups in full; a column split gathers its columns only); under row-wise
-    Adagrad split by columns, the all-reduce over tp of each looked-up row's sum of squares (`lookups` rows, all
-    dp ranks' once gathered), which the row's accumulator needs whole."""
+                          tp_group: comm.Group | None = None, tables: int = 1,
+                          ids_bytes: float | None = None) -> float:
+    """Cost of a fused table's update per step: over dp, the exchange of its looked-up rows' gradients
+    (`row_exchange_time`; `rows_bytes` the distinct rows', `ids_bytes` every id's, the same where None; a column
+    split exchanges its columns only); under row-wise Adagrad split by columns, the all-reduce over tp of each
+    looked-up row's sum of squares (`lookups` rows, all dp ranks' once gathered), which the row's accumulator needs
+    whole."""
     seconds = 0.0
     if dp > 1:
-        local = rows_bytes / (axis_size if placement == "S1" else 1)
-        seconds += comm.all_gather(local * dp, dp_group, cluster)
+        share = axis_size if placement == "S1" else 1
+        seconds += row_exchange_time(rows_bytes / share, (rows_bytes if ids_bytes is None else ids_bytes) / share,
+                                     dp, cluster, dp_group, tables)[0]
     if optimizer == "rowwise_adagrad" and placement == "S1" and tp_group is not None and axis_size > 1:
         seconds += comm.all_reduce(4.0 * lookups * max(dp, 1), tp_group, cluster)
     return seconds

@@ -71,6 +71,8 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None and func.namespace in COLLECTIVE_NAMESPACES:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             tensor = out if "gather" in name else args[0]
+            if kind == "broadcast" and isinstance(tensor, (list, tuple)) and tensor:  # c10d's in-place form
+                tensor = tensor[0]
             if isinstance(tensor, torch.Tensor):
                 self.nbytes += tensor.numel() * tensor.element_size()
         return out

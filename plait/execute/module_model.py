@@ -174,8 +174,10 @@ class ModuleModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers keyed like the single-process module, on every rank
         (collective)."""
+        module = self.model_parts[0]
         local = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
-                 for name, t in self.model_parts[0].state_dict().items()}
+                 for name, t in module.state_dict().items()}
+        local.update(module.fused_tables.gather_table_wise(module))  # tables held whole by one rank
         if self.plan.pp == 1:
             return local
         gathered: list = [None] * self.plan.pp

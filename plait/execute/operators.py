@@ -42,7 +42,7 @@ from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
 from plait.execute.batchnorm import synchronise_batch_norms
 from plait.execute.embedding_tables import FusedTables
 from plait.operators import batch as batches
-from plait.operators import norms
+from plait.operators import norms, table_wise
 from plait.operators.capture import FunctionKeys
 from plait.operators.strategies import placement_of, register_plait_rules, register_replicated
 from plait.operators.solution import OperatorSharding
@@ -86,7 +86,9 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     sharding = sharding or plan.operators
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
-    use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
+    owners = {name: table_wise.owner_of(p) for name, p in sharding.params.items() if table_wise.is_table_wise(p)}
+    use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None, owners, tp_mesh,
+                     sharding.distinct_exchange)
     if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
         return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
@@ -95,6 +97,8 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, param in list(module.named_parameters(recurse=False)):
+            if prefix + leaf in owners:  # a table-wise table stays a plain tensor on its owner
+                continue
             shard = distribute_tensor(param.detach(), tp_mesh, [placement_of(sharding.params.get(prefix + leaf, "R"))])
             module.register_parameter(leaf, nn.Parameter(shard, requires_grad=param.requires_grad))
         for leaf, buffer in list(module.named_buffers(recurse=False)):
@@ -131,10 +135,13 @@ def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:
     return kept
 
 
-def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None) -> FusedTables:
-    """Route the plan's fused tables through their fused lookup (the parallel run and one process's alike)."""
+def use_fused_tables(model: nn.Module, tables: dict[str, str], lr: float, dp_group=None,
+                     table_wise: dict[str, int] | None = None, tp_mesh: DeviceMesh | None = None,
+                     distinct: tuple[str, ...] = ()) -> FusedTables:
+    """Route the plan's fused tables through their fused lookup (the parallel run and one process's alike); those
+    placed table-wise (`table_wise`: weight -> owner rank on `tp_mesh`) through the owner's lookup."""
     fused = FusedTables(lr, dp_group)
-    fused.apply(model, tables)
+    fused.apply(model, tables, table_wise, tp_mesh, distinct)
     model.fused_tables = fused
     return fused
 
@@ -349,7 +356,8 @@ def run_parallel(plan: Plan, settings: CheckSettings):
             norms.append(model.clip_grad_norm_(settings.max_norm))
         optimizer.step()
         optimizer.zero_grad()
-    return losses, norms, first, _every_stage(plan, {n: _full(p) for n, p in model.named_parameters()})
+    whole = model.model_parts[0].fused_tables.gather_table_wise(model.model_parts[0])
+    return losses, norms, first, _every_stage(plan, {**{n: _full(p) for n, p in model.named_parameters()}, **whole})
 
 
 def _every_stage(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -95,7 +95,9 @@ def build_factory_module(source: str, device: str | torch.device = "meta") -> nn
         model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {source!r}: the factory returned {type(model).__name__}, not an nn.Module")
-    return model
+    from plait.models.embedding_bags import pool_embedding_bags
+
+    return pool_embedding_bags(model)  # bags as a lookup and a pooling, which DTensor and fused tables run
 
 
 def build_user_model(source: str, device: str | torch.device = "meta") -> nn.Module:

@@ -24,7 +24,9 @@ from torch import nn
 from plait.cost import comm
 from plait.cost import operators as price
 from plait.errors import ConfigError
+from plait.operators import table_wise
 from plait.operators.capture import Graph, TensorRef, capture, check_loss
+from plait.operators.id_sample import TableSample, cached_sample, rows_by_call
 from plait.operators.solution import FUSED_OPTIMIZERS, OperatorCost, OperatorSharding
 from plait.operators.strategies import Strategy, StrategyOracle, candidate_placements, strategy_oracle
 from plait.search import sharding
@@ -63,6 +65,12 @@ class Built:
     was taken of)."""
     axis_size: int = 0
     """The tensor-parallel degree the problem was built for."""
+    fused: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The fused tables' optimizers (build_problem's `fused`)."""
+    read_rows: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Lookup call index -> the distinct rows it reads (the ids sample's)."""
+    distinct_exchange: frozenset[str] = frozenset()
+    """Fused tables whose dp exchange sends distinct rows (price.row_exchange_time)."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -70,11 +78,12 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
-                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset()
-                  ) -> Built:
+                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset(),
+                  sample: TableSample | None = None) -> Built:
     """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
-    (plait.execute.embedding_tables).
+    (plait.execute.embedding_tables); the rows their lookups move counted from `sample` where given (the distinct
+    rows a micro-batch reads, plait.operators.id_sample), else one row an id.
 
     A value several calls read, and a gradient reaches, gets a gradient-sum node right after its producer, of two
     strategies: "separate" (each reader pays its own backward image, as an edge does) and "summed" (the readers
@@ -83,7 +92,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
-            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused, sample)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
     fused = fused if isinstance(fused, dict) else dict.fromkeys(fused, "sgd")
     nodes: list[_Node] = []
@@ -97,6 +106,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             readers.setdefault(ref.value, []).append((call, k))
     gradient_sums: dict[int, int] = {}
     summed_refs: dict[int, TensorRef] = {}
+    distinct: set[str] = set()
 
     def add_gradient_sums(refs) -> None:
         for ref in refs:
@@ -113,17 +123,27 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         placed = value.kind in ("param", "buffer") and axis_size > 1
         options = candidate_placements(value.ref, axis_size, partial=False, uneven=value.kind == "param") \
             if placed else ["R"]
+        if value.kind == "param" and table_wise.offered(graph, value.name, fused, axis_size):
+            options.append(table_wise.TABLE_WISE)
         value_node[value.id] = (len(nodes), 0)
         nodes.append(_Node(value.name, [Strategy((), (p,)) for p in options], ref=value.ref))
         if value.kind == "param" and value.name in fused:
             lookups = [out for call in graph.calls if value.ref in call.inputs for out in call.outputs]
-            rows = sum(out.nbytes for out in lookups)
-            count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
+            ids = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
+            count = sample.touched.get(value.name, ids) if sample is not None else ids
+            row = value.ref.nbytes / max(1, value.ref.shape[0])
+            rows, tables = count * row, sum(n in fused for n in graph.params)  # the distinct rows, exchanged over dp
+            if price.row_exchange_time(rows, ids * row, dp, cluster, dp_group, tables)[1]:
+                distinct.add(value.name)
             optimizer = fused[value.name]
-            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group, optimizer, count,
-                                                      group) for p in options])
-            memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
-                optimizer, value.ref)) for p in options])
+            # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
+            # here, the ranks' real shares after the solve (plait.operators.table_wise)
+            costs.append([price.fused_table_sync_time(rows, "R" if p == table_wise.TABLE_WISE else p, axis_size, dp,
+                                                      cluster, dp_group, optimizer, count, group, tables,
+                                                      ids * row) for p in options])
+            memory.append([table_wise.table_bytes(value.ref, optimizer) / axis_size if p == table_wise.TABLE_WISE
+                           else price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
+                               optimizer, value.ref)) for p in options])
         elif value.kind == "param":
             costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
             memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
@@ -148,6 +168,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
+    read_rows = rows_by_call(sample, graph)
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -155,11 +176,18 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             accepts = frozenset()  # the executor redistributes it here itself (a module's hook)
         producer, index = value_node[ref.value]
         source = nodes[producer]
+        lookup = source.call is not None and source.call.op.__name__ in table_wise.LOOKUP_OPS
         matrix = np.zeros((len(source.strategies), len(reads)))
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
-                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
+                if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
+                    rows = table_wise.rows_bytes(nodes[consumer], read_rows)
+                    matrix[a, b] = table_wise.edge_seconds(dst, grad, rows, group, cluster)
+                    continue
+                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts) and not (
+                    src == dst == "P" and lookup)  # a row-split lookup's MaskPartial dies in the next op that
+                # changes its shape (a bag's pooling) in torch 2.13: its rows are made whole at their first reader
                 matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
@@ -207,7 +235,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size)
+                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows, frozenset(distinct))
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -244,9 +272,13 @@ def needs_gradient(graph: Graph) -> set[int]:
 def _enforced_reads(graph: Graph) -> dict[int, int]:
     """Value id -> the call whose read of it the executor enforces: a module's output, a module's first argument,
     a parameter or a buffer is redistributed by a hook to the placement its first consumer reads it in
-    (plait.execute.operators; describe() writes those placements), so a redistribution planned there happens there."""
+    (plait.execute.operators; describe() writes those placements), so a redistribution planned there happens there.
+    So is a lookup's output (a pooled bag's rows, read by its pooling inside the module): the executor redistributes
+    each torch-level call's arguments as planned (PlannedReads), and a row-split lookup's pending sum must be made
+    whole there (see build_problem)."""
     boundary = {ref.value for ref in (*graph.module_outputs.values(), *graph.module_inputs.values(),
                                       *graph.params.values(), *graph.buffers.values())}
+    boundary |= {out.value for call in graph.calls if call.op.__name__ in table_wise.LOOKUP_OPS for out in call.outputs}
     first: dict[int, int] = {}
     for call in graph.calls:
         for ref in call.inputs:
@@ -278,7 +310,8 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
         node, index = _pinned_node(built, name, placement)
         if built.axis_size == 1:  # over one rank every placement is the whole tensor: any pin holds
             continue
-        keep = np.array([s.outputs[index] == placement for s in built.nodes[node].strategies])
+        wanted = table_wise.check_pin(name, placement, built.axis_size, built.fused)  # "T1": a "T" and its rank
+        keep = np.array([s.outputs[index] == wanted for s in built.nodes[node].strategies])
         if not keep.any():
             options = sorted({s.outputs[index] for s in built.nodes[node].strategies})
             raise PinRefused(f"pin {name!r} = {placement!r}: its shape cannot take that placement over "
@@ -293,8 +326,10 @@ def apply_pins(built: Built, pins: dict[str, str]) -> None:
 def pinned_ref(graph: Graph, name: str, placement: str) -> TensorRef:
     """The tensor a pin names (a parameter, a buffer, a module's output); ConfigError in one line for a pin naming
     nothing or no placement."""
-    if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()):
-        raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P or S<dim> (S0, S1, ...)")
+    if placement != "R" and placement != "P" and not (placement.startswith("S") and placement[1:].isdigit()) \
+            and not table_wise.is_table_wise(placement):
+        raise ConfigError(f"pin {name!r} = {placement!r}: a placement is R, P, S<dim> (S0, S1, ...) or, for a fused "
+                          f"embedding table, T (table-wise) or T<rank>")
     ref = graph.params.get(name) or graph.buffers.get(name) or graph.module_outputs.get(name)
     if ref is None:
         known = list(graph.params)[:4] + list(graph.module_outputs)[:4]
@@ -321,6 +356,8 @@ def repeated_blocks(built: Built) -> list[list[int]]:
     same shapes, and the same parameters (plait.search.sharding.tie)."""
     copies: dict[tuple, list[list[int]]] = {}
     for prefix, members in block_nodes(built).items():
+        if any(name.startswith(prefix + ".") for name in built.fused):  # tables are placed and packed one by one
+            continue
         container = prefix.rsplit(".", 1)[0]
         copies.setdefault((container, tuple(k for _, k in members)), []).append([n for n, _ in members])
     classes = []
@@ -370,6 +407,9 @@ def solve(built: Built, solver: str = "program", time_limit: float = 60.0, reuse
           prove: bool = True) -> sharding.Solution:
     """`prove`: a tied solve's gap against the untied bound (sharding.solve_program)."""
     classes = repeated_blocks(built) if reuse_blocks else None
+    if classes:  # copies that pins set apart (no placement all of them allow) choose apart
+        allowed = built.problem.allowed
+        classes = [c for c in classes if np.logical_and.reduce([allowed[i] for i in c]).any()]
     if solver == "propagation":
         return sharding.solve_propagation(built.problem, classes=classes)
     return sharding.solve_program(built.problem, time_limit, classes, prove)
@@ -408,13 +448,15 @@ def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_sour
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
+    sample = cached_sample(model, batch, batch_source, fused, graphs)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, sample=sample)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
     return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
+                               table_sample=sample.describe() if sample is not None else "",
                                tensor_plan_step_time_s=candidate)
 
 
@@ -459,8 +501,8 @@ def solve_or_refuse(built: Built, solver: str, pins: dict[str, str], fused: dict
     """`solve`, or DoesNotFit (a ConfigError) in one line when no placement fits the problem's memory limit (naming
     the limit, what the smallest placement needs, the pins, and a fused table optimizer where the module has
     embedding tables without one)."""
-    try:
-        solution = solve(built, solver, prove=prove)
+    try:  # table-wise tables bin-packed onto the ranks: the fullest must fit too
+        solution = table_wise.solve_packed(lambda b: solve(b, solver, prove=prove), built, built.fused, pins)
     except sharding.Infeasible as e:
         reason = str(e)
     else:
@@ -530,7 +572,13 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
         k = next(k for k, r in enumerate(built.nodes[consumer].call.inputs if built.nodes[consumer].call else [ref])
                  if r.value == ref.value) if built.nodes[consumer].call else 0
         dst, grad = strategy.inputs[k], price.gradient_placement(strategy.inputs, k)
-        seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)
+        if src == table_wise.TABLE_WISE:
+            fwd = table_wise.lookup_exchange(table_wise.rows_bytes(built.nodes[consumer], built.read_rows), group,
+                                             cluster)
+            bwd = price.NONE
+            seconds = fwd.seconds
+        else:
+            seconds, fwd, bwd = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)
         root = built.gradient_shares.get(ref.value)
         if root is not None and choice[built.gradient_sums[root]] == 1 and price.joins_gradient_sum(src, dst, grad):
             if root in summed:  # the value's one all-reduce is its first such reader's
@@ -553,15 +601,17 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm_s=float(sum(s for s, _ in per_call.get(node, []))),
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
-    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
-                            param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
-                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
-                            comm_bytes=total_bytes, comm_counts=counts,
-                            peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
-                            solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
-                            solver_status=solution.status, proven_gap=solution.gap,
-                            memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
-                            costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported)
+    described = OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
+                                 param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
+                                 step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
+                                 comm_bytes=total_bytes, comm_counts=counts,
+                                 peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
+                                 solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
+                                 solver_status=solution.status, proven_gap=solution.gap,
+                                 memory_parts=memory_parts(built, choice), time_parts=time_parts(built, choice),
+                                 costliest=tuple(ops[:COSTLIEST]), replicated_ops=built.unsupported,
+                                 distinct_exchange=tuple(sorted(built.distinct_exchange)))
+    return table_wise.name_owners(described, *table_wise.packing(built, choice, built.fused, pins))
 
 
 def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:

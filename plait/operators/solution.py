@@ -34,7 +34,8 @@ class OperatorSharding:
     axis: str = "tp"
     """The mesh axis the placements are on; data parallelism (fully_shard) runs over "dp" around them."""
     params: dict[str, str] = field(default_factory=dict)
-    """Parameter and buffer name -> placement on the axis: "R", "S<dim>"."""
+    """Parameter and buffer name -> placement on the axis: "R", "S<dim>", or for a fused embedding table "T<rank>"
+    (table-wise: whole on that rank, plait.operators.table_wise)."""
     outputs: dict[str, str] = field(default_factory=dict)
     """Module name -> the placement its output is redistributed to ("R", "P", "S<dim>")."""
     inputs: dict[str, str] = field(default_factory=dict)
@@ -50,6 +51,13 @@ class OperatorSharding:
     fused_tables: dict[str, str] = field(default_factory=dict)
     """Embedding table weight -> the fused row-wise optimizer (FUSED_OPTIMIZERS) its lookup's backward applies:
     no gradient, no optimizer state, kept whole over dp (plait.execute.embedding_tables)."""
+    distinct_exchange: tuple[str, ...] = ()
+    """Fused tables whose data-parallel exchange sends each rank's distinct rows, their gradients summed (cheaper
+    where ids repeat); the others send every id's row, which needs no count first (plait.cost.operators
+    .row_exchange_time)."""
+    table_sample: str = ""
+    """Where the fused tables' lookups were priced from: the rows a micro-batch touches and their skew, from a
+    sample of the batch factory's batches (plait.operators.id_sample); "" where every id was priced as a row."""
     synchronised_norms: tuple[str, ...] = ()
     """BatchNorm modules whose training statistics are summed over the data-parallel ranks (plait.execute.batchnorm):
     every BatchNorm when dp > 1; the tensor-parallel ranks see the whole micro-batch already."""

@@ -47,6 +47,11 @@ def operators_table(plan: Plan) -> RenderableType:
     if ops.fused_tables:
         parts.append(Text("fused row-wise optimizer (weights alone, no gradient or optimizer state): "
                           + ", ".join(f"{k} {v}" for k, v in ops.fused_tables.items())))
+    if ops.table_sample:
+        parts.append(Text(f"lookups priced by the {ops.table_sample}"))
+    if any(p.startswith("T") for p in ops.params.values()):
+        parts.append(Text("table-wise (T<rank>: the whole table on that tensor-parallel rank, bin-packed): "
+                          + ", ".join(f"{k} on {v[1:]}" for k, v in ops.params.items() if v.startswith("T"))))
     if ops.pins:
         parts.append(Text("pins honoured: " + ", ".join(f"{k}={v}" for k, v in ops.pins.items())))
     return Group(*parts)

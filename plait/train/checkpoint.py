@@ -473,7 +473,8 @@ def _optim_key(key: str, rename: dict[str, str]) -> str:
 
 
 def _plain_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """{"model": ..., "optim": ...} keyed by single-process names, and the map back to this layout's."""
+    """{"model": ..., "optim": ...} keyed by single-process names (and "tables": the fused embedding tables'
+    optimizer states, plait.execute.embedding_tables), and the map back to this layout's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     container = _container(model)
@@ -481,6 +482,10 @@ def _plain_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, 
     to_plain = {key: _strip_part(key) for key in model_sd}
     plain = {"model": {to_plain[k]: v for k, v in model_sd.items() if _saved(model, to_plain[k])},
              "optim": {_optim_key(k, to_plain): v for k, v in optim_sd.items()}}
+    fused = getattr(model, "fused", None)  # a per-operator run's fused tables
+    tables = fused.state_dict(model.model_parts[0]) if fused is not None else {}
+    if tables:
+        plain["tables"] = tables
     return plain, {v: k for k, v in to_plain.items()}
 
 
@@ -604,7 +609,14 @@ def load_checkpoint(directory: str | Path, state: Any) -> None:
     # `foreach` or `lr` must not override what this layout's optimizer needs.
     loaded = {"model": plain["model"],
               "optim": {k: v for k, v in plain["optim"].items() if not k.startswith("param_groups.")}}
-    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(directory)))
+    reader = dcp.FileSystemReader(str(directory))
+    if "tables" in plain:  # loaded in place; a checkpoint without them (saved under another optimizer) starts them
+        saved = reader.read_metadata().state_dict_metadata
+        loaded["tables"] = {k: v for k, v in plain["tables"].items() if f"tables.{k}" in saved}
+        if len(loaded["tables"]) < len(plain["tables"]) and dist.get_rank() == 0:
+            warn(f"{directory.name} holds no optimizer state for the tables "
+                 f"{', '.join(sorted(set(plain['tables']) - set(loaded['tables'])))}: they start it afresh")
+    dcp.load(loaded, storage_reader=reader)
     plain["optim"].update(loaded["optim"])
     _load_plain_state(state.model, state.optimizer, plain, to_layout)
     state.loader.load_state_dict(meta["loader"])
