@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from plait.torch_internals import tree_flatten, tree_map, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
+from plait.models.adapter import get_module
 from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
@@ -87,6 +88,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
     use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
+    recompute_blocks(model, plan, sharding)
     if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
         return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
@@ -111,15 +113,62 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
 
 
 def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
-    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp and fully_shard over
-    it, the fused tables and 0-d parameters left out."""
-    if plan.dp > 1:
-        from torch.distributed.fsdp import fully_shard
+    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp, then the plan's
+    data-parallel carrier (Plan.dp_mode, the decoder path's rule plait.legality.data_parallel_mode, which the
+    planner priced: plait.cost.operators.DataParallelCarry): DDP for ZeRO 0/1 of plain replicas (replicate_with_ddp;
+    ZeRO-1's sharded AdamW is the optimizer's, plait.execute.data.adamw), otherwise fully_shard, resharded after
+    forward under ZeRO-3, with one unit per repeated block (sharding.blocks, without a pipeline) and the root; the
+    fused tables and 0-d parameters left out of fully_shard."""
+    if plan.dp == 1:
+        return model
+    synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
+    mode = plan.dp_mode
+    if mode.carrier == "ddp":
+        return replicate_with_ddp(model, mesh)
+    from torch.distributed.fsdp import fully_shard
 
-        synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
-        kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
-        fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None)
+    kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
+    units = list(get_module(model, sharding.blocks).children()) if plan.pp == 1 and sharding.blocks else []
+    for unit in units:
+        fully_shard(unit, mesh=mesh["dp"], ignored_params=kept or None,
+                    reshard_after_forward=mode.reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None, reshard_after_forward=mode.reshard_after_forward)
     return model
+
+
+def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP over dp around `model`, kept beside it (model.data_parallel_runner: the forward runs through it, the
+    parameters keep their names); the fused tables, which update their own rows, left out. Buffers are not
+    broadcast: every rank holds the same (synchronised BatchNorm statistics). On meta (a dry run's shapes) nothing:
+    DDP moves no parameter."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    fused = model.fused_tables.parameters(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, p in model.named_parameters() if p in fused])
+    # init_sync=False: every rank built the same initial weights from the seed
+    model.__dict__["data_parallel_runner"] = DistributedDataParallel(
+        model, process_group=mesh["dp"].get_group(), init_sync=False, broadcast_buffers=False)
+    return model
+
+
+def recompute_blocks(model: nn.Module, plan: Plan, sharding: OperatorSharding) -> None:
+    """Under recompute "full" (a plan without a pipeline, on one tensor-parallel rank), every repeated block of
+    sharding.blocks checkpointed as the decoder path checkpoints its blocks (plait.execute.recompute.checkpointed:
+    only the block's input kept, the block run again in the backward). A wrapped block's parameter names gain
+    `_checkpoint_wrapped_module.` (plait.execute.state.clean_name strips it; its state dict has the plain names)."""
+    if plan.pp > 1 or plan.recompute[0] != "full":
+        return
+    from plait.execute.recompute import checkpointed
+
+    if not sharding.blocks or plan.tp > 1:
+        raise ValueError(f"recompute full of a per-operator plan needs its repeated blocks (plan.operators.blocks) "
+                         f"and tp1 (the plan has {sharding.blocks!r}, tp{plan.tp})")
+    container = get_module(model, sharding.blocks)
+    for name, block in list(container.named_children()):
+        container.register_module(name, checkpointed(block))
 
 
 def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:

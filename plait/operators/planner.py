@@ -70,9 +70,14 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
-                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset()
-                  ) -> Built:
-    """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
+                  oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset(),
+                  carry: price.DataParallelCarry | None = None, recompute: str = "") -> Built:
+    """`carry`: how data parallelism is carried (price.DataParallelCarry: the ZeRO stage, fully_shard's units, the
+    micro-batches a step accumulates, whose calls and redistributions the step runs that many times); default:
+    fully_shard over dp on the whole module as one unit, one micro-batch (what a pipeline stage runs).
+    `recompute`: the path of the repeated blocks recomputed in the backward (plait.execute.recompute's "full" per
+    block), priced by price.recomputed_blocks.
+    `fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
     (plait.execute.embedding_tables).
 
@@ -83,7 +88,10 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
-            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused)
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused, carry, recompute)
+    carry = carry or price.data_parallel_carry(dp, axis_size, 2, cluster)
+    repeat = carry.micro_batches  # each micro-batch's calls and redistributions, once a step each
+    recomputed = price.recomputed_blocks(graph, recompute, axis_size)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
     fused = fused if isinstance(fused, dict) else dict.fromkeys(fused, "sgd")
     nodes: list[_Node] = []
@@ -120,13 +128,14 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             rows = sum(out.nbytes for out in lookups)
             count = sum(out.nbytes // max(1, value.ref.shape[-1] * out.dtype.itemsize) for out in lookups)
             optimizer = fused[value.name]
-            costs.append([price.fused_table_sync_time(rows, p, axis_size, dp, cluster, dp_group, optimizer, count,
-                                                      group) for p in options])
+            costs.append([price.fused_table_sync_time(repeat * rows, p, axis_size, dp, cluster, dp_group, optimizer,
+                                                      repeat * count, group) for p in options])
             memory.append([price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
                 optimizer, value.ref)) for p in options])
         elif value.kind == "param":
-            costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
-            memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
+            costs.append([carry.sync_time(price.shard_bytes(value.ref, p, axis_size), value.name, cluster, dp_group)
+                          for p in options])
+            memory.append([price.shard_bytes(value.ref, p, axis_size) * carry.copies(value.name) for p in options])
         else:
             costs.append([0.0] * len(options))
             memory.append([price.shard_bytes(value.ref, p, axis_size) for p in options])
@@ -141,9 +150,11 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         for i, ref in enumerate(call.outputs):
             value_node[ref.value] = (len(nodes), i)
         nodes.append(_Node(call.name, strategies, call=call))
-        costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
-                      for s in strategies])
-        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
+        again = price.RECOMPUTED_WORK if call.index in recomputed.calls else 1.0
+        costs.append([repeat * again * price.compute_time(call.flops, call.outputs, price.is_split(s.inputs),
+                                                          axis_size, cluster) for s in strategies])
+        memory.append([0.0 if call.index in recomputed.calls else
+                       price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
         add_gradient_sums(call.outputs)
     edges, parts = [], []
 
@@ -160,7 +171,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
-                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
+                matrix[a, b] = repeat * price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
@@ -175,12 +186,14 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         sink = len(nodes)
         nodes.append(_Node("<output>", [Strategy(("R",), ())]))
         costs.append([0.0])
-        memory.append([graph.transient_bytes])  # beside the kept activations at the peak (price's docstring)
+        # beside the kept activations at the peak (price's docstring); under recompute, the blocks' inputs and
+        # one block's activations rematerialised in its backward
+        memory.append([graph.transient_bytes + recomputed.held_bytes])
         connect(graph.output, sink, [("R", "R")])
     allowed = [np.ones(len(c), dtype=bool) for c in costs]
     shares: dict[int, int] = {}
     for value, node in gradient_sums.items():
-        once = price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
+        once = repeat * price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
         sum_edges = []
         for via, reader, k in _gradient_sum_readers(readers, value):
             strategies = nodes[call_node[reader.index]].strategies
@@ -400,22 +413,26 @@ def captured_loss(model: nn.Module, batch, graphs: dict | None, batch_source: st
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
                 cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
                 memory_limit: float | None = None, table_optimizer: str | None = None,
-                graphs: dict | None = None, prove: bool = True) -> OperatorSharding:
+                graphs: dict | None = None, prove: bool = True, carry: price.DataParallelCarry | None = None,
+                recompute: str = "") -> OperatorSharding:
     """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
     (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer. `graphs`: captures
-    kept between calls (see `captured`)."""
+    kept between calls (see `captured`). `carry` and `recompute`: as build_problem's; the plan records the blocks
+    either names (OperatorSharding.blocks: the executor's fully_shard units and recomputed blocks)."""
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, carry=carry, recompute=recompute)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
-    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
+    blocks = recompute or (carry.blocks if carry is not None and carry.mode.carrier == "fully_shard" else "")
+    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed,
+                                        carry.micro_batches if carry is not None else 1),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
-                               tensor_plan_step_time_s=candidate)
+                               tensor_plan_step_time_s=candidate, blocks=blocks)
 
 
 def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
@@ -494,7 +511,7 @@ def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
 
 
 def describe(built: Built, solution: sharding.Solution, batch_source: str, pins: dict[str, str], tp: int, dp: int,
-             cluster: ClusterSpec, elapsed: float) -> OperatorSharding:
+             cluster: ClusterSpec, elapsed: float, micro_batches: int = 1) -> OperatorSharding:
     choice = solution.choice
     group = comm.Group(tp, 1)
     placed = {**built.graph.params, **built.graph.buffers}
@@ -555,7 +572,7 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
     return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
                             param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
-                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
+                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster, micro_batches),
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
@@ -650,8 +667,10 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
 
 
 def zero_stage(dp: int) -> int:
-    """The ZeRO stage of a per-operator plan: its data parallelism rides on fully_shard (ZeRO-3) whenever there is
-    more than one data-parallel rank (plait.execute.operators.apply_operator_sharding)."""
+    """The ZeRO stage a per-operator pipeline's plan is labelled with: its stages' data parallelism rides on
+    fully_shard whenever there is more than one data-parallel rank (plait.legality.data_parallel_mode keeps a
+    pipeline's parameters gathered through the schedule). Without a pipeline the search chooses the stage
+    (plait.operators.search)."""
     return 3 if dp > 1 else 0
 
 

@@ -1,0 +1,60 @@
+"""Every ZeRO stage, recompute and gradient accumulation a per-operator plan without a pipeline can choose, proven
+equal to one process by `plait check`, in one launch of 2 ranks (tests/dist/_data_parallel_worker.py): the graph
+network's plans of the joint search at dp2 (examples/operators/gnn.py, one list of repeated layers), pinned as a
+user pins them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "operators"
+WORKER = Path(__file__).parent / "_data_parallel_worker.py"
+
+CASES = {  # file name: (zero, recompute, micro-batches per step), the carrier the executor must build
+    "zero0-accumulated.json": ((0, "none", 2), "ddp", "AdamW"),
+    "zero1-recompute.json": ((1, "full", 1), "ddp", "ZeroRedundancyOptimizer"),
+    "zero2.json": ((2, "none", 1), "fully_shard", "AdamW"),
+    "zero3-recompute-accumulated.json": ((3, "full", 2), "fully_shard", "AdamW"),
+    "zero0-broken.json": ((0, "none", 1), "ddp", "AdamW"),
+}
+
+
+def test_every_zero_stage_recompute_and_accumulation_is_equal_to_one_process(tmp_path):
+    from plait.operators.search import DegreePins, search
+    from plait.runtime.launch import run_local
+    from plait.spec.clusters import CLUSTER_PRESETS
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        for name, ((zero, recompute, m), _, _) in CASES.items():
+            pins = DegreePins(dp=2, zero=zero, recompute=recompute, micro_batch=8 // 2 // m)
+            plan = search("gnn:build", "gnn:batch", CLUSTER_PRESETS["local-cpu"], devices=2, global_batch=8,
+                          degrees=pins).plans[0]
+            assert (plan.zero, plan.recompute, plan.num_micro_batches) == (zero, (recompute,), m)
+            assert plan.operators.blocks == ("layers" if recompute == "full" or zero >= 2 else "")
+            (tmp_path / name).write_text(plan.to_json())
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = tmp_path / "results.json"
+    os.environ.setdefault("PLAIT_OMP_THREADS", "1")
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLES), saved]))
+    try:
+        code = run_local(2, [str(WORKER), str(out), *(str(tmp_path / n) for n in CASES)], module=None, timeout_s=600)
+    finally:
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    assert code == 0 and set(results) == set(CASES), results
+    for name, (_, carrier, optimizer) in CASES.items():
+        result = results[name]
+        assert "error" not in result, result.get("traceback")
+        assert result["summary"]["data_parallel"] == [carrier] and result["summary"]["optimizer"] == optimizer, \
+            (name, result["summary"])
+        assert bool(result["failures"]) == ("broken" in name), (name, result["failures"])
