@@ -17,13 +17,15 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
   sharded; each call's floating outputs that autograd saves for the backward (the capture's saved_tensors_hooks;
   a view of a saved tensor counted once), over the axis when sharded; and, beside them at the peak, the largest
-  output autograd does not save (whole: a transient). Over dp > 1 the executor's fully_shard holds its 4
-  copies over dp, and, as one unit on the whole module (plait.execute.operators), the gathered weights from the
-  forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
-  unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
-* Data-parallel synchronisation (fully_shard, one unit on the whole module): one all-gather of the weights before
-  the forward and one reduce-scatter of the gradients after the backward, per step (a pipeline's schedule keeps the
-  weights gathered and the gradients unreduced until its last micro-batch).
+  output autograd does not save (whole: a transient). Over dp > 1, what the plan's ZeRO stage's carrier holds
+  (DataParallelCarry): a pipeline stage's fully_shard, one unit on the stage, holds its 4 copies over dp and the
+  gathered weights from the forward to the end of the backward and the whole gradients until they are
+  reduce-scattered (FSDP2 keeps the root unit's parameters after the forward): 2 more copies of this rank's
+  tensor-parallel shard at the peak. Recomputed blocks (`recomputed_blocks`) keep nothing between the forward and
+  the backward but their inputs; one block's activations come back in its backward.
+* Data-parallel synchronisation (DataParallelCarry; a pipeline stage's fully_shard: one all-gather of the weights
+  before the forward and one reduce-scatter of the gradients after the backward, per step, the schedule keeping
+  the weights gathered and the gradients unreduced until its last micro-batch).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispat
 strategy from its inputs' placements, runs the strategies that were priced, and the backward carries each
 redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
 Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
-(_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
-tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors), 0-d parameters and fused
-tables left out. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
+(_summed_gradient); the loss leaves replicated. Then the plan's ZeRO stage carries the data-parallel axis
+(shard_over_dp): DDP for ZeRO 0/1 of plain replicas, else fully_shard, which shards the (already tensor-parallel)
+parameters further, as for a hand-written tensor plan (2-D DTensors), one unit per repeated block and the root,
+0-d parameters and fused tables left out. Under recompute "full" the repeated blocks are checkpointed first. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
 function_reads redistributes at module boundaries only (its inputs, outputs and param_reads). Normalisations read
 their statistics dimensions whole (NormsReadWhole, plait.operators.norms).
 
@@ -132,7 +133,10 @@ def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: Oper
     for unit in units:
         fully_shard(unit, mesh=mesh["dp"], ignored_params=kept or None,
                     reshard_after_forward=mode.reshard_after_forward)
-    fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None, reshard_after_forward=mode.reshard_after_forward)
+    # the root unit as FSDP2 treats a root left to its default: gathered from the forward through the backward (its
+    # weights are needed again at once; plait.cost.operators.DataParallelCarry prices it so)
+    root = {} if mode.reshard_after_forward else {"reshard_after_forward": False}
+    fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None, **root)
     return model
 
 

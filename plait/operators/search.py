@@ -1,8 +1,9 @@
 """The joint search for a module of any shape: every mesh shape a device count allows, each solved per operator.
 
 `search(...)` enumerates the shapes (`shapes`): dp x tp x pp over the devices (pp only where the module has
-repeated blocks to cut between, at most one block per stage), and under a pipeline the number of micro-batches
-per step (`micro_batch_counts`); each shape is planned by the per-operator program
+repeated blocks to cut between, at most one block per stage), under a pipeline the number of micro-batches per
+step (`micro_batch_counts`), without one the ZeRO stage (`zeros`) and recompute per repeated block
+(`recomputes`); each shape is planned by the per-operator program
 (plait.operators.planner for pp = 1, plait.operators.pipeline for stages, whose repeated block is solved once and
 reused on every stage), under the per-device memory limit; the plans are ranked by predicted step time (then peak
 memory). Pins of any degree (--dp, --tp, --pp, --micro-batch, --schedule) narrow the shapes; placement pins hold
@@ -17,9 +18,14 @@ What the search does not vary, and why:
   never prices its step below 1F1B's and its memory is never lower, so it is ranked only where pinned
   (--schedule gpipe). Interleaved and zero-bubble schedules need several stages per pipeline rank or split
   backwards, which per-operator stages do not run: a pin of one is refused in one line.
-* Without a pipeline, one micro-batch per step (the executor runs each data-parallel rank's share at once).
-* The data-parallel carrier: fully_shard over dp, one unit on the whole module (plait.execute.operators; priced
-  as it runs, plait.cost.operators).
+* Without a pipeline, more than one micro-batch per step only where one does not fit (`accumulated`: the fewest
+  that do; more only add the per-micro-batch costs of ZeRO-3's gathers and smaller kernels) or where pinned.
+* ZeRO stages that run alike on a mesh (plait.search.space.distinct_zeros: fully_shard runs 0, 1 and 2 alike),
+  ZeRO-3 where the module has no one list of repeated blocks (fully_shard's units: FSDP2 keeps its root unit
+  gathered, so the root alone runs ZeRO-3 as ZeRO-2), and under a pipeline (its stages stay gathered through the
+  schedule: plait.legality.data_parallel_mode): one stage is listed, the others only when pinned.
+* Recompute at tp > 1 or under a pipeline: the planned redistributions are made during the forward (the
+  executor's PlannedReads), not in a block's recomputation in the backward; refused per shape when pinned.
 
 When no shape fits, the error names the smallest per-device budget that fits one (each shape's least memory: the
 smallest placement of every node, plait.operators.planner.least_memory) and the smallest device count, among

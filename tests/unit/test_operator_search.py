@@ -4,6 +4,7 @@ proven gap reach the plan (tier 1: no processes; DTensor's rules on a fake proce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -278,3 +279,38 @@ def test_a_stages_memory_bound_never_exceeds_what_its_solve_needs():
     fits = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2, num_micro_batches=4,
                      memory_limit=plan.predicted.peak_memory_bytes * 1.001)
     assert fits.predicted.peak_memory_bytes <= plan.predicted.peak_memory_bytes * 1.001
+
+
+def test_zero_stages_are_priced_as_their_carriers_hold_and_move_the_weights():
+    """Per parameter, what each ZeRO stage's carrier holds (plait.cost.memory.state_bytes, the decoder path's owner)
+    and moves: one replica 4 copies (weights, gradients, AdamW's two moments); DDP 5 (its gradient buckets);
+    ZeRO-1 shards the moments; fully_shard on one unit keeps the gathered weights and the whole gradients beside
+    its shards (2 + 4 / dp); ZeRO-3 holds a block's gathered weights and gradients two blocks at a time. DDP
+    all-reduces, ZeRO-1 gathers the updated shards too, ZeRO-3 gathers a block's weights again in the backward."""
+    from plait.cost import comm
+    from plait.cost import operators as price
+
+    carries = {zero: price.data_parallel_carry(4, 1, zero, CPU, blocks="layers", num_blocks=8) for zero in range(4)}
+    assert price.data_parallel_carry(1, 1, 0, CPU).copies("fc.weight") == 4
+    assert [carries[z].copies("head.weight") for z in range(4)] == [5, 3 + 2 / 4, 2 + 4 / 4, 2 + 4 / 4]
+    assert carries[3].copies("layers.1.weight") == 4 / 4 + 2 * 2 / 8  # shards, and 2 of 8 blocks gathered, grads whole
+    group, megabyte = comm.Group(4, 1), 2.0**20
+    sync = {z: carries[z].sync_time(megabyte, "layers.1.weight", CPU, group) for z in range(4)}
+    assert sync[0] < sync[1] and sync[2] < sync[3]
+    assert carries[3].sync_time(megabyte, "head.weight", CPU, group) == sync[2]  # the root unit: gathered once
+
+
+def test_micro_batches_accumulate_without_a_pipeline_where_one_does_not_fit():
+    """Without a pipeline, a step of one micro-batch per data-parallel rank that does not fit the budget is split
+    into the fewest micro-batches that do (gradients accumulated); pinned, the count holds. The graph network at
+    dp2 and ZeRO-2 over 16 samples: 7.3 MiB in one micro-batch, 5.0 in two, 3.9 in four."""
+    pins = DegreePins(dp=2, zero=2, recompute="none")
+    whole = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16, degrees=pins).plans[0]
+    four = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16,
+                  degrees=dataclasses.replace(pins, micro_batch=2)).plans[0]
+    assert (whole.num_micro_batches, four.num_micro_batches, four.micro_batch) == (1, 4, 2)
+    assert four.predicted.peak_memory_bytes < whole.predicted.peak_memory_bytes
+    budget = four.predicted.peak_memory_bytes + 0.01 * 2**20
+    found = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16, degrees=pins, memory_limit=budget)
+    assert [p.num_micro_batches for p in found.plans] == [4]
+    assert found.plans[0].predicted.peak_memory_bytes == four.predicted.peak_memory_bytes
