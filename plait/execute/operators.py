@@ -10,7 +10,8 @@ Partial gradient, summed over its readers, is all-reduced once at the value, whe
 (_summed_gradient); the loss leaves replicated. Then the plan's ZeRO stage carries the data-parallel axis
 (shard_over_dp): DDP for ZeRO 0/1 of plain replicas, else fully_shard, which shards the (already tensor-parallel)
 parameters further, as for a hand-written tensor plan (2-D DTensors), one unit per repeated block and the root,
-0-d parameters and fused tables left out. Under recompute "full" the repeated blocks are checkpointed first. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
+0-d parameters and fused tables left out. Under recompute "full" the repeated blocks are checkpointed first. Over
+a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
 function_reads redistributes at module boundaries only (its inputs, outputs and param_reads). Normalisations read
 their statistics dimensions whole (NormsReadWhole, plait.operators.norms).
 

@@ -572,7 +572,8 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
     return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
                             param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
-                            step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster, micro_batches),
+                            step_time_s=solution.cost,
+                            data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster, micro_batches),
                             comm_bytes=total_bytes, comm_counts=counts,
                             peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                             solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
