@@ -159,6 +159,21 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
+    # an edge's price depends on the placements and the tensor's shape alone: millions of edges, thousands of prices
+    edge_prices: dict[tuple, float] = {}
+    layouts: dict[tuple, bool] = {}
+
+    def edge_seconds(src: str, dst: str, grad: str, ref: TensorRef, needs_grad: bool) -> float:
+        key = (src, dst, grad, ref.shape, ref.dtype, needs_grad)
+        if key not in edge_prices:
+            edge_prices[key] = price.edge_time(src, dst, grad, ref, group, cluster, needs_grad)[0]
+        return edge_prices[key]
+
+    def runs_on_layout(src: str, dst: str, ref: TensorRef) -> bool:
+        key = (src, dst, ref.shape, ref.stride)
+        if key not in layouts:
+            layouts[key] = price.runs_on_layout(src, dst, ref)
+        return layouts[key]
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -167,11 +182,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         producer, index = value_node[ref.value]
         source = nodes[producer]
         matrix = np.zeros((len(source.strategies), len(reads)))
+        needs_grad = ref.value in grads
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
-                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts)
-                matrix[a, b] = repeat * price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
+                runs = src == dst or (src not in accepts and runs_on_layout(src, dst, ref))
+                matrix[a, b] = repeat * edge_seconds(src, dst, grad, ref, needs_grad) + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
@@ -351,11 +367,16 @@ def block_nodes(built: Built) -> dict[str, list[tuple[int, tuple]]]:
 
     number = re.compile(r"^(.*?\.\d+)(?:\.|$)")
     blocks: dict[str, list[tuple[int, tuple]]] = {}
+    # the graph's calls' keys are the same in every problem built on it (a search builds several): made once
+    keys = built.graph.__dict__.setdefault("_block_keys", {})
     for call in built.graph.calls:
         found = number.match(call.module)
         if found:
             prefix = found.group(1)
-            key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
+            if call.index not in keys:
+                keys[call.index] = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs),
+                                    _scalars(call))
+            key = keys[call.index]
             blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
             blocks[prefix].extend((built.gradient_sums[ref.value], ("gradient sum", key, i))
                                   for i, ref in enumerate(call.outputs) if ref.value in built.gradient_sums)

@@ -417,17 +417,20 @@ def accumulated(module: _Module, cluster: ClusterSpec, shape: Shape, global_batc
     if shape.pp > 1:
         raise refusal
     counts = [m for m in divisors(global_batch // shape.dp) if m > 1]
-    low, high, best = 0, len(counts) - 1, None
+    if not counts:
+        raise refusal
+    # the most first: where one sample a micro-batch does not fit, no count does (one solve, not a bisection's)
+    best = plan_shape(module, cluster, dataclasses.replace(shape, num_micro_batches=counts[-1]), prove=False,
+                      **settings)
+    low, high = 0, len(counts) - 2
     while low <= high:
         middle = (low + high) // 2
         try:
             best = plan_shape(module, cluster, dataclasses.replace(shape, num_micro_batches=counts[middle]),
                               prove=False, **settings)
             high = middle - 1
-        except planner.DoesNotFit as e:
-            refusal, low = e, middle + 1
-    if best is None:
-        raise refusal
+        except planner.DoesNotFit:
+            low = middle + 1
     return best
 
 
