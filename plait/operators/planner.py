@@ -32,6 +32,8 @@ from plait.spec.cluster import ClusterSpec
 
 COSTLIEST = 10
 """Operators the plan keeps for its report."""
+OUTPUT_NODE = "<output>"
+"""The loss's node: it leaves replicated; its memory is what the peak holds beside the kept activations."""
 
 
 @dataclass
@@ -200,7 +202,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             connect(ref, v, reads, _taken_as_is(nodes[v].strategies, k))
     if graph.output is not None:  # the loss leaves replicated
         sink = len(nodes)
-        nodes.append(_Node("<output>", [Strategy(("R",), ())]))
+        nodes.append(_Node(OUTPUT_NODE, [Strategy(("R",), ())]))
         costs.append([0.0])
         # beside the kept activations at the peak (price's docstring); under recompute, the blocks' inputs and
         # one block's activations rematerialised in its backward
@@ -617,12 +619,14 @@ def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
 
 def memory_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
     """Bytes per device of the solution by part: "params" (weights, gradients and optimizer states, with what
-    fully_shard gathers), "activations" (what the calls keep for backward) and "inputs" (the batch and buffers)."""
+    fully_shard gathers), "activations" (what the calls keep for backward, the largest transient output and what
+    recomputation holds: the loss's node) and "inputs" (the batch and buffers)."""
     parts = {"params": 0.0, "activations": 0.0, "inputs": 0.0}
     params = {built.value_node[ref.value] for ref in built.graph.params.values()}
     calls = set(built.call_node.values())
     for i, m in enumerate(built.problem.node_memory):
-        part = "params" if i in params else "activations" if i in calls else "inputs"
+        held = i in calls or built.nodes[i].name == OUTPUT_NODE
+        part = "params" if i in params else "activations" if held else "inputs"
         parts[part] += float(m[choice[i]])
     return parts
 
