@@ -6,9 +6,9 @@ step (`micro_batch_counts`), without one the ZeRO stage (`zeros`) and recompute 
 (`recomputes`); each shape is planned by the per-operator program
 (plait.operators.planner for pp = 1, plait.operators.pipeline for stages, whose repeated block is solved once and
 reused on every stage), under the per-device memory limit; the plans are ranked by predicted step time (then peak
-memory). Pins of any degree (--dp, --tp, --pp, --micro-batch, --schedule) narrow the shapes; placement pins hold
-on every shape (over one rank every placement is the whole tensor; a degree a pinned placement cannot take refuses
-that shape, named).
+memory). Pins of any degree (--dp, --tp, --pp, --micro-batch, --schedule, --zero, --recompute) narrow the
+shapes; placement pins hold on every shape (over one rank every placement is the whole tensor; a degree a pinned
+placement cannot take refuses that shape, named).
 
 What the search does not vary, and why:
 
@@ -69,7 +69,7 @@ class Shape:
     num_micro_batches: int = 1
     schedule: str = "1f1b"
     zero: int = -1
-    """The ZeRO stage (-1: the pipeline's, planner.zero_stage)."""
+    """The ZeRO stage (-1: planner.zero_stage's, what a pipeline runs)."""
     recompute: str = "none"
     """"full": every repeated block recomputed in the backward; "none"."""
 
@@ -312,9 +312,7 @@ def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_ba
             table_optimizer=table_optimizer, name=f"model {module.name!r}", graphs=module.graphs, prove=prove,
             give_up_above=give_up_above)
     else:
-        from plait.cost.operators import data_parallel_carry
-
-        carry = data_parallel_carry(shape.dp, shape.tp, shape.zero_stage, cluster, shape.num_micro_batches,
+        carry = price.data_parallel_carry(shape.dp, shape.tp, shape.zero_stage, cluster, shape.num_micro_batches,
                                     module.unit_blocks, module.unit_count)
         ops = planner.plan_module(module.model, batch, batch_source=module.batch_source, tp=shape.tp, dp=shape.dp,
                                   cluster=cluster, pins=pins, solver=solver, memory_limit=memory_limit,

@@ -314,3 +314,18 @@ def test_micro_batches_accumulate_without_a_pipeline_where_one_does_not_fit():
     found = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16, degrees=pins, memory_limit=budget)
     assert [p.num_micro_batches for p in found.plans] == [4]
     assert found.plans[0].predicted.peak_memory_bytes == four.predicted.peak_memory_bytes
+
+
+def test_recompute_holds_the_blocks_inputs_and_pays_their_forward_again():
+    """Recompute full of the graph network's layers: less activation memory (each layer's input and one layer's
+    activations instead of every layer's), more compute (the layers' forward again: at most a third of the step's
+    compute, which counts forward and backward); pinned at tp2 it is refused, named, on a shape the executor cannot
+    recompute."""
+    none, full = (search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8,
+                         degrees=DegreePins(dp=2, zero=2, recompute=mode)).plans[0] for mode in ("none", "full"))
+    assert (none.recompute, full.recompute) == (("none",), ("full",))
+    assert full.predicted.memory_parts["activations"] < none.predicted.memory_parts["activations"]
+    extra = full.operators.time_parts["compute"] - none.operators.time_parts["compute"]
+    assert 0 < extra < none.operators.time_parts["compute"] / 3
+    with pytest.raises(ConfigError, match="per-operator recomputation runs on one tensor-parallel rank"):
+        search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(tp=2, recompute="full"))
