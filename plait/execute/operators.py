@@ -126,7 +126,7 @@ def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: Oper
     synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
     mode = plan.dp_mode
     if mode.carrier == "ddp":
-        return replicate_with_ddp(model, mesh)
+        return replicate_with_ddp(model, mesh, sharding)
     from torch.distributed.fsdp import fully_shard
 
     kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
@@ -141,11 +141,13 @@ def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: Oper
     return model
 
 
-def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
     """DDP over dp around `model`, kept beside it (model.data_parallel_runner: the forward runs through it, the
     parameters keep their names); the fused tables, which update their own rows, left out. Buffers are not
-    broadcast: every rank holds the same (synchronised BatchNorm statistics). On meta (a dry run's shapes) nothing:
-    DDP moves no parameter."""
+    broadcast: every rank holds the same (synchronised BatchNorm statistics). Where the forward the planner captured
+    reads some parameter not at all (sharding.unread_params), DDP looks for the parameters without a gradient each
+    step (find_unused_parameters): otherwise its reducer stops the second step. On meta (a dry run's shapes)
+    nothing: DDP moves no parameter."""
     from torch.nn.parallel import DistributedDataParallel
 
     if any(p.is_meta for p in model.parameters()):
@@ -155,7 +157,8 @@ def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         model, [name for name, p in model.named_parameters() if p in fused])
     # init_sync=False: every rank built the same initial weights from the seed
     model.__dict__["data_parallel_runner"] = DistributedDataParallel(
-        model, process_group=mesh["dp"].get_group(), init_sync=False, broadcast_buffers=False)
+        model, process_group=mesh["dp"].get_group(), init_sync=False, broadcast_buffers=False,
+        find_unused_parameters=bool(sharding.unread_params))
     return model
 
 

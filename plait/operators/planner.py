@@ -593,7 +593,9 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm_s=float(sum(s for s, _ in per_call.get(node, []))),
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
-    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
+    read = {ref.value for call in built.graph.calls for ref in call.inputs}
+    unread = tuple(name for name, ref in built.graph.params.items() if ref.value not in read)
+    return OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs, unread_params=unread,
                             param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
                             step_time_s=solution.cost,
                             data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster, micro_batches),

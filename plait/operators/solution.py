@@ -89,6 +89,9 @@ class OperatorSharding:
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+    unread_params: tuple[str, ...] = ()
+    """Parameters the captured forward never reads (no gradient reaches them): DDP must be told to look for them
+    (plait.execute.operators.replicate_with_ddp)."""
     import_paths: tuple[str, ...] = ()
     """The folders the module and the batch factory were imported from when planned (outside Python's own
     installation): `plait check` and `plait train` import them from there, from any working directory."""

@@ -19,6 +19,7 @@ from plait.execute import data
 from plait.execute.equivalence import CheckSettings, Tolerance
 from plait.execute.module_model import parallelize_module
 from plait.execute.operators import check_plan
+from plait.models.factory import use_import_roots
 from plait.plan import Plan
 from plait.runtime.launch import init_distributed, shutdown_distributed
 
@@ -35,6 +36,7 @@ def dropped_gradient_sync():
 
 def run(path: Path) -> dict:
     plan = Plan.from_json(path)
+    use_import_roots(plan.operators.import_paths)  # where the module was planned from, as `plait check` finds it
     model = parallelize_module(plan, seed=1)
     optimizer = model.make_optimizer(lr=1e-3)
     summary = model.runtime_summary(optimizer)

@@ -1,7 +1,7 @@
 """Every ZeRO stage, recompute and gradient accumulation a per-operator plan without a pipeline can choose, proven
 equal to one process by `plait check`, in one launch of 2 ranks (tests/dist/_data_parallel_worker.py): the graph
 network's plans of the joint search at dp2 (examples/operators/gnn.py, one list of repeated layers), pinned as a
-user pins them."""
+user pins them, and DDP over a module with a parameter its forward never reads."""
 
 from __future__ import annotations
 
@@ -23,7 +23,31 @@ CASES = {  # file name: (zero, recompute, micro-batches per step), the carrier t
     "zero2.json": ((2, "none", 1), "fully_shard", "AdamW"),
     "zero3-recompute-accumulated.json": ((3, "full", 2), "fully_shard", "AdamW"),
     "zero0-broken.json": ((0, "none", 1), "ddp", "AdamW"),
+    "zero0-unread.json": ((0, "none", 1), "ddp", "AdamW"),
 }
+UNREAD = """import torch
+from torch import nn
+
+
+class Spare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)  # never read by the forward
+
+    def forward(self, x, y):
+        return ((self.fc(x) - y) ** 2).mean()
+
+
+def build():
+    return Spare()
+
+
+def batch(n, generator):
+    return torch.randn(n, 8, generator=generator), torch.randn(n, 8, generator=generator)
+"""
+"""A module with a parameter its forward never reads: DDP's reducer stops the second step unless told
+(OperatorSharding.unread_params)."""
 
 
 def test_every_zero_stage_recompute_and_accumulation_is_equal_to_one_process(tmp_path):
@@ -31,17 +55,22 @@ def test_every_zero_stage_recompute_and_accumulation_is_equal_to_one_process(tmp
     from plait.runtime.launch import run_local
     from plait.spec.clusters import CLUSTER_PRESETS
 
-    sys.path.insert(0, str(EXAMPLES))
+    (tmp_path / "spare_parameter.py").write_text(UNREAD)
+    sys.path[:0] = [str(EXAMPLES), str(tmp_path)]
     try:
         for name, ((zero, recompute, m), _, _) in CASES.items():
             pins = DegreePins(dp=2, zero=zero, recompute=recompute, micro_batch=8 // 2 // m)
-            plan = search("gnn:build", "gnn:batch", CLUSTER_PRESETS["local-cpu"], devices=2, global_batch=8,
+            model = "spare_parameter" if "unread" in name else "gnn"
+            plan = search(f"{model}:build", f"{model}:batch", CLUSTER_PRESETS["local-cpu"], devices=2, global_batch=8,
                           degrees=pins).plans[0]
             assert (plan.zero, plan.recompute, plan.num_micro_batches) == (zero, (recompute,), m)
-            assert plan.operators.blocks == ("layers" if recompute == "full" or zero >= 2 else "")
+            if model == "gnn":
+                assert plan.operators.blocks == ("layers" if recompute == "full" or zero >= 2 else "")
+            else:
+                assert plan.operators.unread_params == ("spare.weight", "spare.bias")
             (tmp_path / name).write_text(plan.to_json())
     finally:
-        sys.path.remove(str(EXAMPLES))
+        del sys.path[:2]
     out = tmp_path / "results.json"
     os.environ.setdefault("PLAIT_OMP_THREADS", "1")
     saved = os.environ.get("PYTHONPATH")
