@@ -7,7 +7,7 @@ The model is `package.module:factory` (an nn.Module whose forward takes the batc
 batch `package.module:function` (function(batch_size, generator) -> tuple of tensors); --seq-len is not used.
 --pp N cuts pipeline stages between the module's repeated blocks (plait.operators.pipeline), with --schedule
 gpipe or 1f1b and --micro-batch (default: pp micro-batches per step). Without a pipeline --zero pins the ZeRO
-stage, --recompute full recomputes every repeated block (tp1), --micro-batch accumulates gradients over the
+stage, --recompute full recomputes every repeated block, --micro-batch accumulates gradients over the
 micro-batches of a step; each is searched otherwise.
 Prints the placements, the costliest operators with the communication they cause, and the prediction against
 data parallelism alone; --json writes the plan that `plait check` runs.

@@ -317,8 +317,10 @@ class Recomputed:
 
 def recomputed_blocks(graph, blocks: str, axis_size: int) -> Recomputed:
     """The price of recomputing every block under `blocks` (a module path; "": none) in the backward: each block's
-    calls keep nothing (RECOMPUTED_WORK for their compute), and `held_bytes` beside the other activations. Whole
-    (unsplit) activations: recomputation runs per operator where the tensor-parallel axis has one rank."""
+    calls keep nothing (RECOMPUTED_WORK for their compute; the planner adds the forward redistributions into them
+    again), and `held_bytes` beside the other activations, counted whole (unsplit) whatever the placements the solve
+    then chooses: an upper bound over a tensor-parallel axis. Upper bounds both: torch's non-reentrant checkpoint
+    stops recomputing once the tensors the backward needs are back, so a block's last calls may not run again."""
     if not blocks:
         return Recomputed()
     prefix = blocks + "."

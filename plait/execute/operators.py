@@ -90,8 +90,8 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     tp_mesh = mesh["tp"]
     register_plait_rules()  # the rules the planner priced with (CPU attention)
     use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None)
-    recompute_blocks(model, plan, sharding)
     if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
+        recompute_blocks(model, plan, sharding)
         return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
@@ -107,8 +107,9 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
                                    persistent=leaf not in module._non_persistent_buffers_set)
         if not by_function:  # a plan written before function_reads: redistribute at module boundaries only
             _redistribute_at_module_boundaries(module, prefix, module_name, sharding, tp_mesh)
-    model.forward = _with_constants_replicated(model.forward, PlannedReads(tp_mesh, sharding.function_reads)
-                                               if by_function else None, not caller_replicates)
+    planned = PlannedReads(tp_mesh, sharding.function_reads) if by_function else None
+    model.forward = _with_constants_replicated(model.forward, planned, not caller_replicates)
+    recompute_blocks(model, plan, sharding, planned)  # after the placements: they are found by the names
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh), with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
     return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
@@ -162,21 +163,43 @@ def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh, sharding: OperatorSha
     return model
 
 
-def recompute_blocks(model: nn.Module, plan: Plan, sharding: OperatorSharding) -> None:
-    """Under recompute "full" (a plan without a pipeline, on one tensor-parallel rank), every repeated block of
-    sharding.blocks checkpointed as the decoder path checkpoints its blocks (plait.execute.recompute.checkpointed:
-    only the block's input kept, the block run again in the backward). A wrapped block's parameter names gain
-    `_checkpoint_wrapped_module.` (plait.execute.state.clean_name strips it; its state dict has the plain names)."""
+def recompute_blocks(model: nn.Module, plan: Plan, sharding: OperatorSharding,
+                     planned: "PlannedReads | None" = None) -> None:
+    """Under recompute "full" (a plan without a pipeline), every repeated block of sharding.blocks checkpointed as
+    the decoder path checkpoints its blocks (plait.execute.recompute.checkpointed: only the block's input kept, the
+    block run again in the backward). Over a tensor-parallel axis (`planned`: the forward's PlannedReads) the
+    recomputation reads as the forward read: the planned redistributions, numbered from where the block's forward
+    began (replayed_reads), and the normalisations whole, so it recomputes the very DTensors autograd kept. A wrapped
+    block's parameter names gain `_checkpoint_wrapped_module.` (plait.execute.state.clean_name strips it; its state
+    dict has the plain names)."""
     if plan.pp > 1 or plan.recompute[0] != "full":
         return
     from plait.execute.recompute import checkpointed
 
-    if not sharding.blocks or plan.tp > 1:
-        raise ValueError(f"recompute full of a per-operator plan needs its repeated blocks (plan.operators.blocks) "
-                         f"and tp1 (the plan has {sharding.blocks!r}, tp{plan.tp})")
+    if not sharding.blocks:
+        raise ValueError("recompute full of a per-operator plan needs its repeated blocks (plan.operators.blocks)")
     container = get_module(model, sharding.blocks)
+    replay = functools.partial(replayed_reads, planned) if planned is not None else None
     for name, block in list(container.named_children()):
-        container.register_module(name, checkpointed(block))
+        container.register_module(name, checkpointed(block, replay))
+
+
+def replayed_reads(planned: "PlannedReads"):
+    """checkpoint's (forward, recompute) contexts for one block's forward: nothing more in the forward (the
+    model's PlannedReads and NormsReadWhole are active); in the recompute, a PlannedReads of the same reads whose
+    call numbering starts where this block's forward started, NormsReadWhole, and implicit_replication where the
+    backward runs without it (it does not nest: an inner one's exit would turn the caller's off)."""
+    start = dict(planned.keys.seen)
+
+    @contextmanager
+    def recompute():
+        again = PlannedReads(planned.mesh, {})
+        again.reads, again.keys.seen = planned.reads, dict(start)
+        replicating = DTensor._op_dispatcher._allow_implicit_replication
+        with nullcontext() if replicating else implicit_replication(), NormsReadWhole(), again:
+            yield
+
+    return nullcontext(), recompute()
 
 
 def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:

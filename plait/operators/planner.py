@@ -65,6 +65,8 @@ class Built:
     was taken of)."""
     axis_size: int = 0
     """The tensor-parallel degree the problem was built for."""
+    recomputed: frozenset[int] = frozenset()
+    """Calls (their index) of recomputed blocks: the redistributions into them are made again in the backward."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -165,10 +167,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     edge_prices: dict[tuple, float] = {}
     layouts: dict[tuple, bool] = {}
 
-    def edge_seconds(src: str, dst: str, grad: str, ref: TensorRef, needs_grad: bool) -> float:
-        key = (src, dst, grad, ref.shape, ref.dtype, needs_grad)
+    def edge_seconds(src: str, dst: str, grad: str, ref: TensorRef, needs_grad: bool, again: bool) -> float:
+        """The edge's forward and backward seconds; `again`: its reader is recomputed, its forward made twice."""
+        key = (src, dst, grad, ref.shape, ref.dtype, needs_grad, again)
         if key not in edge_prices:
-            edge_prices[key] = price.edge_time(src, dst, grad, ref, group, cluster, needs_grad)[0]
+            seconds, forward, _ = price.edge_time(src, dst, grad, ref, group, cluster, needs_grad)
+            edge_prices[key] = seconds + (forward.seconds if again else 0.0)
         return edge_prices[key]
 
     def runs_on_layout(src: str, dst: str, ref: TensorRef) -> bool:
@@ -184,12 +188,12 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         producer, index = value_node[ref.value]
         source = nodes[producer]
         matrix = np.zeros((len(source.strategies), len(reads)))
-        needs_grad = ref.value in grads
+        needs_grad, again = ref.value in grads, consumer_call.get(consumer) in recomputed.calls
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 runs = src == dst or (src not in accepts and runs_on_layout(src, dst, ref))
-                matrix[a, b] = repeat * edge_seconds(src, dst, grad, ref, needs_grad) + \
+                matrix[a, b] = repeat * edge_seconds(src, dst, grad, ref, needs_grad, again) + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
@@ -238,7 +242,7 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size)
+                 tuple(unsupported), gradient_sums, shares, axis_size, recomputed.calls)
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -577,11 +581,13 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                 seconds, bwd = seconds - bwd.seconds, price.NONE
             summed.add(root)
         kinds = []
-        for direction, r in (("fwd", fwd), ("bwd", bwd)):
+        again = built.nodes[consumer].call is not None and built.nodes[consumer].call.index in built.recomputed
+        for direction, r, times in (("fwd", fwd, 2 if again else 1), ("bwd", bwd, 1)):
             if r.collective:
-                counts[r.collective] = counts.get(r.collective, 0) + 1
-                total_bytes += r.nbytes
-                kinds.append(f"{r.collective} {_size(r.nbytes)} {direction}")
+                counts[r.collective] = counts.get(r.collective, 0) + times
+                total_bytes += times * r.nbytes
+                kinds.append(f"{r.collective} {_size(r.nbytes)} {direction}" + (" x2 (recomputed)" if times > 1 else ""))
+        seconds += fwd.seconds if again else 0.0
         if kinds:
             per_call.setdefault(consumer, []).append((seconds, ", ".join(kinds)))
     ops = []

@@ -24,8 +24,7 @@ What the search does not vary, and why:
   ZeRO-3 where the module has no one list of repeated blocks (fully_shard's units: FSDP2 keeps its root unit
   gathered, so the root alone runs ZeRO-3 as ZeRO-2), and under a pipeline (its stages stay gathered through the
   schedule: plait.legality.data_parallel_mode): one stage is listed, the others only when pinned.
-* Recompute at tp > 1 or under a pipeline: the planned redistributions are made during the forward (the
-  executor's PlannedReads), not in a block's recomputation in the backward; refused per shape when pinned.
+* Recompute under a pipeline (the executor's stages are not checkpointed): refused per shape when pinned.
 
 When no shape fits, the error names the smallest per-device budget that fits one (each shape's least memory: the
 smallest placement of every node, plait.operators.planner.least_memory) and the smallest device count, among
@@ -198,10 +197,10 @@ def zeros(dp: int, tp: int, pins: DegreePins, unit_blocks: bool) -> list[int]:
 
 def recomputes(tp: int, pins: DegreePins, unit_blocks: bool) -> list[str]:
     """Recompute modes searched without a pipeline: none, and full per repeated block where the module has them
-    and the tensor-parallel axis has one rank (plan_shape refuses the rest, named); the pinned one."""
+    (plan_shape refuses the rest, named); the pinned one."""
     if pins.recompute is not None:
         return [pins.recompute]
-    return ["none", "full"] if unit_blocks and tp == 1 else ["none"]
+    return ["none", "full"] if unit_blocks else ["none"]
 
 
 def explain_no_shape(devices: int, global_batch: int, num_blocks: int, pins: DegreePins) -> str:
@@ -276,14 +275,11 @@ def repeated_blocks(model: nn.Module, name: str) -> tuple[str, int]:
 
 def refuse_recompute(module: _Module, shape: Shape) -> None:
     """planner.PinRefused where `shape` recomputes what the executor cannot: recompute runs per repeated block,
-    without a pipeline, on one tensor-parallel rank (the planned redistributions are made in the forward; a
-    block's recomputation in the backward would not make them)."""
+    without a pipeline (a pipeline stage is checkpointed by no one here)."""
     if shape.recompute == "none":
         return
     why = ("the module has no one list of repeated blocks to recompute" if not module.unit_blocks else
-           "per-operator recomputation runs without a pipeline" if shape.pp > 1 else
-           "per-operator recomputation runs on one tensor-parallel rank (tp1): the planned redistributions are "
-           "made in the forward, not in a block's recomputation" if shape.tp > 1 else "")
+           "per-operator recomputation runs without a pipeline" if shape.pp > 1 else "")
     if why:
         raise planner.PinRefused(f"recompute full at {shape.describe()}: {why}")
 

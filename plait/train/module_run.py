@@ -30,7 +30,7 @@ PLAN_PINS = ("dp", "tp", "pp", "schedule", "num_micro_batches", "zero", "recompu
              "table_optimizer", "place")
 """[plan] pins a per-operator run takes: the dp, tp and pp degrees (pp: stages cut between the module's repeated
 blocks), the pipeline schedule (gpipe or 1f1b) and micro-batches per step (without a pipeline: gradients
-accumulated over them), the ZeRO stage (0-3), recompute ("none" or "full": every repeated block, at tp1 without a
+accumulated over them), the ZeRO stage (0-3), recompute ("none" or "full": every repeated block, without a
 pipeline), a per-device budget in MiB, the fused table optimizer, and placements pinned by parameter or module
 name. What they leave free the joint search chooses
 (plait.operators.search: every mesh shape of the devices, each solved per operator)."""

@@ -1,7 +1,8 @@
 """Every ZeRO stage, recompute and gradient accumulation a per-operator plan without a pipeline can choose, proven
 equal to one process by `plait check`, in one launch of 2 ranks (tests/dist/_data_parallel_worker.py): the graph
 network's plans of the joint search at dp2 (examples/operators/gnn.py, one list of repeated layers), pinned as a
-user pins them, and DDP over a module with a parameter its forward never reads."""
+user pins them, its layers recomputed at tp2 (the forward's planned reads replayed), and DDP over a module with a
+parameter its forward never reads."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "operators"
 WORKER = Path(__file__).parent / "_data_parallel_worker.py"
 
-CASES = {  # file name: (zero, recompute, micro-batches per step), the carrier the executor must build
+CASES = {  # file name: (zero, recompute, micro-batches per step), the carrier the executor must build; dp2, or tp2
+    "tp2-recompute.json": ((0, "full", 1), "none", "AdamW"),
     "zero0-accumulated.json": ((0, "none", 2), "ddp", "AdamW"),
     "zero1-recompute.json": ((1, "full", 1), "ddp", "ZeroRedundancyOptimizer"),
     "zero2.json": ((2, "none", 1), "fully_shard", "AdamW"),
@@ -59,7 +61,8 @@ def test_every_zero_stage_recompute_and_accumulation_is_equal_to_one_process(tmp
     sys.path[:0] = [str(EXAMPLES), str(tmp_path)]
     try:
         for name, ((zero, recompute, m), _, _) in CASES.items():
-            pins = DegreePins(dp=2, zero=zero, recompute=recompute, micro_batch=8 // 2 // m)
+            dp = 1 if name.startswith("tp2") else 2
+            pins = DegreePins(dp=dp, tp=2 // dp, zero=zero, recompute=recompute, micro_batch=8 // dp // m)
             model = "spare_parameter" if "unread" in name else "gnn"
             plan = search(f"{model}:build", f"{model}:batch", CLUSTER_PRESETS["local-cpu"], devices=2, global_batch=8,
                           degrees=pins).plans[0]

@@ -331,7 +331,8 @@ def test_a_ranking_emits_only_plans_whose_first_step_runs():
 def test_zero_recompute_and_accumulation_pins_plan_and_dry_run_and_bad_ones_are_refused(tmp_path, capsys):
     """[plan] pins the ZeRO stage, recompute and the micro-batches of a step without a pipeline: the plan holds
     them and its first step builds and runs (DDP with ZeroRedundancyOptimizer's stage, the graph network's layers
-    checkpointed, two micro-batches); a ZeRO stage that is none, or recompute at tp2, is refused in one line."""
+    checkpointed, two micro-batches); a ZeRO stage that is none, or recompute under a pipeline, is refused in one
+    line."""
     from plait.execute.module_dryrun import dry_run_module
     from plait.train.config import load_config
     from plait.train.module_run import plan_module_run
@@ -345,7 +346,7 @@ def test_zero_recompute_and_accumulation_pins_plan_and_dry_run_and_bad_ones_are_
     assert plan.dp_mode.carrier == "ddp" and plan.operators.blocks == "layers"
     assert len(dry_run_module(plan)) == 1
     for pins, message in (("{zero = 5}", "plan.pins zero = 5 must be a ZeRO stage"),
-                          ('{tp = 2, recompute = "full"}', "per-operator recomputation runs on one tensor-parallel")):
+                          ('{pp = 2, recompute = "full"}', "per-operator recomputation runs without a pipeline")):
         config.write_text(head + f'[plan]\ndevices = 2\npins = {pins}\n[log]\ndir = "{tmp_path / "log"}"\n')
         code, err = _cli(["train", str(config)], capsys)
         assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -319,13 +319,16 @@ def test_micro_batches_accumulate_without_a_pipeline_where_one_does_not_fit():
 def test_recompute_holds_the_blocks_inputs_and_pays_their_forward_again():
     """Recompute full of the graph network's layers: less activation memory (each layer's input and one layer's
     activations instead of every layer's), more compute (the layers' forward again: at most a third of the step's
-    compute, which counts forward and backward); pinned at tp2 it is refused, named, on a shape the executor cannot
-    recompute."""
+    compute, which counts forward and backward); at tp2 the redistributions into the layers are paid again; under a
+    pipeline it is refused, named."""
     none, full = (search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8,
                          degrees=DegreePins(dp=2, zero=2, recompute=mode)).plans[0] for mode in ("none", "full"))
     assert (none.recompute, full.recompute) == (("none",), ("full",))
     assert full.predicted.memory_parts["activations"] < none.predicted.memory_parts["activations"]
     extra = full.operators.time_parts["compute"] - none.operators.time_parts["compute"]
     assert 0 < extra < none.operators.time_parts["compute"] / 3
-    with pytest.raises(ConfigError, match="per-operator recomputation runs on one tensor-parallel rank"):
-        search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(tp=2, recompute="full"))
+    split = [search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(tp=2, recompute=mode),
+                    pins={"layers.1.message.weight": "S0"}).plans[0].operators.time_parts for mode in ("none", "full")]
+    assert split[1]["tp_comm"] > split[0]["tp_comm"]
+    with pytest.raises(ConfigError, match="per-operator recomputation runs without a pipeline"):
+        search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(pp=2, recompute="full"))
