@@ -24,7 +24,9 @@ What the search does not vary, and why:
   ZeRO-3 where the module has no one list of repeated blocks (fully_shard's units: FSDP2 keeps its root unit
   gathered, so the root alone runs ZeRO-3 as ZeRO-2), and under a pipeline (its stages stay gathered through the
   schedule: plait.legality.data_parallel_mode): one stage is listed, the others only when pinned.
-* Recompute under a pipeline (the executor's stages are not checkpointed): refused per shape when pinned.
+* Recompute under a pipeline (the executor's stages are not checkpointed): refused per shape when pinned. Where
+  a shape fits keeping every activation (with accumulation if need be), its recomputing twin only adds work: it is
+  left unsolved (counted with the bounded-out shapes) unless pinned.
 
 When no shape fits, the error names the smallest per-device budget that fits one (each shape's least memory: the
 smallest placement of every node, plait.operators.planner.least_memory) and the smallest device count, among
@@ -117,8 +119,9 @@ class SearchResult:
     seconds: float
     solver: str = "program"
     dominated: int = 0
-    """Pipeline shapes left unsolved: no stage split of theirs could beat a plan already found (their bound,
-    plait.operators.pipeline.step_lower_bound)."""
+    """Shapes left unsolved: pipelines no stage split of which could beat a plan already found (their bound,
+    plait.operators.pipeline.step_lower_bound), and recomputing twins of shapes that fit keeping every
+    activation."""
 
     @property
     def candidates_evaluated(self) -> int:
@@ -379,8 +382,14 @@ def search(model_source: str, batch_source: str, cluster: ClusterSpec, *, device
     plans, refused, dominated = [], [], 0
     settings = dict(global_batch=global_batch, pins=pins, solver=solver, memory_limit=memory_limit,
                     table_optimizer=table_optimizer, layers_per_stage=layers_per_stage)
-    for shape in sorted(found, key=lambda s: (s.pp, s.num_micro_batches, s.tp)):  # cheap shapes first: a bound
+    kept = set()  # (dp, tp, pp, zero) of the plans that keep every activation
+    # cheap shapes first (a bound), and keeping every activation before recomputing
+    for shape in sorted(found, key=lambda s: (s.pp, s.num_micro_batches, s.tp, s.recompute != "none")):
+        if shape.recompute != "none" and (shape.dp, shape.tp, shape.pp, shape.zero) in kept:
+            dominated += 1  # recomputing only adds work where keeping fits (with accumulation if need be)
+            continue
         best = min((p.predicted.step_time_s for p in plans), default=None)
+        count = len(plans)
         try:
             plans.append(plan_shape(module, cluster, shape, prove=False, give_up_above=best, **settings))
         except planner.DoesNotFit as e:
@@ -394,6 +403,8 @@ def search(model_source: str, batch_source: str, cluster: ClusterSpec, *, device
             refused.append(Refusal(shape, str(e)))
         except Dominated:
             dominated += 1
+        if len(plans) > count and shape.recompute == "none":
+            kept.add((shape.dp, shape.tp, shape.pp, shape.zero))
     if not plans:
         raise ConfigError(_nothing_fits(module, cluster, devices, global_batch, degrees, refused, memory_limit,
                                         table_optimizer))
