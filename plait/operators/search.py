@@ -76,11 +76,10 @@ class Shape:
 
     def describe(self) -> str:
         mesh = f"dp{self.dp} x tp{self.tp}" + (f" x pp{self.pp}" if self.pp > 1 else "")
-        extra = [f"zero{self.zero}"] if self.dp > 1 and self.pp == 1 else []
+        extra = [f"zero{self.zero}"] if self.dp > 1 and self.pp == 1 else [self.schedule] if self.pp > 1 else []
         extra += ["recompute"] if self.recompute != "none" else []
-        extra += [f"{self.num_micro_batches} micro-batches"] if self.num_micro_batches > 1 and self.pp == 1 else []
-        mesh += f" ({', '.join(extra)})" if extra else ""
-        return mesh + (f" ({self.schedule}, {self.num_micro_batches} micro-batches)" if self.pp > 1 else "")
+        extra += [f"{self.num_micro_batches} micro-batches"] if self.num_micro_batches > 1 or self.pp > 1 else []
+        return mesh + (f" ({', '.join(extra)})" if extra else "")
 
     @property
     def zero_stage(self) -> int:

@@ -56,7 +56,8 @@ class OperatorSharding:
     pins: dict[str, str] = field(default_factory=dict)
     """What the user pinned (parameter or module name -> placement), honoured by the solver."""
     step_time_s: float = 0.0
-    """Predicted seconds of one micro-batch's forward and backward with the data-parallel synchronisation."""
+    """Predicted seconds of a step's forward and backward (each of its micro-batches, without a pipeline) with the
+    data-parallel synchronisation."""
     data_parallel_step_time_s: float = 0.0
     """The same work under data parallelism alone over every device (no operator split), for comparison."""
     comm_bytes: float = 0.0

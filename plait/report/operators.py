@@ -16,7 +16,9 @@ def operators_table(plan: Plan) -> RenderableType:
     ops = plan.operators
     split = {name: p for name, p in ops.params.items() if p != "R"}
     mesh = f"dp{plan.dp} x tp{plan.tp}" + (f" x pp{plan.pp}" if plan.pp > 1 else "")
-    step = "per micro-batch step" if plan.pp == 1 else \
+    accumulated = f" ({plan.num_micro_batches} micro-batches of {plan.micro_batch}, gradients accumulated)" \
+        if plan.num_micro_batches > 1 else ""
+    step = f"per step{accumulated}" if plan.pp == 1 else \
         f"per step ({plan.schedule}, {plan.num_micro_batches} micro-batches of {plan.micro_batch})"
     header = Text(f"{plan.model.name}: {mesh}, {ops.describe()}; predicted "
                   f"{seconds_cell(ops.step_time_s)} {step} vs {seconds_cell(ops.data_parallel_step_time_s)} "
