@@ -351,10 +351,11 @@ def best_pinned(model: str, cluster, devices: int, global_batch: int) -> float:
     from plait.operators.planner import auto_plan
     from plait.operators.search import DegreePins, shapes
 
-    best = float("inf")
+    best, meshes = float("inf"), set()
     for shape in shapes(devices, global_batch, 64, DegreePins(max_tp=cluster.devices_per_node)):
-        if shape.num_micro_batches != shape.pp:
-            continue
+        if shape.num_micro_batches != shape.pp or (shape.dp, shape.tp, shape.pp) in meshes:
+            continue  # a mesh once (the shapes list each ZeRO stage of a mesh without a pipeline)
+        meshes.add((shape.dp, shape.tp, shape.pp))
         try:
             plan = auto_plan(f"{model}:build", f"{model}:batch", cluster, global_batch=global_batch, dp=shape.dp,
                              tp=shape.tp, pp=shape.pp, table_optimizer=ZOO_TABLE_OPTIMIZER.get(model),

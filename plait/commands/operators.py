@@ -6,7 +6,9 @@
 The model is `package.module:factory` (an nn.Module whose forward takes the batch and returns the loss), the
 batch `package.module:function` (function(batch_size, generator) -> tuple of tensors); --seq-len is not used.
 --pp N cuts pipeline stages between the module's repeated blocks (plait.operators.pipeline), with --schedule
-gpipe or 1f1b and --micro-batch (default: pp micro-batches per step).
+gpipe or 1f1b and --micro-batch (default: pp micro-batches per step). Without a pipeline --zero pins the ZeRO
+stage, --recompute full recomputes every repeated block, --micro-batch accumulates gradients over the
+micro-batches of a step; each is searched otherwise.
 Prints the placements, the costliest operators with the communication they cause, and the prediction against
 data parallelism alone; --json writes the plan that `plait check` runs.
 """
@@ -62,7 +64,6 @@ NOT_PER_OPERATOR = (
     ("cp", "context parallelism splits a decoder's sequences"),
     ("ep", "expert parallelism splits a mixture-of-experts decoder's experts"),
     ("context_parallel", "context parallelism splits a decoder's sequences"),
-    ("recompute", "per-operator plans keep every activation (recomputation is not run per operator)"),
     ("interleave", "per-operator pipelines run one stage per pipeline rank"),
     ("sequence_parallel", "sequence parallelism splits a decoder's norms along its sequence"),
     ("router_imbalance", "it prices a mixture-of-experts decoder's router"),
@@ -77,9 +78,6 @@ def refuse_decoder_flags(args: argparse.Namespace) -> None:
         if getattr(args, name, None) not in (None, False):
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to a per-operator plan (--batch): {why}; "
                               f"leave it out")
-    if getattr(args, "zero", None) not in (None, 3):
-        raise ConfigError(f"--zero {args.zero}: per-operator data parallelism is fully_shard over dp (ZeRO 3); "
-                          f"leave --zero out or pin 3")
     if getattr(args, "precision", None) not in (None, "fp32"):
         raise ConfigError(f"--precision {args.precision}: per-operator plans are priced and run in fp32; leave it out")
     if getattr(args, "solver", "auto") not in ("auto", "exact"):
@@ -94,7 +92,8 @@ def plan_operators(args: argparse.Namespace) -> int:
     refuse_decoder_flags(args)
     cluster = load_cluster(args.cluster)
     devices = args.devices or cluster.num_devices
-    degrees = DegreePins(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule)
+    degrees = DegreePins(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule,
+                         zero=getattr(args, "zero", None), recompute=getattr(args, "recompute", None))
     result = search(args.model, args.batch, cluster, devices=devices, global_batch=args.global_batch,
                     degrees=degrees, pins=parse_pins(args.pin), solver=args.operator_solver,
                     memory_limit=_budget(args.memory_budget), table_optimizer=args.table_optimizer,

@@ -17,13 +17,15 @@ strategies (plait.operators), as the numbers plait.search.sharding solves over.
 * Memory per device: a parameter's weights, gradients and two AdamW moments (4 copies) over the axis when
   sharded; each call's floating outputs that autograd saves for the backward (the capture's saved_tensors_hooks;
   a view of a saved tensor counted once), over the axis when sharded; and, beside them at the peak, the largest
-  output autograd does not save (whole: a transient). Over dp > 1 the executor's fully_shard holds its 4
-  copies over dp, and, as one unit on the whole module (plait.execute.operators), the gathered weights from the
-  forward to the end of the backward and the whole gradients until they are reduce-scattered (FSDP2 keeps the root
-  unit's parameters after the forward): 2 more copies of this rank's tensor-parallel shard at the peak.
-* Data-parallel synchronisation (fully_shard, one unit on the whole module): one all-gather of the weights before
-  the forward and one reduce-scatter of the gradients after the backward, per step (a pipeline's schedule keeps the
-  weights gathered and the gradients unreduced until its last micro-batch).
+  output autograd does not save (whole: a transient). Over dp > 1, what the plan's ZeRO stage's carrier holds
+  (DataParallelCarry): a pipeline stage's fully_shard, one unit on the stage, holds its 4 copies over dp and the
+  gathered weights from the forward to the end of the backward and the whole gradients until they are
+  reduce-scattered (FSDP2 keeps the root unit's parameters after the forward): 2 more copies of this rank's
+  tensor-parallel shard at the peak. Recomputed blocks (`recomputed_blocks`) keep nothing between the forward and
+  the backward but their inputs; one block's activations come back in its backward.
+* Data-parallel synchronisation (DataParallelCarry; a pipeline stage's fully_shard: one all-gather of the weights
+  before the forward and one reduce-scatter of the gradients after the backward, per step, the schedule keeping
+  the weights gathered and the gradients unreduced until its last micro-batch).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from plait.cost import comm
+from plait.cost.activations import FP32_BYTES
 from plait.spec.cluster import ClusterSpec
 
 if TYPE_CHECKING:
+    from plait.cost.memory import StateBytes
+    from plait.legality import DataParallelMode
     from plait.operators.capture import TensorRef
 
 BACKWARD_FLOPS = 2.0
@@ -227,6 +232,84 @@ def fused_table_sync_time(rows_bytes: float, placement: str, axis_size: int, dp:
     return seconds
 
 
+@dataclass(frozen=True)
+class DataParallelCarry:
+    """How a per-operator plan without a pipeline carries data parallelism, priced parameter by parameter. The
+    carrier is the decoder path's rule (plait.legality.data_parallel_mode, read through Layout.dp_mode): one
+    replica; DDP for ZeRO 0/1 of plain replicas (tp = 1; ZeroRedundancyOptimizer shards AdamW's states under
+    ZeRO-1); fully_shard otherwise, resharded after forward under ZeRO-3. What the carrier holds per parameter is
+    the decoder path's owner's (plait.cost.memory.state_bytes: bytes per fp32 parameter). The executor makes
+    fully_shard's units one per repeated block (`blocks`, `num_blocks`) and the root (the rest), so a block's
+    parameter is gathered (ZeRO-3) and its whole gradient held (before its reduce-scatter) a block at a time: two
+    blocks' worth at the peak, the one in use and the one prefetched; the root unit stays gathered from the forward
+    to the end of the backward (FSDP2 does not reshard its root after forward). Collectives as the decoder path's
+    plait.cost.model._dp_comm counts them: DDP all-reduces the fp32 gradients once a step (ZeRO-1 then gathers the
+    updated shards); fully_shard gathers each unit's weights once a step, twice per micro-batch for a resharded
+    block (forward and backward), and reduce-scatters the gradients once."""
+
+    mode: "DataParallelMode"
+    zero: int
+    dp: int
+    state: "StateBytes | None" = None
+    """Bytes per fp32 parameter the carrier holds (None over one replica: 4 copies)."""
+    micro_batches: int = 1
+    dtype_bytes: int = 4
+    blocks: str = ""
+    num_blocks: int = 0
+
+    def in_block(self, name: str) -> bool:
+        return bool(self.blocks) and self.num_blocks > 1 and name.startswith(self.blocks + ".")
+
+    def unit_share(self, name: str) -> float:
+        """The fraction of this parameter's fully_shard unit's gathered bytes held at the peak: the root's all of
+        it; a block's parameter two blocks of its num_blocks (one in use, one prefetched)."""
+        return min(2, self.num_blocks) / self.num_blocks if self.in_block(name) else 1.0
+
+    def copies(self, name: str) -> float:
+        """Bytes held per byte of the parameter's fp32 (tensor-parallel) shard."""
+        if self.state is None:
+            return float(ADAMW_COPIES)
+        s = self.state
+        held = s.params + s.optimizer + s.buckets + (s.accumulated_grads if self.micro_batches > 1 else s.step_grads)
+        if self.mode.carrier == "fully_shard":
+            share = self.unit_share(name)
+            if s.gathered_units:  # ZeRO-3: weights gathered a unit at a time
+                held += self.dtype_bytes * share
+            if self.micro_batches == 1:  # the unit's whole gradient until its reduce-scatter
+                held += FP32_BYTES * share
+        return held / FP32_BYTES
+
+    def sync_time(self, local_bytes: float, name: str, cluster: ClusterSpec, dp_group: comm.Group) -> float:
+        """Seconds of the step's data-parallel collectives for a parameter of `local_bytes` (its fp32
+        tensor-parallel shard)."""
+        if self.dp <= 1 or self.mode.carrier == "none":
+            return 0.0
+        if self.mode.carrier == "ddp":
+            seconds = comm.all_reduce(local_bytes, dp_group, cluster)
+            return seconds + (comm.all_gather(local_bytes, dp_group, cluster) if self.zero == 1 else 0.0)
+        gathers = 2 * self.micro_batches if self.mode.reshard_after_forward and self.in_block(name) else 1
+        return gathers * comm.all_gather(local_bytes * self.dtype_bytes / FP32_BYTES, dp_group, cluster) + \
+            comm.reduce_scatter(local_bytes, dp_group, cluster)
+
+
+
+def data_parallel_carry(dp: int, tp: int, zero: int, cluster: ClusterSpec, micro_batches: int = 1,
+                        blocks: str = "", num_blocks: int = 0) -> DataParallelCarry:
+    """The DataParallelCarry of a dp x tp per-operator plan without a pipeline (fp32, as per-operator plans run)."""
+    from plait.cost.layout import Setting
+    from plait.cost.memory import state_bytes
+    from plait.plan import Layout
+    from plait.spec.train import TrainSpec
+
+    layout = Layout.make(dp=dp, tp=tp, zero=zero, num_micro_batches=micro_batches)
+    if layout.dp_mode.carrier == "none":
+        return DataParallelCarry(layout.dp_mode, zero, dp, None, micro_batches, FP32_BYTES, blocks, num_blocks)
+    # state_bytes reads the cluster and the precision alone (the model's shape is the capture's business here)
+    setting = Setting(model=None, cluster=cluster, train=TrainSpec(global_batch=1, seq_len=1, precision="fp32"))
+    return DataParallelCarry(layout.dp_mode, zero, dp, state_bytes(setting, layout), micro_batches,
+                             setting.dtype_bytes, blocks, num_blocks)
+
+
 def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int, cluster: ClusterSpec,
                        dp_group: comm.Group) -> float:
     """Data-parallel cost of a parameter per step under fully_shard: one all-gather of the weights and one
@@ -235,6 +318,40 @@ def gradient_sync_time(ref: "TensorRef", placement: str, axis_size: int, dp: int
         return 0.0
     local = shard_bytes(ref, placement, axis_size)
     return comm.all_gather(local, dp_group, cluster) + comm.reduce_scatter(local, dp_group, cluster)
+
+
+RECOMPUTED_WORK = (2 + BACKWARD_FLOPS) / (1 + BACKWARD_FLOPS)
+"""A recomputed call's work against a kept one's: its forward runs again in the backward."""
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    calls: frozenset[int] = frozenset()
+    """Captured calls inside a recomputed block: nothing of theirs kept between the forward and the backward."""
+    held_bytes: float = 0.0
+    """What recomputation holds instead: every block's input (the checkpoint keeps it) and, in one block's
+    backward, that block's activations rematerialised (the largest block's)."""
+
+
+def recomputed_blocks(graph, blocks: str, axis_size: int) -> Recomputed:
+    """The price of recomputing every block under `blocks` (a module path; "": none) in the backward: each block's
+    calls keep nothing (RECOMPUTED_WORK for their compute; the planner adds the forward redistributions into them
+    again), and `held_bytes` beside the other activations, counted whole (unsplit) whatever the placements the solve
+    then chooses: an upper bound over a tensor-parallel axis. Upper bounds both: torch's non-reentrant checkpoint
+    stops recomputing once the tensors the backward needs are back, so a block's last calls may not run again."""
+    if not blocks:
+        return Recomputed()
+    prefix = blocks + "."
+    per_block: dict[str, float] = {}
+    calls = set()
+    for call in graph.calls:
+        if call.module.startswith(prefix):
+            block = prefix + call.module[len(prefix):].split(".", 1)[0]
+            calls.add(call.index)
+            per_block[block] = per_block.get(block, 0.0) + activation_bytes(
+                call.outputs, ["R"] * len(call.outputs), 1, call.saved)
+    inputs = sum(ref.nbytes for name, ref in graph.module_inputs.items() if name in per_block and ref.is_float)
+    return Recomputed(frozenset(calls), inputs + max(per_block.values(), default=0.0))
 
 
 def _numel(ref: "TensorRef") -> int:

@@ -124,8 +124,16 @@ def build_optimizer(parts: list[nn.Module], *, zero: int, dp_mesh: DeviceMesh, l
     """AdamW over the parameters of this rank's stage modules that train (a frozen base's adapters only: plait/execute/
     lora.py); ZeRO-1 over DDP shards its states."""
     params = trainable(p for part in parts for p in part.parameters())
-    kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **_kernel(params))
-    if zero == 1 and dp_mesh.size() > 1 and any(isinstance(p, DistributedDataParallel) for p in parts):
+    on_ddp = any(isinstance(p, DistributedDataParallel) for p in parts)
+    return adamw(params, zero=zero, dp_mesh=dp_mesh, on_ddp=on_ddp, lr=lr, weight_decay=weight_decay, betas=betas,
+                 eps=eps, **_kernel(params))
+
+
+def adamw(params: list[torch.Tensor], *, zero: int, dp_mesh: DeviceMesh, on_ddp: bool, **kwargs
+          ) -> torch.optim.Optimizer:
+    """AdamW over `params`; ZeRO-1 over DDP (`on_ddp`) shards its states over dp (ZeroRedundancyOptimizer). On
+    fully_shard the parameters are shards already, and so are their states."""
+    if zero == 1 and dp_mesh.size() > 1 and on_ddp:
         # bucket views: each rank broadcasts its updated shard in one message, not one per parameter
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
                                        process_group=dp_mesh.get_group(), **kwargs)

@@ -41,6 +41,8 @@ class ModuleModel:
         self.plan, self.mesh, self.device = plan, mesh, device
         self.mixed_precision = mixed_precision
         self.model_parts = [module]
+        # what the forward runs through: DDP beside the module under ZeRO 0/1 of plain replicas, else the module
+        self.runner = module.__dict__.get("data_parallel_runner", module)
         self.schedule, self.position = schedule, position
         module.first = position == 0  # what the run's clock reads of a stage (plait.train.measure)
         self.fused = module.fused_tables
@@ -76,15 +78,22 @@ class ModuleModel:
         return list(self.model_parts[0].parameters())
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.model_parts[0].named_parameters()
+        """Named as in the user's module (a recomputed block's checkpoint wrapper left out of the names)."""
+        from plait.execute.state import clean_name
+
+        return ((clean_name(name), p) for name, p in self.model_parts[0].named_parameters())
 
     # ---- training -----------------------------------------------------------------
     def make_optimizer(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
                        eps: float = 1e-8) -> torch.optim.Optimizer:
         """AdamW over the parameters the fused tables do not train (those update their rows in their lookup's
-        backward, at the optimizer's learning rate: train_step passes it on)."""
-        self.optimizer = torch.optim.AdamW(self.trained, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                                           foreach=False)
+        backward, at the optimizer's learning rate: train_step passes it on); ZeRO-1 over DDP shards its states
+        (plait.execute.data.adamw)."""
+        from plait.execute.data import adamw
+
+        self.optimizer = adamw(self.trained, zero=self.plan.zero, dp_mesh=self.mesh["dp"],
+                               on_ddp=self.runner is not self.model_parts[0], lr=lr, weight_decay=weight_decay,
+                               betas=betas, eps=eps, foreach=False)
         return self.optimizer
 
     def _compute(self) -> contextlib.ExitStack:
@@ -111,15 +120,21 @@ class ModuleModel:
         return self._global_mean(local)
 
     def _accumulate(self, batch: Any, backward: bool = True) -> torch.Tensor:
+        """The step's micro-batches one after the other, their gradients accumulated: the data-parallel reduction
+        after the last one only, and fully_shard's gathered weights kept until then where not resharded after
+        forward (plait.execute.data.gradient_sync, the decoder path's step assembly)."""
+        from plait.execute.data import gradient_sync
+
         count = self.plan.num_micro_batches
-        module = self.model_parts[0]
+        keep = not self.plan.dp_mode.reshard_after_forward
         total = torch.zeros((), dtype=torch.float64)
         for index in range(count):
-            if backward and hasattr(module, "set_requires_gradient_sync"):  # fully_shard: reduce on the last only
-                module.set_requires_gradient_sync(index == count - 1)
-            loss = _scalar(batches.call(module, batches.split(batch, count, index))) / count
-            if backward:
-                loss.backward()
+            last = index == count - 1
+            with gradient_sync([self.runner], enabled=last, keep_gathered=keep, last=last) if backward \
+                    else contextlib.nullcontext():
+                loss = _scalar(batches.call(self.runner, batches.split(batch, count, index))) / count
+                if backward:
+                    loss.backward()
             total += _local(loss.detach()).double()
         return total
 
@@ -163,7 +178,9 @@ class ModuleModel:
         from torch.distributed.fsdp import FSDPModule
 
         module = self.model_parts[0]
-        return {"data_parallel": ["fully_shard" if isinstance(module, FSDPModule) else "none"],
+        carrier = "fully_shard" if isinstance(module, FSDPModule) else "ddp" if self.runner is not module else "none"
+        return {"data_parallel": [carrier], "zero": self.plan.zero, "recompute": self.plan.recompute[0],
+                "micro_batches": self.plan.num_micro_batches,
                 "dtensor_params": sum(isinstance(p, DTensor) for p in self.parameters()),
                 "params": len(self.parameters()), "replicated_over_dp": len(self.replicated),
                 "schedule": type(self.schedule).__name__ if self.schedule else None,

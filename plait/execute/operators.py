@@ -7,9 +7,11 @@ in (PlannedReads, from plan.operators.function_reads), so DTensor's eager dispat
 strategy from its inputs' placements, runs the strategies that were priced, and the backward carries each
 redistribution's gradient image (the communication step_collectives measures is the plan's); a replicated value's
 Partial gradient, summed over its readers, is all-reduced once at the value, where the plan prices it
-(_summed_gradient); the loss leaves replicated. Then fully_shard over the data-parallel axis shards the (already
-tensor-parallel) parameters further, as for a hand-written tensor plan (2-D DTensors), 0-d parameters and fused
-tables left out. Over a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
+(_summed_gradient); the loss leaves replicated. Then the plan's ZeRO stage carries the data-parallel axis
+(shard_over_dp): DDP for ZeRO 0/1 of plain replicas, else fully_shard, which shards the (already tensor-parallel)
+parameters further, as for a hand-written tensor plan (2-D DTensors), one unit per repeated block and the root,
+0-d parameters and fused tables left out. Under recompute "full" the repeated blocks are checkpointed first. Over
+a tensor-parallel axis of one rank the parameters stay plain tensors. A plan written before
 function_reads redistributes at module boundaries only (its inputs, outputs and param_reads). Normalisations read
 their statistics dimensions whole (NormsReadWhole, plait.operators.norms).
 
@@ -36,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from plait.torch_internals import tree_flatten, tree_map, tree_map_only, tree_unflatten
 from torch.distributed.tensor.experimental import implicit_replication
 
+from plait.models.adapter import get_module
 from plait.models.factory import build_factory_module
 from plait.execute.dryrun import CollectiveCounter
 from plait.execute.equivalence import DTYPES, CheckResult, CheckSettings
@@ -90,6 +93,7 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
     use_fused_tables(model, sharding.fused_tables, lr, mesh["dp"].get_group() if plan.dp > 1 else None, owners, tp_mesh,
                      sharding.distinct_exchange)
     if plan.tp == 1:  # nothing to place on an axis of one rank: plain tensors (no DTensor rule needed, none asked)
+        recompute_blocks(model, plan, sharding)
         return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
     for call_name in sharding.replicated_ops:  # no DTensor rule: replicated, as the planner priced them
         register_replicated(call_name)
@@ -107,23 +111,99 @@ def apply_operator_sharding(model: nn.Module, plan: Plan, mesh: DeviceMesh, lr: 
                                    persistent=leaf not in module._non_persistent_buffers_set)
         if not by_function:  # a plan written before function_reads: redistribute at module boundaries only
             _redistribute_at_module_boundaries(module, prefix, module_name, sharding, tp_mesh)
-    model.forward = _with_constants_replicated(model.forward, PlannedReads(tp_mesh, sharding.function_reads)
-                                               if by_function else None, not caller_replicates)
+    planned = PlannedReads(tp_mesh, sharding.function_reads) if by_function else None
+    model.forward = _with_constants_replicated(model.forward, planned, not caller_replicates)
+    recompute_blocks(model, plan, sharding, planned)  # after the placements: they are found by the names
     model.register_forward_pre_hook(_replicate_inputs(tp_mesh), with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: out.full_tensor() if isinstance(out, DTensor) else out)
     return shard_over_dp(model, plan, mesh, sharding) if data_parallel else model
 
 
 def shard_over_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
-    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp and fully_shard over
-    it, the fused tables and 0-d parameters left out."""
-    if plan.dp > 1:
-        from torch.distributed.fsdp import fully_shard
+    """The last step of apply_operator_sharding: when dp > 1, BatchNorm synchronised over dp, then the plan's
+    data-parallel carrier (Plan.dp_mode, the decoder path's rule plait.legality.data_parallel_mode, which the
+    planner priced: plait.cost.operators.DataParallelCarry): DDP for ZeRO 0/1 of plain replicas (replicate_with_ddp;
+    ZeRO-1's sharded AdamW is the optimizer's, plait.execute.data.adamw), otherwise fully_shard, resharded after
+    forward under ZeRO-3, with one unit per repeated block (sharding.blocks, without a pipeline) and the root; the
+    fused tables and 0-d parameters left out of fully_shard."""
+    if plan.dp == 1:
+        return model
+    synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
+    mode = plan.dp_mode
+    if mode.carrier == "ddp":
+        return replicate_with_ddp(model, mesh, sharding)
+    from torch.distributed.fsdp import fully_shard
 
-        synchronise_batch_norms(model, sharding.synchronised_norms, mesh["dp"].get_group())
-        kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
-        fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None)
+    kept = model.fused_tables.parameters(model) | replicate_over_dp(model)
+    units = list(get_module(model, sharding.blocks).children()) if plan.pp == 1 and sharding.blocks else []
+    for unit in units:
+        fully_shard(unit, mesh=mesh["dp"], ignored_params=kept or None,
+                    reshard_after_forward=mode.reshard_after_forward)
+    # the root unit as FSDP2 treats a root left to its default: gathered from the forward through the backward (its
+    # weights are needed again at once; plait.cost.operators.DataParallelCarry prices it so)
+    root = {} if mode.reshard_after_forward else {"reshard_after_forward": False}
+    fully_shard(model, mesh=mesh["dp"], ignored_params=kept or None, **root)
     return model
+
+
+def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh, sharding: OperatorSharding) -> nn.Module:
+    """DDP over dp around `model`, kept beside it (model.data_parallel_runner: the forward runs through it, the
+    parameters keep their names); the fused tables, which update their own rows, left out. Buffers are not
+    broadcast: every rank holds the same (synchronised BatchNorm statistics). Where the forward the planner captured
+    reads some parameter not at all (sharding.unread_params), DDP looks for the parameters without a gradient each
+    step (find_unused_parameters): otherwise its reducer stops the second step. On meta (a dry run's shapes)
+    nothing: DDP moves no parameter."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    fused = model.fused_tables.parameters(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, p in model.named_parameters() if p in fused])
+    # init_sync=False: every rank built the same initial weights from the seed
+    model.__dict__["data_parallel_runner"] = DistributedDataParallel(
+        model, process_group=mesh["dp"].get_group(), init_sync=False, broadcast_buffers=False,
+        find_unused_parameters=bool(sharding.unread_params))
+    return model
+
+
+def recompute_blocks(model: nn.Module, plan: Plan, sharding: OperatorSharding,
+                     planned: "PlannedReads | None" = None) -> None:
+    """Under recompute "full" (a plan without a pipeline), every repeated block of sharding.blocks checkpointed as
+    the decoder path checkpoints its blocks (plait.execute.recompute.checkpointed: only the block's input kept, the
+    block run again in the backward). Over a tensor-parallel axis (`planned`: the forward's PlannedReads) the
+    recomputation reads as the forward read: the planned redistributions, numbered from where the block's forward
+    began (replayed_reads), and the normalisations whole, so it recomputes the very DTensors autograd kept. A wrapped
+    block's parameter names gain `_checkpoint_wrapped_module.` (plait.execute.state.clean_name strips it; its state
+    dict has the plain names)."""
+    if plan.pp > 1 or plan.recompute[0] != "full":
+        return
+    from plait.execute.recompute import checkpointed
+
+    if not sharding.blocks:
+        raise ValueError("recompute full of a per-operator plan needs its repeated blocks (plan.operators.blocks)")
+    container = get_module(model, sharding.blocks)
+    replay = functools.partial(replayed_reads, planned) if planned is not None else None
+    for name, block in list(container.named_children()):
+        container.register_module(name, checkpointed(block, replay))
+
+
+def replayed_reads(planned: "PlannedReads"):
+    """checkpoint's (forward, recompute) contexts for one block's forward: nothing more in the forward (the
+    model's PlannedReads and NormsReadWhole are active); in the recompute, a PlannedReads of the same reads whose
+    call numbering starts where this block's forward started, NormsReadWhole, and implicit_replication where the
+    backward runs without it (it does not nest: an inner one's exit would turn the caller's off)."""
+    start = dict(planned.keys.seen)
+
+    @contextmanager
+    def recompute():
+        again = PlannedReads(planned.mesh, {})
+        again.reads, again.keys.seen = planned.reads, dict(start)
+        replicating = DTensor._op_dispatcher._allow_implicit_replication
+        with nullcontext() if replicating else implicit_replication(), NormsReadWhole(), again:
+            yield
+
+    return nullcontext(), recompute()
 
 
 def replicate_over_dp(model: nn.Module) -> set[nn.Parameter]:

@@ -34,6 +34,8 @@ from plait.spec.cluster import ClusterSpec
 
 COSTLIEST = 10
 """Operators the plan keeps for its report."""
+OUTPUT_NODE = "<output>"
+"""The loss's node: it leaves replicated; its memory is what the peak holds beside the kept activations."""
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Built:
     """Lookup call index -> the distinct rows it reads (the ids sample's)."""
     distinct_exchange: frozenset[str] = frozenset()
     """Fused tables whose dp exchange sends distinct rows (price.row_exchange_time)."""
+    recomputed: frozenset[int] = frozenset()
+    """Calls (their index) of recomputed blocks: the redistributions into them are made again in the backward."""
 
 
 def _output_of(node: _Node, strategy: int, index: int) -> str:
@@ -79,8 +83,14 @@ def _output_of(node: _Node, strategy: int, index: int) -> str:
 
 def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, memory_limit: float | None = None,
                   oracle: StrategyOracle | None = None, fused: dict[str, str] | frozenset[str] = frozenset(),
-                  sample: TableSample | None = None) -> Built:
-    """`fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
+                  sample: TableSample | None = None, carry: price.DataParallelCarry | None = None,
+                  recompute: str = "") -> Built:
+    """`carry`: how data parallelism is carried (price.DataParallelCarry: the ZeRO stage, fully_shard's units, the
+    micro-batches a step accumulates, whose calls and redistributions the step runs that many times); default:
+    fully_shard over dp on the whole module as one unit, one micro-batch (what a pipeline stage runs).
+    `recompute`: the path of the repeated blocks recomputed in the backward (plait.execute.recompute's "full" per
+    block), priced by price.recomputed_blocks.
+    `fused`: parameters (embedding tables) trained by a fused row-wise optimizer ({name: optimizer}; a set of
     names means SGD): weights alone (and row-wise Adagrad's accumulators), kept whole over dp
     (plait.execute.embedding_tables); the rows their lookups move counted from `sample` where given (the distinct
     rows a micro-batch reads, plait.operators.id_sample), else one row an id.
@@ -92,7 +102,11 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     reader refunds that reader's own). The backward of a value is then priced once per value, not once per edge."""
     if oracle is None:
         with strategy_oracle(axis_size) as oracle:
-            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused, sample)
+            return build_problem(graph, axis_size, dp, cluster, memory_limit, oracle, fused, sample, carry,
+                                 recompute)
+    carry = carry or price.data_parallel_carry(dp, axis_size, 2, cluster)
+    repeat = carry.micro_batches  # each micro-batch's calls and redistributions, once a step each
+    recomputed = price.recomputed_blocks(graph, recompute, axis_size)
     group, dp_group = comm.Group(axis_size, 1), comm.Group(dp, axis_size)
     fused = fused if isinstance(fused, dict) else dict.fromkeys(fused, "sgd")
     nodes: list[_Node] = []
@@ -137,16 +151,17 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
                 distinct.add(value.name)
             optimizer = fused[value.name]
             # table-wise: its owners exchange their rows over dp as a replicated table's; its bytes spread evenly
-            # here, the ranks' real shares after the solve (plait.operators.table_wise)
-            costs.append([price.fused_table_sync_time(rows, "R" if p == table_wise.TABLE_WISE else p, axis_size, dp,
-                                                      cluster, dp_group, optimizer, count, group, tables,
-                                                      ids * row) for p in options])
+            # here, the ranks' real shares after the solve (plait.operators.table_wise); each micro-batch's rows
+            costs.append([price.fused_table_sync_time(repeat * rows, "R" if p == table_wise.TABLE_WISE else p,
+                                                      axis_size, dp, cluster, dp_group, optimizer, repeat * count,
+                                                      group, tables, repeat * ids * row) for p in options])
             memory.append([table_wise.table_bytes(value.ref, optimizer) / axis_size if p == table_wise.TABLE_WISE
                            else price.parameter_bytes(value.ref, p, axis_size, 1, price.fused_table_copies(
                                optimizer, value.ref)) for p in options])
         elif value.kind == "param":
-            costs.append([price.gradient_sync_time(value.ref, p, axis_size, dp, cluster, dp_group) for p in options])
-            memory.append([price.parameter_bytes(value.ref, p, axis_size, dp) for p in options])
+            costs.append([carry.sync_time(price.shard_bytes(value.ref, p, axis_size), value.name, cluster, dp_group)
+                          for p in options])
+            memory.append([price.shard_bytes(value.ref, p, axis_size) * carry.copies(value.name) for p in options])
         else:
             costs.append([0.0] * len(options))
             memory.append([price.shard_bytes(value.ref, p, axis_size) for p in options])
@@ -161,14 +176,33 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         for i, ref in enumerate(call.outputs):
             value_node[ref.value] = (len(nodes), i)
         nodes.append(_Node(call.name, strategies, call=call))
-        costs.append([price.compute_time(call.flops, call.outputs, price.is_split(s.inputs), axis_size, cluster)
-                      for s in strategies])
-        memory.append([price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
+        again = price.RECOMPUTED_WORK if call.index in recomputed.calls else 1.0
+        costs.append([repeat * again * price.compute_time(call.flops, call.outputs, price.is_split(s.inputs),
+                                                          axis_size, cluster) for s in strategies])
+        memory.append([0.0 if call.index in recomputed.calls else
+                       price.activation_bytes(call.outputs, s.outputs, axis_size, call.saved) for s in strategies])
         add_gradient_sums(call.outputs)
     edges, parts = [], []
 
     enforced = _enforced_reads(graph)
     read_rows = rows_by_call(sample, graph)
+    # an edge's price depends on the placements and the tensor's shape alone: millions of edges, thousands of prices
+    edge_prices: dict[tuple, float] = {}
+    layouts: dict[tuple, bool] = {}
+
+    def edge_seconds(src: str, dst: str, grad: str, ref: TensorRef, needs_grad: bool, again: bool) -> float:
+        """The edge's forward and backward seconds; `again`: its reader is recomputed, its forward made twice."""
+        key = (src, dst, grad, ref.shape, ref.dtype, needs_grad, again)
+        if key not in edge_prices:
+            seconds, forward, _ = price.edge_time(src, dst, grad, ref, group, cluster, needs_grad)
+            edge_prices[key] = seconds + (forward.seconds if again else 0.0)
+        return edge_prices[key]
+
+    def runs_on_layout(src: str, dst: str, ref: TensorRef) -> bool:
+        key = (src, dst, ref.shape, ref.stride)
+        if key not in layouts:
+            layouts[key] = price.runs_on_layout(src, dst, ref)
+        return layouts[key]
 
     def connect(ref: TensorRef, consumer: int, reads: list[tuple[str, str]], accepts: frozenset[str] = frozenset()
                 ) -> None:
@@ -178,17 +212,18 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
         source = nodes[producer]
         lookup = source.call is not None and source.call.op.__name__ in table_wise.LOOKUP_OPS
         matrix = np.zeros((len(source.strategies), len(reads)))
+        needs_grad, again = ref.value in grads, consumer_call.get(consumer) in recomputed.calls
         for a, strategy in enumerate(source.strategies):
             for b, (dst, grad) in enumerate(reads):
                 src = strategy.outputs[index]
                 if src == table_wise.TABLE_WISE:  # the owner's lookup, its rows broadcast
                     rows = table_wise.rows_bytes(nodes[consumer], read_rows)
-                    matrix[a, b] = table_wise.edge_seconds(dst, grad, rows, group, cluster)
+                    matrix[a, b] = repeat * table_wise.edge_seconds(dst, grad, rows, group, cluster)
                     continue
-                runs = price.runs_on_layout(src, dst, ref) and (src == dst or src not in accepts) and not (
+                runs = (src == dst or (src not in accepts and runs_on_layout(src, dst, ref))) and not (
                     src == dst == "P" and lookup)  # a row-split lookup's MaskPartial dies in the next op that
                 # changes its shape (a bag's pooling) in torch 2.13: its rows are made whole at their first reader
-                matrix[a, b] = price.edge_time(src, dst, grad, ref, group, cluster, ref.value in grads)[0] + \
+                matrix[a, b] = repeat * edge_seconds(src, dst, grad, ref, needs_grad, again) + \
                     (0.0 if runs else price.UNRUNNABLE_S)
         edges.append((producer, consumer, matrix))
         parts.append((producer, index, consumer, ref))
@@ -201,14 +236,16 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
             connect(ref, v, reads, _taken_as_is(nodes[v].strategies, k))
     if graph.output is not None:  # the loss leaves replicated
         sink = len(nodes)
-        nodes.append(_Node("<output>", [Strategy(("R",), ())]))
+        nodes.append(_Node(OUTPUT_NODE, [Strategy(("R",), ())]))
         costs.append([0.0])
-        memory.append([graph.transient_bytes])  # beside the kept activations at the peak (price's docstring)
+        # beside the kept activations at the peak (price's docstring); under recompute, the blocks' inputs and
+        # one block's activations rematerialised in its backward
+        memory.append([graph.transient_bytes + recomputed.held_bytes])
         connect(graph.output, sink, [("R", "R")])
     allowed = [np.ones(len(c), dtype=bool) for c in costs]
     shares: dict[int, int] = {}
     for value, node in gradient_sums.items():
-        once = price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
+        once = repeat * price.redistribution("P", "R", summed_refs[value].nbytes, group, cluster).seconds
         sum_edges = []
         for via, reader, k in _gradient_sum_readers(readers, value):
             strategies = nodes[call_node[reader.index]].strategies
@@ -235,7 +272,8 @@ def build_problem(graph: Graph, axis_size: int, dp: int, cluster: ClusterSpec, m
     problem = sharding.ShardingProblem(costs, edges, memory,
                                        memory_limit if memory_limit is not None else cluster.memory_bytes, allowed)
     return Built(graph, nodes, {k: v[0] for k, v in value_node.items()}, call_node, problem, parts,
-                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows, frozenset(distinct))
+                 tuple(unsupported), gradient_sums, shares, axis_size, fused, read_rows, frozenset(distinct),
+                 recomputed.calls)
 
 
 def _gradient_sum_readers(readers: dict[int, list], value: int) -> list[tuple[object | None, object, int]]:
@@ -375,11 +413,16 @@ def block_nodes(built: Built) -> dict[str, list[tuple[int, tuple]]]:
 
     number = re.compile(r"^(.*?\.\d+)(?:\.|$)")
     blocks: dict[str, list[tuple[int, tuple]]] = {}
+    # the graph's calls' keys are the same in every problem built on it (a search builds several): made once
+    keys = built.graph.__dict__.setdefault("_block_keys", {})
     for call in built.graph.calls:
         found = number.match(call.module)
         if found:
             prefix = found.group(1)
-            key = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs), _scalars(call))
+            if call.index not in keys:
+                keys[call.index] = (call.op, call.module[len(prefix):], _shapes(call.inputs), _shapes(call.outputs),
+                                    _scalars(call))
+            key = keys[call.index]
             blocks.setdefault(prefix, []).append((built.call_node[call.index], key))
             blocks[prefix].extend((built.gradient_sums[ref.value], ("gradient sum", key, i))
                                   for i, ref in enumerate(call.outputs) if ref.value in built.gradient_sums)
@@ -440,24 +483,29 @@ def captured_loss(model: nn.Module, batch, graphs: dict | None, batch_source: st
 def plan_module(model: nn.Module, batch: tuple[torch.Tensor, ...], *, batch_source: str, tp: int, dp: int,
                 cluster: ClusterSpec, pins: dict[str, str] | None = None, solver: str = "program",
                 memory_limit: float | None = None, table_optimizer: str | None = None,
-                graphs: dict | None = None, prove: bool = True) -> OperatorSharding:
+                graphs: dict | None = None, prove: bool = True, carry: price.DataParallelCarry | None = None,
+                recompute: str = "") -> OperatorSharding:
     """The per-operator plan of `model` (on meta) for one micro-batch `batch` (on meta). `table_optimizer`
     (solution.FUSED_OPTIMIZERS): every nn.Embedding trained by that fused row-wise optimizer. `graphs`: captures
-    kept between calls (see `captured`)."""
+    kept between calls (see `captured`). `carry` and `recompute`: as build_problem's; the plan records the blocks
+    either names (OperatorSharding.blocks: the executor's fully_shard units and recomputed blocks)."""
     pins = dict(pins or {})
     fused = fused_tables(model, table_optimizer)
     start = time.perf_counter()
     graph = captured_loss(model, batch, graphs, batch_source)  # one rule for the loss: capture.check_loss
     sample = cached_sample(model, batch, batch_source, fused, graphs)
-    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, sample=sample)
+    built = build_problem(graph, tp, dp, cluster, memory_limit, fused=fused, sample=sample, carry=carry,
+                          recompute=recompute)
     apply_pins(built, pins)
     solution = solve_or_refuse(built, solver, pins, fused, model, prove)
     candidate = tensor_plan_price(built, model, pins, solver)
     elapsed = time.perf_counter() - start
-    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed),
+    blocks = recompute or (carry.blocks if carry is not None and carry.mode.carrier == "fully_shard" else "")
+    return dataclasses.replace(describe(built, solution, batch_source, pins, tp, dp, cluster, elapsed,
+                                        carry.micro_batches if carry is not None else 1),
                                fused_tables=fused, synchronised_norms=batch_norms_to_synchronise(model, dp),
                                table_sample=sample.describe() if sample is not None else "",
-                               tensor_plan_step_time_s=candidate)
+                               tensor_plan_step_time_s=candidate, blocks=blocks)
 
 
 def tensor_plan_price(built: Built, model: nn.Module, pins: dict[str, str], solver: str) -> float | None:
@@ -536,7 +584,7 @@ def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
 
 
 def describe(built: Built, solution: sharding.Solution, batch_source: str, pins: dict[str, str], tp: int, dp: int,
-             cluster: ClusterSpec, elapsed: float) -> OperatorSharding:
+             cluster: ClusterSpec, elapsed: float, micro_batches: int = 1) -> OperatorSharding:
     choice = solution.choice
     group = comm.Group(tp, 1)
     placed = {**built.graph.params, **built.graph.buffers}
@@ -585,11 +633,13 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                 seconds, bwd = seconds - bwd.seconds, price.NONE
             summed.add(root)
         kinds = []
-        for direction, r in (("fwd", fwd), ("bwd", bwd)):
+        again = built.nodes[consumer].call is not None and built.nodes[consumer].call.index in built.recomputed
+        for direction, r, times in (("fwd", fwd, 2 if again else 1), ("bwd", bwd, 1)):
             if r.collective:
-                counts[r.collective] = counts.get(r.collective, 0) + 1
-                total_bytes += r.nbytes
-                kinds.append(f"{r.collective} {_size(r.nbytes)} {direction}")
+                counts[r.collective] = counts.get(r.collective, 0) + times
+                total_bytes += times * r.nbytes
+                kinds.append(f"{r.collective} {_size(r.nbytes)} {direction}" + (" x2 (recomputed)" if times > 1 else ""))
+        seconds += fwd.seconds if again else 0.0
         if kinds:
             per_call.setdefault(consumer, []).append((seconds, ", ".join(kinds)))
     ops = []
@@ -601,9 +651,12 @@ def describe(built: Built, solution: sharding.Solution, batch_source: str, pins:
                                 comm_s=float(sum(s for s, _ in per_call.get(node, []))),
                                 comm="; ".join(c for _, c in per_call.get(node, []))))
     ops.sort(key=lambda o: -(o.compute_s + o.comm_s))
+    read = {ref.value for call in built.graph.calls for ref in call.inputs}
+    unread = tuple(name for name, ref in built.graph.params.items() if ref.value not in read)
     described = OperatorSharding(batch=batch_source, params=params, outputs=outputs, inputs=inputs,
-                                 param_reads=param_reads, function_reads=_function_reads(built, choice), pins=pins,
-                                 step_time_s=solution.cost, data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster),
+                                 unread_params=unread, param_reads=param_reads,
+                                 function_reads=_function_reads(built, choice), pins=pins, step_time_s=solution.cost,
+                                 data_parallel_step_time_s=data_parallel_time(built, tp, dp, cluster, micro_batches),
                                  comm_bytes=total_bytes, comm_counts=counts,
                                  peak_memory_bytes=sharding.total_memory(built.problem, choice), solver=solution.solver,
                                  solve_time_s=elapsed, lower_bound_s=max(0.0, solution.lower_bound),
@@ -628,12 +681,14 @@ def time_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
 
 def memory_parts(built: Built, choice: tuple[int, ...]) -> dict[str, float]:
     """Bytes per device of the solution by part: "params" (weights, gradients and optimizer states, with what
-    fully_shard gathers), "activations" (what the calls keep for backward) and "inputs" (the batch and buffers)."""
+    fully_shard gathers), "activations" (what the calls keep for backward, the largest transient output and what
+    recomputation holds: the loss's node) and "inputs" (the batch and buffers)."""
     parts = {"params": 0.0, "activations": 0.0, "inputs": 0.0}
     params = {built.value_node[ref.value] for ref in built.graph.params.values()}
     calls = set(built.call_node.values())
     for i, m in enumerate(built.problem.node_memory):
-        part = "params" if i in params else "activations" if i in calls else "inputs"
+        held = i in calls or built.nodes[i].name == OUTPUT_NODE
+        part = "params" if i in params else "activations" if held else "inputs"
         parts[part] += float(m[choice[i]])
     return parts
 
@@ -700,8 +755,10 @@ def batch_norms_to_synchronise(model: nn.Module, dp: int) -> tuple[str, ...]:
 
 
 def zero_stage(dp: int) -> int:
-    """The ZeRO stage of a per-operator plan: its data parallelism rides on fully_shard (ZeRO-3) whenever there is
-    more than one data-parallel rank (plait.execute.operators.apply_operator_sharding)."""
+    """The ZeRO stage a per-operator pipeline's plan is labelled with: its stages' data parallelism rides on
+    fully_shard whenever there is more than one data-parallel rank (plait.legality.data_parallel_mode keeps a
+    pipeline's parameters gathered through the schedule). Without a pipeline the search chooses the stage
+    (plait.operators.search)."""
     return 3 if dp > 1 else 0
 
 

@@ -64,7 +64,8 @@ class OperatorSharding:
     pins: dict[str, str] = field(default_factory=dict)
     """What the user pinned (parameter or module name -> placement), honoured by the solver."""
     step_time_s: float = 0.0
-    """Predicted seconds of one micro-batch's forward and backward with the data-parallel synchronisation."""
+    """Predicted seconds of a step's forward and backward (each of its micro-batches, without a pipeline) with the
+    data-parallel synchronisation."""
     data_parallel_step_time_s: float = 0.0
     """The same work under data parallelism alone over every device (no operator split), for comparison."""
     comm_bytes: float = 0.0
@@ -97,6 +98,9 @@ class OperatorSharding:
     costliest: tuple[OperatorCost, ...] = ()
     replicated_ops: tuple[str, ...] = ()
     """Operators DTensor has no rule for: run replicated, priced as such (add a rule with register_sharding)."""
+    unread_params: tuple[str, ...] = ()
+    """Parameters the captured forward never reads (no gradient reaches them): DDP must be told to look for them
+    (plait.execute.operators.replicate_with_ddp)."""
     import_paths: tuple[str, ...] = ()
     """The folders the module and the batch factory were imported from when planned (outside Python's own
     installation): `plait check` and `plait train` import them from there, from any working directory."""

@@ -114,7 +114,7 @@ class StrategyOracle:
         rules DTensor holds so that a rule registered since is asked."""
         rules = (len(self.propagator.op_strategy_funcs), len(self.propagator.op_single_dim_strategy_funcs))
         uneven = tuple(uneven) or (False,) * len(call.inputs)
-        key = (self.axis_size, rules, call.op, _signature(call.args), _signature(call.kwargs), uneven)
+        key = (self.axis_size, rules, call.op, *_call_signature(call), uneven)
         if key not in ANSWERS:
             ANSWERS[key] = _whole_statistics(call, *self._ask(call, uneven))
         return ANSWERS[key]
@@ -220,6 +220,15 @@ def _meta_key(arg):
         meta = arg.tensor_meta
         return (tuple(meta.shape), tuple(meta.stride), meta.dtype) if meta is not None else None
     return _hashable(arg)
+
+
+def _call_signature(call: OpCall) -> tuple[tuple, tuple]:
+    """(args, kwargs) signatures of a captured call, made once per call (a search asks about each call of a kept
+    capture for every mesh shape)."""
+    found = call.__dict__.get("_signature")
+    if found is None:
+        found = call.__dict__["_signature"] = (_signature(call.args), _signature(call.kwargs))
+    return found
 
 
 def _signature(tree) -> tuple:

@@ -16,7 +16,9 @@ def operators_table(plan: Plan) -> RenderableType:
     ops = plan.operators
     split = {name: p for name, p in ops.params.items() if p != "R"}
     mesh = f"dp{plan.dp} x tp{plan.tp}" + (f" x pp{plan.pp}" if plan.pp > 1 else "")
-    step = "per micro-batch step" if plan.pp == 1 else \
+    accumulated = f" ({plan.num_micro_batches} micro-batches of {plan.micro_batch}, gradients accumulated)" \
+        if plan.num_micro_batches > 1 else ""
+    step = f"per step{accumulated}" if plan.pp == 1 else \
         f"per step ({plan.schedule}, {plan.num_micro_batches} micro-batches of {plan.micro_batch})"
     header = Text(f"{plan.model.name}: {mesh}, {ops.describe()}; predicted "
                   f"{seconds_cell(ops.step_time_s)} {step} vs {seconds_cell(ops.data_parallel_step_time_s)} "
@@ -78,14 +80,15 @@ def solve_status(ops) -> str:
 def ranked_table(plans: Sequence[Plan], title: str) -> Table:
     """The ranked per-operator plans of a search: mesh, micro-batches, step, memory, communication."""
     table = Table(title=title, title_justify="left", header_style="bold")
-    for column in ("#", "dp×tp×pp", "ZeRO", "mb×n", "schedule", "blocks/stage", "step", "vs dp alone", "tp comm",
-                   "peak", "split params", "solve"):
+    for column in ("#", "dp×tp×pp", "ZeRO", "recompute", "mb×n", "schedule", "blocks/stage", "step", "vs dp alone",
+                   "tp comm", "peak", "split params", "solve"):
         table.add_column(column, justify="right" if column in ("#", "step", "vs dp alone", "tp comm", "peak")
                          else "left")
     for rank, plan in enumerate(plans, start=1):
         ops = plan.operators
         split = sum(1 for p in ops.params.values() if p != "R")
         table.add_row(str(rank), f"{plan.dp}×{plan.tp}×{plan.pp}", str(plan.zero),
+                      ",".join(sorted(set(plan.recompute))),
                       f"{plan.micro_batch}×{plan.num_micro_batches}", plan.schedule if plan.pp > 1 else "-",
                       "|".join(map(str, plan.layers_per_stage)) or "-", seconds_cell(ops.step_time_s),
                       f"{ops.data_parallel_step_time_s / max(ops.step_time_s, 1e-30):.2f}x",

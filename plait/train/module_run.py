@@ -9,7 +9,8 @@ validation, time limits, restarts, resume and resharding, bf16, the end table an
                                              # generator seeds training never draws
     [plan]  devices = 2, pins = {tp = 2, memory_budget = 2.3, table_optimizer = "sgd", place = {"fc.weight" = "S0"}}
             # what the pins leave free, the joint search chooses (plait.operators.search: dp x tp x pp, micro-
-            # batches); pins = {pp = 2} cuts pipeline stages between the module's repeated blocks
+            # batches, ZeRO stage, recompute); pins = {pp = 2} cuts pipeline stages between the module's repeated
+            # blocks, {zero = 1, recompute = "full", num_micro_batches = 4} pins the rest
             # or file = "plan.json" from `plait plan --model module:... --batch ... --json`
 
 What a per-operator run cannot do is refused in one line before any rank starts (MODULE_RUN_KEYS says, for every
@@ -25,10 +26,13 @@ from typing import Any
 
 from plait.errors import ConfigError
 
-PLAN_PINS = ("dp", "tp", "pp", "schedule", "num_micro_batches", "memory_budget", "table_optimizer", "place")
+PLAN_PINS = ("dp", "tp", "pp", "schedule", "num_micro_batches", "zero", "recompute", "memory_budget",
+             "table_optimizer", "place")
 """[plan] pins a per-operator run takes: the dp, tp and pp degrees (pp: stages cut between the module's repeated
-blocks), the pipeline schedule (gpipe or 1f1b) and micro-batches per step, a per-device budget in MiB, the fused
-table optimizer, and placements pinned by parameter or module name. What they leave free the joint search chooses
+blocks), the pipeline schedule (gpipe or 1f1b) and micro-batches per step (without a pipeline: gradients
+accumulated over them), the ZeRO stage (0-3), recompute ("none" or "full": every repeated block, without a
+pipeline), a per-device budget in MiB, the fused table optimizer, and placements pinned by parameter or module
+name. What they leave free the joint search chooses
 (plait.operators.search: every mesh shape of the devices, each solved per operator)."""
 
 _TOKENS = "reads token data; a per-operator run draws its batches from data.batch (the factory's tensors): unset it"
@@ -174,6 +178,9 @@ def _plan_from_pins(config: Any, num_devices: int | None) -> Any:
     if devices % math.prod(fixed):
         raise ConfigError(f"plan.pins {' x '.join(f'{k}{v}' for k, v in degrees.items() if v)} must divide the "
                           f"{devices} devices")
+    zero = pins.get("zero")
+    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
+        raise ConfigError(f"plan.pins zero = {zero!r} must be a ZeRO stage: 0, 1, 2 or 3")
     budget = pins.get("memory_budget")
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise ConfigError(f"plan.pins memory_budget = {budget!r} must be a positive number of MiB")
@@ -183,7 +190,8 @@ def _plan_from_pins(config: Any, num_devices: int | None) -> Any:
 
     result = search(config.model.module, config.data.batch, load_cluster(config.plan.cluster), devices=devices,
                     global_batch=config.train.global_batch,
-                    degrees=DegreePins(micro_batch=micro_batch, schedule=pins.get("schedule"), **degrees),
+                    degrees=DegreePins(micro_batch=micro_batch, schedule=pins.get("schedule"), zero=zero,
+                                       recompute=pins.get("recompute"), **degrees),
                     pins=pins.get("place") or None, memory_limit=budget * 2**20 if budget else None,
                     table_optimizer=pins.get("table_optimizer"))
     from plait.execute.module_dryrun import runnable

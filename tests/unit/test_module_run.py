@@ -326,3 +326,27 @@ def test_a_ranking_emits_only_plans_whose_first_step_runs():
     assert kept == [good] and len(refused) == 1 and "cannot run the plan" in refused[0]
     with pytest.raises(ConfigError, match="cannot run the plan"):
         runnable([bad])
+
+
+def test_zero_recompute_and_accumulation_pins_plan_and_dry_run_and_bad_ones_are_refused(tmp_path, capsys):
+    """[plan] pins the ZeRO stage, recompute and the micro-batches of a step without a pipeline: the plan holds
+    them and its first step builds and runs (DDP with ZeroRedundancyOptimizer's stage, the graph network's layers
+    checkpointed, two micro-batches); a ZeRO stage that is none, or recompute under a pipeline, is refused in one
+    line."""
+    from plait.execute.module_dryrun import dry_run_module
+    from plait.train.config import load_config
+    from plait.train.module_run import plan_module_run
+
+    config = tmp_path / "run.toml"
+    head = '[model]\nmodule = "run_graph:build"\n[data]\nbatch = "run_graph:batch"\n[train]\nglobal_batch = 8\n'
+    config.write_text(head + '[plan]\ndevices = 2\npins = {dp = 2, zero = 1, recompute = "full", '
+                             'num_micro_batches = 2}\n')
+    plan = plan_module_run(load_config(config), None)
+    assert (plan.dp, plan.zero, plan.recompute, plan.num_micro_batches) == (2, 1, ("full",), 2)
+    assert plan.dp_mode.carrier == "ddp" and plan.operators.blocks == "layers"
+    assert len(dry_run_module(plan)) == 1
+    for pins, message in (("{zero = 5}", "plan.pins zero = 5 must be a ZeRO stage"),
+                          ('{pp = 2, recompute = "full"}', "per-operator recomputation runs without a pipeline")):
+        config.write_text(head + f'[plan]\ndevices = 2\npins = {pins}\n[log]\ndir = "{tmp_path / "log"}"\n')
+        code, err = _cli(["train", str(config)], capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -4,6 +4,7 @@ proven gap reach the plan (tier 1: no processes; DTensor's rules on a fake proce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -81,7 +82,7 @@ def test_a_budget_nothing_fits_names_the_smallest_budget_and_device_count_that_f
         search("dlrm:build", "dlrm:batch", CPU, devices=2, global_batch=8, memory_limit=1.0 * 2**20,
                table_optimizer="sgd")
     message = str(refused.value)
-    assert "\n" not in message and "at any of 2 shapes" in message
+    assert "\n" not in message and "at any of 4 shapes" in message  # dp2 at ZeRO 0, 1 and 2; dp1 x tp2
     smallest = float(message.split("the smallest budget that fits one is ")[1].split(" MiB")[0])
     assert smallest > 1.0
     devices = int(message.split(", or ")[1].split(" devices")[0])
@@ -97,9 +98,9 @@ def test_a_budget_nothing_fits_names_the_smallest_budget_and_device_count_that_f
 @pytest.mark.parametrize("argv, message", [
     (["--pin", "nothing.weight=S0"], "pin 'nothing.weight' names no parameter or module"),
     (["--schedule", "interleaved"], "gpipe or 1f1b"),
-    (["--recompute", "full"], "--recompute does not apply to a per-operator plan"),
+    (["--recompute", "selective"], "--recompute selective: a per-operator plan recomputes whole repeated blocks"),
+    (["--recompute", "full", "--tp", "2"], "the module has no one list of repeated blocks to recompute"),
     (["--cp", "2"], "--cp does not apply to a per-operator plan"),
-    (["--zero", "1"], "--zero 1: per-operator data parallelism is fully_shard"),
     (["--pp", "2"], "has several lists of repeated blocks"),
     (["--tp", "3"], "no dp x tp x pp of 4 devices"),
 ])
@@ -278,3 +279,56 @@ def test_a_stages_memory_bound_never_exceeds_what_its_solve_needs():
     fits = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=2, pp=2, num_micro_batches=4,
                      memory_limit=plan.predicted.peak_memory_bytes * 1.001)
     assert fits.predicted.peak_memory_bytes <= plan.predicted.peak_memory_bytes * 1.001
+
+
+def test_zero_stages_are_priced_as_their_carriers_hold_and_move_the_weights():
+    """Per parameter, what each ZeRO stage's carrier holds (plait.cost.memory.state_bytes, the decoder path's owner)
+    and moves: one replica 4 copies (weights, gradients, AdamW's two moments); DDP 5 (its gradient buckets);
+    ZeRO-1 shards the moments; fully_shard on one unit keeps the gathered weights and the whole gradients beside
+    its shards (2 + 4 / dp); ZeRO-3 holds a block's gathered weights and gradients two blocks at a time. DDP
+    all-reduces, ZeRO-1 gathers the updated shards too, ZeRO-3 gathers a block's weights again in the backward."""
+    from plait.cost import comm
+    from plait.cost import operators as price
+
+    carries = {zero: price.data_parallel_carry(4, 1, zero, CPU, blocks="layers", num_blocks=8) for zero in range(4)}
+    assert price.data_parallel_carry(1, 1, 0, CPU).copies("fc.weight") == 4
+    assert [carries[z].copies("head.weight") for z in range(4)] == [5, 3 + 2 / 4, 2 + 4 / 4, 2 + 4 / 4]
+    assert carries[3].copies("layers.1.weight") == 4 / 4 + 2 * 2 / 8  # shards, and 2 of 8 blocks gathered, grads whole
+    group, megabyte = comm.Group(4, 1), 2.0**20
+    sync = {z: carries[z].sync_time(megabyte, "layers.1.weight", CPU, group) for z in range(4)}
+    assert sync[0] < sync[1] and sync[2] < sync[3]
+    assert carries[3].sync_time(megabyte, "head.weight", CPU, group) == sync[2]  # the root unit: gathered once
+
+
+def test_micro_batches_accumulate_without_a_pipeline_where_one_does_not_fit():
+    """Without a pipeline, a step of one micro-batch per data-parallel rank that does not fit the budget is split
+    into the fewest micro-batches that do (gradients accumulated); pinned, the count holds. The graph network at
+    dp2 and ZeRO-2 over 16 samples: 7.3 MiB in one micro-batch, 5.0 in two, 3.9 in four."""
+    pins = DegreePins(dp=2, zero=2, recompute="none")
+    whole = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16, degrees=pins).plans[0]
+    four = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16,
+                  degrees=dataclasses.replace(pins, micro_batch=2)).plans[0]
+    assert (whole.num_micro_batches, four.num_micro_batches, four.micro_batch) == (1, 4, 2)
+    assert four.predicted.peak_memory_bytes < whole.predicted.peak_memory_bytes
+    budget = four.predicted.peak_memory_bytes + 0.01 * 2**20
+    found = search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=16, degrees=pins, memory_limit=budget)
+    assert [p.num_micro_batches for p in found.plans] == [4]
+    assert found.plans[0].predicted.peak_memory_bytes == four.predicted.peak_memory_bytes
+
+
+def test_recompute_holds_the_blocks_inputs_and_pays_their_forward_again():
+    """Recompute full of the graph network's layers: less activation memory (each layer's input and one layer's
+    activations instead of every layer's), more compute (the layers' forward again: at most a third of the step's
+    compute, which counts forward and backward); at tp2 the redistributions into the layers are paid again; under a
+    pipeline it is refused, named."""
+    none, full = (search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8,
+                         degrees=DegreePins(dp=2, zero=2, recompute=mode)).plans[0] for mode in ("none", "full"))
+    assert (none.recompute, full.recompute) == (("none",), ("full",))
+    assert full.predicted.memory_parts["activations"] < none.predicted.memory_parts["activations"]
+    extra = full.operators.time_parts["compute"] - none.operators.time_parts["compute"]
+    assert 0 < extra < none.operators.time_parts["compute"] / 3
+    split = [search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(tp=2, recompute=mode),
+                    pins={"layers.1.message.weight": "S0"}).plans[0].operators.time_parts for mode in ("none", "full")]
+    assert split[1]["tp_comm"] > split[0]["tp_comm"]
+    with pytest.raises(ConfigError, match="per-operator recomputation runs without a pipeline"):
+        search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(pp=2, recompute="full"))
