@@ -107,7 +107,8 @@ def stage_collectives(plan: Plan) -> list[tuple[float, dict[str, int], int]]:
                     out = stage(*batch) if hidden is None else stage(hidden, **named)
                 outputs.append(out)
                 inputs.append(hidden)
-                matched.append(stage.forward.planned.matched if stage.forward.planned else 0)
+                planned = getattr(stage.forward, "planned", None)  # none at tp = 1: plain tensors, nothing placed
+                matched.append(planned.matched if planned else 0)
                 hidden = out.detach().requires_grad_()
             grad = None
             for s in reversed(range(plan.pp)):

@@ -169,6 +169,17 @@ def test_each_stage_runs_its_planned_reads_and_the_communication_priced():
         assert counts == stage.comm_counts and nbytes == pytest.approx(stage.comm_bytes)
 
 
+def test_stages_on_one_tensor_rank_issue_no_collective():
+    """At tp1 a stage's tensors stay plain (nothing placed, no planned reads): stage_collectives counts nothing and
+    meets no planned call, as the stages were priced (the zoo's pipelined rows read it)."""
+    from plait.execute.operators_pipeline import stage_collectives
+
+    plan = auto_plan("mixer:build", "mixer:batch", CPU, global_batch=8, tp=1, pp=2)
+    measured = stage_collectives(plan)
+    assert [(nbytes, sum(counts.values()), matched) for nbytes, counts, matched in measured] == [(0, 0, 0)] * 2
+    assert all(stage.comm_bytes == 0 for stage in plan.operators.stages)
+
+
 def test_the_executor_finds_the_blocks_the_plan_cut_once_for_every_stage_and_refuses_others():
     """plait.execute.operators_pipeline.stage_layout, which a pipeline rank and the stage collectives' count both
     build their stages from: the repeated blocks and the parts around them the planner found for this module, and a
