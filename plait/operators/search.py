@@ -286,6 +286,15 @@ def refuse_recompute(module: _Module, shape: Shape) -> None:
         raise planner.PinRefused(f"recompute full at {shape.describe()}: {why}")
 
 
+def refuse_zero(shape: Shape) -> None:
+    """planner.PinRefused where a ZeRO pin asks a pipeline for a stage its stages do not run: a per-operator
+    pipeline's data parallelism is planner.zero_stage's (fully_shard over dp, kept gathered through the schedule)."""
+    if shape.pp > 1 and shape.zero >= 0 and shape.zero != planner.zero_stage(shape.dp):
+        raise planner.PinRefused(f"zero {shape.zero} at {shape.describe()}: a per-operator pipeline's stages run "
+                                 f"ZeRO-{planner.zero_stage(shape.dp)} over dp {shape.dp} (fully_shard kept "
+                                 f"gathered through the schedule); the ZeRO stage is chosen without a pipeline")
+
+
 def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_batch: int, pins: dict[str, str],
                solver: str, memory_limit: float | None, table_optimizer: str | None,
                layers_per_stage: tuple[int, ...] = (), prove: bool = True, give_up_above: float | None = None):
@@ -298,6 +307,7 @@ def plan_shape(module: _Module, cluster: ClusterSpec, shape: Shape, *, global_ba
 
     micro_batch = global_batch // shape.dp // shape.num_micro_batches
     refuse_recompute(module, shape)
+    refuse_zero(shape)
     batch = module.batch(micro_batch)
     split, bubble = (), 0.0
     if shape.pp > 1:

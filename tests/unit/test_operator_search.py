@@ -332,3 +332,14 @@ def test_recompute_holds_the_blocks_inputs_and_pays_their_forward_again():
     assert split[1]["tp_comm"] > split[0]["tp_comm"]
     with pytest.raises(ConfigError, match="per-operator recomputation runs without a pipeline"):
         search("gnn:build", "gnn:batch", CPU, devices=2, global_batch=8, degrees=DegreePins(pp=2, recompute="full"))
+
+
+def test_a_zero_pin_a_pipeline_does_not_run_is_refused_named():
+    """A per-operator pipeline's stages carry dp on fully_shard kept gathered (planner.zero_stage): a ZeRO pin
+    asking it for another stage is refused for that shape with the reason, not written into a plan that runs
+    something else; the stage it runs is accepted."""
+    with pytest.raises(ConfigError, match="a per-operator pipeline's stages run ZeRO-3 over dp 2"):
+        search("gnn:build", "gnn:batch", CPU, devices=4, global_batch=8, degrees=DegreePins(dp=2, pp=2, zero=1))
+    plan = search("gnn:build", "gnn:batch", CPU, devices=4, global_batch=8,
+                  degrees=DegreePins(dp=2, pp=2, zero=3)).plans[0]
+    assert (plan.dp, plan.pp, plan.zero) == (2, 2, 3)
