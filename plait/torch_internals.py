@@ -77,6 +77,8 @@ REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
 PRIVATE_METHODS: dict[tuple[str, str], tuple[str, ...]] = {
     ("torch.distributed.pipelining.stage", "PipelineStage"): ("_setup_forward_recv_info", "_create_grad_recv_info"),
+    # parameters DDP leaves to the fused tables, which update their own rows (plait.execute.operators)
+    ("torch.nn.parallel", "DistributedDataParallel"): ("_set_params_and_buffers_to_ignore_for_model",),
 }
 """Private methods of torch classes that plait overrides or calls (plait.execute.buffers' receive-buffer pool)."""
 
@@ -138,6 +140,21 @@ def clear_sharding_caches() -> None:
     redistribute = resolve("redistribute_module")
     redistribute._gen_transform_infos.cache_clear()
     redistribute.clear_redistribute_planner_cache()
+
+
+def implicit_replication_on() -> bool:
+    """Whether DTensor takes plain tensors as replicated now (inside `implicit_replication`, which does not nest: a
+    caller already in one must not enter another)."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def ddp_ignore(model: Any, names: list[str]) -> None:
+    """DDP leaves these parameters of `model` alone (no gradient bucket, no broadcast)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def schedule_stages(schedule: Any) -> list:

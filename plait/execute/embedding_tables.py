@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from plait.operators.solution import FUSED_OPTIMIZERS as OPTIMIZERS
+from plait.torch_internals import DisableTorchFunction
 
 ADAGRAD_EPS = 1e-8
 """Row-wise Adagrad's epsilon (FBGEMM's default)."""
@@ -200,7 +201,7 @@ class _TableWiseLookup(torch.autograd.Function):
         distinct, inverse = torch.unique(ids, return_inverse=True) if ids.device.type != "meta" else (
             ids.reshape(-1), torch.arange(ids.numel(), device="meta").reshape(ids.shape))  # a dry run: shapes only
         if mine:
-            with torch._C.DisableTorchFunction():  # the owner's table is a plain tensor: no plan call of its own
+            with DisableTorchFunction():  # the owner's table is a plain tensor: no plan call of its own
                 rows = F.embedding(distinct, held, module.padding_idx, module.max_norm, module.norm_type)
         else:
             rows = torch.empty(len(distinct), shape[1], dtype=held.dtype, device=ids.device)

@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from plait.torch_internals import tree_flatten, tree_map, tree_map_only, tree_unflatten
+from plait.torch_internals import (ddp_ignore, implicit_replication_on, tree_flatten, tree_map, tree_map_only,
+                                   tree_unflatten)
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plait.models.adapter import get_module
@@ -158,8 +159,7 @@ def replicate_with_ddp(model: nn.Module, mesh: DeviceMesh, sharding: OperatorSha
     if any(p.is_meta for p in model.parameters()):
         return model
     fused = model.fused_tables.parameters(model)
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [name for name, p in model.named_parameters() if p in fused])
+    ddp_ignore(model, [name for name, p in model.named_parameters() if p in fused])
     # init_sync=False: every rank built the same initial weights from the seed
     model.__dict__["data_parallel_runner"] = DistributedDataParallel(
         model, process_group=mesh["dp"].get_group(), init_sync=False, broadcast_buffers=False,
@@ -199,7 +199,7 @@ def replayed_reads(planned: "PlannedReads"):
     def recompute():
         again = PlannedReads(planned.mesh, {})
         again.reads, again.keys.seen = planned.reads, dict(start)
-        replicating = DTensor._op_dispatcher._allow_implicit_replication
+        replicating = implicit_replication_on()
         with nullcontext() if replicating else implicit_replication(), NormsReadWhole(), again:
             yield
 
