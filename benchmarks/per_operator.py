@@ -425,7 +425,9 @@ def zoo_table(check: bool, models: list[str]) -> None:
                              check_equal(best) if check and devices == 2 else "-"]
                 table.add_row(model, cluster_name, str(devices), f"{seconds:.1f}",
                               f"{len(result.plans)}/{len(result.refused)}/{result.dominated}",
-                              f"dp{best.dp} tp{best.tp} pp{best.pp} mb{best.micro_batch}x{best.num_micro_batches}",
+                              f"dp{best.dp} tp{best.tp} pp{best.pp} mb{best.micro_batch}x{best.num_micro_batches}"
+                              + (f" zero{best.zero}" if best.dp > 1 else "")
+                              + (" recompute" if best.recompute[0] != "none" else ""),
                               f"{best.predicted.step_time_s * 1e3:.4g}",
                               f"{best.predicted.peak_memory_bytes / 2**20:.1f}", *cells)
                 Console(width=250).print(f"{model} {cluster_name} {devices}: done in {seconds:.1f} s",
