@@ -578,6 +578,11 @@ def fused_tables(model: nn.Module, optimizer: str | None) -> dict[str, str]:
                           f"{', '.join(FUSED_OPTIMIZERS)}")
     tables = {f"{name}.weight" if name else "weight": optimizer for name, m in model.named_modules()
               if isinstance(m, nn.Embedding)}
+    bags = [name or "the model" for name, m in model.named_modules() if isinstance(m, nn.EmbeddingBag)]
+    if bags:  # bags plait.models.embedding_bags could not pool would train by AdamW while the plan says fused
+        raise ConfigError(f"table optimizer {optimizer!r}: nn.EmbeddingBag {', '.join(map(repr, bags[:3]))} "
+                          f"cannot be trained fused (only bags of 2-D ids, mode sum or mean, no padding index or "
+                          f"max norm run as a lookup and a pooling); make them so, or drop the table optimizer")
     if not tables:
         raise ConfigError(f"table optimizer {optimizer!r}: the model has no nn.Embedding to train with it")
     return tables

@@ -137,6 +137,11 @@ def test_an_embedding_bag_runs_as_a_lookup_and_a_pooling_and_plans_split():
     pool_embedding_bags(holder)
     assert isinstance(holder.sum, PooledEmbedding) and holder.sum.weight is weight
     assert type(holder.kept) is nn.EmbeddingBag
+    from plait.operators.planner import fused_tables
+
+    with pytest.raises(ConfigError, match=r"nn.EmbeddingBag 'kept' cannot be trained fused"):
+        fused_tables(holder, "sgd")  # it would train by AdamW while the plan said fused
+    assert fused_tables(holder, None) == {}
     torch.testing.assert_close(holder.sum(ids, per_sample_weights=weights), expected[0])
     torch.testing.assert_close(holder.mean(ids), expected[1])
     # bags' tables (examples/operators/equal_tables.py) planned split by rows, by columns and table-wise; the plan dry-runs
