@@ -118,7 +118,9 @@ def worker(args: argparse.Namespace) -> None:
         times[name] = tensor.tolist()
     if rank == 0:
         report(args, times)
-    dist.destroy_process_group()
+    from plait.runtime.launch import shutdown_distributed
+
+    shutdown_distributed()  # at a barrier: a rank closing its connections while another reads aborts it
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:

@@ -155,7 +155,9 @@ def worker(args: argparse.Namespace) -> None:
             del models
     if rank == 0:
         report(args, rows)
-    dist.destroy_process_group()
+    from plait.runtime.launch import shutdown_distributed
+
+    shutdown_distributed()  # at a barrier: a rank closing its connections while another reads aborts it
 
 
 def report(args: argparse.Namespace, rows) -> None:

@@ -180,7 +180,9 @@ def worker(script: Path) -> None:
         config = config_from_dict(item["config"])
         # loop.run's body, without its destroy_process_group: one process group serves every run
         loop._train(config, resolve_plan(config))
-    dist.destroy_process_group()
+    from plait.runtime.launch import shutdown_distributed
+
+    shutdown_distributed()  # at a barrier: a rank closing its connections while another reads aborts it
 
 
 if __name__ == "__main__":

@@ -314,7 +314,9 @@ def worker(script: Path) -> None:
         dist.barrier()
         config = config_from_dict(item["config"])
         loop._train(config, resolve_plan(config))  # loop.run without destroying the process group
-    dist.destroy_process_group()
+    from plait.runtime.launch import shutdown_distributed
+
+    shutdown_distributed()  # at a barrier: a rank closing its connections while another reads aborts it
 
 
 if __name__ == "__main__":

@@ -263,7 +263,9 @@ def worker(script: Path) -> None:
         dist.barrier()
         if dist.get_rank() == 0:  # where the launch's time goes (pytest shows it when a test fails)
             print(f"{item['kind']} {item.get('name', '')}: {time.perf_counter() - began:.1f} s", file=sys.stderr)
-    dist.destroy_process_group()
+    from plait.runtime.launch import shutdown_distributed
+
+    shutdown_distributed()  # at a barrier: a rank closing its connections while another reads aborts it
 
 
 if __name__ == "__main__":
