@@ -6,8 +6,6 @@ launches here keep the suite's time.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,9 @@ import pytest
 
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from operator_check import check_equal  # noqa: E402
 
 pytestmark = pytest.mark.dist
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
@@ -41,14 +42,3 @@ def test_check_proves_batch_norm_synchronised_over_data_parallel_ranks_equal(tmp
     plan = auto_plan("resnet:build", "resnet:batch", CLUSTER_PRESETS["local-cpu"], global_batch=16, dp=2, tp=1)
     assert len(plan.operators.synchronised_norms) == 5
     check_equal(plan, tmp_path)
-
-
-def check_equal(plan, tmp_path: Path) -> None:
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "2"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "EQUAL" in done.stdout

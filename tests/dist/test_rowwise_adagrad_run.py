@@ -4,8 +4,6 @@ one process running the same optimizer on the whole table (one launch of 4 ranks
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,9 @@ import pytest
 
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from operator_check import check_equal  # noqa: E402
 
 pytestmark = pytest.mark.dist
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
@@ -24,10 +25,4 @@ def test_check_proves_rowwise_adagrad_on_a_column_split_table_equal(tmp_path, mo
                      table_optimizer="rowwise_adagrad", pins={"table.weight": "S1"})
     assert plan.operators.fused_tables == {"table.weight": "rowwise_adagrad"}
     assert plan.operators.params["table.weight"] == "S1"
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    check_equal(plan, tmp_path, steps=3)

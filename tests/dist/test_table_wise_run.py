@@ -17,6 +17,9 @@ import torch
 from plait.operators.planner import auto_plan
 from plait.spec.clusters import CLUSTER_PRESETS
 
+sys.path.insert(0, str(Path(__file__).parent))
+from operator_check import check_equal  # noqa: E402
+
 pytestmark = pytest.mark.dist
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "operators"
 
@@ -29,13 +32,7 @@ def test_check_proves_table_wise_tables_equal(tmp_path, monkeypatch):
                            "tables.3.weight": "R"})
     placed = [plan.operators.params[f"tables.{t}.weight"] for t in range(4)]
     assert placed == ["T0", "T1", "T1", "R"]  # the unpinned owner packed onto the rank the pinned ones leave empty
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    check_equal(plan, tmp_path, steps=3)
 
 
 def _train(config: Path, *args: str) -> str:
@@ -114,10 +111,4 @@ def test_check_proves_the_distinct_row_exchange_equal(tmp_path, monkeypatch):
                      table_optimizer="rowwise_adagrad")
     every = tuple(sorted(plan.operators.fused_tables))
     plan = plan.replace(operators=dataclasses.replace(plan.operators, distinct_exchange=every))
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    env = {**os.environ, "PLAIT_OMP_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "plait", "check", "--plan", str(path), "--steps", "3"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    check_equal(plan, tmp_path, steps=3)
